@@ -1,0 +1,180 @@
+"""The deployment spec: what the user asked for, and nothing the daemon observed.
+
+A spec is data. It validates without touching the disk or loading a model; model references are checked
+separately (``depctl.models.resolve``) because that does touch the disk.
+
+```yaml
+id: smollm2-3f9c1a
+display_name: my chat model
+model: smollm2-135m-instruct
+speculation: {method: ngram, ngram_length: 3, num_draft_tokens: 4}
+device: auto
+dtype: auto
+created_at: 2026-11-22T12:00:00Z
+updated_at: 2026-11-22T12:00:00Z
+```
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from datetime import datetime, timezone
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from depctl.errors import UsageError
+
+# Bounds are documented in README.md ("Flags"); the CLI and the spec share them.
+MAX_DRAFT_TOKENS = 32
+MAX_NGRAM_LENGTH = 16
+ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NoSpeculation(_Strict):
+    method: Literal["none"] = "none"
+
+
+class NgramSpeculation(_Strict):
+    """Prompt-lookup decoding: propose what followed the last match of the final ``ngram_length`` tokens."""
+
+    method: Literal["ngram"] = "ngram"
+    ngram_length: int = Field(ge=1, le=MAX_NGRAM_LENGTH)
+    num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
+
+
+class DraftModelSpeculation(_Strict):
+    """A smaller model with the target's tokenizer proposes ``num_draft_tokens`` tokens per step."""
+
+    method: Literal["draft_model"] = "draft_model"
+    draft_model: str = Field(min_length=1)
+    num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
+
+
+Speculation = Annotated[
+    Union[NoSpeculation, NgramSpeculation, DraftModelSpeculation], Field(discriminator="method")
+]
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+class DeploymentSpec(_Strict):
+    id: str
+    display_name: str | None = None
+    model: str = Field(min_length=1)
+    speculation: Speculation = NoSpeculation()
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    created_at: datetime = Field(default_factory=_now)
+    updated_at: datetime = Field(default_factory=_now)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        check_deployment_id(value)
+        return value
+
+    def to_yaml_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def check_deployment_id(value: str) -> str:
+    if not ID_PATTERN.match(value):
+        raise ValueError(
+            f"deployment id {value!r} is invalid: use 1-63 lowercase letters, digits and '-', starting with a "
+            "letter or digit (no path separators)"
+        )
+    return value
+
+
+def new_deployment_id(model: str) -> str:
+    """``<model slug>-<6 hex>``, e.g. ``smollm2-135m-instruct-3f9c1a``."""
+    base = model.rstrip("/").split("/")[-1].lower()
+    base = re.sub(r"\.gguf$", "", base)
+    slug = re.sub(r"[^a-z0-9]+", "-", base).strip("-")[:40] or "deployment"
+    return f"{slug}-{secrets.token_hex(3)}"
+
+
+def speculation_from_flags(
+    *,
+    draft_model: str | None,
+    draft_token_count: int | None,
+    ngram_speculation_length: int | None,
+    disable: bool = False,
+    current: NoSpeculation | NgramSpeculation | DraftModelSpeculation | None = None,
+) -> NoSpeculation | NgramSpeculation | DraftModelSpeculation | None:
+    """Turn the speculation flags into a ``Speculation``; the one place the cross-flag rules live.
+
+    ``current`` is the deployment's speculation on ``update``: there ``--draft-token-count`` alone changes the
+    count of whatever method is configured. Returns ``None`` on update when no speculation flag was given.
+    Messages name the flags the user typed.
+    """
+    if draft_model is not None and ngram_speculation_length is not None:
+        raise UsageError(
+            "--draft-model and --ngram-speculation-length cannot be used together: pick one speculation method",
+            "use --draft-model=MODEL for a draft model, or --ngram-speculation-length=N for prompt lookup",
+        )
+    if disable:
+        if draft_model is not None or ngram_speculation_length is not None or draft_token_count is not None:
+            raise UsageError(
+                "--disable-speculative-decoding cannot be combined with --draft-model, "
+                "--ngram-speculation-length or --draft-token-count"
+            )
+        return NoSpeculation()
+    if draft_model is not None or ngram_speculation_length is not None:
+        if draft_token_count is None:
+            flag = "--draft-model" if draft_model is not None else "--ngram-speculation-length"
+            raise UsageError(
+                f"--draft-token-count is required with {flag}",
+                f"add --draft-token-count=N (1-{MAX_DRAFT_TOKENS}; 4 is a good start)",
+            )
+        try:
+            if draft_model is not None:
+                if not draft_model.strip():
+                    raise UsageError("--draft-model must not be empty")
+                return DraftModelSpeculation(draft_model=draft_model, num_draft_tokens=draft_token_count)
+            return NgramSpeculation(ngram_length=ngram_speculation_length, num_draft_tokens=draft_token_count)
+        except ValidationError as exc:  # bounds are also enforced by the CLI; this guards library callers
+            raise UsageError(_flag_bounds_message(exc)) from None
+    if draft_token_count is not None:
+        if current is not None and not isinstance(current, NoSpeculation):
+            return current.model_copy(update={"num_draft_tokens": _check_count(draft_token_count)})
+        where = " (this deployment has speculation disabled)" if current is not None else ""
+        raise UsageError(
+            f"--draft-token-count needs --draft-model or --ngram-speculation-length{where}",
+            "add --draft-model=MODEL or --ngram-speculation-length=N, or drop --draft-token-count",
+        )
+    return NoSpeculation() if current is None else None
+
+
+def _check_count(value: int) -> int:
+    if not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise UsageError(f"--draft-token-count must be between 1 and {MAX_DRAFT_TOKENS}, got {value}")
+    return value
+
+
+def _flag_bounds_message(exc: ValidationError) -> str:
+    flags = {"num_draft_tokens": "--draft-token-count", "ngram_length": "--ngram-speculation-length"}
+    parts = []
+    for err in exc.errors():
+        field = str(err["loc"][-1]) if err["loc"] else ""
+        parts.append(f"{flags.get(field, field)}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def describe_speculation(spec: NoSpeculation | NgramSpeculation | DraftModelSpeculation) -> str:
+    if isinstance(spec, NgramSpeculation):
+        return f"ngram (n={spec.ngram_length}, k={spec.num_draft_tokens})"
+    if isinstance(spec, DraftModelSpeculation):
+        return f"draft {spec.draft_model} (k={spec.num_draft_tokens})"
+    return "off"

@@ -1,0 +1,209 @@
+"""SpeculativeEngine: propose -> verify -> accept -> roll back, one step at a time, yielding accepted tokens.
+
+It takes token ids and yields token ids. It knows nothing of tokenizers, text, HTTP or batching: one sequence at a
+time (the caller serialises requests). Without a proposer every step is a plain decode step through the same
+loop, so "speculation off" is measured with the same code.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from runtime.engine.metrics import SpecDecodeStats
+from runtime.engine.policy import DraftLengthPolicy, RequestAcceptance
+from runtime.engine.proposers import Proposer
+from runtime.engine.runner import ModelRunner
+from runtime.engine.sampling import SamplingParams, probs_from_logits
+from runtime.engine.verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class EngineConfig:
+    num_draft_tokens: int = 0  # K, the most tokens drafted per step
+    max_context: int = 2048  # prompt + output may not exceed this
+    eos_token_ids: tuple[int, ...] = ()
+    adaptive: bool = True  # let DraftLengthPolicy pick k <= K each step
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    token_ids: list[int]  # accepted this step (may be empty on the final output)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"; set on the last output only
+    drafted: int = 0
+    accepted: int = 0
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: ModelRunner,
+        proposer: Proposer | None = None,
+        config: EngineConfig | None = None,
+    ):
+        self.target = target
+        self.proposer = proposer
+        self.config = config or EngineConfig()
+        self.stats = SpecDecodeStats()
+        self.policy = DraftLengthPolicy(
+            max_k=self.config.num_draft_tokens if proposer else 0,
+            draft_costs_per_token=bool(proposer and proposer.cost_per_token),
+            adaptive=self.config.adaptive,
+        )
+
+    def set_num_draft_tokens(self, k: int) -> None:
+        """Change K in place (``depctl deployment update --draft-token-count``): no model is reloaded."""
+        self.config.num_draft_tokens = k
+        self.policy.max_k = k if self.proposer else 0
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: GenerationParams,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[StepOutput]:
+        if not prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(prompt_ids) >= self.config.max_context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_context}"
+            )
+        sampling = params.sampling
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        limit = min(params.max_tokens, self.config.max_context - len(prompt_ids))
+        stats = SpecDecodeStats(num_requests=1)
+        acceptance = self.policy.new_request()
+        tokens = list(prompt_ids)
+        produced = 0
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                self.target.reset()
+                if self.proposer:
+                    self.proposer.start(tokens)
+                if len(tokens) > 1:  # prefill all but the last token, which is the first step's input
+                    self.target.forward(tokens[:-1], last_only=True)
+                stats.prefill_seconds = time.perf_counter() - t0
+                while produced < limit:
+                    if cancel is not None and cancel.is_set():
+                        yield StepOutput([], "cancelled")
+                        return
+                    # every step emits at least one target token, so k <= limit - produced - 1 never overshoots
+                    k = self.policy.choose(acceptance, limit - produced - 1) if self.proposer else 0
+                    accepted_tokens, drafted, n = self._step(tokens, k, sampling, generator, stats, acceptance)
+                    for i, token in enumerate(accepted_tokens):
+                        if token in stop_ids:
+                            produced += i
+                            yield StepOutput(accepted_tokens[:i], "stop", drafted, n)
+                            return
+                    produced += len(accepted_tokens)
+                    if produced >= limit:
+                        yield StepOutput(accepted_tokens, "length", drafted, n)
+                        return
+                    yield StepOutput(accepted_tokens, None, drafted, n)
+                yield StepOutput([], "length")
+        finally:
+            stats.num_generated_tokens = produced
+            self.policy.end_request(acceptance)
+            self.stats.merge(stats)
+            self.last_request_stats = stats
+
+    def _step(
+        self,
+        tokens: list[int],
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        stats: SpecDecodeStats,
+        acceptance: RequestAcceptance,
+    ) -> tuple[list[int], int, int]:
+        """One speculative step. Appends the emitted tokens to ``tokens``; returns (emitted, drafted, accepted)."""
+        proposer = self.proposer
+        t0 = time.perf_counter()
+        draft_tokens, draft_probs = [], None
+        shadow: int | None = None  # a free proposer's guess, checked while not drafting (see policy.py)
+        if k > 0:
+            draft_tokens, draft_probs = proposer.propose(tokens, k, sampling, generator)
+        elif proposer is not None and not proposer.cost_per_token:
+            guess, _ = proposer.propose(tokens, 1, sampling, generator)
+            shadow = guess[0] if guess else None
+        t1 = time.perf_counter()
+
+        # verify: the last accepted token plus all drafts in ONE target forward
+        logits = self.target.forward([tokens[-1]] + draft_tokens)  # [k + 1, vocab]
+        if sampling.greedy:
+            n, next_token = verify_greedy(draft_tokens, logits)
+        else:
+            target_probs = probs_from_logits(logits, sampling)  # [k + 1, vocab]
+            n, next_token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+        emitted = draft_tokens[:n] + [next_token]
+        tokens.extend(emitted)
+
+        # roll back: both caches keep exactly the accepted sequence minus its last token
+        self.target.crop_to(len(tokens) - 1)
+        if proposer is not None:
+            proposer.rollback(len(tokens) - 1)
+        t2 = time.perf_counter()
+
+        drafted = len(draft_tokens)
+        self.policy.observe_verify(drafted, t2 - t1)
+        if drafted:
+            if proposer.cost_per_token:
+                self.policy.observe_draft(drafted, t1 - t0)
+            acceptance.observe(n, n + (1 if n < drafted else 0))
+        elif shadow is not None:
+            acceptance.observe(int(shadow == next_token), 1)
+        stats.record_step(drafted, n, len(emitted), t1 - t0, t2 - t1)
+        return emitted, drafted, n
+
+    @torch.inference_mode()
+    def calibrate(self, lengths: Sequence[int] | None = None, context: int = 64, repeats: int = 2) -> dict:
+        """Measure verify(k) (and the draft's per-token cost) once, so the policy starts from real numbers.
+
+        Also warms up the kernels, so the first request does not pay for lazy initialisation.
+        """
+        max_k = self.config.num_draft_tokens if self.proposer else 0
+        if lengths is None:
+            lengths = sorted({0, max_k, *(k for k in (1, 2, 4, 8, 16, 32) if k <= max_k)})
+        vocab = self.target.vocab_size or 256
+        prompt = [(i * 7919) % min(vocab, 1000) for i in range(context)]
+        self.target.reset()
+        self.target.forward(prompt, last_only=True)
+        for k in lengths:
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                logits = self.target.forward(prompt[: k + 1])
+                logits.argmax(-1).tolist()  # sync, as a real step does
+                best = min(best, time.perf_counter() - t0)
+                self.target.crop_to(context)
+            self.policy.verify_cost[k] = best
+        if self.proposer is not None and self.proposer.cost_per_token:
+            runner = self.proposer.runner
+            runner.reset()
+            runner.forward(prompt, last_only=True)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.forward(prompt[:1])[-1].argmax().item()
+                best = min(best, time.perf_counter() - t0)
+                runner.crop_to(context)
+            self.policy.draft_cost = best
+        self.target.reset()
+        return self.policy.snapshot()

@@ -1,0 +1,95 @@
+"""Speculation counters, named after vLLM's ``spec_decode_*`` metrics.
+
+- ``num_drafts``: steps that verified at least one draft token
+- ``num_draft_tokens``: draft tokens verified
+- ``num_accepted_tokens``: draft tokens accepted
+- ``accepted_per_position[i]``: drafts whose token at position i (0-based) was accepted
+- acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts (the 1 is the
+  recovered-or-bonus token every verified step adds)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    num_steps: int = 0  # target forward passes after prefill, drafted or not
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_generated_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    num_requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record_step(self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+        with self._lock:
+            self.num_steps += 1
+            self.num_generated_tokens += emitted
+            self.draft_seconds += draft_s
+            self.verify_seconds += verify_s
+            if drafted:
+                self.num_drafts += 1
+                self.num_draft_tokens += drafted
+                self.num_accepted_tokens += accepted
+                if len(self.accepted_per_position) < drafted:
+                    self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+                for i in range(accepted):
+                    self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecDecodeStats) -> None:
+        with self._lock:
+            self.num_steps += other.num_steps
+            self.num_drafts += other.num_drafts
+            self.num_draft_tokens += other.num_draft_tokens
+            self.num_accepted_tokens += other.num_accepted_tokens
+            self.num_generated_tokens += other.num_generated_tokens
+            self.draft_seconds += other.draft_seconds
+            self.verify_seconds += other.verify_seconds
+            self.prefill_seconds += other.prefill_seconds
+            self.num_requests += other.num_requests
+            if len(self.accepted_per_position) < len(other.accepted_per_position):
+                self.accepted_per_position.extend(
+                    [0] * (len(other.accepted_per_position) - len(self.accepted_per_position))
+                )
+            for i, v in enumerate(other.accepted_per_position):
+                self.accepted_per_position[i] += v
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.num_generated_tokens / self.decode_seconds if self.decode_seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "requests": self.num_requests,
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "drafts": self.num_drafts,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_tokens_per_second": self.tokens_per_second,
+        }

@@ -1,0 +1,121 @@
+"""How many tokens to draft each step, so that speculation does not lose to plain decoding.
+
+A step that drafts ``k`` tokens costs ``verify(k)`` (one target forward over ``k + 1`` tokens) plus ``k`` draft
+forwards for a draft model (an n-gram lookup is free), and emits on average
+
+    E(k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
+
+tokens when each draft token is accepted with probability ``a`` (Leviathan et al. 2023, eq. 1). The policy picks
+the ``k`` in ``0..K`` that maximises ``E(k) / cost(k)``; ``k = 0`` is a plain decode step. So it stops drafting
+while drafts do not pay, and drafts less where verifying many tokens is dear (on a CPU, verifying 4 tokens costs
+about twice a single step; on a GPU about the same as one).
+
+- ``verify(k)`` and the per-token draft cost are measured when the deployment loads (``calibrate``) and then
+  follow every step (exponential moving averages); lengths never measured are interpolated.
+- ``a`` is estimated per request from its own steps (n accepted of n + 1 tries after a rejection, n of n after a
+  full accept), starting from the deployment's running average. While it is not drafting, an n-gram proposal
+  is still computed (free) and compared with the token the target produced, so the estimate keeps moving;
+  a draft model is probed with one token every ``PROBE_EVERY`` plain steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EMA = 0.2  # weight of a new cost measurement
+REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
+PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
+PROBE_EVERY = 8
+MIN_GAIN = 1.03  # speculate only when it is expected to beat plain decoding by at least 3%
+
+
+@dataclass
+class RequestAcceptance:
+    accepted: float
+    trials: float
+    plain_steps: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.trials if self.trials > 0 else 0.0
+
+    def observe(self, accepted: int, trials: int) -> None:
+        self.accepted = self.accepted * REQUEST_DECAY + accepted
+        self.trials = self.trials * REQUEST_DECAY + trials
+
+
+class DraftLengthPolicy:
+    def __init__(self, max_k: int, draft_costs_per_token: bool, adaptive: bool = True):
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.draft_costs_per_token = draft_costs_per_token
+        self.verify_cost: dict[int, float] = {}  # k -> seconds for a target forward over k + 1 tokens
+        self.draft_cost: float | None = None  # seconds per drafted token (draft model only)
+        self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
+
+    # ---- per request ----
+    def new_request(self) -> RequestAcceptance:
+        return RequestAcceptance(self.deployment_rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+
+    def end_request(self, acc: RequestAcceptance) -> None:
+        if acc.trials > PRIOR_WEIGHT:
+            self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.rate
+
+    def choose(self, acc: RequestAcceptance, limit: int) -> int:
+        """Draft length for the next step; ``limit`` caps it (tokens left before max_tokens / the context)."""
+        max_k = min(self.max_k, limit)
+        if max_k <= 0:
+            return 0
+        if not self.adaptive or not self.verify_cost:
+            return max_k
+        base = self.cost(0)
+        best_k, best_rate = 0, 1.0 / base
+        a = min(acc.rate, 0.999)
+        expected, power = 1.0, 1.0
+        for k in range(1, max_k + 1):
+            power *= a
+            expected += power
+            rate = expected / (self.cost(k) + (k * (self.draft_cost or 0.0) if self.draft_costs_per_token else 0.0))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k and best_rate < MIN_GAIN / base:
+            best_k = 0
+        if best_k == 0 and self.draft_costs_per_token:
+            acc.plain_steps += 1
+            if acc.plain_steps % PROBE_EVERY == 0:
+                return 1  # a probe keeps the acceptance estimate alive
+        return best_k
+
+    # ---- costs ----
+    def observe_verify(self, k: int, seconds: float) -> None:
+        old = self.verify_cost.get(k)
+        self.verify_cost[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per_token = seconds / tokens
+        self.draft_cost = per_token if self.draft_cost is None else (1 - EMA) * self.draft_cost + EMA * per_token
+
+    def cost(self, k: int) -> float:
+        """verify(k), interpolated linearly between measured lengths (and flat past the longest measured)."""
+        known = self.verify_cost
+        if k in known:
+            return known[k]
+        lower = max((j for j in known if j < k), default=None)
+        upper = min((j for j in known if j > k), default=None)
+        if lower is None:
+            return known[upper]
+        if upper is None:
+            return known[lower]
+        w = (k - lower) / (upper - lower)
+        return (1 - w) * known[lower] + w * known[upper]
+
+    def snapshot(self) -> dict:
+        return {
+            "adaptive": self.adaptive,
+            "max_draft_tokens": self.max_k,
+            "verify_ms": {k: round(v * 1000, 2) for k, v in sorted(self.verify_cost.items())},
+            "draft_ms_per_token": None if self.draft_cost is None else round(self.draft_cost * 1000, 2),
+            "expected_acceptance": round(self.deployment_rate, 3),
+        }

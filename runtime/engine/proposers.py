@@ -1,0 +1,112 @@
+"""Proposers: cheap guesses of the next tokens, behind one small interface.
+
+- ``start(prompt)``: a new sequence begins.
+- ``propose(tokens, k, sampling, generator)``: up to ``k`` draft tokens to follow ``tokens`` (the whole sequence,
+  prompt + accepted output), and their draft probabilities when the proposer has any (``None`` = one-hot).
+  Fewer than ``k``, or none, is allowed: the step then verifies what there is, or is a plain decode step.
+- ``rollback(length)``: the sequence is now ``length`` tokens long; forget any state past it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from runtime.engine.runner import ModelRunner
+from runtime.engine.sampling import SamplingParams, probs_from_logits
+
+
+class Proposer(Protocol):
+    name: str
+    cost_per_token: bool  # True when each drafted token costs a forward pass (a draft model)
+
+    def start(self, prompt: Sequence[int]) -> None: ...
+
+    def propose(
+        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]: ...
+
+    def rollback(self, length: int) -> None: ...
+
+
+def ngram_propose(tokens: Sequence[int], n: int, k: int) -> list[int]:
+    """Prompt-lookup decoding (Saxena 2023): find the most recent earlier occurrence of the last ``n`` tokens and
+    propose the (up to ``k``) tokens that followed it.
+
+    With no match of length ``n``, shorter suffixes are tried, down to a single token; with no match at all the
+    result is empty and the engine runs a plain decode step. The continuation may run into the suffix itself
+    (a repeating pattern keeps proposing itself), but never past the end of ``tokens``.
+    """
+    length = len(tokens)
+    if k <= 0 or length < 2:
+        return []
+    last = tokens[-1]
+    for size in range(min(n, length - 1), 0, -1):
+        suffix = list(tokens[length - size :])
+        # candidate match ends at index `end` (inclusive); it must end before the suffix's own last token
+        for end in range(length - 2, size - 2, -1):
+            if tokens[end] != last:
+                continue
+            start = end - size + 1
+            if list(tokens[start : end + 1]) == suffix:
+                return list(tokens[end + 1 : end + 1 + k])
+    return []
+
+
+class NgramProposer:
+    name = "ngram"
+    cost_per_token = False
+
+    def __init__(self, ngram_length: int):
+        self.ngram_length = ngram_length
+
+    def start(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, tokens, k, sampling, generator):
+        return ngram_propose(tokens, self.ngram_length, k), None
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A small model with the target's tokenizer drafts autoregressively from its own KV cache."""
+
+    name = "draft_model"
+    cost_per_token = True
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.runner.reset()
+
+    @torch.inference_mode()
+    def propose(self, tokens, k, sampling, generator):
+        if k <= 0:
+            return [], None
+        runner = self.runner
+        # Catch up: the cache holds a prefix of `tokens`; feed the rest in one forward. That is the whole prompt
+        # on the first step, the last accepted token normally, and two tokens (d_k and the bonus) after a
+        # full accept.
+        pending = list(tokens[runner.length :])
+        logits = runner.forward(pending, last_only=True)[-1:]  # [1, vocab]
+        drafted: list[torch.Tensor] = []  # k tensors of shape [1]; kept on the device until the end
+        probs: list[torch.Tensor] = []  # k tensors of shape [1, vocab]
+        for i in range(k):
+            if sampling.greedy:
+                token = logits.argmax(-1)  # [1]
+            else:
+                q = probs_from_logits(logits, sampling)  # [1, vocab]
+                token = torch.multinomial(q, 1, generator=generator)[0]  # [1]
+                probs.append(q)
+            drafted.append(token)
+            if i + 1 < k:  # d_k is never fed: the target checks it, and catch-up feeds it if accepted
+                logits = runner.forward(token)[-1:]
+        draft_tokens = torch.cat(drafted).tolist()  # one host sync for all k drafts
+        return draft_tokens, (torch.cat(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        self.runner.crop_to(length)

@@ -1,0 +1,63 @@
+"""ModelRunner: one model plus the one KV cache it owns.
+
+The cache always holds a prefix of the accepted sequence. The engine keeps this invariant with one call,
+``crop_to(len(tokens) - 1)`` after every step, for the target and the draft alike: positions that held rejected
+drafts are dropped, and the last accepted token is left out so that it is the next forward's first input.
+A draft model whose cache ends up *shorter* than that (after a full accept it never saw ``d_k``) catches up by
+feeding ``tokens[cache_len:]`` in its next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        # Logit rows beyond the tokenizer's vocabulary are padding (Qwen pads its tables); sliced off so target
+        # and draft probabilities line up.
+        self.vocab_size = vocab_size
+        self.cache: DynamicCache | None = None
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append ``token_ids`` to the cache and return their logits.
+
+        token_ids: n ints, or a [n] / [1, n] tensor already on the device
+        returns: [n, vocab] logits, or [1, vocab] when ``last_only`` (prefill: skip the lm_head for the rest)
+        """
+        if isinstance(token_ids, torch.Tensor):
+            input_ids = token_ids.view(1, -1)
+        else:
+            input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0
+        )
+        logits = out.logits[0]  # [n, vocab]
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            logits = _fit_vocab(logits, self.vocab_size)
+        return logits
+
+    def crop_to(self, length: int) -> None:
+        """Drop cached positions >= ``length`` (no-op when the cache is already that short)."""
+        extra = self.length - length
+        if extra > 0:
+            # transformers 5: crop(-n) removes the last n positions; a positive argument raises
+            self.cache.crop(-extra)
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if logits.shape[-1] > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

@@ -1,0 +1,82 @@
+"""Tiny random models and a byte-level tokenizer, built inside the tests: no network, no downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every byte is one token; ids 256.. are special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # order ids by byte value so that id == byte for the 256 plain tokens
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_chars)
+    for i, tok in enumerate(SPECIALS):
+        vocab[tok] = 256 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's printable mapping of bytes, which tokenizers' ByteLevel uses
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, max_positions: int = 512):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=256,
+        eos_token_id=258,
+        pad_token_id=256,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    # random init with std 0.02 gives near-flat logits; widen them so greedy ties (and fp round-off flips) are
+    # vanishingly rare and the model has definite preferences, like a trained one
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+    return model.eval()
+
+
+def save_tiny(path: Path, seed: int = 0, **kwargs) -> Path:
+    model = tiny_llama(seed, **kwargs)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
