@@ -16,7 +16,7 @@ import torch
 
 from runtime.engine.metrics import SpecDecodeStats
 from runtime.engine.policy import DraftLengthPolicy, RequestAcceptance
-from runtime.engine.proposers import Proposer
+from runtime.engine.proposers import PredictionTracker, Proposer
 from runtime.engine.runner import ModelRunner
 from runtime.engine.sampling import SamplingParams, probs_from_logits
 from runtime.engine.verify import verify_greedy, verify_sampled
@@ -28,6 +28,7 @@ class EngineConfig:
     max_context: int = 2048  # prompt + output may not exceed this
     eos_token_ids: tuple[int, ...] = ()
     adaptive: bool = True  # let DraftLengthPolicy pick k <= K each step
+    prediction_draft_tokens: int = 8  # K for a request's predicted output (drafting from it is free)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"; set on the last output only
     drafted: int = 0
     accepted: int = 0
+    prediction_drafted: int = 0  # of ``drafted``, tokens drafted from the request's prediction
+    prediction_accepted: int = 0
 
 
 class SpeculativeEngine:
@@ -56,7 +60,10 @@ class SpeculativeEngine:
         self.target = target
         self.proposer = proposer
         self.config = config or EngineConfig()
-        self.stats = SpecDecodeStats()
+        self.stats = SpecDecodeStats()  # the deployment's totals
+        self.last_request_stats: SpecDecodeStats | None = None
+        self._shadow: int | None = None  # this step's free n-gram guess while not drafting (see policy.py)
+        self._draft_seconds = 0.0
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0,
             draft_costs_per_token=bool(proposer and proposer.cost_per_token),
@@ -89,6 +96,8 @@ class SpeculativeEngine:
         limit = min(params.max_tokens, self.config.max_context - len(prompt_ids))
         stats = SpecDecodeStats(num_requests=1)
         acceptance = self.policy.new_request()
+        tracker = PredictionTracker(params.prediction) if params.prediction else None
+        pred_acceptance = self.policy.new_request(prior=0.8) if tracker else None
         tokens = list(prompt_ids)
         produced = 0
         try:
@@ -105,18 +114,28 @@ class SpeculativeEngine:
                         yield StepOutput([], "cancelled")
                         return
                     # every step emits at least one target token, so k <= limit - produced - 1 never overshoots
-                    k = self.policy.choose(acceptance, limit - produced - 1) if self.proposer else 0
-                    accepted_tokens, drafted, n = self._step(tokens, k, sampling, generator, stats, acceptance)
-                    for i, token in enumerate(accepted_tokens):
+                    room = limit - produced - 1
+                    drafts, draft_probs, from_prediction = self._propose(
+                        tokens, len(prompt_ids), room, sampling, generator, acceptance, tracker, pred_acceptance
+                    )
+                    emitted, n = self._verify(
+                        tokens, drafts, draft_probs, sampling, generator, stats,
+                        pred_acceptance if from_prediction else acceptance,
+                    )
+                    drafted = len(drafts)
+                    if tracker is not None:
+                        tracker.observe(drafted if from_prediction else 0, n if from_prediction else 0, emitted[-1])
+                    pd, pa = (drafted, n) if from_prediction else (0, 0)
+                    for i, token in enumerate(emitted):
                         if token in stop_ids:
                             produced += i
-                            yield StepOutput(accepted_tokens[:i], "stop", drafted, n)
+                            yield StepOutput(emitted[:i], "stop", drafted, n, pd, pa)
                             return
-                    produced += len(accepted_tokens)
-                    if produced >= limit:
-                        yield StepOutput(accepted_tokens, "length", drafted, n)
+                    produced += len(emitted)
+                    finish = "length" if produced >= limit else None
+                    yield StepOutput(emitted, finish, drafted, n, pd, pa)
+                    if finish:
                         return
-                    yield StepOutput(accepted_tokens, None, drafted, n)
                 yield StepOutput([], "length")
         finally:
             stats.num_generated_tokens = produced
@@ -124,28 +143,47 @@ class SpeculativeEngine:
             self.stats.merge(stats)
             self.last_request_stats = stats
 
-    def _step(
+    def _propose(self, tokens, prompt_len, room, sampling, generator, acceptance, tracker, pred_acceptance):
+        """Drafts for one step: from the request's prediction first, else from the deployment's proposer.
+
+        Returns (draft_tokens, draft_probs [k, vocab] or None for one-hot, whether they came from the prediction).
+        Also measures drafting: a draft model's per-token cost feeds the policy.
+        """
+        t0 = time.perf_counter()
+        self._shadow = None
+        if tracker is not None:
+            k = self.policy.choose(pred_acceptance, room, max_k=self.config.prediction_draft_tokens, free=True)
+            drafts = tracker.propose(tokens[prompt_len:], k)
+            if drafts:
+                self._draft_seconds = time.perf_counter() - t0
+                return drafts, None, True
+        proposer = self.proposer
+        drafts, probs = [], None
+        if proposer is not None:
+            k = self.policy.choose(acceptance, room)
+            if k > 0:
+                drafts, probs = proposer.propose(tokens, k, sampling, generator)
+                if proposer.cost_per_token and drafts:
+                    self.policy.observe_draft(len(drafts), time.perf_counter() - t0)
+            elif not proposer.cost_per_token:
+                # not drafting: still compute the free proposer's guess, so the acceptance estimate keeps moving
+                guess, _ = proposer.propose(tokens, 1, sampling, generator)
+                self._shadow = guess[0] if guess else None
+        self._draft_seconds = time.perf_counter() - t0
+        return drafts, probs, False
+
+    def _verify(
         self,
         tokens: list[int],
-        k: int,
+        draft_tokens: list[int],
+        draft_probs: torch.Tensor | None,  # [k, vocab], or None for a one-hot (n-gram, prediction) draft
         sampling: SamplingParams,
         generator: torch.Generator | None,
         stats: SpecDecodeStats,
         acceptance: RequestAcceptance,
-    ) -> tuple[list[int], int, int]:
-        """One speculative step. Appends the emitted tokens to ``tokens``; returns (emitted, drafted, accepted)."""
-        proposer = self.proposer
-        t0 = time.perf_counter()
-        draft_tokens, draft_probs = [], None
-        shadow: int | None = None  # a free proposer's guess, checked while not drafting (see policy.py)
-        if k > 0:
-            draft_tokens, draft_probs = proposer.propose(tokens, k, sampling, generator)
-        elif proposer is not None and not proposer.cost_per_token:
-            guess, _ = proposer.propose(tokens, 1, sampling, generator)
-            shadow = guess[0] if guess else None
+    ) -> tuple[list[int], int]:
+        """Verify the drafts in ONE target forward, extend ``tokens``, roll back. Returns (emitted, accepted)."""
         t1 = time.perf_counter()
-
-        # verify: the last accepted token plus all drafts in ONE target forward
         logits = self.target.forward([tokens[-1]] + draft_tokens)  # [k + 1, vocab]
         if sampling.greedy:
             n, next_token = verify_greedy(draft_tokens, logits)
@@ -157,20 +195,18 @@ class SpeculativeEngine:
 
         # roll back: both caches keep exactly the accepted sequence minus its last token
         self.target.crop_to(len(tokens) - 1)
-        if proposer is not None:
-            proposer.rollback(len(tokens) - 1)
+        if self.proposer is not None:
+            self.proposer.rollback(len(tokens) - 1)
         t2 = time.perf_counter()
 
         drafted = len(draft_tokens)
         self.policy.observe_verify(drafted, t2 - t1)
         if drafted:
-            if proposer.cost_per_token:
-                self.policy.observe_draft(drafted, t1 - t0)
             acceptance.observe(n, n + (1 if n < drafted else 0))
-        elif shadow is not None:
-            acceptance.observe(int(shadow == next_token), 1)
-        stats.record_step(drafted, n, len(emitted), t1 - t0, t2 - t1)
-        return emitted, drafted, n
+        elif self._shadow is not None:
+            acceptance.observe(int(self._shadow == next_token), 1)
+        stats.record_step(drafted, n, len(emitted), self._draft_seconds, t2 - t1)
+        return emitted, n
 
     @torch.inference_mode()
     def calibrate(self, lengths: Sequence[int] | None = None, context: int = 64, repeats: int = 2) -> dict:

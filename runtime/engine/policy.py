@@ -54,16 +54,21 @@ class DraftLengthPolicy:
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
 
     # ---- per request ----
-    def new_request(self) -> RequestAcceptance:
-        return RequestAcceptance(self.deployment_rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+    def new_request(self, prior: float | None = None) -> RequestAcceptance:
+        rate = self.deployment_rate if prior is None else prior
+        return RequestAcceptance(rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
 
     def end_request(self, acc: RequestAcceptance) -> None:
         if acc.trials > PRIOR_WEIGHT:
             self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.rate
 
-    def choose(self, acc: RequestAcceptance, limit: int) -> int:
-        """Draft length for the next step; ``limit`` caps it (tokens left before max_tokens / the context)."""
-        max_k = min(self.max_k, limit)
+    def choose(self, acc: RequestAcceptance, limit: int, max_k: int | None = None, free: bool = False) -> int:
+        """Draft length for the next step; ``limit`` caps it (tokens left before max_tokens / the context).
+
+        ``max_k`` and ``free`` override the deployment's K and draft cost (a request's predicted output drafts
+        without a draft model)."""
+        max_k = min(self.max_k if max_k is None else max_k, limit)
+        per_token = 0.0 if free or not self.draft_costs_per_token else (self.draft_cost or 0.0)
         if max_k <= 0:
             return 0
         if not self.adaptive or not self.verify_cost:
@@ -75,12 +80,12 @@ class DraftLengthPolicy:
         for k in range(1, max_k + 1):
             power *= a
             expected += power
-            rate = expected / (self.cost(k) + (k * (self.draft_cost or 0.0) if self.draft_costs_per_token else 0.0))
+            rate = expected / (self.cost(k) + k * per_token)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k and best_rate < MIN_GAIN / base:
             best_k = 0
-        if best_k == 0 and self.draft_costs_per_token:
+        if best_k == 0 and per_token:
             acc.plain_steps += 1
             if acc.plain_steps % PROBE_EVERY == 0:
                 return 1  # a probe keeps the acceptance estimate alive

@@ -54,6 +54,56 @@ def ngram_propose(tokens: Sequence[int], n: int, k: int) -> list[int]:
     return []
 
 
+def lookup_in_reference(generated: Sequence[int], reference: Sequence[int], n: int, after: int = 0) -> int:
+    """Where the output continues in ``reference``: the index just past a match of the last ``n`` (or fewer, down
+    to 1) generated tokens, preferring the first match ending at or after ``after``; -1 when nothing matches."""
+    length = len(generated)
+    for size in range(min(n, length), 0, -1):
+        suffix = list(generated[length - size :])
+        ends = [i + size for i in range(len(reference) - size) if list(reference[i : i + size]) == suffix]
+        if ends:
+            later = [e for e in ends if e >= after]
+            return later[0] if later else ends[-1]
+    return -1
+
+
+class PredictionTracker:
+    """Predicted outputs: draft from text the client expects the answer to contain (an edited file, say).
+
+    ``expected`` is the index in the prediction of the next token while the output follows it; the first step
+    proposes the prediction's start. After a divergence the last ``NGRAM`` generated tokens are looked up in the
+    prediction to find where the output rejoins it (edits move forward, so later matches are preferred).
+    """
+
+    NGRAM = 4
+
+    def __init__(self, prediction: Sequence[int]):
+        self.prediction = list(prediction)
+        self.expected = 0
+        self.last = 0  # furthest position reached, for re-syncing
+        self._start = -1
+        self.drafted = 0
+        self.accepted = 0
+
+    def propose(self, generated: Sequence[int], k: int) -> list[int]:
+        start = self.expected
+        if start < 0 or start >= len(self.prediction):
+            start = lookup_in_reference(generated, self.prediction, self.NGRAM, self.last) if generated else -1
+        self._start = start
+        return self.prediction[start : start + k] if k > 0 and start >= 0 else []
+
+    def observe(self, drafted: int, accepted: int, next_token: int) -> None:
+        """After verification: follow the prediction while the target's own token agrees with it."""
+        self.drafted += drafted
+        self.accepted += accepted
+        pos = self._start + accepted if self._start >= 0 else -1
+        if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
+            self.expected = pos + 1
+            self.last = max(self.last, self.expected)
+        else:
+            self.expected = -1
+
+
 class NgramProposer:
     name = "ngram"
     cost_per_token = False

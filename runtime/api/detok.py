@@ -1,0 +1,72 @@
+"""Token ids -> text, incrementally, and stop strings.
+
+Decoding one token at a time is wrong for byte-level and SentencePiece vocabularies: a character can span
+tokens (a partial UTF-8 sequence decodes to U+FFFD) and a fragment can lose its leading space. So each new run
+of tokens is decoded together with a few tokens before it, and only the text past that prefix is emitted; text
+ending in an incomplete character waits for the next run.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] is context already emitted
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (possibly empty)."""
+        if not token_ids:
+            return ""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]
+
+
+class StopMatcher:
+    """Holds back just enough text that a stop string split across runs is still caught, and cuts at the first."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buffer = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Returns the text that is safe to emit; sets ``stopped`` when a stop string appeared (it is not emitted)."""
+        if self.stopped:
+            return ""
+        self.buffer += text
+        if not self.stops:
+            out, self.buffer = self.buffer, ""
+            return out
+        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.buffer = self.buffer[: min(hits)], ""
+            return out
+        cut = max(len(self.buffer) - self.hold, 0)
+        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buffer = ("" if self.stopped else self.buffer), ""
+        return out

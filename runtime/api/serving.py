@@ -1,0 +1,204 @@
+"""The serving layer between the routes and the engine: request -> job -> text deltas -> OpenAI shapes.
+
+``Service.run`` is blocking (it runs on a worker thread) and yields one ``Delta`` per engine step, i.e. per run of
+accepted tokens. One sequence at a time goes through a deployment's engine (``Deployment.lock``); concurrent
+requests queue and each gets exactly the output it would get alone.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from runtime.api.detok import IncrementalDetokenizer, StopMatcher
+from runtime.api.errors import APIError
+from runtime.api.metrics import Metrics
+from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.engine import GenerationParams
+from runtime.manager import Deployment, DeploymentManager, State
+from depctl.spec import describe_speculation
+
+SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
+
+
+@dataclass
+class Job:
+    kind: str  # "text_completion" | "chat.completion"
+    dep: Deployment
+    model: str  # echoed back as the response's "model"
+    prompt_ids: list[int]
+    params: GenerationParams
+    stops: list[str]
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    usage: dict | None = None  # filled in when the run ends
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None = None
+
+
+class Service:
+    def __init__(self, manager: DeploymentManager, metrics: Metrics):
+        self.manager = manager
+        self.metrics = metrics
+
+    # ---- looking up the deployment ----
+    def deployment(self, model: str) -> Deployment:
+        dep_id = model.split("#", 1)[1] if "#" in model else model  # firectl's MODEL#DEPLOYMENT_ID form
+        dep = self.manager.get(dep_id)
+        if dep is None:
+            raise APIError(
+                404, f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
+                param="model", code="model_not_found",
+            )
+        if dep.state not in SERVING_STATES or dep.loaded is None:
+            why = f": {dep.reason}" if dep.reason else ""
+            raise APIError(
+                503, f"deployment {dep_id!r} is {dep.state.value}{why}; it serves requests once READY",
+                param="model", code=f"deployment_{dep.state.value.lower()}",
+            )
+        return dep
+
+    # ---- building jobs ----
+    def completion_job(self, req: CompletionRequest) -> Job:
+        req.check_supported()
+        dep = self.deployment(req.model)
+        tokenizer = dep.loaded.tokenizer
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            prompt_ids = list(prompt)
+            vocab = len(tokenizer)
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+        return self._job("text_completion", dep, req, prompt_ids, req.max_tokens or 16, ())
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        req.check_supported()
+        dep = self.deployment(req.model)
+        tokenizer = dep.loaded.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(
+                400, f"deployment {dep.id!r} has no chat template (a base model?): use /v1/completions", param="messages"
+            )
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja templates raise on roles they do not support
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prediction = ()
+        if req.prediction is not None:
+            prediction = tuple(tokenizer(req.prediction.text(), add_special_tokens=False)["input_ids"])
+        return self._job("chat.completion", dep, req, prompt_ids, req.token_budget, prediction)
+
+    def _job(self, kind, dep, req, prompt_ids, max_tokens, prediction) -> Job:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt" if kind == "text_completion" else "messages")
+        max_context = dep.loaded.max_context
+        room = max_context - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room
+        if room < 1 or max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's context holds {max_context} tokens; the prompt has {len(prompt_ids)} and max_tokens "
+                f"asks for {max_tokens}: shorten the prompt or lower max_tokens",
+                param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
+            )
+        try:
+            sampling = req.sampling_params()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        params = GenerationParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=req.ignore_eos, prediction=prediction)
+        return Job(kind, dep, req.model, list(prompt_ids), params, req.stop_strings)
+
+    # ---- running ----
+    def run(self, job: Job, cancel: threading.Event) -> Iterator[Delta]:
+        dep = job.dep
+        endpoint = "chat" if job.kind == "chat.completion" else "completions"
+        t0 = time.perf_counter()
+        status, completion, first_at, last_at = "error", 0, None, None
+        drafted = accepted = pred_accepted = 0
+        dep.waiting += 1
+        try:
+            with dep.lock:
+                dep.waiting -= 1
+                loaded = dep.loaded
+                if loaded is None or dep.state not in SERVING_STATES:
+                    raise APIError(503, f"deployment {dep.id!r} is {dep.state.value}", code="deployment_not_ready")
+                detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(job.stops)
+                steps = loaded.engine.generate(job.prompt_ids, job.params, cancel)
+                try:
+                    for out in steps:
+                        now = time.perf_counter()
+                        if out.token_ids:
+                            if first_at is None:
+                                first_at = now
+                            else:
+                                self.metrics.observe_run(dep.id, now - last_at, len(out.token_ids))
+                            last_at = now
+                        completion += len(out.token_ids)
+                        drafted += out.drafted
+                        accepted += out.accepted
+                        pred_accepted += out.prediction_accepted
+                        text = stopper.feed(detok.add(out.token_ids))
+                        if stopper.stopped:
+                            yield Delta(text, "stop")
+                            break
+                        if out.finish_reason:
+                            if out.finish_reason == "cancelled":
+                                status = "cancelled"
+                                return
+                            yield Delta(text + stopper.feed(detok.flush()) + stopper.flush(), out.finish_reason)
+                            break
+                        if text:
+                            yield Delta(text)
+                finally:
+                    steps.close()
+                status = "ok"
+                job.usage = self._usage(job, loaded, completion, drafted, accepted, pred_accepted)
+        finally:
+            self.metrics.observe_request(
+                dep.id, endpoint, status, len(job.prompt_ids), completion,
+                None if first_at is None else first_at - t0, time.perf_counter() - t0,
+            )
+
+    def _usage(self, job, loaded, completion, drafted, accepted, pred_accepted) -> dict:
+        prompt = len(job.prompt_ids)
+        spec = job.dep.loaded_spec
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": pred_accepted,
+                # as OpenAI counts them: prediction tokens that did not make it into the completion
+                "rejected_prediction_tokens": max(len(job.params.prediction) - pred_accepted, 0),
+            },
+            "speculation": {
+                "method": describe_speculation(spec.speculation) if spec else None,
+                "drafted_tokens": drafted,
+                "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            },
+        }
+
+    def collect(self, job: Job, cancel: threading.Event) -> tuple[str, str]:
+        """Run to the end; (text, finish_reason)."""
+        parts, finish = [], "length"
+        for delta in self.run(job, cancel):
+            parts.append(delta.text)
+            if delta.finish_reason:
+                finish = delta.finish_reason
+        return "".join(parts), finish

@@ -1,0 +1,220 @@
+"""Turn a deployment spec into a ready engine: resolve the models, check they fit, load them, pair the tokenizers.
+
+Everything here may take seconds to minutes (downloads, GGUF conversion, weights) and runs on the daemon's
+loader thread, never on a request path. Failures raise ``LoadError`` with a message the user can act on; the
+deployment then goes to FAILED with that message as its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from depctl import models
+from depctl.errors import DepctlError
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine
+from runtime.engine.runner import ModelRunner
+
+log = logging.getLogger("depctl.loader")
+
+MAX_CONTEXT_CAP = 32768  # a KV budget for models that advertise 128k positions on a laptop
+
+
+class LoadError(Exception):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what from_pretrained loaded (a directory or a hub id)
+    device: torch.device
+    dtype: torch.dtype
+
+
+@dataclass
+class LoadedDeployment:
+    engine: SpeculativeEngine
+    tokenizer: object
+    target: LoadedModel
+    draft: LoadedModel | None
+    max_context: int
+    calibration: dict
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LoadError(
+                "device 'cuda' was requested but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, built {'with' if torch.version.cuda else 'without'} CUDA); "
+                "update the deployment with --device cpu or --device auto"
+            )
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # On a CPU fp32 is both exact to the dequantized weights and the fastest for multi-token verification
+    # (bf16 verify of 8 tokens measured 4-6x one step here; see ../shared/MODELS.md).
+    return torch.float32
+
+
+def resolve_source(ref: str, flag: str) -> str:
+    """A model reference -> what ``from_pretrained`` loads, fetching/converting first when needed."""
+    try:
+        resolved = models.resolve(ref, flag)
+        return models.materialize(resolved)
+    except DepctlError as exc:
+        raise LoadError(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
+
+
+def load_model(ref: str, flag: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(ref, flag)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unloadable models
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+        offline = " (HF_HUB_OFFLINE is set: hub ids cannot be fetched)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise LoadError(f"{flag} {ref!r} failed to load from {source}{offline}: {first}") from exc
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, source, device, dtype)
+
+
+def real_vocab_size(tokenizer) -> int:
+    return len(tokenizer)
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel, target_ref: str, draft_ref: str) -> None:
+    """A draft must speak the target's tokens: identical vocabularies (token -> id). Embedding tables may differ
+    in size (Qwen pads them); rows past the tokenizer's vocabulary are padding and are sliced off the logits."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    only_target = len(target_vocab.keys() - draft_vocab.keys())
+    only_draft = len(draft_vocab.keys() - target_vocab.keys())
+    moved = sum(1 for t, i in target_vocab.items() if t in draft_vocab and draft_vocab[t] != i)
+    suggestion = models.suggest_draft(target_ref)
+    hint = (
+        f"use --draft-model={suggestion}, which shares this target's tokenizer"
+        if suggestion
+        else "use a draft model from the target's family (same tokenizer), or --ngram-speculation-length instead"
+    )
+    raise LoadError(
+        f"draft model {draft_ref!r} does not use the target's tokenizer ({len(target_vocab)} vs {len(draft_vocab)} "
+        f"tokens; {only_target} only in the target, {only_draft} only in the draft, {moved} with different ids), "
+        f"so its drafts would be meaningless: {hint}"
+    )
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------
+
+
+def estimate_bytes(source: str, dtype: torch.dtype, context: int) -> int:
+    """Weights (from the safetensors on disk, rescaled to ``dtype``) + a KV cache of ``context`` positions."""
+    from transformers import AutoConfig
+
+    path = Path(source)
+    if not path.is_dir():
+        return 0  # a hub id: nothing on disk to measure before the download
+    cfg = AutoConfig.from_pretrained(source)
+    stored = 4 if str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", "float32")).endswith("32") else 2
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) * dtype.itemsize // stored
+    layers = getattr(cfg, "num_hidden_layers", 0)
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = 2 * layers * kv_heads * head_dim * context * dtype.itemsize
+    return weights + kv
+
+
+def free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None  # unknown (macOS, Windows): do not block the load
+
+
+def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
+    total = sum(n for _, n in needs)
+    free = free_bytes(device)
+    if free is None or total == 0:
+        return
+    if total > free * 0.9:  # leave room for activations and the process itself
+        parts = ", ".join(f"{name} {n / 2**30:.2f} GiB" for name, n in needs)
+        raise LoadError(
+            f"not enough memory on {device.type}: need about {total / 2**30:.2f} GiB ({parts}, weights + KV cache) "
+            f"but {free / 2**30:.2f} GiB is free; free memory, use a smaller model or dtype, or delete other "
+            "deployments"
+        )
+
+
+# ---- the deployment -------------------------------------------------------------------------------------------
+
+
+def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeployment:
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    spec_method = spec.speculation
+    draft_ref = spec_method.draft_model if isinstance(spec_method, DraftModelSpeculation) else None
+
+    # fetch/convert first, then check memory, then load: a deployment too big fails before it is half-loaded
+    target_source = resolve_source(spec.model, "MODEL")
+    draft_source = resolve_source(draft_ref, "--draft-model") if draft_ref else None
+    from transformers import AutoConfig
+
+    try:
+        max_context = min(getattr(AutoConfig.from_pretrained(target_source), "max_position_embeddings", 2048), MAX_CONTEXT_CAP)
+    except Exception as exc:
+        raise LoadError(f"MODEL {spec.model!r}: cannot read its config from {target_source}: {exc}") from exc
+    needs = [("target", estimate_bytes(target_source, dtype, max_context))]
+    if draft_source:
+        needs.append(("draft", estimate_bytes(draft_source, dtype, max_context)))
+    check_memory(needs, device)
+
+    target = load_model(spec.model, "MODEL", device, dtype)
+    draft = load_model(draft_ref, "--draft-model", device, dtype) if draft_ref else None
+    vocab = real_vocab_size(target.tokenizer)
+    proposer = None
+    if draft is not None:
+        check_draft_compatible(target, draft, spec.model, draft_ref)
+        proposer = DraftModelProposer(ModelRunner(draft.model, vocab))
+    elif isinstance(spec_method, NgramSpeculation):
+        proposer = NgramProposer(spec_method.ngram_length)
+    eos = target.tokenizer.eos_token_id
+    gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    eos_ids = {eos} if eos is not None else set()
+    eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    engine = SpeculativeEngine(
+        ModelRunner(target.model, vocab),
+        proposer,
+        EngineConfig(
+            num_draft_tokens=getattr(spec_method, "num_draft_tokens", 0),
+            max_context=max_context,
+            eos_token_ids=tuple(sorted(eos_ids)),
+        ),
+    )
+    calibration = engine.calibrate() if calibrate else {}
+    log.info("loaded %s on %s/%s: calibration %s", spec.id, device, dtype, calibration)
+    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration)
