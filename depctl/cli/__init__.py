@@ -1,0 +1,24 @@
+"""The ``depctl`` command line: deployments, the daemon, models, and talking to deployments."""
+
+from __future__ import annotations
+
+import typer
+
+from depctl.cli import daemon, deployment, model, talk
+
+app = typer.Typer(
+    name="depctl",
+    help="Local speculative-decoding deployments: create them, serve them over an OpenAI-compatible API, see the speedup.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(deployment.app, name="deployment")
+app.add_typer(daemon.app, name="daemon")
+app.add_typer(model.app, name="model")
+app.command()(talk.generate)
+app.command()(talk.chat)
+
+
+def main() -> None:
+    app()

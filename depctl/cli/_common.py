@@ -1,0 +1,57 @@
+"""What every command shares: the error mapping and the daemon hand-off after a store write."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+
+import typer
+from rich.markup import escape
+
+from depctl import config, output
+from depctl.client import Client, daemon_info, start_daemon
+from depctl.errors import DepctlError
+
+
+def handle_errors(fn):
+    """Map ``DepctlError`` to ``Error: ...`` / ``Hint: ...`` on stderr and its exit code; no traceback unless
+    ``DEPCTL_DEBUG=1``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DepctlError as exc:
+            if config.debug():
+                traceback.print_exc()
+            _print_error(exc.message, exc.hint)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            output.err().print("interrupted")
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:  # a bug: say so plainly
+            if config.debug():
+                raise
+            _print_error(f"unexpected {type(exc).__name__}: {exc}", "rerun with DEPCTL_DEBUG=1 for the traceback")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _print_error(message: str, hint: str | None) -> None:
+    console = output.err()
+    console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False)
+    if hint:
+        console.print(f"[yellow]Hint:[/] {escape(hint)}", highlight=False)
+
+
+def connect(autostart: bool) -> Client | None:
+    """A client for the running daemon; start one first when ``autostart`` (and say so), else None."""
+    info = daemon_info()
+    if info is None and autostart:
+        output.message(f"No depctl daemon is running: starting one (log: {config.daemon_log()})")
+        info, _ = start_daemon()
+        output.message(f"depctl daemon listening on {info.url} (pid {info.pid})")
+    return Client(info) if info is not None else None

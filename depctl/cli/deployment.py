@@ -1,0 +1,310 @@
+"""``depctl deployment create | list | get | update | delete``."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from depctl import models, output
+from depctl.cli._common import connect, handle_errors
+from depctl.errors import DepctlError, UsageError
+from depctl.output import Format, fmt_num, fmt_rate
+from depctl.spec import (
+    MAX_DRAFT_TOKENS,
+    MAX_NGRAM_LENGTH,
+    DeploymentSpec,
+    DraftModelSpeculation,
+    check_deployment_id,
+    describe_speculation,
+    new_deployment_id,
+    speculation_from_flags,
+)
+from depctl.store import SpecStore
+
+app = typer.Typer(help="Create, inspect, change and delete deployments.", no_args_is_help=True)
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(str, enum.Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+# Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
+DRAFT_MODEL = typer.Option(None, "--draft-model", help="A smaller model with the same tokenizer that drafts tokens.")
+DRAFT_COUNT = typer.Option(
+    None, "--draft-token-count", min=1, max=MAX_DRAFT_TOKENS,
+    help=f"Most tokens drafted per step, 1-{MAX_DRAFT_TOKENS} (required with a speculation method).",
+)
+NGRAM = typer.Option(
+    None, "--ngram-speculation-length", min=1, max=MAX_NGRAM_LENGTH,
+    help=f"Prompt-lookup speculation: match the last N tokens, 1-{MAX_NGRAM_LENGTH}.",
+)
+WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon reports READY or FAILED.")
+WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", min=1.0, help="Seconds to wait with --wait.")
+OUTPUT = typer.Option(Format.table, "--output", "-o", help="table, json or yaml.")
+
+
+def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.ResolvedModel:
+    draft = models.resolve(draft_ref, "--draft-model")
+    # Packaged models know their tokenizer family: refuse a mismatched pair before anything is written. Other
+    # pairs are checked by the daemon when it loads them (vocabularies compared token by token).
+    if target.packaged and draft.packaged and target.packaged.family != draft.packaged.family:
+        suggestion = target.packaged.suggested_draft
+        raise UsageError(
+            f"--draft-model {draft.ref} ({draft.packaged.family} tokenizer) cannot draft for {target.ref} "
+            f"({target.packaged.family} tokenizer): draft and target must share a tokenizer",
+            f"use --draft-model={suggestion}" if suggestion else "use --ngram-speculation-length=N instead",
+        )
+    return draft
+
+
+def record(spec: DeploymentSpec, status: dict | None, daemon_up: bool) -> dict:
+    """The user's intent merged with what the daemon observes (its status is never written into the spec)."""
+    rec = spec.model_dump(mode="json")
+    if status is not None:
+        rec["status"] = {k: v for k, v in status.items() if k not in ("id", "model", "speculation")}
+    else:
+        reason = "the daemon has not picked it up yet" if daemon_up else "the daemon is not running (`depctl daemon start`)"
+        rec["status"] = {"state": "UNKNOWN", "reason": reason}
+    return rec
+
+
+def _records(store: SpecStore, client) -> list[dict]:
+    specs, broken = store.list()
+    statuses = {s["id"]: s for s in client.deployments()} if client else {}
+    rows = [record(spec, statuses.get(spec.id), client is not None) for spec in specs]
+    for b in broken:
+        output.message(f"[yellow]Warning:[/] {escape(b.problem)}")
+        rows.append({"id": b.id, "path": str(b.path), "status": {"state": "FAILED", "reason": f"broken spec file: {b.problem}"}})
+    return rows
+
+
+def _list_table(rows: list[dict]) -> Table:
+    table = output.make_table("ID", "MODEL", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S")
+    for r in rows:
+        stats = r["status"].get("stats") or {}
+        spec = r.get("speculation")
+        table.add_row(
+            r["id"], r.get("model", "-"),
+            describe_speculation(_spec_obj(spec)) if spec else "-",
+            _state_cell(r["status"]),
+            fmt_rate(stats.get("acceptance_rate")),
+            fmt_num(stats.get("mean_acceptance_length")),
+            fmt_num(stats.get("decode_tokens_per_second"), 1),
+        )
+    return table
+
+
+def _spec_obj(speculation: dict):
+    return DeploymentSpec.model_validate({"id": "x", "model": "x", "speculation": speculation}).speculation
+
+
+def _state_cell(status: dict) -> str:
+    colour = {"READY": "green", "FAILED": "red", "UNKNOWN": "yellow"}.get(status["state"], "cyan")
+    return f"[{colour}]{status['state']}[/]"
+
+
+def _detail_table(r: dict) -> Table:
+    table = Table.grid(padding=(0, 2))
+    status = r["status"]
+    stats = status.get("stats") or {}
+    rows = [
+        ("ID", r["id"]), ("Display name", r.get("display_name") or "-"), ("Model", r.get("model", "-")),
+        ("Speculation", describe_speculation(_spec_obj(r["speculation"])) if r.get("speculation") else "-"),
+        ("Device / dtype", f"{r.get('device')} / {r.get('dtype')}" + (
+            f" (running on {status['device']} / {status['dtype']})" if status.get("device") else "")),
+        ("State", _state_cell(status)),
+    ]
+    if status.get("reason"):
+        rows.append(("Reason", escape(status["reason"])))
+    if stats:
+        rows += [
+            ("Requests", str(stats["requests"])),
+            ("Generated tokens", str(stats["generated_tokens"])),
+            ("Decode speed", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s"),
+            ("Acceptance rate", fmt_rate(stats["acceptance_rate"])),
+            ("Mean acceptance length", fmt_num(stats["mean_acceptance_length"])),
+            ("Drafts / draft tokens / accepted", f"{stats['drafts']} / {stats['draft_tokens']} / {stats['accepted_tokens']}"),
+            ("Accepted per position", ", ".join(map(str, stats["accepted_per_position"])) or "-"),
+            ("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s"),
+        ]
+    policy = status.get("policy")
+    if policy and policy.get("max_draft_tokens"):
+        costs = ", ".join(f"k={k}: {v}" for k, v in policy["verify_ms"].items())
+        rows.append(("Verify cost (ms)", costs))
+    if r.get("created_at"):
+        rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/]", value)
+    return table
+
+
+def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStore, verb: str) -> None:
+    """Tell the daemon (starting it if needed), optionally wait for READY/FAILED, print the deployment."""
+    try:
+        client = connect(autostart=True)
+        client.reconcile()
+    except DepctlError as exc:
+        raise type(exc)(f"deployment {dep_id!r} was {verb}, but the daemon is unavailable: {exc.message}", exc.hint) from None
+    status = client.deployment(dep_id)
+    if wait:
+        with output.err().status(f"Waiting for deployment {dep_id} ...") as spinner:
+            def show(s):
+                if s:
+                    spinner.update(f"Waiting for deployment {dep_id}: {s['state']}")
+            status = client.wait_settled(dep_id, timeout, on_poll=show)
+    rec = record(store.get(dep_id), status, True)
+    output.emit(rec, fmt, _detail_table)
+    if status and status["state"] == "FAILED":
+        raise DepctlError(
+            f"deployment {dep_id!r} FAILED: {status.get('reason')}",
+            f"fix it with `depctl deployment update {dep_id} ...`, or remove it with `depctl deployment delete {dep_id}`",
+        )
+
+
+@app.command()
+@handle_errors
+def create(
+    model: str = typer.Argument(..., help="A local model directory, a .gguf file, a packaged alias or a hub id."),
+    deployment_id: Optional[str] = typer.Option(None, "--deployment-id", help="Default: derived from MODEL."),
+    display_name: Optional[str] = typer.Option(None, "--display-name"),
+    draft_model: Optional[str] = DRAFT_MODEL,
+    draft_token_count: Optional[int] = DRAFT_COUNT,
+    ngram_speculation_length: Optional[int] = NGRAM,
+    device: Device = typer.Option(Device.auto, "--device"),
+    dtype: Dtype = typer.Option(Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA, float32 on CPU."),
+    validate_only: bool = typer.Option(False, "--validate-only", help="Print the spec that would be written; write nothing."),
+    wait: bool = WAIT,
+    wait_timeout: float = WAIT_TIMEOUT,
+    fmt: Format = OUTPUT,
+) -> None:
+    """Create a deployment of MODEL, optionally with speculative decoding."""
+    speculation = speculation_from_flags(
+        draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length
+    )
+    target = models.resolve(model, "MODEL")
+    if isinstance(speculation, DraftModelSpeculation):
+        draft = _check_draft(target, speculation.draft_model)
+        speculation = speculation.model_copy(update={"draft_model": draft.ref})
+    dep_id = deployment_id if deployment_id is not None else new_deployment_id(model)
+    try:
+        check_deployment_id(dep_id)
+    except ValueError as exc:
+        raise UsageError(f"--deployment-id: {exc}") from None
+    spec = DeploymentSpec(
+        id=dep_id, display_name=display_name, model=target.ref, speculation=speculation,
+        device=device.value, dtype=dtype.value,
+    )
+    store = SpecStore()
+    if validate_only:
+        output.emit(spec.model_dump(mode="json"), Format.yaml if fmt == Format.table else fmt, lambda d: d)
+        output.message("Valid. Nothing was written (--validate-only).")
+        return
+    store.create(spec)
+    output.message(f"Created deployment [bold]{dep_id}[/] ({escape(target.ref)}, speculation: {describe_speculation(speculation)})")
+    _apply(dep_id, wait, wait_timeout, fmt, store, "created")
+
+
+@app.command("list")
+@handle_errors
+def list_(fmt: Format = OUTPUT) -> None:
+    """List deployments with their state and speculation statistics."""
+    store = SpecStore()
+    client = connect(autostart=False)
+    rows = _records(store, client)
+    output.emit(rows, fmt, _list_table)
+
+
+@app.command()
+@handle_errors
+def get(deployment_id: str = typer.Argument(...), fmt: Format = OUTPUT) -> None:
+    """Show one deployment: its spec, state and speculation statistics."""
+    store = SpecStore()
+    spec = store.get(deployment_id)
+    client = connect(autostart=False)
+    status = client.deployment(deployment_id) if client else None
+    output.emit(record(spec, status, client is not None), fmt, _detail_table)
+
+
+@app.command()
+@handle_errors
+def update(
+    deployment_id: str = typer.Argument(...),
+    draft_model: Optional[str] = DRAFT_MODEL,
+    draft_token_count: Optional[int] = DRAFT_COUNT,
+    ngram_speculation_length: Optional[int] = NGRAM,
+    disable_speculative_decoding: bool = typer.Option(False, "--disable-speculative-decoding", help="Turn speculation off."),
+    display_name: Optional[str] = typer.Option(None, "--display-name"),
+    device: Optional[Device] = typer.Option(None, "--device"),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype"),
+    wait: bool = WAIT,
+    wait_timeout: float = WAIT_TIMEOUT,
+    fmt: Format = OUTPUT,
+) -> None:
+    """Change a deployment's speculation (or name, device, dtype). A new --draft-token-count applies without a reload."""
+    store = SpecStore()
+    current = store.get(deployment_id)
+    speculation = speculation_from_flags(
+        draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
+        disable=disable_speculative_decoding, current=current.speculation,
+    )
+    if speculation is None and display_name is None and device is None and dtype is None:
+        raise UsageError(
+            "nothing to update",
+            "pass --draft-model/--ngram-speculation-length with --draft-token-count, --draft-token-count, "
+            "--disable-speculative-decoding, --display-name, --device or --dtype",
+        )
+    if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
+        draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
+        draft_model = draft.ref
+
+    def change(spec: DeploymentSpec) -> DeploymentSpec:
+        # recomputed under the store's lock from the spec as it is now, so concurrent updates compose
+        fields = {}
+        new = speculation_from_flags(
+            draft_model=draft_model, draft_token_count=draft_token_count,
+            ngram_speculation_length=ngram_speculation_length, disable=disable_speculative_decoding,
+            current=spec.speculation,
+        )
+        if new is not None:
+            fields["speculation"] = new
+        if display_name is not None:
+            fields["display_name"] = display_name
+        if device is not None:
+            fields["device"] = device.value
+        if dtype is not None:
+            fields["dtype"] = dtype.value
+        return spec.model_copy(update=fields)
+
+    updated = store.update(deployment_id, change)
+    output.message(f"Updated deployment [bold]{deployment_id}[/] (speculation: {describe_speculation(updated.speculation)})")
+    _apply(deployment_id, wait, wait_timeout, fmt, store, "updated")
+
+
+@app.command()
+@handle_errors
+def delete(
+    deployment_id: str = typer.Argument(...),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon has unloaded it."),
+) -> None:
+    """Delete a deployment: its spec is removed and the daemon unloads it."""
+    store = SpecStore()
+    store.delete(deployment_id)
+    client = connect(autostart=False)
+    if client is not None:
+        client.reconcile()
+        if wait:
+            client.wait_settled(deployment_id, 120.0, gone=True)
+    output.message(f"Deleted deployment [bold]{deployment_id}[/]")

