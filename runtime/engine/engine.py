@@ -152,7 +152,9 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         self._shadow = None
         if tracker is not None:
-            k = self.policy.choose(pred_acceptance, room, max_k=self.config.prediction_draft_tokens, free=True)
+            k = min(self.config.prediction_draft_tokens, room)
+            if sampling.greedy or sampling.seed is None:
+                k = self.policy.choose(pred_acceptance, room, max_k=self.config.prediction_draft_tokens, free=True)
             drafts = tracker.propose(tokens[prompt_len:], k)
             if drafts:
                 self._draft_seconds = time.perf_counter() - t0
@@ -160,7 +162,12 @@ class SpeculativeEngine:
         proposer = self.proposer
         drafts, probs = [], None
         if proposer is not None:
-            k = self.policy.choose(acceptance, room)
+            if sampling.seed is not None and not sampling.greedy:
+                # a seeded sample must depend on the seed alone, and the draft length changes which random
+                # draws land where; measured costs vary run to run, so seeded requests draft a fixed K
+                k = min(self.policy.max_k, room)
+            else:
+                k = self.policy.choose(acceptance, room)
             if k > 0:
                 drafts, probs = proposer.propose(tokens, k, sampling, generator)
                 if proposer.cost_per_token and drafts:

@@ -1,0 +1,169 @@
+"""The flag rules of `depctl deployment create/update`, through Typer's CliRunner. Nothing here starts a daemon:
+valid combinations use --validate-only, and every invalid one must write nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from depctl.cli import app
+from depctl.spec import DeploymentSpec, NgramSpeculation
+from depctl.store import SpecStore
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def spec_files(home) -> list:
+    d = home / "deployments"
+    return sorted(p.name for p in d.glob("*.yaml")) if d.exists() else []
+
+
+@pytest.mark.parametrize(
+    "flags, needle, model",
+    [
+        # both methods at once
+        (["--draft-model", "smollm2-135m-instruct", "--ngram-speculation-length", "3", "--draft-token-count", "4"],
+         "--draft-model and --ngram-speculation-length cannot be used together", "smollm2-135m-instruct"),
+        # a method without a count
+        (["--ngram-speculation-length", "3"], "--draft-token-count is required with --ngram-speculation-length", "smollm2-135m-instruct"),
+        (["--draft-model", "smollm2-135m-instruct"], "--draft-token-count is required with --draft-model", "smollm2-135m-instruct"),
+        # a count without a method
+        (["--draft-token-count", "4"], "--draft-token-count needs --draft-model or --ngram-speculation-length", "smollm2-135m-instruct"),
+        # bounds and types: one line naming the flag, no traceback
+        (["--ngram-speculation-length", "3", "--draft-token-count", "0"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "-2"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "33"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "99999999999999999999"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "four"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "2.5"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "0", "--draft-token-count", "4"], "--ngram-speculation-length", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "17", "--draft-token-count", "4"], "--ngram-speculation-length", "smollm2-135m-instruct"),
+        # a draft model that does not resolve
+        (["--draft-model", "/nowhere/model", "--draft-token-count", "4"], "--draft-model '/nowhere/model' was not found", "smollm2-135m-instruct"),
+        # packaged models with different tokenizers: refused, with a suggestion
+        (["--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"], "must share a tokenizer",
+         "qwen2.5-coder-1.5b-instruct"),
+    ],
+)
+def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
+    result = run("deployment", "create", model, *flags)
+    assert result.exit_code != 0
+    assert needle in " ".join(result.stderr.split()), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert spec_files(depctl_home) == []
+
+
+def test_mismatched_packaged_draft_suggests_the_family_draft(depctl_home):
+    result = run("deployment", "create", "qwen2.5-coder-1.5b-instruct", "--draft-model", "smollm2-135m-instruct",
+                 "--draft-token-count", "4")
+    assert result.exit_code == 2
+    assert "--draft-model=qwen2.5-coder-0.5b-instruct" in result.stderr
+
+
+def test_unknown_model_says_what_was_tried(depctl_home):
+    result = run("deployment", "create", "no-such-model", "--validate-only")
+    assert result.exit_code == 2
+    err = " ".join(result.stderr.split())
+    assert "not a local directory or .gguf file" in err and "not a packaged alias" in err and "hub id" in err
+
+
+@pytest.mark.parametrize(
+    "flags, speculation",
+    [
+        ([], {"method": "none"}),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "4"],
+         {"method": "ngram", "ngram_length": 3, "num_draft_tokens": 4}),
+        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "32"],
+         {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 32}),
+    ],
+)
+def test_validate_only_prints_the_spec_and_writes_nothing(flags, speculation, depctl_home):
+    model = "qwen2.5-coder-1.5b-instruct" if "--draft-model" in flags else "smollm2-135m-instruct"
+    result = run("deployment", "create", model, "--deployment-id", "my-dep", "--validate-only", *flags)
+    assert result.exit_code == 0, result.stderr
+    spec = yaml.safe_load(result.stdout)
+    assert spec["id"] == "my-dep" and spec["model"] == model
+    assert spec["speculation"] == speculation
+    assert spec_files(depctl_home) == []
+
+
+def test_local_directory_is_stored_as_an_absolute_path(tiny_model_dir, depctl_home, monkeypatch):
+    monkeypatch.chdir(tiny_model_dir.parent)
+    result = run("deployment", "create", tiny_model_dir.name, "--validate-only", "-o", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["model"] == str(tiny_model_dir)
+
+
+@pytest.mark.parametrize("bad_id", ["Upper", "has/slash", "../escape", "-leading", "a" * 64, "dot.ted"])
+def test_bad_deployment_id(bad_id, depctl_home):
+    result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", bad_id, "--validate-only")
+    assert result.exit_code == 2
+    assert "--deployment-id" in result.stderr
+
+
+def _seed(depctl_home, speculation) -> None:
+    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct", speculation=speculation))
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        ([], "nothing to update"),
+        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--ngram-speculation-length", "2", "--draft-token-count", "2"],
+         "cannot be used together"),
+        (["--ngram-speculation-length", "2"], "--draft-token-count is required"),
+        (["--disable-speculative-decoding", "--draft-token-count", "2"], "--disable-speculative-decoding cannot be combined"),
+        (["--draft-token-count", "0"], "--draft-token-count"),
+    ],
+)
+def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    before = (depctl_home / "deployments" / "dep.yaml").read_text()
+    result = run("deployment", "update", "dep", "--no-wait", *flags)
+    assert result.exit_code != 0
+    assert needle in " ".join(result.stderr.split())
+    assert (depctl_home / "deployments" / "dep.yaml").read_text() == before
+
+
+def test_update_count_without_method_on_a_plain_deployment(depctl_home):
+    from depctl.spec import NoSpeculation
+
+    _seed(depctl_home, NoSpeculation())
+    result = run("deployment", "update", "dep", "--draft-token-count", "4")
+    assert result.exit_code == 2
+    assert "speculation disabled" in result.stderr
+
+
+def test_get_and_update_unknown_deployment(depctl_home):
+    for args in (["get", "ghost"], ["update", "ghost", "--draft-token-count", "3"], ["delete", "ghost"]):
+        result = run("deployment", *args)
+        assert result.exit_code == 3
+        assert "'ghost' not found" in result.stderr and "depctl deployment list" in result.stderr
+
+
+def test_list_empty_is_an_empty_json_list(depctl_home):
+    result = run("deployment", "list", "-o", "json")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == []
+
+
+def test_list_without_daemon_reports_unknown_state(depctl_home):
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    result = run("deployment", "list", "-o", "yaml")
+    assert result.exit_code == 0
+    (row,) = yaml.safe_load(result.stdout)
+    assert row["id"] == "dep" and row["status"]["state"] == "UNKNOWN"
+    assert "daemon is not running" in row["status"]["reason"]
+
+
+def test_commands_needing_the_daemon_say_how_to_start_it(depctl_home):
+    result = run("generate", "dep", "hi")
+    assert result.exit_code != 0
+    assert "depctl daemon start" in result.stderr

@@ -1,0 +1,209 @@
+"""The speculative engine on tiny random models: exactness, acceptance, stops and cache rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from runtime.engine import (
+    DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, SpeculativeEngine,
+)
+from runtime.engine.runner import ModelRunner
+from tests.tiny import tiny_llama
+
+EOS = 258
+# prompts with repeats (the n-gram proposer hits) and without (it misses)
+PROMPTS = [
+    [5, 17, 42, 99, 3, 17, 42, 99, 3, 8],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [200, 201, 200, 201, 200, 201, 200],
+    [77],
+    list(range(30, 60)) + list(range(30, 45)),
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_llama(1, layers=1)
+
+
+def make(model, proposer=None, k=0, **cfg):
+    return SpeculativeEngine(ModelRunner(model), proposer, EngineConfig(num_draft_tokens=k, max_context=512, **cfg))
+
+
+def run(engine, prompt, max_tokens=40, **kw):
+    tokens, finish = [], None
+    for out in engine.generate(prompt, GenerationParams(max_tokens=max_tokens, **kw)):
+        tokens += out.token_ids
+        finish = out.finish_reason or finish
+    return tokens, finish
+
+
+def test_plain_engine_matches_transformers_generate(target):
+    for prompt in PROMPTS[:3]:
+        ours, _ = run(make(target), prompt, ignore_eos=True)
+        hf = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours == hf
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_greedy_output_equals_plain_decoding(target, draft, method, k):
+    proposer = {
+        "ngram": lambda: NgramProposer(2),
+        "draft": lambda: DraftModelProposer(ModelRunner(draft)),
+        "self": lambda: DraftModelProposer(ModelRunner(target)),
+    }[method]()
+    engine = make(target, proposer, k, adaptive=False)  # adaptive off: always draft K, the hardest case
+    for prompt in PROMPTS:
+        plain, _ = run(make(target), prompt, ignore_eos=True)
+        spec, _ = run(engine, prompt, ignore_eos=True)
+        assert spec == plain, (method, k, prompt)
+    assert engine.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_self_draft_accepts_everything(target, k):
+    engine = make(target, DraftModelProposer(ModelRunner(target)), k, adaptive=False)
+    run(engine, PROMPTS[0], max_tokens=(k + 1) * 5, ignore_eos=True)  # a multiple of k + 1: no clamped last step
+    assert engine.stats.acceptance_rate == 1.0
+    assert engine.stats.mean_acceptance_length == k + 1
+    assert engine.stats.accepted_per_position == [5] * k
+
+
+def test_ngram_hits_on_repetitive_prompt(target):
+    engine = make(target, NgramProposer(3), 4, adaptive=False)
+    run(engine, PROMPTS[2], ignore_eos=True)
+    assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampling_is_reproducible(target, draft, method):
+    def once(seed):
+        proposer = NgramProposer(2) if method == "ngram" else DraftModelProposer(ModelRunner(draft))
+        return run(make(target, proposer, 4), PROMPTS[0], sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
+                   ignore_eos=True)[0]
+
+    assert once(7) == once(7)
+    assert once(7) != once(8)
+
+
+def test_temperature_zero_is_deterministic(target):
+    engine = make(target, NgramProposer(2), 4)
+    assert run(engine, PROMPTS[1])[0] == run(engine, PROMPTS[1])[0]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9, 17])
+def test_max_tokens_is_exact_even_mid_draft(target, max_tokens):
+    engine = make(target, DraftModelProposer(ModelRunner(target)), 8, adaptive=False)
+    tokens, finish = run(engine, PROMPTS[0], max_tokens=max_tokens, ignore_eos=True)
+    assert len(tokens) == max_tokens and finish == "length"
+
+
+def test_eos_stops_and_is_not_emitted(target):
+    plain, _ = run(make(target), PROMPTS[0], max_tokens=40, ignore_eos=True)
+    stop_at = plain[6]  # make the 7th token a stop token: output ends right before it
+    engine = make(target, DraftModelProposer(ModelRunner(target)), 4, adaptive=False)
+    tokens, finish = run(engine, PROMPTS[0], max_tokens=40, stop_token_ids=(stop_at,))
+    assert tokens == plain[: plain.index(stop_at)] and finish == "stop"
+
+
+def test_context_limit_caps_output(target):
+    engine = SpeculativeEngine(ModelRunner(target), NgramProposer(2), EngineConfig(num_draft_tokens=4, max_context=16))
+    tokens, finish = run(engine, PROMPTS[1], max_tokens=100, ignore_eos=True)
+    assert len(PROMPTS[1]) + len(tokens) == 16 and finish == "length"
+    with pytest.raises(ValueError, match="context holds 16"):
+        run(engine, list(range(16)))
+
+
+class _FixedProposer:
+    """Proposes a fixed continuation, so a test chooses between the all-accepted and first-rejected paths."""
+
+    name, cost_per_token = "fixed", False
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def start(self, prompt):
+        pass
+
+    def propose(self, tokens, k, sampling, generator):
+        return self.drafts[:k], None
+
+    def rollback(self, length):
+        pass
+
+
+def _spy_lengths(engine, runner):
+    lengths = []
+    original = runner.crop_to
+
+    def crop_to(length):
+        original(length)
+        lengths.append(runner.length)
+
+    runner.crop_to = crop_to
+    return lengths
+
+
+@pytest.mark.parametrize("path", ["all_accepted", "first_rejected"])
+def test_rollback_leaves_caches_at_accepted_length(target, path):
+    prompt = PROMPTS[0]
+    plain, _ = run(make(target), prompt, max_tokens=8, ignore_eos=True)
+    drafts = plain[:4] if path == "all_accepted" else [(plain[0] + 1) % 256] + plain[1:4]
+    engine = make(target, _FixedProposer(drafts), 4, adaptive=False)
+    lengths = _spy_lengths(engine, engine.target)
+    step = next(engine.generate(prompt, GenerationParams(max_tokens=8, ignore_eos=True)))
+    expected = plain[:5] if path == "all_accepted" else plain[:1]  # 4 accepted + bonus, or just the recovery
+    assert step.token_ids == expected
+    # the cache holds the prompt and the accepted tokens, minus the last one (the next step's input)
+    assert lengths[-1] == len(prompt) + len(expected) - 1
+
+
+def test_draft_model_cache_catches_up_after_full_accept(target):
+    runner = ModelRunner(target)
+    engine = make(target, DraftModelProposer(runner), 3, adaptive=False)
+    prompt = PROMPTS[1]
+    gen = engine.generate(prompt, GenerationParams(max_tokens=20, ignore_eos=True))
+    first = next(gen)
+    assert len(first.token_ids) == 4  # self-draft: all 3 accepted + bonus
+    # the draft never fed d_k: its cache is two tokens behind the sequence (d_k and the bonus)
+    assert runner.length == len(prompt) + 4 - 2
+    second = next(gen)
+    assert len(second.token_ids) == 4  # catch-up fed both, and drafting continued exactly
+    gen.close()
+
+
+def test_update_draft_count_in_place(target):
+    engine = make(target, NgramProposer(2), 4)
+    engine.set_num_draft_tokens(1)
+    engine.policy.adaptive = False
+    run(engine, PROMPTS[2], ignore_eos=True)
+    assert len(engine.stats.accepted_per_position) <= 1
+
+
+def test_prediction_drafts_and_stays_exact(target):
+    plain, _ = run(make(target), PROMPTS[1], max_tokens=30, ignore_eos=True)
+    engine = make(target)
+    outs = list(engine.generate(PROMPTS[1], GenerationParams(max_tokens=30, ignore_eos=True, prediction=tuple(plain))))
+    assert [t for o in outs for t in o.token_ids] == plain
+    assert sum(o.prediction_accepted for o in outs) >= 25  # a right prediction is accepted nearly whole
+    wrong = tuple((t + 1) % 256 for t in plain)
+    outs = list(engine.generate(PROMPTS[1], GenerationParams(max_tokens=30, ignore_eos=True, prediction=wrong)))
+    assert [t for o in outs for t in o.token_ids] == plain
+
+
+def test_dynamic_cache_crop_semantics_we_rely_on():
+    # runner.crop_to relies on crop(-n) dropping the last n positions (transformers 5.x); pin it
+    cache = DynamicCache()
+    k = torch.zeros(1, 2, 10, 4)
+    cache.update(k, k, 0)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 7
