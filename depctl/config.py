@@ -52,8 +52,8 @@ def default_port() -> int:
         port = int(raw)
     except ValueError:
         raise ValueError(f"DEPCTL_PORT must be a port number, got {raw!r}") from None
-    if not 0 < port < 65536:
-        raise ValueError(f"DEPCTL_PORT must be between 1 and 65535, got {port}")
+    if not 0 <= port < 65536:  # 0: any free port (the daemon writes the one it got to daemon.json)
+        raise ValueError(f"DEPCTL_PORT must be between 0 and 65535, got {port}")
     return port
 
 

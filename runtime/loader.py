@@ -187,7 +187,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
     try:
         max_context = min(getattr(AutoConfig.from_pretrained(target_source), "max_position_embeddings", 2048), MAX_CONTEXT_CAP)
     except Exception as exc:
-        raise LoadError(f"MODEL {spec.model!r}: cannot read its config from {target_source}: {exc}") from exc
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise LoadError(f"MODEL {spec.model!r} failed to load: cannot read its config.json in {target_source}: {first}") from exc
     needs = [("target", estimate_bytes(target_source, dtype, max_context))]
     if draft_source:
         needs.append(("draft", estimate_bytes(draft_source, dtype, max_context)))

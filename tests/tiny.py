@@ -14,15 +14,18 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
 
 
-def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges: every byte is one token; ids 256.. are special tokens."""
+def byte_tokenizer(byte_offset: int = 0):
+    """A byte-level BPE tokenizer with no merges: every byte is one token; ids 256.. are special tokens.
+
+    ``byte_offset`` rotates the byte ids: a tokenizer with the same tokens under different ids, i.e. one a draft
+    model must not be paired with."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     # order ids by byte value so that id == byte for the 256 plain tokens
     table = _bytes_to_unicode()
-    vocab = {table[b]: b for b in range(256)}
+    vocab = {table[b]: (b + byte_offset) % 256 for b in range(256)}
     assert set(vocab) == set(byte_chars)
     for i, tok in enumerate(SPECIALS):
         vocab[tok] = 256 + i
@@ -72,11 +75,14 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VO
     # vanishingly rare and the model has definite preferences, like a trained one
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.5)
+        # ...and mostly ASCII, so its text survives a decode/encode round trip (bytes >= 128 alone are not
+        # valid UTF-8); the tests of predicted outputs send generated text back as a prediction
+        model.lm_head.weight[128:] *= 0.1
     return model.eval()
 
 
-def save_tiny(path: Path, seed: int = 0, **kwargs) -> Path:
+def save_tiny(path: Path, seed: int = 0, byte_offset: int = 0, **kwargs) -> Path:
     model = tiny_llama(seed, **kwargs)
     model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
+    byte_tokenizer(byte_offset).save_pretrained(path)
     return path

@@ -47,7 +47,7 @@ class StepOutput:
     drafted: int = 0
     accepted: int = 0
     prediction_drafted: int = 0  # of ``drafted``, tokens drafted from the request's prediction
-    prediction_accepted: int = 0
+    prediction_accepted: int = 0  # of ``token_ids``, tokens that followed the prediction
 
 
 class SpeculativeEngine:
@@ -123,9 +123,10 @@ class SpeculativeEngine:
                         pred_acceptance if from_prediction else acceptance,
                     )
                     drafted = len(drafts)
+                    pd, pa = 0, 0  # prediction tokens drafted / output tokens that followed the prediction
                     if tracker is not None:
-                        tracker.observe(drafted if from_prediction else 0, n if from_prediction else 0, emitted[-1])
-                    pd, pa = (drafted, n) if from_prediction else (0, 0)
+                        pa = tracker.observe(n if from_prediction else 0, emitted[-1])
+                        pd = drafted if from_prediction else 0
                     for i, token in enumerate(emitted):
                         if token in stop_ids:
                             produced += i

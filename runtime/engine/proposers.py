@@ -82,8 +82,7 @@ class PredictionTracker:
         self.expected = 0
         self.last = 0  # furthest position reached, for re-syncing
         self._start = -1
-        self.drafted = 0
-        self.accepted = 0
+        self.matched = 0  # output tokens that followed the prediction: accepted drafts and agreeing target tokens
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
         start = self.expected
@@ -92,16 +91,19 @@ class PredictionTracker:
         self._start = start
         return self.prediction[start : start + k] if k > 0 and start >= 0 else []
 
-    def observe(self, drafted: int, accepted: int, next_token: int) -> None:
-        """After verification: follow the prediction while the target's own token agrees with it."""
-        self.drafted += drafted
-        self.accepted += accepted
+    def observe(self, accepted: int, next_token: int) -> int:
+        """After verification: follow the prediction while the target's own token agrees with it.
+
+        Returns how many of the step's output tokens came from the prediction."""
         pos = self._start + accepted if self._start >= 0 else -1
         if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
             self.expected = pos + 1
             self.last = max(self.last, self.expected)
-        else:
-            self.expected = -1
+            self.matched += accepted + 1
+            return accepted + 1
+        self.expected = -1
+        self.matched += accepted
+        return accepted
 
 
 class NgramProposer:

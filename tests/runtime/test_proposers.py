@@ -44,9 +44,9 @@ def test_lookup_prefers_first_match_after_position():
 def test_prediction_tracker_follows_diverges_and_resyncs():
     tracker = PredictionTracker([10, 11, 12, 13, 14, 15, 16])
     assert tracker.propose([], 3) == [10, 11, 12]
-    tracker.observe(3, 3, 13)  # all accepted, bonus 13 follows the prediction
+    assert tracker.observe(3, 13) == 4  # all accepted, and the bonus 13 follows the prediction
     assert tracker.propose([10, 11, 12, 13], 2) == [14, 15]
-    tracker.observe(2, 0, 99)  # the target wrote 99 instead of 14: lost
+    assert tracker.observe(0, 99) == 0  # the target wrote 99 instead of 14: lost
     assert tracker.expected == -1
     # the output rejoins the prediction at 15: found by looking up the last generated tokens
     assert tracker.propose([10, 11, 12, 13, 99, 15], 2) == [16]

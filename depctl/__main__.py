@@ -1,0 +1,3 @@
+from depctl.cli import main
+
+main()

@@ -1,0 +1,132 @@
+"""The whole path with a real daemon in a subprocess and a tiny model: the CLI writes specs, the daemon loads them,
+answers completions, follows updates and deletes, reports failures, and comes back after a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from depctl.cli import app
+from tests.daemon_util import DaemonProcess
+from tests.tiny import save_tiny
+
+runner = CliRunner()
+
+
+def cli(*args: str):
+    result = runner.invoke(app, list(args))
+    return result
+
+
+def cli_json(*args: str):
+    result = cli(*args, "-o", "json")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture
+def daemon(depctl_home):
+    d = DaemonProcess(depctl_home).start()
+    yield d
+    d.stop()
+
+
+def test_create_serve_update_delete_restart(daemon, tiny_model_dir, tiny_draft_dir, depctl_home):
+    rec = cli_json("deployment", "create", str(tiny_model_dir), "--deployment-id", "tiny",
+                   "--ngram-speculation-length", "3", "--draft-token-count", "4")
+    assert rec["status"]["state"] == "READY"
+    assert rec["speculation"] == {"method": "ngram", "ngram_length": 3, "num_draft_tokens": 4}
+
+    body = {"model": "tiny", "prompt": "abcabcabc", "max_tokens": 24, "temperature": 0}
+    first = daemon.post("/v1/completions", body).json()
+    assert first["object"] == "text_completion" and first["usage"]["completion_tokens"] == 24
+    assert first["usage"]["speculation"]["drafted_tokens"] > 0
+
+    # a new draft token count applies in place: no reload (ready_at unchanged), same output
+    ready_at = daemon.get("/depctl/v1/deployments/tiny").json()["ready_at"]
+    rec = cli_json("deployment", "update", "tiny", "--draft-token-count", "2")
+    assert rec["status"]["state"] == "READY" and rec["status"]["ready_at"] == ready_at
+    assert rec["status"]["policy"]["max_draft_tokens"] == 2
+    assert daemon.post("/v1/completions", body).json()["choices"][0]["text"] == first["choices"][0]["text"]
+
+    # switching to a draft model reloads; greedy output is still the target's
+    rec = cli_json("deployment", "update", "tiny", "--draft-model", str(tiny_draft_dir), "--draft-token-count", "3")
+    assert rec["status"]["state"] == "READY" and rec["speculation"]["method"] == "draft_model"
+    assert daemon.post("/v1/completions", body).json()["choices"][0]["text"] == first["choices"][0]["text"]
+    rec = cli_json("deployment", "update", "tiny", "--disable-speculative-decoding")
+    assert rec["speculation"] == {"method": "none"} and rec["status"]["state"] == "READY"
+
+    # crash the daemon; a new one brings the deployment back from the store
+    daemon.kill()
+    daemon.start()
+    assert daemon.wait_state("tiny")["state"] == "READY"
+    assert daemon.post("/v1/completions", body).json()["choices"][0]["text"] == first["choices"][0]["text"]
+    listed = cli_json("deployment", "list")
+    assert [(r["id"], r["status"]["state"]) for r in listed] == [("tiny", "READY")]
+
+    result = cli("deployment", "delete", "tiny")
+    assert result.exit_code == 0, result.stderr
+    assert daemon.get("/depctl/v1/deployments/tiny").status_code == 404
+    assert cli_json("deployment", "list") == []
+    assert daemon.post("/v1/completions", body).status_code == 404
+
+
+def test_failures_are_reported_and_isolated(daemon, tiny_model_dir, tmp_path, depctl_home):
+    # a deployment that works, next to three that cannot
+    assert cli_json("deployment", "create", str(tiny_model_dir), "--deployment-id", "good")["status"]["state"] == "READY"
+
+    broken_model = tmp_path / "broken-model"
+    broken_model.mkdir()
+    (broken_model / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    result = cli("deployment", "create", str(broken_model), "--deployment-id", "wontload")
+    assert result.exit_code == 1
+    assert "FAILED" in result.stderr and "failed to load" in result.stderr
+    assert "depctl deployment delete wontload" in " ".join(result.stderr.split())
+
+    other_tok = save_tiny(tmp_path / "other-tokenizer", seed=2, byte_offset=7)
+    result = cli("deployment", "create", str(tiny_model_dir), "--deployment-id", "mismatch",
+                 "--draft-model", str(other_tok), "--draft-token-count", "4")
+    assert result.exit_code == 1
+    assert "does not use the target's tokenizer" in " ".join(result.stderr.split())
+
+    (depctl_home / "deployments" / "handmade.yaml").write_text("id: handmade\nmodel: [oops\n")
+    rows = {r["id"]: r for r in cli_json("deployment", "list")}
+    assert rows["good"]["status"]["state"] == "READY"
+    assert rows["wontload"]["status"]["state"] == "FAILED"
+    assert rows["handmade"]["status"]["state"] == "FAILED" and "handmade.yaml" in rows["handmade"]["status"]["reason"]
+    daemon_view = daemon.wait_state("handmade", ("FAILED",))
+    assert "handmade.yaml" in daemon_view["reason"]
+
+    # a FAILED deployment answers 503 with its state; the good one still answers
+    r = daemon.post("/v1/completions", {"model": "wontload", "prompt": "x"})
+    assert r.status_code == 503 and "FAILED" in r.json()["error"]["message"]
+    assert daemon.post("/v1/completions", {"model": "good", "prompt": "x", "max_tokens": 3}).status_code == 200
+
+
+def test_cuda_request_without_cuda_fails_with_reason(daemon, tiny_model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the failure path cannot be shown here")
+    result = cli("deployment", "create", str(tiny_model_dir), "--deployment-id", "gpu", "--device", "cuda")
+    assert result.exit_code == 1
+    assert "torch sees no CUDA GPU" in " ".join(result.stderr.split())
+
+
+def test_daemon_binds_localhost_and_cli_autostarts(depctl_home, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("DEPCTL_PORT", "0")
+    result = cli("deployment", "create", str(tiny_model_dir), "--deployment-id", "auto", "-o", "json")
+    try:
+        assert result.exit_code == 0, result.stderr
+        assert "starting one" in result.stderr
+        info = json.loads((depctl_home / "daemon.json").read_text())
+        assert info["host"] == "127.0.0.1"
+        status = cli_json("daemon", "status")
+        assert status["deployments"] == {"auto": "READY"}
+    finally:
+        assert cli("daemon", "stop").exit_code == 0
+    assert not (depctl_home / "daemon.json").exists()
+    assert cli("daemon", "status").exit_code != 0

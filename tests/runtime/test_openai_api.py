@@ -1,0 +1,178 @@
+"""The OpenAI API of a live daemon (tiny models), through the official ``openai`` SDK."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+from depctl.store import SpecStore
+from tests.daemon_util import DaemonProcess
+
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
+    home = tmp_path_factory.mktemp("api-home")
+    store = SpecStore(home / "deployments")
+    store.create(DeploymentSpec(id="ngram", model=str(tiny_model_dir),
+                                speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
+    store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir)))
+    store.create(DeploymentSpec(id="drafted", model=str(tiny_model_dir),
+                                speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3)))
+    store.create(DeploymentSpec(id="broken", model=str(tiny_model_dir / "missing")))
+    d = DaemonProcess(home).start()
+    for dep in ("ngram", "plain", "drafted", "broken"):
+        d.wait_state(dep)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_ready_deployments(client):
+    assert sorted(m.id for m in client.models.list()) == ["drafted", "ngram", "plain"]
+
+
+def test_completion_shape_and_usage(client):
+    r = client.completions.create(model="ngram", prompt="abcabcabcabc", max_tokens=20, **GREEDY)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20 and r.usage.total_tokens == r.usage.prompt_tokens + 20
+    spec = r.usage.model_extra["speculation"]
+    assert spec["drafted_tokens"] >= spec["accepted_tokens"] >= 0
+
+
+def test_all_deployments_agree_greedily(client):
+    # speculation never changes greedy output: n-gram and draft-model deployments equal the plain one
+    texts = {dep: client.completions.create(model=dep, prompt="hello hello hello", max_tokens=30, **GREEDY).choices[0].text
+             for dep in ("plain", "ngram", "drafted")}
+    assert texts["ngram"] == texts["plain"] == texts["drafted"]
+
+
+def test_firectl_model_form(client):
+    r = client.completions.create(model="accounts/me/models/tiny#ngram", prompt="ab", max_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3
+
+
+def test_chat_and_streaming_with_usage(client):
+    messages = [{"role": "user", "content": "say something"}]
+    full = client.chat.completions.create(model="ngram", messages=messages, max_tokens=25, **GREEDY)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="ngram", messages=messages, max_tokens=25, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+
+
+def test_completion_streaming(client):
+    full = client.completions.create(model="plain", prompt="xyz", max_tokens=15, **GREEDY)
+    chunks = list(client.completions.create(model="plain", prompt="xyz", max_tokens=15, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="plain", prompt="hello", max_tokens=30, **GREEDY).choices[0].text
+    visible = [ch for ch in full if ch.isprintable() and ch != "\ufffd"]
+    stop = visible[len(visible) // 2]
+    r = client.completions.create(model="plain", prompt="hello", max_tokens=30, stop=[stop], **GREEDY)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_predicted_outputs(client):
+    # A random model writes random bytes, and text with broken UTF-8 does not re-tokenize to the same ids. Pick a
+    # prompt whose answer starts with plain ASCII (1 byte = 1 token here), so the prediction is exactly right there.
+    for i in range(100):
+        messages = [{"role": "user", "content": f"rewrite this {i}"}]
+        expected = client.chat.completions.create(model="plain", messages=messages, max_tokens=40, **GREEDY)
+        expected = expected.choices[0].message.content
+        prefix = expected.split("\ufffd")[0]
+        if len(prefix) >= 6:
+            break
+    else:
+        pytest.fail("no prompt gave an ASCII start")
+    right = client.chat.completions.create(model="plain", messages=messages, max_tokens=40,
+                                           prediction={"type": "content", "content": expected}, **GREEDY)
+    assert right.choices[0].message.content == expected
+    details = right.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= len(prefix)  # every token of the ASCII start came from it
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == len(expected.encode())
+    # a wrong prediction costs speed, never correctness, also on top of the deployment's own speculation
+    wrong = client.chat.completions.create(model="ngram", messages=messages, max_tokens=40,
+                                           prediction={"type": "content", "content": "nothing like it " * 5}, **GREEDY)
+    assert wrong.choices[0].message.content == expected
+
+
+def test_errors_map_to_sdk_exceptions(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="plain", prompt="x", max_tokens=10_000)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="plain", prompt="x", n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="plain", prompt="x", temperature=-1)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="plain", messages=[])
+    with pytest.raises(openai.InternalServerError) as e:  # 503: the deployment exists but is FAILED
+        client.completions.create(model="broken", prompt="x")
+    assert e.value.status_code == 503 and "FAILED" in e.value.message
+
+
+def test_unknown_fields_are_ignored(daemon):
+    r = daemon.post("/v1/completions", {"model": "plain", "prompt": "a", "max_tokens": 2, "frequency_penalty": 0,
+                                       "some_future_field": {"x": 1}})
+    assert r.status_code == 200
+
+
+def test_concurrent_clients_get_their_solo_outputs(client):
+    prompts = [f"prompt number {i} " * (i % 3 + 1) for i in range(8)]
+    solo = [client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(
+            lambda p: client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text, prompts))
+    assert together == solo
+
+
+def test_disconnect_stops_generation(daemon):
+    before = daemon.get("/depctl/v1/deployments/plain").json()["stats"]["generated_tokens"]
+    with httpx.stream("POST", daemon.url + "/v1/completions", timeout=30,
+                      json={"model": "plain", "prompt": "go", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break
+    time.sleep(1.5)
+    after = daemon.get("/depctl/v1/deployments/plain").json()["stats"]["generated_tokens"]
+    assert after - before < 400
+
+
+def test_metrics(client, daemon):
+    client.completions.create(model="ngram", prompt="abcabcabc", max_tokens=10, **GREEDY)
+    families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics").text)}
+    for name in ("depctl:spec_decode_num_drafts", "depctl:spec_decode_num_draft_tokens",
+                 "depctl:spec_decode_num_accepted_tokens", "depctl:spec_decode_num_accepted_tokens_per_pos",
+                 "depctl:requests", "depctl:generation_tokens", "depctl:time_to_first_token_seconds",
+                 "depctl:inter_token_latency_seconds"):
+        assert name in families, name
+    drafts = {s.labels["deployment"]: s.value for s in families["depctl:spec_decode_num_draft_tokens"].samples}
+    assert drafts["ngram"] > 0
+    ok = [s for s in families["depctl:requests"].samples
+          if s.name.endswith("_total") and s.labels == {"deployment": "ngram", "endpoint": "completions", "status": "ok"}]
+    assert ok and ok[0].value >= 1
