@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Run the test suite (sets up first). Extra arguments go to pytest, e.g. scripts/test.sh -k engine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python -m pytest -q -ra "$@"
