@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from depctl.cli import daemon, deployment, model, talk
+from depctl.cli import bench, daemon, deployment, model, talk
 
 app = typer.Typer(
     name="depctl",
@@ -13,6 +13,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+deployment.app.command()(bench.bench)
 app.add_typer(deployment.app, name="deployment")
 app.add_typer(daemon.app, name="daemon")
 app.add_typer(model.app, name="model")

@@ -34,6 +34,7 @@ class _Common(_Request):
     user: str | None = None
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM extension: benchmarks use it to force a length
+    speculate: bool = True  # depctl extension: false decodes this request plainly (`depctl deployment bench`)
 
     def check_supported(self) -> None:
         if self.n != 1:

@@ -120,7 +120,8 @@ class Service:
             sampling = req.sampling_params()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        params = GenerationParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=req.ignore_eos, prediction=prediction)
+        params = GenerationParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=req.ignore_eos,
+                                  prediction=prediction, speculate=req.speculate)
         return Job(kind, dep, req.model, list(prompt_ids), params, req.stop_strings)
 
     # ---- running ----

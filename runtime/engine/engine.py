@@ -38,6 +38,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
+    speculate: bool = True  # False: this request decodes plainly (benchmarks compare on the same engine)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class SpeculativeEngine:
                     # every step emits at least one target token, so k <= limit - produced - 1 never overshoots
                     room = limit - produced - 1
                     drafts, draft_probs, from_prediction = self._propose(
-                        tokens, len(prompt_ids), room, sampling, generator, acceptance, tracker, pred_acceptance
+                        tokens, len(prompt_ids), room, sampling, generator, acceptance, tracker, pred_acceptance,
+                        params.speculate,
                     )
                     emitted, n = self._verify(
                         tokens, drafts, draft_probs, sampling, generator, stats,
@@ -144,7 +146,7 @@ class SpeculativeEngine:
             self.stats.merge(stats)
             self.last_request_stats = stats
 
-    def _propose(self, tokens, prompt_len, room, sampling, generator, acceptance, tracker, pred_acceptance):
+    def _propose(self, tokens, prompt_len, room, sampling, generator, acceptance, tracker, pred_acceptance, speculate):
         """Drafts for one step: from the request's prediction first, else from the deployment's proposer.
 
         Returns (draft_tokens, draft_probs [k, vocab] or None for one-hot, whether they came from the prediction).
@@ -160,7 +162,7 @@ class SpeculativeEngine:
             if drafts:
                 self._draft_seconds = time.perf_counter() - t0
                 return drafts, None, True
-        proposer = self.proposer
+        proposer = self.proposer if speculate else None
         drafts, probs = [], None
         if proposer is not None:
             if sampling.seed is not None and not sampling.greedy:

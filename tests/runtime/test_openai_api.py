@@ -176,3 +176,23 @@ def test_metrics(client, daemon):
     ok = [s for s in families["depctl:requests"].samples
           if s.name.endswith("_total") and s.labels == {"deployment": "ngram", "endpoint": "completions", "status": "ok"}]
     assert ok and ok[0].value >= 1
+
+
+def test_cli_generate_and_bench(daemon, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from depctl.cli import app
+
+    monkeypatch.setenv("DEPCTL_HOME", str(daemon.home))
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", "ngram", "hello", "--max-tokens", "8"])
+    assert result.exit_code == 0, result.stderr
+    assert "8 tokens in" in result.stderr and "acceptance" in result.stderr
+    result = runner.invoke(app, ["deployment", "bench", "ngram", "--limit", "2", "--max-tokens", "16", "-o", "json"])
+    assert result.exit_code == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["prompts"] == 2 and data["identical_output"] is True and data["tokens"] > 0
+    result = runner.invoke(app, ["deployment", "bench", "ngram", "--workload", "nope"])
+    assert result.exit_code == 2 and "no prompt set" in result.stderr
