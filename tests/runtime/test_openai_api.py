@@ -196,3 +196,14 @@ def test_cli_generate_and_bench(daemon, monkeypatch):
     assert data["prompts"] == 2 and data["identical_output"] is True and data["tokens"] > 0
     result = runner.invoke(app, ["deployment", "bench", "ngram", "--workload", "nope"])
     assert result.exit_code == 2 and "no prompt set" in result.stderr
+
+
+def test_cli_chat_keeps_the_conversation(daemon, monkeypatch):
+    from typer.testing import CliRunner
+
+    from depctl.cli import app
+
+    monkeypatch.setenv("DEPCTL_HOME", str(daemon.home))
+    result = CliRunner().invoke(app, ["chat", "plain", "--max-tokens", "5"], input="hello\nand again\n\n")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("5 tokens in") == 2  # two replies, each with its summary line
