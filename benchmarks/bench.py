@@ -101,6 +101,10 @@ def main() -> int:
     t0 = time.perf_counter()
     model, tokenizer = load(args.model, device, dtype)
     draft = load(args.draft, device, dtype)[0] if args.draft else None
+    # transformers' rows get their own copies: our runner changes how its model computes linears on a CPU
+    # (runner.use_weight_major_linear), and the baseline should be transformers as users run it
+    hf_model = None if args.no_hf else load(args.model, device, dtype)[0]
+    hf_draft = None if args.no_hf or not args.draft else load(args.draft, device, dtype)[0]
     print(f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     vocab = len(tokenizer)
@@ -117,22 +121,22 @@ def main() -> int:
         (Result("ours plain", "plain", True), lambda ids: run_ours(plain_engine, ids, args.max_tokens)),
     ]
     if not args.no_hf:
-        configs.append((Result("transformers plain", "plain", False), lambda ids: run_hf(model, ids, args.max_tokens, eos)))
+        configs.append((Result("transformers plain", "plain", False), lambda ids: run_hf(hf_model, ids, args.max_tokens, eos)))
     if not args.no_ngram:
         ngram_engine = engine(NgramProposer(args.ngram), args.k)
         configs.append((Result(f"ours ngram n={args.ngram} K={args.k}", "ngram", True),
                         lambda ids: run_ours(ngram_engine, ids, args.max_tokens)))
         if not args.no_hf:
             configs.append((Result(f"transformers prompt lookup K={args.k}", "ngram", False), lambda ids: run_hf(
-                model, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)))
+                hf_model, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)))
     if draft is not None:
         draft_engine = engine(DraftModelProposer(ModelRunner(draft, vocab)), args.draft_k)
         configs.append((Result(f"ours draft K={args.draft_k}", "draft", True),
                         lambda ids: run_ours(draft_engine, ids, args.max_tokens)))
         if not args.no_hf:
-            draft.generation_config.num_assistant_tokens = args.draft_k
+            hf_draft.generation_config.num_assistant_tokens = args.draft_k
             configs.append((Result(f"transformers assisted K={args.draft_k}", "draft", False),
-                            lambda ids: run_hf(model, ids, args.max_tokens, eos, assistant_model=draft)))
+                            lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft)))
 
     tables = {}
     for workload in args.workload.split(","):

@@ -9,14 +9,18 @@ feeding ``tokens[cache_len:]`` in its next forward.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers import DynamicCache
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, cpu_small_batch_linear: bool = True):
         self.model = model
         self.device = next(model.parameters()).device
+        if cpu_small_batch_linear and self.device.type == "cpu":
+            use_weight_major_linear(model)
         # Logit rows beyond the tokenizer's vocabulary are padding (Qwen pads its tables); sliced off so target
         # and draft probabilities line up.
         self.vocab_size = vocab_size
@@ -54,6 +58,28 @@ class ModelRunner:
         if extra > 0:
             # transformers 5: crop(-n) removes the last n positions; a positive argument raises
             self.cache.crop(-extra)
+
+
+def _weight_major_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # x: [..., in] -> [..., out], computed as (W @ x^T)^T
+    flat = x.reshape(-1, x.shape[-1])  # [n, in]
+    y = (self.weight @ flat.T).T.reshape(*x.shape[:-1], self.weight.shape[0])  # [..., out]
+    return y if self.bias is None else y + self.bias
+
+
+def use_weight_major_linear(model: torch.nn.Module) -> None:
+    """Compute every ``nn.Linear`` of ``model`` as ``(W @ x^T)^T`` instead of ``F.linear``.
+
+    Why: on a CPU, ``F.linear`` for a handful of rows (a verify pass over k + 1 tokens) takes a GEMM path that
+    costs nearly 2x a single-token step; the weight-major product keeps it close to the one-token cost (SmolLM2 on
+    2 cores: verify of 5 tokens 68 ms instead of 109 ms; a single step unchanged at 58 ms). That is what makes
+    verifying K drafts nearly as cheap as one step, which speculation needs. Plain decoding goes through the same
+    layers, so greedy speculative output still equals plain greedy output of this runner (tests check it on tiny
+    and real models). Patched per instance: other users of the class are untouched.
+    """
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(_weight_major_forward, module)
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
