@@ -11,11 +11,13 @@ while drafts do not pay, and drafts less where verifying many tokens is dear (on
 about twice a single step; on a GPU about the same as one).
 
 - ``verify(k)`` and the per-token draft cost are measured when the deployment loads (``calibrate``) and then
-  follow every step (exponential moving averages); lengths never measured are interpolated.
+  follow every step: a lower measurement replaces the estimate at once, a higher one moves it slowly (timing noise
+  only ever adds time); lengths never measured are interpolated.
 - ``a`` is estimated per request from its own steps (n accepted of n + 1 tries after a rejection, n of n after a
   full accept), starting from the deployment's running average. While it is not drafting, an n-gram proposal
   is still computed (free) and compared with the token the target produced, so the estimate keeps moving;
-  a draft model is probed with one token every ``PROBE_EVERY`` plain steps.
+  a draft model is probed with one token every ``PROBE_EVERY`` plain steps, and a free proposer whose guesses
+  keep hitting drafts K on those steps, re-measuring a verify cost that may have been taken on a busy machine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent 
 PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
 PROBE_EVERY = 8
 MIN_GAIN = 1.03  # speculate only when it is expected to beat plain decoding by at least 3%
+
+
+def _track(old: float | None, sample: float) -> float:
+    """Follow a cost: drop to a lower sample at once (timing noise only ever adds: a busy machine, a page
+    fault), rise slowly towards a higher one (an EMA), so one slow measurement cannot switch speculation off."""
+    if old is None or sample < old:
+        return sample
+    return (1 - EMA) * old + EMA * sample
 
 
 @dataclass
@@ -85,22 +95,26 @@ class DraftLengthPolicy:
                 best_k, best_rate = k, rate
         if best_k and best_rate < MIN_GAIN / base:
             best_k = 0
-        if best_k == 0 and per_token:
+        if best_k == 0:
             acc.plain_steps += 1
             if acc.plain_steps % PROBE_EVERY == 0:
-                return 1  # a probe keeps the acceptance estimate alive
+                # A probe keeps the estimates alive: a draft model's acceptance (it has no free shadow guess), and
+                # for a free proposer whose guesses keep hitting, the cost of a long verify, which may have been
+                # measured while the machine was busy and would otherwise never be measured again.
+                if per_token:
+                    return 1
+                if a >= 0.5:
+                    return max_k
         return best_k
 
     # ---- costs ----
     def observe_verify(self, k: int, seconds: float) -> None:
-        old = self.verify_cost.get(k)
-        self.verify_cost[k] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.verify_cost[k] = _track(self.verify_cost.get(k), seconds)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
             return
-        per_token = seconds / tokens
-        self.draft_cost = per_token if self.draft_cost is None else (1 - EMA) * self.draft_cost + EMA * per_token
+        self.draft_cost = _track(self.draft_cost, seconds / tokens)
 
     def cost(self, k: int) -> float:
         """verify(k), interpolated linearly between measured lengths (and flat past the longest measured)."""

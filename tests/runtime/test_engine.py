@@ -207,3 +207,14 @@ def test_dynamic_cache_crop_semantics_we_rely_on():
     cache.update(k, k, 0)
     cache.crop(-3)
     assert cache.get_seq_length() == 7
+
+
+def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):
+    # calibration taken on a busy machine: long verifies look 100x dearer than they are
+    engine = make(target, NgramProposer(2), 4)
+    engine.calibrate()
+    for k in (1, 2, 4):
+        engine.policy.verify_cost[k] = 1000.0  # seconds: no draft could ever pay at that price
+    run(engine, PROMPTS[2], max_tokens=120, ignore_eos=True)  # a repetitive prompt: the n-gram guesses hit
+    assert engine.stats.num_draft_tokens > 0  # probes drafted...
+    assert engine.policy.verify_cost[4] < 1000.0  # ...and replaced the bad measurement with a real one
