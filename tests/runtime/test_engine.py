@@ -217,4 +217,6 @@ def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):
         engine.policy.verify_cost[k] = 1000.0  # seconds: no draft could ever pay at that price
     run(engine, PROMPTS[2], max_tokens=120, ignore_eos=True)  # a repetitive prompt: the n-gram guesses hit
     assert engine.stats.num_draft_tokens > 0  # probes drafted...
-    assert engine.policy.verify_cost[4] < 1000.0  # ...and replaced the bad measurement with a real one
+    # ...and replaced a bad measurement with a real one (which lengths depends on what the proposer found and on
+    # timings, so only "some" is certain)
+    assert min(engine.policy.verify_cost[k] for k in (1, 2, 3, 4) if k in engine.policy.verify_cost) < 1000.0
