@@ -48,6 +48,7 @@ class Result:
     drafts: int = 0
     peak_mb: float | None = None
     outputs: list = field(default_factory=list)
+    engine: SpeculativeEngine | None = None  # ours: whose counters give acceptance
 
 
 def load(ref: str, device, dtype):
@@ -118,20 +119,20 @@ def main() -> int:
 
     plain_engine = engine(None, 0)
     configs: list[tuple[Result, callable]] = [
-        (Result("ours plain", "plain", True), lambda ids: run_ours(plain_engine, ids, args.max_tokens)),
+        (Result("ours plain", "plain", True, engine=plain_engine), lambda ids: run_ours(plain_engine, ids, args.max_tokens)),
     ]
     if not args.no_hf:
         configs.append((Result("transformers plain", "plain", False), lambda ids: run_hf(hf_model, ids, args.max_tokens, eos)))
     if not args.no_ngram:
         ngram_engine = engine(NgramProposer(args.ngram), args.k)
-        configs.append((Result(f"ours ngram n={args.ngram} K={args.k}", "ngram", True),
+        configs.append((Result(f"ours ngram n={args.ngram} K={args.k}", "ngram", True, engine=ngram_engine),
                         lambda ids: run_ours(ngram_engine, ids, args.max_tokens)))
         if not args.no_hf:
             configs.append((Result(f"transformers prompt lookup K={args.k}", "ngram", False), lambda ids: run_hf(
                 hf_model, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)))
     if draft is not None:
         draft_engine = engine(DraftModelProposer(ModelRunner(draft, vocab)), args.draft_k)
-        configs.append((Result(f"ours draft K={args.draft_k}", "draft", True),
+        configs.append((Result(f"ours draft K={args.draft_k}", "draft", True, engine=draft_engine),
                         lambda ids: run_ours(draft_engine, ids, args.max_tokens)))
         if not args.no_hf:
             hf_draft.generation_config.num_assistant_tokens = args.draft_k
@@ -143,7 +144,7 @@ def main() -> int:
         prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{workload}.jsonl").open()]
         prompts = prompts[: args.limit] if args.limit else prompts
         results = [Result(r.name, r.method, r.ours) for r, _ in configs]
-        for fn_result, fn in configs:  # warm-up: lazy initialisation is not what we measure
+        for _, fn in configs:  # warm-up: lazy initialisation is not what we measure
             fn(encode(tokenizer, "Hello")[:16])
         for i, prompt in enumerate(prompts):
             ids = encode(tokenizer, prompt)
@@ -152,7 +153,7 @@ def main() -> int:
             for j in order:
                 _, fn = configs[j]
                 res = results[j]
-                engine_obj = _engine_of(fn)
+                engine_obj = configs[j][0].engine
                 before = _snapshot(engine_obj)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
@@ -184,14 +185,6 @@ def main() -> int:
 
 def _as_list(x):
     return [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])
-
-
-def _engine_of(fn):
-    """The SpeculativeEngine a lambda closes over, for its counters (None for transformers' rows)."""
-    for cell in fn.__closure__ or ():
-        if isinstance(cell.cell_contents, SpeculativeEngine):
-            return cell.cell_contents
-    return None
 
 
 def _snapshot(engine):
