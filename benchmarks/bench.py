@@ -32,7 +32,7 @@ from runtime.engine import (  # noqa: E402
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner  # noqa: E402
-from runtime.loader import pick_device, pick_dtype  # noqa: E402
+from runtime.loader import pick_device, pick_draft_precision, pick_dtype, quantize_int8  # noqa: E402
 
 
 @dataclass
@@ -88,6 +88,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=8, help="--draft-token-count")
     parser.add_argument("--draft-k", type=int, default=4, help="K for the draft model")
+    parser.add_argument("--draft-precision", default="auto",
+                        help="--draft-precision (auto: int8 on CPU); transformers' assisted row gets the same draft, "
+                        "and a second row with the draft in the target's dtype, as users run it by default")
     parser.add_argument("--ngram", type=int, default=3, help="--ngram-speculation-length")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' rows")
@@ -101,11 +104,21 @@ def main() -> int:
     dtype = pick_dtype(args.dtype, device)
     t0 = time.perf_counter()
     model, tokenizer = load(args.model, device, dtype)
-    draft = load(args.draft, device, dtype)[0] if args.draft else None
+    precision = pick_draft_precision(args.draft_precision, device, dtype) if args.draft else None
+
+    def load_draft():
+        d = load(args.draft, device, torch.float32 if precision == "int8" else getattr(torch, precision))[0]
+        return quantize_int8(d) if precision == "int8" else d
+
+    draft = load_draft() if args.draft else None
     # transformers' rows get their own copies: our runner changes how its model computes linears on a CPU
     # (runner.use_weight_major_linear), and the baseline should be transformers as users run it
     hf_model = None if args.no_hf else load(args.model, device, dtype)[0]
-    hf_draft = None if args.no_hf or not args.draft else load(args.draft, device, dtype)[0]
+    hf_draft = None if args.no_hf or not args.draft else load_draft()
+    # transformers with the draft as it comes (the target's dtype), when ours is held differently
+    hf_draft_plain = None
+    if hf_draft is not None and precision != str(dtype).removeprefix("torch."):
+        hf_draft_plain = load(args.draft, device, dtype)[0]
     print(f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     vocab = len(tokenizer)
@@ -132,12 +145,17 @@ def main() -> int:
                 hf_model, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)))
     if draft is not None:
         draft_engine = engine(DraftModelProposer(ModelRunner(draft, vocab)), args.draft_k)
-        configs.append((Result(f"ours draft K={args.draft_k}", "draft", True, engine=draft_engine),
+        configs.append((Result(f"ours draft K={args.draft_k} ({precision} draft)", "draft", True, engine=draft_engine),
                         lambda ids: run_ours(draft_engine, ids, args.max_tokens)))
         if not args.no_hf:
             hf_draft.generation_config.num_assistant_tokens = args.draft_k
-            configs.append((Result(f"transformers assisted K={args.draft_k}", "draft", False),
+            configs.append((Result(f"transformers assisted K={args.draft_k} ({precision} draft)", "draft", False),
                             lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft)))
+        if hf_draft_plain is not None:
+            hf_draft_plain.generation_config.num_assistant_tokens = args.draft_k
+            plain_name = str(dtype).removeprefix("torch.")
+            configs.append((Result(f"transformers assisted K={args.draft_k} ({plain_name} draft)", "draft-as-is", False),
+                            lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft_plain)))
 
     tables = {}
     for workload in args.workload.split(","):

@@ -33,6 +33,10 @@ ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# How the draft model's weights are held. The draft only proposes, so its numerics never change the output (the
+# target verifies every token); "int8" (dynamic int8 linears, CPU only) drafts ~3x faster than float32 on a CPU.
+# auto: int8 on a CPU, the target's dtype on a GPU.
+DraftPrecision = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 
 
 class _Strict(BaseModel):
@@ -57,6 +61,7 @@ class DraftModelSpeculation(_Strict):
     method: Literal["draft_model"] = "draft_model"
     draft_model: str = Field(min_length=1)
     num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
+    draft_precision: DraftPrecision = "auto"
 
 
 Speculation = Annotated[
@@ -110,15 +115,29 @@ def speculation_from_flags(
     draft_model: str | None,
     draft_token_count: int | None,
     ngram_speculation_length: int | None,
+    draft_precision: str | None = None,
     disable: bool = False,
     current: NoSpeculation | NgramSpeculation | DraftModelSpeculation | None = None,
 ) -> NoSpeculation | NgramSpeculation | DraftModelSpeculation | None:
     """Turn the speculation flags into a ``Speculation``; the one place the cross-flag rules live.
 
     ``current`` is the deployment's speculation on ``update``: there ``--draft-token-count`` alone changes the
-    count of whatever method is configured. Returns ``None`` on update when no speculation flag was given.
-    Messages name the flags the user typed.
+    count of whatever method is configured, and ``--draft-precision`` alone the precision of a configured draft
+    model. Returns ``None`` on update when no speculation flag was given. Messages name the flags the user typed.
     """
+    current_draft = current if isinstance(current, DraftModelSpeculation) else None
+    if draft_precision is not None and (ngram_speculation_length is not None or disable):
+        other = "--ngram-speculation-length" if ngram_speculation_length is not None else "--disable-speculative-decoding"
+        raise UsageError(
+            f"--draft-precision applies to a draft model and cannot be used with {other}",
+            "drop --draft-precision, or use it with --draft-model",
+        )
+    if draft_precision is not None and draft_model is None and current_draft is None:
+        where = " (this deployment does not use a draft model)" if current is not None else ""
+        raise UsageError(
+            f"--draft-precision needs --draft-model{where}",
+            "add --draft-model=MODEL --draft-token-count=N, or drop --draft-precision",
+        )
     if draft_model is not None and ngram_speculation_length is not None:
         raise UsageError(
             "--draft-model and --ngram-speculation-length cannot be used together: pick one speculation method",
@@ -142,13 +161,21 @@ def speculation_from_flags(
             if draft_model is not None:
                 if not draft_model.strip():
                     raise UsageError("--draft-model must not be empty")
-                return DraftModelSpeculation(draft_model=draft_model, num_draft_tokens=draft_token_count)
+                precision = draft_precision or (current_draft.draft_precision if current_draft else "auto")
+                return DraftModelSpeculation(
+                    draft_model=draft_model, num_draft_tokens=draft_token_count, draft_precision=precision
+                )
             return NgramSpeculation(ngram_length=ngram_speculation_length, num_draft_tokens=draft_token_count)
         except ValidationError as exc:  # bounds are also enforced by the CLI; this guards library callers
             raise UsageError(_flag_bounds_message(exc)) from None
+    if draft_precision is not None and draft_token_count is None:  # update: the precision alone
+        return current_draft.model_copy(update={"draft_precision": draft_precision})
     if draft_token_count is not None:
         if current is not None and not isinstance(current, NoSpeculation):
-            return current.model_copy(update={"num_draft_tokens": _check_count(draft_token_count)})
+            fields = {"num_draft_tokens": _check_count(draft_token_count)}
+            if draft_precision is not None:
+                fields["draft_precision"] = draft_precision
+            return current.model_copy(update=fields)
         where = " (this deployment has speculation disabled)" if current is not None else ""
         raise UsageError(
             f"--draft-token-count needs --draft-model or --ngram-speculation-length{where}",
@@ -176,5 +203,6 @@ def describe_speculation(spec: NoSpeculation | NgramSpeculation | DraftModelSpec
     if isinstance(spec, NgramSpeculation):
         return f"ngram (n={spec.ngram_length}, k={spec.num_draft_tokens})"
     if isinstance(spec, DraftModelSpeculation):
-        return f"draft {spec.draft_model} (k={spec.num_draft_tokens})"
+        precision = "" if spec.draft_precision == "auto" else f", {spec.draft_precision}"
+        return f"draft {spec.draft_model} (k={spec.num_draft_tokens}{precision})"
     return "off"

@@ -80,6 +80,8 @@ class Deployment:
         if self.loaded:
             out["device"] = str(self.loaded.target.device)
             out["dtype"] = str(self.loaded.target.dtype).removeprefix("torch.")
+            if self.loaded.draft is not None:
+                out["draft_precision"] = self.loaded.draft.precision
             out["max_context"] = self.loaded.max_context
             out["stats"] = engine.stats.to_dict()
             out["policy"] = engine.policy.snapshot()

@@ -41,6 +41,14 @@ class Dtype(str, enum.Enum):
     float16 = "float16"
 
 
+class DraftPrecision(str, enum.Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    int8 = "int8"
+
+
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="A smaller model with the same tokenizer that drafts tokens.")
 DRAFT_COUNT = typer.Option(
@@ -50,6 +58,11 @@ DRAFT_COUNT = typer.Option(
 NGRAM = typer.Option(
     None, "--ngram-speculation-length", min=1, max=MAX_NGRAM_LENGTH,
     help=f"Prompt-lookup speculation: match the last N tokens, 1-{MAX_NGRAM_LENGTH}.",
+)
+DRAFT_PRECISION = typer.Option(
+    None, "--draft-precision",
+    help="How the draft model's weights are held; never changes the output. auto: int8 on CPU (about 3x faster "
+    "drafting), the target's dtype on CUDA.",
 )
 WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon reports READY or FAILED.")
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", min=1.0, help="Seconds to wait with --wait.")
@@ -125,6 +138,7 @@ def _detail_table(r: dict) -> Table:
         ("Speculation", describe_speculation(_spec_obj(r["speculation"])) if r.get("speculation") else "-"),
         ("Device / dtype", f"{r.get('device')} / {r.get('dtype')}" + (
             f" (running on {status['device']} / {status['dtype']})" if status.get("device") else "")),
+        *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
         ("State", _state_cell(status)),
     ]
     if status.get("reason"):
@@ -144,6 +158,8 @@ def _detail_table(r: dict) -> Table:
     if policy and policy.get("max_draft_tokens"):
         costs = ", ".join(f"k={k}: {v}" for k, v in policy["verify_ms"].items())
         rows.append(("Verify cost (ms)", costs))
+        if policy.get("draft_ms_per_token") is not None:
+            rows.append(("Draft cost (ms/token)", str(policy["draft_ms_per_token"])))
     if r.get("created_at"):
         rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
     for key, value in rows:
@@ -183,6 +199,7 @@ def create(
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
+    draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     device: Device = typer.Option(Device.auto, "--device"),
     dtype: Dtype = typer.Option(Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA, float32 on CPU."),
     validate_only: bool = typer.Option(False, "--validate-only", help="Print the spec that would be written; write nothing."),
@@ -192,7 +209,8 @@ def create(
 ) -> None:
     """Create a deployment of MODEL, optionally with speculative decoding."""
     speculation = speculation_from_flags(
-        draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length
+        draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
+        draft_precision=draft_precision.value if draft_precision else None,
     )
     target = models.resolve(model, "MODEL")
     if isinstance(speculation, DraftModelSpeculation):
@@ -245,6 +263,7 @@ def update(
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
+    draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     disable_speculative_decoding: bool = typer.Option(False, "--disable-speculative-decoding", help="Turn speculation off."),
     display_name: Optional[str] = typer.Option(None, "--display-name"),
     device: Optional[Device] = typer.Option(None, "--device"),
@@ -256,15 +275,16 @@ def update(
     """Change a deployment's speculation (or name, device, dtype). A new --draft-token-count applies without a reload."""
     store = SpecStore()
     current = store.get(deployment_id)
+    precision = draft_precision.value if draft_precision else None
     speculation = speculation_from_flags(
         draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
-        disable=disable_speculative_decoding, current=current.speculation,
+        draft_precision=precision, disable=disable_speculative_decoding, current=current.speculation,
     )
     if speculation is None and display_name is None and device is None and dtype is None:
         raise UsageError(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length with --draft-token-count, --draft-token-count, "
-            "--disable-speculative-decoding, --display-name, --device or --dtype",
+            "--draft-precision, --disable-speculative-decoding, --display-name, --device or --dtype",
         )
     if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
         draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
@@ -275,8 +295,8 @@ def update(
         fields = {}
         new = speculation_from_flags(
             draft_model=draft_model, draft_token_count=draft_token_count,
-            ngram_speculation_length=ngram_speculation_length, disable=disable_speculative_decoding,
-            current=spec.speculation,
+            ngram_speculation_length=ngram_speculation_length, draft_precision=precision,
+            disable=disable_speculative_decoding, current=spec.speculation,
         )
         if new is not None:
             fields["speculation"] = new

@@ -50,6 +50,13 @@ def spec_files(home) -> list:
         # packaged models with different tokenizers: refused, with a suggestion
         (["--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"], "must share a tokenizer",
          "qwen2.5-coder-1.5b-instruct"),
+        # the draft's precision belongs to a draft model
+        (["--draft-precision", "int8"], "--draft-precision needs --draft-model", "smollm2-135m-instruct"),
+        (["--ngram-speculation-length", "3", "--draft-token-count", "4", "--draft-precision", "int8"],
+         "--draft-precision applies to a draft model and cannot be used with --ngram-speculation-length",
+         "smollm2-135m-instruct"),
+        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "int4"],
+         "--draft-precision", "qwen2.5-coder-1.5b-instruct"),
     ],
 )
 def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
@@ -81,7 +88,11 @@ def test_unknown_model_says_what_was_tried(depctl_home):
         (["--ngram-speculation-length", "3", "--draft-token-count", "4"],
          {"method": "ngram", "ngram_length": 3, "num_draft_tokens": 4}),
         (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "32"],
-         {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 32}),
+         {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 32,
+          "draft_precision": "auto"}),
+        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "float32"],
+         {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 4,
+          "draft_precision": "float32"}),
     ],
 )
 def test_validate_only_prints_the_spec_and_writes_nothing(flags, speculation, depctl_home):
@@ -121,6 +132,8 @@ def _seed(depctl_home, speculation) -> None:
         (["--ngram-speculation-length", "2"], "--draft-token-count is required"),
         (["--disable-speculative-decoding", "--draft-token-count", "2"], "--disable-speculative-decoding cannot be combined"),
         (["--draft-token-count", "0"], "--draft-token-count"),
+        (["--draft-precision", "int8"], "--draft-precision needs --draft-model (this deployment does not use a draft model)"),
+        (["--disable-speculative-decoding", "--draft-precision", "int8"], "cannot be used with --disable-speculative-decoding"),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -130,6 +143,27 @@ def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home)
     assert result.exit_code != 0
     assert needle in " ".join(result.stderr.split())
     assert (depctl_home / "deployments" / "dep.yaml").read_text() == before
+
+
+def test_update_draft_precision_alone_keeps_the_rest(depctl_home, monkeypatch):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+    from depctl.spec import DraftModelSpeculation
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)  # the spec is the point here, not loading it
+    _seed(depctl_home, DraftModelSpeculation(draft_model="smollm2-135m-instruct", num_draft_tokens=5))
+    result = run("deployment", "update", "dep", "--no-wait", "--draft-precision", "float32")
+    # the spec is written before the daemon is contacted; without a daemon the command then says so
+    assert "Updated deployment" in result.stderr and "daemon is unavailable" in result.stderr, result.stderr
+    spec = SpecStore().get("dep").speculation
+    assert (spec.draft_model, spec.num_draft_tokens, spec.draft_precision) == ("smollm2-135m-instruct", 5, "float32")
+    # and a new count keeps the precision
+    run("deployment", "update", "dep", "--no-wait", "--draft-token-count", "2")
+    spec = SpecStore().get("dep").speculation
+    assert (spec.num_draft_tokens, spec.draft_precision) == (2, "float32")
 
 
 def test_update_count_without_method_on_a_plain_deployment(depctl_home):

@@ -55,6 +55,12 @@ def test_create_serve_update_delete_restart(daemon, tiny_model_dir, tiny_draft_d
     # switching to a draft model reloads; greedy output is still the target's
     rec = cli_json("deployment", "update", "tiny", "--draft-model", str(tiny_draft_dir), "--draft-token-count", "3")
     assert rec["status"]["state"] == "READY" and rec["speculation"]["method"] == "draft_model"
+    assert rec["status"]["draft_precision"] == ("int8" if rec["status"]["device"] == "cpu" else rec["status"]["dtype"])
+    assert daemon.post("/v1/completions", body).json()["choices"][0]["text"] == first["choices"][0]["text"]
+    # a new draft precision reloads the draft; the output is still the target's
+    rec = cli_json("deployment", "update", "tiny", "--draft-precision", "float32")
+    assert rec["status"]["state"] == "READY" and rec["status"]["draft_precision"] == "float32"
+    assert rec["speculation"]["num_draft_tokens"] == 3
     assert daemon.post("/v1/completions", body).json()["choices"][0]["text"] == first["choices"][0]["text"]
     rec = cli_json("deployment", "update", "tiny", "--disable-speculative-decoding")
     assert rec["speculation"] == {"method": "none"} and rec["status"]["state"] == "READY"

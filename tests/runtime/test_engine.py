@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -10,6 +12,7 @@ from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner
+from runtime.loader import quantize_int8
 from tests.tiny import tiny_llama
 
 EOS = 258
@@ -54,11 +57,13 @@ def test_plain_engine_matches_transformers_generate(target):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "int8 draft", "self"])
 def test_greedy_output_equals_plain_decoding(target, draft, method, k):
     proposer = {
         "ngram": lambda: NgramProposer(2),
         "draft": lambda: DraftModelProposer(ModelRunner(draft)),
+        # the draft's numerics never reach the output: an int8 copy of the target drafts, the fp32 target decides
+        "int8 draft": lambda: DraftModelProposer(ModelRunner(quantize_int8(copy.deepcopy(target)))),
         "self": lambda: DraftModelProposer(ModelRunner(target)),
     }[method]()
     engine = make(target, proposer, k, adaptive=False)  # adaptive off: always draft K, the hardest case

@@ -32,3 +32,25 @@ def test_too_big_fails_with_the_numbers(tiny_model_dir, monkeypatch):
 def test_unknown_free_memory_does_not_block(monkeypatch):
     monkeypatch.setattr(loader, "free_bytes", lambda device: None)
     check_memory([("target", 10**15)], torch.device("cpu"))
+
+
+def test_draft_precision_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object only: nothing is allocated
+    assert loader.pick_draft_precision("auto", cpu, torch.float32) == "int8"
+    assert loader.pick_draft_precision("auto", cuda, torch.bfloat16) == "bfloat16"
+    assert loader.pick_draft_precision("float32", cpu, torch.float32) == "float32"
+    with pytest.raises(LoadError, match="--draft-precision int8 runs on a CPU only.*--draft-precision auto"):
+        loader.pick_draft_precision("int8", cuda, torch.bfloat16)
+
+
+def test_int8_draft_loads_quantized(tiny_model_dir, tiny_draft_dir):
+    from depctl.spec import DraftModelSpeculation
+
+    spec = DeploymentSpec(id="q", model=str(tiny_model_dir), device="cpu",
+                          speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3))
+    loaded = load_deployment(spec, calibrate=False)
+    assert loaded.draft.precision == "int8"
+    linears = [type(m).__module__ for m in loaded.draft.model.modules() if "Linear" in type(m).__name__]
+    assert linears and all("quantized" in m for m in linears), linears
+    assert loaded.target.precision == "float32"
+    assert not any("quantized" in type(m).__module__ for m in loaded.target.model.modules())
