@@ -11,10 +11,11 @@ while drafts do not pay, and drafts less where verifying many tokens is dear (on
 about twice a single step; on a GPU about the same as one).
 
 - ``verify(k)`` and the per-token draft cost are measured when the deployment loads (``calibrate``) and then
-  follow every step: a lower measurement replaces the estimate at once, a higher one moves it slowly (timing noise
-  only ever adds time); lengths never measured are interpolated.
+  follow every step (an EMA; a measurement under half the estimate replaces it at once, so a calibration taken on
+  a busy machine recovers); lengths never measured are interpolated.
 - ``a`` is estimated per request from its own steps (n accepted of n + 1 tries after a rejection, n of n after a
-  full accept), starting from the deployment's running average. While it is not drafting, an n-gram proposal
+  full accept), starting from the deployment's running average, and separately for the two states a request can
+  be in: right after a fully accepted step, and right after a rejection (``RequestAcceptance``). While it is not drafting, an n-gram proposal
   is still computed (free) and compared with the token the target produced, so the estimate keeps moving;
   a draft model is probed with one token every ``PROBE_EVERY`` plain steps, and a free proposer whose guesses
   keep hitting drafts K on those steps, re-measuring a verify cost that may have been taken on a busy machine.
@@ -22,7 +23,6 @@ about twice a single step; on a GPU about the same as one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 EMA = 0.2  # weight of a new cost measurement
 REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
@@ -32,26 +32,48 @@ MIN_GAIN = 1.03  # speculate only when it is expected to beat plain decoding by 
 
 
 def _track(old: float | None, sample: float) -> float:
-    """Follow a cost: drop to a lower sample at once (timing noise only ever adds: a busy machine, a page
-    fault), rise slowly towards a higher one (an EMA), so one slow measurement cannot switch speculation off."""
-    if old is None or sample < old:
+    """Follow a cost with an EMA, except that a sample under half the estimate replaces it at once: a calibration
+    taken on a busy machine (contention can make a pass 10x slower) must not switch speculation off for good.
+    Small drops are averaged, not taken: a running minimum would favour whichever length is measured most often
+    (its luckiest sample) over lengths measured rarely."""
+    if old is None or sample < 0.5 * old:
         return sample
     return (1 - EMA) * old + EMA * sample
 
 
-@dataclass
 class RequestAcceptance:
-    accepted: float
-    trials: float
-    plain_steps: int = 0
+    """A request's acceptance rate, kept in two states: after a step whose drafts were all accepted (the output is
+    copying something: an n-gram match or a draft model that agrees, and the next draft is likely to pass too) and
+    after a step with a rejection. Copying comes in runs, so one averaged rate drafts too short inside a run and too
+    long outside it; the rate of the state the request is in now decides the next draft length."""
+
+    def __init__(self, rate: float, weight: float):
+        # [accepted, trials] after a full accept, and after a rejection (or at the start)
+        self._counts = [[rate * weight, weight], [rate * weight, weight]]
+        self._state = 1
+        self.plain_steps = 0
 
     @property
     def rate(self) -> float:
-        return self.accepted / self.trials if self.trials > 0 else 0.0
+        accepted, trials = self._counts[self._state]
+        return accepted / trials if trials > 0 else 0.0
+
+    @property
+    def overall(self) -> float:
+        accepted = sum(c[0] for c in self._counts)
+        trials = sum(c[1] for c in self._counts)
+        return accepted / trials if trials > 0 else 0.0
+
+    @property
+    def trials(self) -> float:
+        return sum(c[1] for c in self._counts)
 
     def observe(self, accepted: int, trials: int) -> None:
-        self.accepted = self.accepted * REQUEST_DECAY + accepted
-        self.trials = self.trials * REQUEST_DECAY + trials
+        """``accepted`` of ``trials`` draft tokens passed (trials = accepted + 1 on a rejection)."""
+        counts = self._counts[self._state]
+        counts[0] = counts[0] * REQUEST_DECAY + accepted
+        counts[1] = counts[1] * REQUEST_DECAY + trials
+        self._state = 0 if accepted == trials else 1
 
 
 class DraftLengthPolicy:
@@ -66,11 +88,11 @@ class DraftLengthPolicy:
     # ---- per request ----
     def new_request(self, prior: float | None = None) -> RequestAcceptance:
         rate = self.deployment_rate if prior is None else prior
-        return RequestAcceptance(rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        return RequestAcceptance(rate, PRIOR_WEIGHT)
 
     def end_request(self, acc: RequestAcceptance) -> None:
-        if acc.trials > PRIOR_WEIGHT:
-            self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.rate
+        if acc.trials > 2 * PRIOR_WEIGHT:
+            self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.overall
 
     def choose(self, acc: RequestAcceptance, limit: int, max_k: int | None = None, free: bool = False) -> int:
         """Draft length for the next step; ``limit`` caps it (tokens left before max_tokens / the context).

@@ -15,9 +15,21 @@ def test_ngram_stops_at_the_end_of_the_sequence():
     assert ngram_propose([5, 6, 7, 8, 5, 6], n=2, k=5) == [7, 8, 5, 6]
 
 
-def test_ngram_falls_back_to_shorter_suffixes():
-    # [3, 4, 5] never occurred before, [4, 5] neither; [5] did, followed by [6, 7]
-    assert ngram_propose([5, 6, 7, 1, 4, 5], n=3, k=2) == [6, 7]
+def test_ngram_needs_a_match_of_n_tokens():
+    # [1, 4, 5] never occurred before, [4, 5] neither; [5] did, followed by [6, 7]: enough for n=1 only
+    assert ngram_propose([5, 6, 7, 1, 4, 5], n=3, k=2) == []
+    assert ngram_propose([5, 6, 7, 1, 4, 5], n=2, k=2) == []
+    assert ngram_propose([5, 6, 7, 1, 4, 5], n=1, k=2) == [6, 7]
+
+
+def test_ngram_prefers_the_match_with_the_longest_context():
+    # a block is being copied: [10, 11, 1, 2] ... the output so far is [10, 11, 1, 2] again. The suffix [1, 2]
+    # also occurs later (followed by 8), but the occurrence preceded by [10, 11] is the aligned one
+    block = [10, 11, 1, 2, 3, 4]
+    tokens = block + [7, 1, 2, 8] + [10, 11, 1, 2]
+    assert ngram_propose(tokens, n=2, k=2) == [3, 4]
+    # with equal context the most recent wins
+    assert ngram_propose([5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2], n=2, k=1) == [4]
 
 
 def test_ngram_no_match_is_empty():
