@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import typing
 from typing import Optional
 
 import typer
@@ -10,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from depctl import models, output
+from depctl import spec as spec_module
 from depctl.cli._common import connect, handle_errors
 from depctl.errors import DepctlError, UsageError
 from depctl.output import Format, fmt_num, fmt_rate
@@ -28,25 +30,14 @@ from depctl.store import SpecStore
 app = typer.Typer(help="Create, inspect, change and delete deployments.", no_args_is_help=True)
 
 
-class Device(str, enum.Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
+def _choices(name: str, literal) -> type[enum.Enum]:
+    """A str Enum for Typer from one of the spec's Literal types, so the CLI's choices are the spec's."""
+    return enum.Enum(name, {value: value for value in typing.get_args(literal)}, type=str)
 
 
-class Dtype(str, enum.Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class DraftPrecision(str, enum.Enum):
-    auto = "auto"
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    int8 = "int8"
+Device = _choices("Device", spec_module.Device)
+Dtype = _choices("Dtype", spec_module.Dtype)
+DraftPrecision = _choices("DraftPrecision", spec_module.DraftPrecision)
 
 
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
