@@ -32,7 +32,7 @@ from runtime.engine import (  # noqa: E402
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner  # noqa: E402
-from runtime.loader import pick_device, pick_draft_precision, pick_dtype, quantize_int8  # noqa: E402
+from runtime.loader import load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8  # noqa: E402
 
 
 @dataclass
@@ -107,7 +107,7 @@ def main() -> int:
     precision = pick_draft_precision(args.draft_precision, device, dtype) if args.draft else None
 
     def load_draft():
-        d = load(args.draft, device, torch.float32 if precision == "int8" else getattr(torch, precision))[0]
+        d = load(args.draft, device, load_dtype(precision))[0]
         return quantize_int8(d) if precision == "int8" else d
 
     draft = load_draft() if args.draft else None

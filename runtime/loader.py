@@ -88,6 +88,11 @@ def pick_draft_precision(requested: str, device: torch.device, target_dtype: tor
     return requested
 
 
+def load_dtype(precision: str) -> torch.dtype:
+    """The dtype a model of this precision is loaded in: an int8 draft is loaded in float32, then quantized."""
+    return torch.float32 if precision == "int8" else getattr(torch, precision)
+
+
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 for every ``nn.Linear`` (weights int8 per tensor, activations quantized per call): ~3x faster
     on a CPU, with outputs close to but not equal to float32, which is fine for a draft and wrong for a target."""
@@ -226,18 +231,15 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise LoadError(f"MODEL {spec.model!r} failed to load: cannot read its config.json in {target_source}: {first}") from exc
     needs = [("target", estimate_bytes(target_source, dtype, max_context))]
+    precision = pick_draft_precision(spec_method.draft_precision, device, dtype) if draft_source else None
     if draft_source:  # an int8 draft is loaded in float32 first: its peak is the float32 size
-        draft_dtype = pick_draft_precision(spec_method.draft_precision, device, dtype)
-        draft_bytes_dtype = torch.float32 if draft_dtype == "int8" else getattr(torch, draft_dtype)
-        needs.append(("draft", estimate_bytes(draft_source, draft_bytes_dtype, max_context)))
+        needs.append(("draft", estimate_bytes(draft_source, load_dtype(precision), max_context)))
     check_memory(needs, device)
 
     target = load_model(spec.model, "MODEL", device, dtype)
     draft = None
     if draft_ref:
-        precision = pick_draft_precision(spec_method.draft_precision, device, dtype)
-        draft_dtype = torch.float32 if precision == "int8" else getattr(torch, precision)
-        draft = load_model(draft_ref, "--draft-model", device, draft_dtype)
+        draft = load_model(draft_ref, "--draft-model", device, load_dtype(precision))
         if precision == "int8":
             draft.model = quantize_int8(draft.model)
             draft.precision = "int8"

@@ -15,8 +15,9 @@ about twice a single step; on a GPU about the same as one).
   a busy machine recovers); lengths never measured are interpolated.
 - ``a`` is estimated per request from its own steps (n accepted of n + 1 tries after a rejection, n of n after a
   full accept), starting from the deployment's running average, and separately for the two states a request can
-  be in: right after a fully accepted step, and right after a rejection (``RequestAcceptance``). While it is not drafting, an n-gram proposal
-  is still computed (free) and compared with the token the target produced, so the estimate keeps moving;
+  be in: right after a fully accepted step, and right after a rejection (``RequestAcceptance``). While it is
+  not drafting, an n-gram proposal is still computed (free) and compared with the token the target produced, so
+  the estimate keeps moving;
   a draft model is probed with one token every ``PROBE_EVERY`` plain steps, and a free proposer whose guesses
   keep hitting drafts K on those steps, re-measuring a verify cost that may have been taken on a busy machine.
 """
