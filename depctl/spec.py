@@ -8,6 +8,7 @@ id: smollm2-3f9c1a
 display_name: my chat model
 model: smollm2-135m-instruct
 speculation: {method: ngram, ngram_length: 3, num_draft_tokens: 4}
+max_batch_size: 8
 device: auto
 dtype: auto
 created_at: 2026-11-22T12:00:00Z
@@ -29,6 +30,8 @@ from depctl.errors import UsageError
 # Bounds are documented in README.md ("Flags"); the CLI and the spec share them.
 MAX_DRAFT_TOKENS = 32
 MAX_NGRAM_LENGTH = 16
+MAX_BATCH_SIZE = 256
+DEFAULT_BATCH_SIZE = 8
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -78,6 +81,8 @@ class DeploymentSpec(_Strict):
     display_name: str | None = None
     model: str = Field(min_length=1)
     speculation: Speculation = NoSpeculation()
+    # requests decoded together; more wait in arrival order. A change reloads (the KV cache has a row per request)
+    max_batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, le=MAX_BATCH_SIZE)
     device: Device = "auto"
     dtype: Dtype = "auto"
     created_at: datetime = Field(default_factory=_now)

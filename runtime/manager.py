@@ -8,7 +8,8 @@ The daemon owns status; it never writes into a spec. States (as Fireworks and ds
     any -> DELETING -> (gone)         the spec file was removed; in-flight requests finish first
 
 A spec file that does not parse shows up as FAILED with the file and the problem, and touches no other
-deployment. Loads run one at a time on a single loader thread so two big models never load at once.
+deployment. Each loaded engine belongs to one ``EngineWorker`` thread, which loads it, calibrates it and runs every
+step (see ``runtime.worker``); loads take turns on one lock so two big models never load at once.
 Reconciling happens on a poll of the store (every ``POLL_SECONDS``) and at once when the CLI calls
 ``POST /depctl/v1/reconcile`` after a write.
 """
@@ -19,7 +20,6 @@ import enum
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +27,7 @@ from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, describe_speculation
 from depctl.store import SpecStore
 from runtime.loader import LoadedDeployment, LoadError, load_deployment
+from runtime.worker import EngineWorker
 
 log = logging.getLogger("depctl.manager")
 
@@ -47,14 +48,17 @@ class Deployment:
     spec: DeploymentSpec | None  # None when the file is broken
     state: State
     reason: str | None = None
-    loaded: LoadedDeployment | None = None
+    worker: EngineWorker | None = None  # the thread serving the loaded engine
     loaded_spec: DeploymentSpec | None = None  # the spec the loaded engine was built from
     generation: int = 0  # bumps on every spec change; a load for an older generation is discarded
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one sequence at a time through the engine
     state_since: float = field(default_factory=time.time)
     ready_at: float | None = None
     load_seconds: float | None = None
-    waiting: int = 0  # requests queued behind the lock
+
+    @property
+    def loaded(self) -> LoadedDeployment | None:
+        worker = self.worker
+        return worker.loaded if worker is not None else None
 
     def set_state(self, state: State, reason: str | None = None) -> None:
         if state != self.state:
@@ -65,7 +69,7 @@ class Deployment:
 
     def status(self) -> dict:
         spec = self.spec or self.loaded_spec
-        engine = self.loaded.engine if self.loaded else None
+        worker = self.worker
         out = {
             "id": self.id,
             "state": self.state.value,
@@ -75,14 +79,19 @@ class Deployment:
             "speculation": describe_speculation(spec.speculation) if spec else None,
             "ready_at": self.ready_at,
             "load_seconds": self.load_seconds,
-            "queued_requests": self.waiting,
+            # vLLM's gauge names: requests in the running batch (prefilling included), and queued behind it
+            "num_requests_running": worker.num_running if worker else 0,
+            "num_requests_waiting": worker.num_waiting if worker else 0,
         }
-        if self.loaded:
-            out["device"] = str(self.loaded.target.device)
-            out["dtype"] = str(self.loaded.target.dtype).removeprefix("torch.")
-            if self.loaded.draft is not None:
-                out["draft_precision"] = self.loaded.draft.precision
-            out["max_context"] = self.loaded.max_context
+        loaded = self.loaded
+        if loaded:
+            engine = loaded.engine
+            out["device"] = str(loaded.target.device)
+            out["dtype"] = str(loaded.target.dtype).removeprefix("torch.")
+            if loaded.draft is not None:
+                out["draft_precision"] = loaded.draft.precision
+            out["max_context"] = loaded.max_context
+            out["max_batch_size"] = worker.max_batch_size
             out["stats"] = engine.stats.to_dict()
             out["policy"] = engine.policy.snapshot()
         return out
@@ -97,7 +106,7 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec) -> bool:
     def key(spec: DeploymentSpec) -> tuple:
         s = spec.speculation.model_dump()
         s.pop("num_draft_tokens", None)
-        return (spec.model, spec.device, spec.dtype, tuple(sorted(s.items())))
+        return (spec.model, spec.device, spec.dtype, spec.max_batch_size, tuple(sorted(s.items())))
 
     return key(old) != key(new)
 
@@ -108,7 +117,7 @@ class DeploymentManager:
         self.loader = loader
         self.deployments: dict[str, Deployment] = {}
         self._lock = threading.RLock()  # guards self.deployments and state transitions
-        self._loads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="depctl-loader")
+        self._load_lock = threading.Lock()  # one load at a time: two big models never load at once
         self._stop = threading.Event()
         self._fingerprint: dict | None = None
         self._poller: threading.Thread | None = None
@@ -121,7 +130,10 @@ class DeploymentManager:
 
     def stop(self) -> None:
         self._stop.set()
-        self._loads.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for dep in self.deployments.values():
+                if dep.worker is not None:
+                    dep.worker.stop(drain=False)
 
     def _poll(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
@@ -169,7 +181,7 @@ class DeploymentManager:
         if dep.loaded is not None and dep.loaded_spec is not None and not _reload_needed(dep.loaded_spec, spec):
             # the draft token count (or just the name) changed: apply in place, no reload
             k = getattr(spec.speculation, "num_draft_tokens", 0)
-            dep.loaded.engine.set_num_draft_tokens(k)
+            dep.worker.set_num_draft_tokens(k)  # on the engine's own thread
             dep.loaded_spec = spec
             dep.set_state(State.READY)
             return
@@ -193,58 +205,68 @@ class DeploymentManager:
         dep.generation += 1
         dep.set_state(State.DELETING)
 
-        def finish() -> None:
-            with dep.lock:  # in-flight requests finish first
-                dep.loaded = None
+        def forget() -> None:
             with self._lock:
                 if self.deployments.get(dep.id) is dep and dep.state == State.DELETING:
                     del self.deployments[dep.id]
             _free_memory()
 
-        threading.Thread(target=finish, name=f"depctl-delete-{dep.id}", daemon=True).start()
+        worker = dep.worker
+        if worker is None:
+            forget()
+        else:
+            worker.stop(drain=True, then=forget)  # in-flight requests finish first
 
     def _release(self, dep: Deployment) -> None:
-        def release() -> None:
-            with dep.lock:
-                dep.loaded = None
-                dep.loaded_spec = None
-            _free_memory()
-
-        threading.Thread(target=release, daemon=True).start()
+        worker, dep.worker, dep.loaded_spec = dep.worker, None, None
+        if worker is not None:
+            worker.stop(drain=True, then=_free_memory)
 
     def _schedule_load(self, dep: Deployment) -> None:
         generation, spec = dep.generation, dep.spec
-        self._loads.submit(self._load, dep, generation, spec)
-
-    def _load(self, dep: Deployment, generation: int, spec: DeploymentSpec) -> None:
-        with self._lock:
-            if dep.generation != generation:
-                return  # superseded by a newer spec (or deleted) while queued
         t0 = time.time()
-        try:
-            loaded = self.loader(spec)
-        except (LoadError, DepctlError) as exc:
-            loaded, error = None, getattr(exc, "message", None) or str(exc)
-        except Exception as exc:  # an unexpected failure still ends in FAILED, with the type named
-            log.exception("loading %s failed", dep.id)
-            loaded, error = None, f"{type(exc).__name__}: {exc}".splitlines()[0]
-        else:
-            error = None
-        with self._lock:
-            if dep.generation != generation or self.deployments.get(dep.id) is not dep:
-                return  # stale: drop what we loaded
-            if loaded is None:
+
+        def current() -> bool:
+            with self._lock:
+                return dep.generation == generation and self.deployments.get(dep.id) is dep
+
+        def load() -> LoadedDeployment:
+            with self._load_lock:
+                if not current():
+                    raise _Superseded()
+                return self.loader(spec)
+
+        def on_loaded(worker: EngineWorker, loaded: LoadedDeployment) -> bool:
+            with self._lock:
+                if not current():
+                    return False  # stale: drop what we loaded
+                previous, dep.worker, dep.loaded_spec = dep.worker, worker, spec
+                dep.load_seconds = round(time.time() - t0, 2)
+                dep.ready_at = time.time()
+                dep.set_state(State.READY)
+            if previous is not None:
+                previous.stop(drain=True, then=_free_memory)  # the old engine finishes what it was serving
+            return True
+
+        def on_failed(worker: EngineWorker, exc: BaseException) -> None:
+            if isinstance(exc, _Superseded):
+                return
+            if isinstance(exc, (LoadError, DepctlError)):
+                error = getattr(exc, "message", None) or str(exc)
+            else:  # an unexpected failure still ends in FAILED, with the type named
+                log.error("loading %s failed", dep.id, exc_info=exc)
+                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            with self._lock:
+                if not current():
+                    return
                 dep.set_state(State.FAILED, error)
                 self._release(dep)
-                return
-            previous = dep.loaded
-            dep.loaded, dep.loaded_spec = loaded, spec
-            dep.load_seconds = round(time.time() - t0, 2)
-            dep.ready_at = time.time()
-            dep.set_state(State.READY)
-        if previous is not None:
-            del previous  # the old engine's weights go once in-flight requests drop their references
-            _free_memory()
+
+        EngineWorker(dep.id, load, on_loaded, on_failed, spec.max_batch_size).start()
+
+
+class _Superseded(Exception):
+    """A newer spec (or a delete) arrived while this load waited its turn."""
 
 
 def _free_memory() -> None:

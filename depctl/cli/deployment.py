@@ -16,6 +16,8 @@ from depctl.cli._common import connect, handle_errors
 from depctl.errors import DepctlError, UsageError
 from depctl.output import Format, fmt_num, fmt_rate
 from depctl.spec import (
+    DEFAULT_BATCH_SIZE,
+    MAX_BATCH_SIZE,
     MAX_DRAFT_TOKENS,
     MAX_NGRAM_LENGTH,
     DeploymentSpec,
@@ -55,6 +57,14 @@ DRAFT_PRECISION = typer.Option(
     help="How the draft model's weights are held; never changes the output. auto: int8 on CPU (about 3x faster "
     "drafting), the target's dtype on CUDA.",
 )
+def _batch_option(default):
+    return typer.Option(
+        default, "--max-batch-size", min=1, max=MAX_BATCH_SIZE,
+        help=f"Most requests decoded together, 1-{MAX_BATCH_SIZE} (default {DEFAULT_BATCH_SIZE}); more wait in arrival "
+        "order. A change reloads the deployment.",
+    )
+
+
 WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon reports READY or FAILED.")
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", min=1.0, help="Seconds to wait with --wait.")
 OUTPUT = typer.Option(Format.table, "--output", "-o", help="table, json or yaml.")
@@ -130,8 +140,11 @@ def _detail_table(r: dict) -> Table:
         ("Device / dtype", f"{r.get('device')} / {r.get('dtype')}" + (
             f" (running on {status['device']} / {status['dtype']})" if status.get("device") else "")),
         *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
+        ("Max batch size", str(r.get("max_batch_size", "-"))),
         ("State", _state_cell(status)),
     ]
+    if "num_requests_running" in status:
+        rows.append(("Requests running / waiting", f"{status['num_requests_running']} / {status['num_requests_waiting']}"))
     if status.get("reason"):
         rows.append(("Reason", escape(status["reason"])))
     if stats:
@@ -147,10 +160,10 @@ def _detail_table(r: dict) -> Table:
         ]
     policy = status.get("policy")
     if policy and policy.get("max_draft_tokens"):
-        costs = ", ".join(f"k={k}: {v}" for k, v in policy["verify_ms"].items())
-        rows.append(("Verify cost (ms)", costs))
-        if policy.get("draft_ms_per_token") is not None:
-            rows.append(("Draft cost (ms/token)", str(policy["draft_ms_per_token"])))
+        costs = ", ".join(f"{n}: {v}" for n, v in policy["verify_ms"].items())
+        rows.append(("Pass cost (token rows: ms)", costs))
+        if policy.get("draft_ms"):
+            rows.append(("Draft forward (rows: ms)", ", ".join(f"{n}: {v}" for n, v in policy["draft_ms"].items())))
     if r.get("created_at"):
         rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
     for key, value in rows:
@@ -191,6 +204,7 @@ def create(
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
+    max_batch_size: int = _batch_option(DEFAULT_BATCH_SIZE),
     device: Device = typer.Option(Device.auto, "--device"),
     dtype: Dtype = typer.Option(Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA, float32 on CPU."),
     validate_only: bool = typer.Option(False, "--validate-only", help="Print the spec that would be written; write nothing."),
@@ -214,7 +228,7 @@ def create(
         raise UsageError(f"--deployment-id: {exc}") from None
     spec = DeploymentSpec(
         id=dep_id, display_name=display_name, model=target.ref, speculation=speculation,
-        device=device.value, dtype=dtype.value,
+        max_batch_size=max_batch_size, device=device.value, dtype=dtype.value,
     )
     store = SpecStore()
     if validate_only:
@@ -257,6 +271,7 @@ def update(
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     disable_speculative_decoding: bool = typer.Option(False, "--disable-speculative-decoding", help="Turn speculation off."),
     display_name: Optional[str] = typer.Option(None, "--display-name"),
+    max_batch_size: Optional[int] = _batch_option(None),
     device: Optional[Device] = typer.Option(None, "--device"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype"),
     wait: bool = WAIT,
@@ -271,11 +286,11 @@ def update(
         draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
         draft_precision=precision, disable=disable_speculative_decoding, current=current.speculation,
     )
-    if speculation is None and display_name is None and device is None and dtype is None:
+    if speculation is None and all(x is None for x in (display_name, max_batch_size, device, dtype)):
         raise UsageError(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length with --draft-token-count, --draft-token-count, "
-            "--draft-precision, --disable-speculative-decoding, --display-name, --device or --dtype",
+            "--draft-precision, --disable-speculative-decoding, --max-batch-size, --display-name, --device or --dtype",
         )
     if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
         draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
@@ -293,6 +308,8 @@ def update(
             fields["speculation"] = new
         if display_name is not None:
             fields["display_name"] = display_name
+        if max_batch_size is not None:
+            fields["max_batch_size"] = max_batch_size
         if device is not None:
             fields["device"] = device.value
         if dtype is not None:

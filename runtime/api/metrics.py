@@ -32,18 +32,25 @@ class SpecDecodeCollector:
             "depctl:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position",
             labels=["deployment", "position"],
         )
+        running = GaugeMetricFamily("depctl:num_requests_running", "Requests in the running batch (prefilling included)",
+                                    labels=["deployment"])
+        waiting = GaugeMetricFamily("depctl:num_requests_waiting", "Requests waiting for a batch row",
+                                    labels=["deployment"])
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
-            loaded = dep.loaded
+            worker = dep.worker
+            loaded = worker.loaded if worker is not None else None
             if loaded is None:
                 continue
+            running.add_metric([dep.id], worker.num_running)
+            waiting.add_metric([dep.id], worker.num_waiting)
             stats = loaded.engine.stats
             drafts.add_metric([dep.id], stats.num_drafts)
             draft_tokens.add_metric([dep.id], stats.num_draft_tokens)
             accepted.add_metric([dep.id], stats.num_accepted_tokens)
             for pos, count in enumerate(stats.accepted_per_position):
                 per_pos.add_metric([dep.id, str(pos)], count)
-        yield from (state, drafts, draft_tokens, accepted, per_pos)
+        yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos)
 
 
 class Metrics:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -75,14 +74,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _respond(service: Service, job: Job, stream: bool, include_usage: bool):
-    cancel = threading.Event()
     if stream:
-        return EventSourceResponse(_stream(service, job, cancel, include_usage), ping=15)
-    try:
-        text, finish = await run_in_threadpool(service.collect, job, cancel)
-    except asyncio.CancelledError:
-        cancel.set()
-        raise
+        return EventSourceResponse(_stream(service, job, include_usage), ping=15)
+    # a client that disconnects cancels this handler, and with it the request's generation (Service.run's finally)
+    text, finish = await service.collect(job)
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}
     if job.kind == "chat.completion":
         choice["message"] = {"role": "assistant", "content": text}
@@ -96,25 +91,14 @@ def _head(job: Job, obj: str) -> dict:
     return {"id": f"{prefix}-{job.id}", "object": obj, "created": job.created, "model": job.model}
 
 
-async def _stream(service: Service, job: Job, cancel: threading.Event, include_usage: bool):
+async def _stream(service: Service, job: Job, include_usage: bool):
     """SSE: one chunk per run of accepted tokens; usage in a last chunk when asked; then ``[DONE]``.
 
-    The engine runs on a worker thread and hands deltas over a queue. When the client goes away, sse-starlette
-    cancels this generator and the ``finally`` sets ``cancel``, which stops the engine at its next step.
+    When the client goes away, sse-starlette cancels this generator; closing ``service.run`` cancels the request,
+    which leaves the batch at the engine's next step.
     """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
     chat = job.kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def produce() -> None:
-        try:
-            for delta in service.run(job, cancel):
-                loop.call_soon_threadsafe(queue.put_nowait, delta)
-        except BaseException as exc:  # handed to the consumer, which reports it in the stream
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
-        finally:
-            loop.call_soon_threadsafe(queue.put_nowait, _END)
 
     def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
         if chat:
@@ -127,28 +111,21 @@ async def _stream(service: Service, job: Job, cancel: threading.Event, include_u
             body["usage"] = None
         return json.dumps(body)
 
-    worker = loop.run_in_executor(None, produce)
+    if chat:
+        yield {"data": chunk("", None, first=True)}
     try:
-        if chat:
-            yield {"data": chunk("", None, first=True)}
-        while True:
-            item = await queue.get()
-            if item is _END:
-                break
-            if isinstance(item, APIError):
-                yield {"data": json.dumps(item.body())}
-                break
-            if isinstance(item, BaseException):
-                yield {"data": json.dumps(APIError(500, f"generation failed: {type(item).__name__}: {item}").body())}
-                break
-            if item.text or item.finish_reason:
-                yield {"data": chunk(item.text, item.finish_reason)}
+        async with aclosing(service.run(job)) as deltas:
+            async for item in deltas:
+                if item.text or item.finish_reason:
+                    yield {"data": chunk(item.text, item.finish_reason)}
+    except APIError as exc:
+        yield {"data": json.dumps(exc.body())}
+    except Exception as exc:  # reported in the stream: the status line has already gone out
+        yield {"data": json.dumps(APIError(500, f"generation failed: {type(exc).__name__}: {exc}").body())}
+    else:
         if include_usage and job.usage is not None:
             yield {"data": json.dumps({**_head(job, obj), "choices": [], "usage": job.usage})}
-        yield {"data": "[DONE]"}
-    finally:
-        cancel.set()
-        await asyncio.shield(worker)
+    yield {"data": "[DONE]"}
 
 
 # ---- depctl's own API ---------------------------------------------------------------------------------------------

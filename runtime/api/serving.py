@@ -1,17 +1,18 @@
 """The serving layer between the routes and the engine: request -> job -> text deltas -> OpenAI shapes.
 
-``Service.run`` is blocking (it runs on a worker thread) and yields one ``Delta`` per engine step, i.e. per run of
-accepted tokens. One sequence at a time goes through a deployment's engine (``Deployment.lock``); concurrent
-requests queue and each gets exactly the output it would get alone.
+``Service.run`` is an async generator on the event loop: it submits the request to the deployment's engine thread
+(``runtime.worker``), which batches it with whatever else is running, and yields one ``Delta`` per step that gave
+it tokens (a run of accepted tokens). Detokenizing and stop strings happen here, off the engine thread. Leaving
+the generator early (the client went away) cancels the request, which frees its batch row at the next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import AsyncIterator
 
 from runtime.api.detok import IncrementalDetokenizer, StopMatcher
 from runtime.api.errors import APIError
@@ -125,57 +126,64 @@ class Service:
         return Job(kind, dep, req.model, list(prompt_ids), params, req.stop_strings)
 
     # ---- running ----
-    def run(self, job: Job, cancel: threading.Event) -> Iterator[Delta]:
+    async def run(self, job: Job) -> AsyncIterator[Delta]:
         dep = job.dep
         endpoint = "chat" if job.kind == "chat.completion" else "completions"
         t0 = time.perf_counter()
         status, completion, first_at, last_at = "error", 0, None, None
         drafted = accepted = pred_accepted = 0
-        dep.waiting += 1
+        worker = dep.worker
+        loaded = worker.loaded if worker is not None else None
+        if loaded is None or dep.state not in SERVING_STATES:
+            raise APIError(503, f"deployment {dep.id!r} is {dep.state.value}", code="deployment_not_ready")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        handle = worker.submit(job.prompt_ids, job.params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        finished = False
         try:
-            with dep.lock:
-                dep.waiting -= 1
-                loaded = dep.loaded
-                if loaded is None or dep.state not in SERVING_STATES:
-                    raise APIError(503, f"deployment {dep.id!r} is {dep.state.value}", code="deployment_not_ready")
-                detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(job.stops)
-                steps = loaded.engine.generate(job.prompt_ids, job.params, cancel)
-                try:
-                    for out in steps:
-                        now = time.perf_counter()
-                        if out.token_ids:
-                            if first_at is None:
-                                first_at = now
-                            else:
-                                self.metrics.observe_run(dep.id, now - last_at, len(out.token_ids))
-                            last_at = now
-                        completion += len(out.token_ids)
-                        drafted += out.drafted
-                        accepted += out.accepted
-                        pred_accepted += out.prediction_accepted
-                        text = stopper.feed(detok.add(out.token_ids))
-                        if stopper.stopped:
-                            yield Delta(text, "stop")
-                            break
-                        if out.finish_reason:
-                            if out.finish_reason == "cancelled":
-                                status = "cancelled"
-                                return
-                            yield Delta(text + stopper.feed(detok.flush()) + stopper.flush(), out.finish_reason)
-                            break
-                        if text:
-                            yield Delta(text)
-                finally:
-                    steps.close()
-                status = "ok"
-                job.usage = self._usage(job, loaded, completion, drafted, accepted, pred_accepted)
+            detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(job.stops)
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    if isinstance(out, ValueError):
+                        raise APIError(400, str(out))
+                    raise APIError(503, f"deployment {dep.id!r}: {out}", code="deployment_not_ready")
+                now = time.perf_counter()
+                if out.token_ids:
+                    if first_at is None:
+                        first_at = now
+                    else:
+                        self.metrics.observe_run(dep.id, now - last_at, len(out.token_ids))
+                    last_at = now
+                completion += len(out.token_ids)
+                drafted += out.drafted
+                accepted += out.accepted
+                pred_accepted += out.prediction_accepted
+                finished = out.finish_reason is not None
+                text = stopper.feed(detok.add(out.token_ids))
+                if stopper.stopped:
+                    yield Delta(text, "stop")
+                    break
+                if out.finish_reason == "cancelled":
+                    status = "cancelled"
+                    return
+                if out.finish_reason:
+                    yield Delta(text + stopper.feed(detok.flush()) + stopper.flush(), out.finish_reason)
+                    break
+                if text:
+                    yield Delta(text)
+            status = "ok"
+            job.usage = self._usage(job, completion, drafted, accepted, pred_accepted)
         finally:
+            if not finished:  # a stop string, a client that went away, an error: free the batch row
+                handle.cancel()
             self.metrics.observe_request(
                 dep.id, endpoint, status, len(job.prompt_ids), completion,
                 None if first_at is None else first_at - t0, time.perf_counter() - t0,
             )
 
-    def _usage(self, job, loaded, completion, drafted, accepted, pred_accepted) -> dict:
+    def _usage(self, job, completion, drafted, accepted, pred_accepted) -> dict:
         prompt = len(job.prompt_ids)
         spec = job.dep.loaded_spec
         return {
@@ -195,10 +203,10 @@ class Service:
             },
         }
 
-    def collect(self, job: Job, cancel: threading.Event) -> tuple[str, str]:
+    async def collect(self, job: Job) -> tuple[str, str]:
         """Run to the end; (text, finish_reason)."""
         parts, finish = [], "length"
-        for delta in self.run(job, cancel):
+        async for delta in self.run(job):
             parts.append(delta.text)
             if delta.finish_reason:
                 finish = delta.finish_reason

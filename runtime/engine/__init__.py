@@ -1,9 +1,11 @@
-"""The speculative engine: a generator over token ids. It knows nothing of HTTP, text or tokenizers."""
+"""The speculative engine: batched steps over token ids. It knows nothing of HTTP, text or tokenizers."""
 
-from runtime.engine.engine import EngineConfig, GenerationParams, SpeculativeEngine, StepOutput
+from runtime.engine.engine import EngineConfig, SpeculativeEngine
 from runtime.engine.metrics import SpecDecodeStats
 from runtime.engine.proposers import DraftModelProposer, NgramProposer, Proposer, ngram_propose
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import GenerationParams, Sequence, StepOutput
 
 __all__ = [
     "DraftModelProposer",
@@ -12,6 +14,8 @@ __all__ = [
     "NgramProposer",
     "Proposer",
     "SamplingParams",
+    "Scheduler",
+    "Sequence",
     "SpecDecodeStats",
     "SpeculativeEngine",
     "StepOutput",

@@ -1,255 +1,268 @@
-"""SpeculativeEngine: propose -> verify -> accept -> roll back, one step at a time, yielding accepted tokens.
+"""SpeculativeEngine: one batch step, propose -> verify -> accept -> advance, over every running sequence at once.
 
-It takes token ids and yields token ids. It knows nothing of tokenizers, text, HTTP or batching: one sequence at a
-time (the caller serialises requests). Without a proposer every step is a plain decode step through the same
-loop, so "speculation off" is measured with the same code.
+It takes token ids and returns token ids; it knows nothing of tokenizers, text or HTTP, and nothing of who waits:
+the ``Scheduler`` decides which sequences run (rows ``0..B-1`` of every cache) and when prompts are prefilled. A row
+without drafts runs a plain decode step inside the same pass, so "speculation off" is measured with the same code.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Sequence as Seq
 
 import torch
 
 from runtime.engine.metrics import SpecDecodeStats
-from runtime.engine.policy import DraftLengthPolicy, RequestAcceptance
-from runtime.engine.proposers import PredictionTracker, Proposer
+from runtime.engine.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
+from runtime.engine.proposers import Proposer
 from runtime.engine.runner import ModelRunner
-from runtime.engine.sampling import SamplingParams, probs_from_logits
-from runtime.engine.verify import verify_greedy, verify_sampled
+from runtime.engine.sampling import probs_from_logits
+from runtime.engine.sequence import GenerationParams, Sequence, StepOutput
+from runtime.engine.verify import inverse_cdf, position_uniform, verify_greedy, verify_sampled, verify_seeded
 
 
 @dataclass
 class EngineConfig:
-    num_draft_tokens: int = 0  # K, the most tokens drafted per step
+    num_draft_tokens: int = 0  # K, the most tokens drafted per row per step
     max_context: int = 2048  # prompt + output may not exceed this
     eos_token_ids: tuple[int, ...] = ()
-    adaptive: bool = True  # let DraftLengthPolicy pick k <= K each step
+    adaptive: bool = True  # let DraftLengthPolicy pick the draft width each step
     prediction_draft_tokens: int = 8  # K for a request's predicted output (drafting from it is free)
 
 
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 16
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
-    speculate: bool = True  # False: this request decodes plainly (benchmarks compare on the same engine)
+@dataclass
+class Guess:
+    """A row's drafts for this step before the width is known: a free guess, or room for a draft model's."""
 
-
-@dataclass(frozen=True)
-class StepOutput:
-    token_ids: list[int]  # accepted this step (may be empty on the final output)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"; set on the last output only
-    drafted: int = 0
-    accepted: int = 0
-    prediction_drafted: int = 0  # of ``drafted``, tokens drafted from the request's prediction
-    prediction_accepted: int = 0  # of ``token_ids``, tokens that followed the prediction
+    tokens: list[int]
+    acceptance: RequestAcceptance
+    source: str | None  # "prediction" | "ngram" | "model" | None (no speculation for this row)
+    available: int = 0
 
 
 class SpeculativeEngine:
-    def __init__(
-        self,
-        target: ModelRunner,
-        proposer: Proposer | None = None,
-        config: EngineConfig | None = None,
-    ):
+    def __init__(self, target: ModelRunner, proposer: Proposer | None = None, config: EngineConfig | None = None):
         self.target = target
         self.proposer = proposer
         self.config = config or EngineConfig()
         self.stats = SpecDecodeStats()  # the deployment's totals
-        self.last_request_stats: SpecDecodeStats | None = None
-        self._shadow: int | None = None  # this step's free n-gram guess while not drafting (see policy.py)
-        self._draft_seconds = 0.0
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0,
             draft_costs_per_token=bool(proposer and proposer.cost_per_token),
             adaptive=self.config.adaptive,
         )
 
+    @property
+    def max_rows(self) -> int:
+        return self.target.max_rows
+
     def set_num_draft_tokens(self, k: int) -> None:
         """Change K in place (``depctl deployment update --draft-token-count``): no model is reloaded."""
         self.config.num_draft_tokens = k
         self.policy.max_k = k if self.proposer else 0
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: GenerationParams,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[StepOutput]:
+    # ---- a sequence's life: new -> prefill (in chunks) -> step ... -> finish ----
+    def new_sequence(self, prompt_ids: Seq[int], params: GenerationParams) -> Sequence:
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
         if len(prompt_ids) >= self.config.max_context:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_context}"
-            )
-        sampling = params.sampling
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_context}")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self.target.device)
-            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         limit = min(params.max_tokens, self.config.max_context - len(prompt_ids))
-        stats = SpecDecodeStats(num_requests=1)
-        acceptance = self.policy.new_request()
-        tracker = PredictionTracker(params.prediction) if params.prediction else None
-        pred_acceptance = self.policy.new_request(prior=0.8) if tracker else None
-        tokens = list(prompt_ids)
-        produced = 0
-        try:
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                self.target.reset()
-                if self.proposer:
-                    self.proposer.start(tokens)
-                if len(tokens) > 1:  # prefill all but the last token, which is the first step's input
-                    self.target.forward(tokens[:-1], last_only=True)
-                stats.prefill_seconds = time.perf_counter() - t0
-                while produced < limit:
-                    if cancel is not None and cancel.is_set():
-                        yield StepOutput([], "cancelled")
-                        return
-                    # every step emits at least one target token, so k <= limit - produced - 1 never overshoots
-                    room = limit - produced - 1
-                    drafts, draft_probs, from_prediction = self._propose(
-                        tokens, len(prompt_ids), room, sampling, generator, acceptance, tracker, pred_acceptance,
-                        params.speculate,
-                    )
-                    emitted, n = self._verify(
-                        tokens, drafts, draft_probs, sampling, generator, stats,
-                        pred_acceptance if from_prediction else acceptance,
-                    )
-                    drafted = len(drafts)
-                    pd, pa = 0, 0  # prediction tokens drafted / output tokens that followed the prediction
-                    if tracker is not None:
-                        pa = tracker.observe(n if from_prediction else 0, emitted[-1])
-                        pd = drafted if from_prediction else 0
-                    for i, token in enumerate(emitted):
-                        if token in stop_ids:
-                            produced += i
-                            yield StepOutput(emitted[:i], "stop", drafted, n, pd, pa)
-                            return
-                    produced += len(emitted)
-                    finish = "length" if produced >= limit else None
-                    yield StepOutput(emitted, finish, drafted, n, pd, pa)
-                    if finish:
-                        return
-                yield StepOutput([], "length")
-        finally:
-            stats.num_generated_tokens = produced
-            self.policy.end_request(acceptance)
-            self.stats.merge(stats)
-            self.last_request_stats = stats
-
-    def _propose(self, tokens, prompt_len, room, sampling, generator, acceptance, tracker, pred_acceptance, speculate):
-        """Drafts for one step: from the request's prediction first, else from the deployment's proposer.
-
-        Returns (draft_tokens, draft_probs [k, vocab] or None for one-hot, whether they came from the prediction).
-        Also measures drafting: a draft model's per-token cost feeds the policy.
-        """
-        t0 = time.perf_counter()
-        self._shadow = None
-        if tracker is not None:
-            k = min(self.config.prediction_draft_tokens, room)
-            if sampling.greedy or sampling.seed is None:
-                k = self.policy.choose(pred_acceptance, room, max_k=self.config.prediction_draft_tokens, free=True)
-            drafts = tracker.propose(tokens[prompt_len:], k)
-            if drafts:
-                self._draft_seconds = time.perf_counter() - t0
-                return drafts, None, True
-        proposer = self.proposer if speculate else None
-        drafts, probs = [], None
-        if proposer is not None:
-            if sampling.seed is not None and not sampling.greedy:
-                # a seeded sample must depend on the seed alone, and the draft length changes which random
-                # draws land where; measured costs vary run to run, so seeded requests draft a fixed K
-                k = min(self.policy.max_k, room)
-            else:
-                k = self.policy.choose(acceptance, room)
-            if k > 0:
-                drafts, probs = proposer.propose(tokens, k, sampling, generator)
-                if proposer.cost_per_token and drafts:
-                    self.policy.observe_draft(len(drafts), time.perf_counter() - t0)
-            elif not proposer.cost_per_token:
-                # not drafting: still compute the free proposer's guess, so the acceptance estimate keeps moving
-                guess, _ = proposer.propose(tokens, 1, sampling, generator)
-                self._shadow = guess[0] if guess else None
-        self._draft_seconds = time.perf_counter() - t0
-        return drafts, probs, False
-
-    def _verify(
-        self,
-        tokens: list[int],
-        draft_tokens: list[int],
-        draft_probs: torch.Tensor | None,  # [k, vocab], or None for a one-hot (n-gram, prediction) draft
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        stats: SpecDecodeStats,
-        acceptance: RequestAcceptance,
-    ) -> tuple[list[int], int]:
-        """Verify the drafts in ONE target forward, extend ``tokens``, roll back. Returns (emitted, accepted)."""
-        t1 = time.perf_counter()
-        logits = self.target.forward([tokens[-1]] + draft_tokens)  # [k + 1, vocab]
-        if sampling.greedy:
-            n, next_token = verify_greedy(draft_tokens, logits)
-        else:
-            target_probs = probs_from_logits(logits, sampling)  # [k + 1, vocab]
-            n, next_token = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
-        emitted = draft_tokens[:n] + [next_token]
-        tokens.extend(emitted)
-
-        # roll back: both caches keep exactly the accepted sequence minus its last token
-        self.target.crop_to(len(tokens) - 1)
-        if self.proposer is not None:
-            self.proposer.rollback(len(tokens) - 1)
-        t2 = time.perf_counter()
-
-        drafted = len(draft_tokens)
-        self.policy.observe_verify(drafted, t2 - t1)
-        if drafted:
-            acceptance.observe(n, n + (1 if n < drafted else 0))
-        elif self._shadow is not None:
-            acceptance.observe(int(self._shadow == next_token), 1)
-        stats.record_step(drafted, n, len(emitted), self._draft_seconds, t2 - t1)
-        return emitted, n
+        prediction_prior = self.policy.new_request(prior=0.8) if params.prediction else None
+        return Sequence(list(prompt_ids), params, limit, frozenset(stop_ids), self.policy.new_request(),
+                        prediction_prior, self.target.device)
 
     @torch.inference_mode()
-    def calibrate(self, lengths: Sequence[int] | None = None, context: int = 64, repeats: int = 2) -> dict:
-        """Measure verify(k) (and the draft's per-token cost) once, so the policy starts from real numbers.
+    def prefill(self, seq: Sequence, budget: int) -> StepOutput | None:
+        """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
+        t0 = time.perf_counter()
+        chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
+        logits = self.target.forward(seq.row, [chunk], last_only=True)  # [1, 1, vocab]
+        if self.proposer is not None and self.proposer.cost_per_token:
+            self.proposer.prefill(seq.row, chunk)
+        seq.prefilled += len(chunk)
+        done = seq.prefilled == seq.prompt_len
+        token = self._sample(seq, logits[0, -1]) if done else None  # [vocab] -> the first output token
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        if token is None:
+            return None
+        seq.tokens.append(token)
+        pa = 0
+        if seq.prediction is not None:  # the first token may already follow the prediction
+            seq.prediction.propose([], 0)
+            pa = seq.prediction.observe(0, token)
+        return self._emit(seq, [token], pa=pa)
 
-        Also warms up the kernels, so the first request does not pay for lazy initialisation.
-        """
-        max_k = self.config.num_draft_tokens if self.proposer else 0
-        if lengths is None:
-            lengths = sorted({0, max_k, *(k for k in (1, 2, 4, 8, 16, 32) if k <= max_k)})
+    @torch.inference_mode()
+    def step(self, batch: list[Sequence]) -> list[StepOutput]:
+        """One speculative step for rows 0..B-1 (``batch[b].row == b``), each emitting at least one token."""
+        t0 = time.perf_counter()
+        # propose: free guesses first, then one draft width for the batch (policy), then the draft model
+        guesses = [self._guess(seq) for seq in batch]
+        width = self.policy.width([RowPlan(g.acceptance, g.available, g.source == "model") for g in guesses])
+        drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
+        t1 = time.perf_counter()
+        # verify: ONE target pass over [last token, its drafts] for every row (ragged, padded to 1 + width)
+        logits = self.target.forward(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # [B, 1 + w, V]
+        argmax = logits.argmax(-1).tolist()  # [B][1 + w]: the step's one host sync for greedy rows
+        t2 = time.perf_counter()
+        outputs = []
+        for b, seq in enumerate(batch):
+            # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
+            n, token = self._accept(seq, drafts[b], draft_probs[b], logits[b, : len(drafts[b]) + 1], argmax[b])
+            # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
+            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b]))
+        self.policy.verify_cost.observe(len(batch) * logits.shape[1], t2 - t1)
+        if model_drafts[0] is not None and width:
+            self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
+        self.stats.record_step(t1 - t0, time.perf_counter() - t1)
+        return outputs
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.target.move_row(src, dst)
+        if self.proposer is not None and self.proposer.cost_per_token:
+            self.proposer.move_row(src, dst)
+
+    def release_row(self, row: int) -> None:
+        self.target.set_length(row, 0)
+        if self.proposer is not None and self.proposer.cost_per_token:
+            self.proposer.set_length(row, 0)
+
+    def finish(self, seq: Sequence) -> None:
+        self.policy.end_request(seq.acceptance)
+        self.stats.num_requests += 1
+
+    # ---- the parts of a step ----
+    def _guess(self, seq: Sequence) -> Guess:
+        room = seq.room
+        if seq.prediction is not None:
+            k = min(room, self.config.prediction_draft_tokens)
+            tokens = seq.prediction.propose(seq.tokens[seq.prompt_len :], k)
+            if tokens:
+                return Guess(tokens, seq.prediction_acceptance, "prediction", len(tokens))
+        if self.proposer is None or not seq.params.speculate:
+            return Guess([], seq.acceptance, None)
+        k = min(room, self.policy.max_k)
+        if self.proposer.cost_per_token:
+            return Guess([], seq.acceptance, "model", max(k, 0))
+        tokens = self.proposer.propose(seq.tokens, k) if k > 0 else []
+        return Guess(tokens, seq.acceptance, "ngram", len(tokens))
+
+    def _drafts(self, batch, guesses: list[Guess], width: int):
+        """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), and the draft model's
+        own tokens per row when it ran (its cache keeps only the part the target accepted)."""
+        model_tokens, model_probs = [None] * len(batch), [None] * len(batch)
+        if width and any(g.source == "model" and g.available for g in guesses):
+            model_tokens, model_probs = self.proposer.propose(batch, width)
+        drafts, probs = [], []
+        for g, tokens, q in zip(guesses, model_tokens, model_probs):
+            k = min(width, g.available)
+            if g.source == "model":
+                drafts.append(tokens[:k] if k else [])
+                probs.append(q[:k] if q is not None and k else None)
+            else:
+                drafts.append(g.tokens[:k])
+                probs.append(None)
+        return drafts, probs, model_tokens
+
+    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor, argmax: list[int]):
+        """(accepted, the target's token after them). logits: [k + 1, vocab]; argmax: the greedy choices."""
+        sampling = seq.sampling
+        if sampling.greedy:
+            return verify_greedy(drafts, argmax)
+        target_probs = probs_from_logits(logits, sampling)  # [k + 1, vocab]
+        if sampling.seed is not None:
+            return verify_seeded(drafts, target_probs, sampling.seed, seq.produced)
+        return verify_sampled(drafts, draft_probs, target_probs, seq.generator)
+
+    def _advance(self, seq: Sequence, guess: Guess, drafts: list[int], n: int, token: int, model_drafts) -> StepOutput:
+        emitted = drafts[:n] + [token]
+        before = len(seq.tokens)
+        seq.tokens.extend(emitted)
+        self.target.set_length(seq.row, len(seq.tokens) - 1)
+        if model_drafts is not None:
+            # the draft fed tokens[:before] and its own d_1..d_{w-1}: it keeps those that the output agrees with
+            agree = 0
+            while agree < len(model_drafts) and agree < len(emitted) and model_drafts[agree] == emitted[agree]:
+                agree += 1
+            self.proposer.set_length(seq.row, before + agree)
+        k = len(drafts)
+        if k:
+            guess.acceptance.observe(n, n + (1 if n < k else 0))
+        elif guess.tokens:  # a free guess not drafted this step still tells whether it would have been right
+            guess.acceptance.observe(int(guess.tokens[0] == token), 1)
+        pd = k if guess.source == "prediction" else 0
+        pa = seq.prediction.observe(n if pd else 0, token) if seq.prediction is not None else 0
+        return self._emit(seq, emitted, k, n, pd, pa)
+
+    def _emit(self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0) -> StepOutput:
+        for i, t in enumerate(emitted):
+            if t in seq.stop_ids:
+                emitted, seq.finish_reason = emitted[:i], "stop"
+                break
+        else:
+            if seq.produced >= seq.limit:
+                seq.finish_reason = "length"
+        seq.stats.record_row(drafted, accepted, len(emitted))
+        self.stats.record_row(drafted, accepted, len(emitted))
+        return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The first output token, from the prefill's last logits [vocab], as a plain step would choose it."""
+        sampling = seq.sampling
+        if sampling.greedy:
+            return int(logits.argmax())
+        probs = probs_from_logits(logits[None], sampling)[0]
+        if sampling.seed is not None:
+            return inverse_cdf(probs, position_uniform(sampling.seed, seq.produced))
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    # ---- load time ----
+    @torch.inference_mode()
+    def calibrate(self, context: int = 64, repeats: int = 2) -> dict:
+        """Measure passes over n token rows (and the draft model's forwards over B rows) once, so the policy starts
+        from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation."""
+        rows = self.target.max_rows
+        widest = 1 + self.policy.max_k
         vocab = self.target.vocab_size or 256
         prompt = [(i * 7919) % min(vocab, 1000) for i in range(context)]
-        self.target.reset()
-        self.target.forward(prompt, last_only=True)
-        for k in lengths:
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                logits = self.target.forward(prompt[: k + 1])
-                logits.argmax(-1).tolist()  # sync, as a real step does
-                best = min(best, time.perf_counter() - t0)
-                self.target.crop_to(context)
-            self.policy.verify_cost[k] = best
+        runners = [self.target]
         if self.proposer is not None and self.proposer.cost_per_token:
-            runner = self.proposer.runner
-            runner.reset()
-            runner.forward(prompt, last_only=True)
+            runners.append(self.proposer.runner)
+        for runner in runners:
+            runner.forward(0, [prompt] * rows, last_only=True)
+        counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= rows * widest} | {rows, rows * widest})
+        for n in counts:
+            b = min(rows, n)
+            s = max(1, n // b)
             best = float("inf")
-            for _ in range(repeats):
+            for _ in range(repeats + 1):  # the first run of a new shape warms it up
                 t0 = time.perf_counter()
-                runner.forward(prompt[:1])[-1].argmax().item()
+                self.target.forward(0, [prompt[:s]] * b).argmax(-1).tolist()
                 best = min(best, time.perf_counter() - t0)
-                runner.crop_to(context)
-            self.policy.draft_cost = best
-        self.target.reset()
+                for r in range(b):
+                    self.target.set_length(r, context)
+            self.policy.verify_cost.samples[b * s] = best
+        if len(runners) > 1:
+            draft = runners[1]
+            for b in sorted({1, rows}):
+                best = float("inf")
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    draft.forward(0, [prompt[:1]] * b).argmax(-1).tolist()
+                    best = min(best, time.perf_counter() - t0)
+                    for r in range(b):
+                        draft.set_length(r, context)
+                self.policy.draft_cost.samples[b] = best
+        for runner in runners:
+            for r in range(rows):
+                runner.set_length(r, 0)
         return self.policy.snapshot()
+
+    # ---- one request on its own (tests, benchmarks, the CLI's in-process paths) ----
+    def generate(self, prompt_ids: Seq[int], params: GenerationParams, cancel=None) -> Iterator[StepOutput]:
+        from runtime.engine.scheduler import Scheduler
+
+        yield from Scheduler(self, max_batch_size=1).generate(prompt_ids, params, cancel)

@@ -1,6 +1,6 @@
 """Speculation counters, named after vLLM's ``spec_decode_*`` metrics.
 
-- ``num_drafts``: steps that verified at least one draft token
+- ``num_drafts``: rows x steps that verified at least one draft token
 - ``num_draft_tokens``: draft tokens verified
 - ``num_accepted_tokens``: draft tokens accepted
 - ``accepted_per_position[i]``: drafts whose token at position i (0-based) was accepted
@@ -28,12 +28,10 @@ class SpecDecodeStats:
     num_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record_step(self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+    def record_row(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One sequence's part of a step (or its first token, from the prefill)."""
         with self._lock:
-            self.num_steps += 1
             self.num_generated_tokens += emitted
-            self.draft_seconds += draft_s
-            self.verify_seconds += verify_s
             if drafted:
                 self.num_drafts += 1
                 self.num_draft_tokens += drafted
@@ -42,6 +40,13 @@ class SpecDecodeStats:
                     self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
                 for i in range(accepted):
                     self.accepted_per_position[i] += 1
+
+    def record_step(self, draft_s: float, verify_s: float) -> None:
+        """One batch step's time (a target pass, and the draft model's forwards)."""
+        with self._lock:
+            self.num_steps += 1
+            self.draft_seconds += draft_s
+            self.verify_seconds += verify_s
 
     def merge(self, other: SpecDecodeStats) -> None:
         with self._lock:

@@ -1,28 +1,29 @@
-"""How many tokens to draft each step, so that speculation does not lose to plain decoding.
+"""How many tokens to draft each step, for the whole batch, so that speculation does not lose to plain decoding.
 
-A step that drafts ``k`` tokens costs ``verify(k)`` (one target forward over ``k + 1`` tokens) plus ``k`` draft
-forwards for a draft model (an n-gram lookup is free), and emits on average
+One step runs ONE target pass over B rows of ``1 + w`` tokens each (w = the step's draft width; a row with fewer
+drafts is padded), plus, with a draft model, ``w`` draft forwards over the B rows. Row i then emits on average
 
-    E(k) = 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a)
+    E_i(k) = 1 + a_i + a_i^2 + ... + a_i^k = (1 - a_i^(k+1)) / (1 - a_i)
 
-tokens when each draft token is accepted with probability ``a`` (Leviathan et al. 2023, eq. 1). The policy picks
-the ``k`` in ``0..K`` that maximises ``E(k) / cost(k)``; ``k = 0`` is a plain decode step. So it stops drafting
-while drafts do not pay, and drafts less where verifying many tokens is dear (on a CPU, verifying 4 tokens costs
-about twice a single step; on a GPU about the same as one).
+tokens, k = its own drafts (at most w), a_i its acceptance rate (Leviathan et al. 2023, eq. 1). The policy picks the
+w in ``0..K`` that maximises ``sum_i E_i / cost(B, w)``; ``w = 0`` is a plain decode step for everyone. The cost
+comes from measurements, not constants: a pass over n token rows (``CostModel``), measured at load and followed
+on every step. On a CPU a pass over 8 rows costs little more than over 1 while a pass over 72 costs several
+times as much, so the same drafts that pay at batch 1 do not at batch 8: at high load the policy drafts less, or
+not at all, and a row whose guesses keep failing stops paying for the others.
 
-- ``verify(k)`` and the per-token draft cost are measured when the deployment loads (``calibrate``) and then
-  follow every step (an EMA; a measurement under half the estimate replaces it at once, so a calibration taken on
-  a busy machine recovers); lengths never measured are interpolated.
-- ``a`` is estimated per request from its own steps (n accepted of n + 1 tries after a rejection, n of n after a
-  full accept), starting from the deployment's running average, and separately for the two states a request can
-  be in: right after a fully accepted step, and right after a rejection (``RequestAcceptance``). While it is
-  not drafting, an n-gram proposal is still computed (free) and compared with the token the target produced, so
-  the estimate keeps moving;
-  a draft model is probed with one token every ``PROBE_EVERY`` plain steps, and a free proposer whose guesses
-  keep hitting drafts K on those steps, re-measuring a verify cost that may have been taken on a busy machine.
+- costs: an EMA per measured token count (a sample under half the estimate replaces it at once, so a calibration
+  taken on a busy machine recovers); counts never measured are interpolated, and extrapolated past the largest.
+- ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
+  separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). A row that
+  does not draft still has its free guess compared with the token the target produced, so the estimate keeps
+  moving; after ``PROBE_EVERY`` plain steps the batch drafts once anyway (one token for a draft model; K when
+  some row's free guesses keep hitting), re-measuring a cost that may have been taken on a busy machine.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 EMA = 0.2  # weight of a new cost measurement
@@ -77,14 +78,63 @@ class RequestAcceptance:
         self._state = 0 if accepted == trials else 1
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """E(k) = 1 + a + ... + a^k: tokens a step emits with k drafts accepted independently with probability a."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class CostModel:
+    """Seconds for a forward over ``n`` token rows, from measurements (an EMA per n), interpolated between them."""
+
+    def __init__(self):
+        self.samples: dict[int, float] = {}
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.samples[n] = _track(self.samples.get(n), seconds)
+
+    def __call__(self, n: int) -> float:
+        known = self.samples
+        if not known:
+            return float(n)  # unmeasured: proportional to work, which is all a ratio needs
+        if n in known:
+            return known[n]
+        xs = sorted(known)
+        lower = max((x for x in xs if x < n), default=None)
+        upper = min((x for x in xs if x > n), default=None)
+        if lower is None:
+            return known[upper]
+        if upper is None:  # past the largest measurement: extend the last segment's slope (never downwards)
+            if len(xs) < 2:
+                return known[lower] * n / lower
+            x0, x1 = xs[-2], xs[-1]
+            slope = max((known[x1] - known[x0]) / (x1 - x0), 0.0)
+            return known[lower] + slope * (n - lower)
+        w = (n - lower) / (upper - lower)
+        return (1 - w) * known[lower] + w * known[upper]
+
+    def snapshot(self) -> dict[int, float]:
+        return {n: round(v * 1000, 2) for n, v in sorted(dict(self.samples).items())}  # a copy: read off-thread
+
+
+@dataclass
+class RowPlan:
+    """What one row offers this step: its acceptance estimate and the most drafts it can verify."""
+
+    acceptance: RequestAcceptance
+    available: int  # a free guess's length, or the row's room for a draft model's tokens
+    model: bool  # drafts would come from the draft model (cost per token)
+
+
 class DraftLengthPolicy:
     def __init__(self, max_k: int, draft_costs_per_token: bool, adaptive: bool = True):
         self.max_k = max_k
         self.adaptive = adaptive
         self.draft_costs_per_token = draft_costs_per_token
-        self.verify_cost: dict[int, float] = {}  # k -> seconds for a target forward over k + 1 tokens
-        self.draft_cost: float | None = None  # seconds per drafted token (draft model only)
+        self.verify_cost = CostModel()  # target pass over n token rows
+        self.draft_cost = CostModel()  # one draft-model forward over n rows
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
+        self.plain_steps = 0  # consecutive steps without drafts, for probing
 
     # ---- per request ----
     def new_request(self, prior: float | None = None) -> RequestAcceptance:
@@ -95,69 +145,44 @@ class DraftLengthPolicy:
         if acc.trials > 2 * PRIOR_WEIGHT:
             self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.overall
 
-    def choose(self, acc: RequestAcceptance, limit: int, max_k: int | None = None, free: bool = False) -> int:
-        """Draft length for the next step; ``limit`` caps it (tokens left before max_tokens / the context).
-
-        ``max_k`` and ``free`` override the deployment's K and draft cost (a request's predicted output drafts
-        without a draft model)."""
-        max_k = min(self.max_k if max_k is None else max_k, limit)
-        per_token = 0.0 if free or not self.draft_costs_per_token else (self.draft_cost or 0.0)
-        if max_k <= 0:
+    # ---- per step ----
+    def width(self, rows: list[RowPlan]) -> int:
+        """This step's draft width w for the batch: row i then verifies ``min(w, rows[i].available)`` drafts."""
+        longest = max((r.available for r in rows), default=0)
+        if longest <= 0:
             return 0
-        if not self.adaptive or not self.verify_cost:
-            return max_k
-        base = self.cost(0)
-        best_k, best_rate = 0, 1.0 / base
-        a = min(acc.rate, 0.999)
-        expected, power = 1.0, 1.0
-        for k in range(1, max_k + 1):
-            power *= a
-            expected += power
-            rate = expected / (self.cost(k) + k * per_token)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_k and best_rate < MIN_GAIN / base:
-            best_k = 0
-        if best_k == 0:
-            acc.plain_steps += 1
-            if acc.plain_steps % PROBE_EVERY == 0:
-                # A probe keeps the estimates alive: a draft model's acceptance (it has no free shadow guess), and
-                # for a free proposer whose guesses keep hitting, the cost of a long verify, which may have been
-                # measured while the machine was busy and would otherwise never be measured again.
-                if per_token:
-                    return 1
-                if a >= 0.5:
-                    return max_k
-        return best_k
-
-    # ---- costs ----
-    def observe_verify(self, k: int, seconds: float) -> None:
-        self.verify_cost[k] = _track(self.verify_cost.get(k), seconds)
-
-    def observe_draft(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0:
-            return
-        self.draft_cost = _track(self.draft_cost, seconds / tokens)
-
-    def cost(self, k: int) -> float:
-        """verify(k), interpolated linearly between measured lengths (and flat past the longest measured)."""
-        known = self.verify_cost
-        if k in known:
-            return known[k]
-        lower = max((j for j in known if j < k), default=None)
-        upper = min((j for j in known if j > k), default=None)
-        if lower is None:
-            return known[upper]
-        if upper is None:
-            return known[lower]
-        w = (k - lower) / (upper - lower)
-        return (1 - w) * known[lower] + w * known[upper]
+        if not self.adaptive:
+            return longest
+        batch = len(rows)
+        uses_model = any(r.model and r.available for r in rows)
+        best_w, best_rate = 0, batch / self.verify_cost(batch)
+        base_rate = best_rate
+        for w in range(1, longest + 1):
+            expected = sum(expected_tokens(r.acceptance.rate, min(w, r.available)) for r in rows)
+            seconds = self.verify_cost(batch * (1 + w)) + (w * self.draft_cost(batch) if uses_model else 0.0)
+            if expected / seconds > best_rate:
+                best_w, best_rate = w, expected / seconds
+        if best_w and best_rate < MIN_GAIN * base_rate:
+            best_w = 0
+        if best_w:
+            self.plain_steps = 0
+            return best_w
+        self.plain_steps += 1
+        if self.plain_steps % PROBE_EVERY == 0:
+            # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and
+            # for free guesses that keep hitting, the cost of a long verify, which may have been measured while the
+            # machine was busy and would otherwise never be measured again.
+            if uses_model:
+                return 1
+            if any(r.acceptance.rate >= 0.5 and r.available for r in rows):
+                return longest
+        return 0
 
     def snapshot(self) -> dict:
         return {
             "adaptive": self.adaptive,
             "max_draft_tokens": self.max_k,
-            "verify_ms": {k: round(v * 1000, 2) for k, v in sorted(self.verify_cost.items())},
-            "draft_ms_per_token": None if self.draft_cost is None else round(self.draft_cost * 1000, 2),
+            "verify_ms": self.verify_cost.snapshot(),  # token rows in the pass -> ms
+            "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
         }

@@ -1,34 +1,26 @@
-"""Proposers: cheap guesses of the next tokens, behind one small interface.
+"""Proposers: cheap guesses of the next tokens.
 
-- ``start(prompt)``: a new sequence begins.
-- ``propose(tokens, k, sampling, generator)``: up to ``k`` draft tokens to follow ``tokens`` (the whole sequence,
-  prompt + accepted output), and their draft probabilities when the proposer has any (``None`` = one-hot).
-  Fewer than ``k``, or none, is allowed: the step then verifies what there is, or is a plain decode step.
-- ``rollback(length)``: the sequence is now ``length`` tokens long; forget any state past it.
+Two kinds, told apart by ``cost_per_token``:
+
+- a **free** proposer (n-gram lookup; a request's predicted output, see ``PredictionTracker``) looks at a row's
+  tokens and returns up to ``k`` guesses: ``propose(tokens, k) -> list[int]``. Computing its guess costs nothing
+  next to a forward pass, so the engine asks before it decides how long this step's drafts are.
+- a **draft model** costs a forward per drafted token, batched over the running rows:
+  ``propose(batch, width) -> (drafts, draft_probs)``; it owns a KV cache with the same rows as the target's
+  (``prefill``, ``set_length`` and ``move_row`` keep them in step).
+
+Draft probabilities are ``None`` for a deterministic (one-hot) guess.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, Union
 
 import numpy as np
 import torch
 
 from runtime.engine.runner import ModelRunner
-from runtime.engine.sampling import SamplingParams, probs_from_logits
-
-
-class Proposer(Protocol):
-    name: str
-    cost_per_token: bool  # True when each drafted token costs a forward pass (a draft model)
-
-    def start(self, prompt: Sequence[int]) -> None: ...
-
-    def propose(
-        self, tokens: Sequence[int], k: int, sampling: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[list[int], torch.Tensor | None]: ...
-
-    def rollback(self, length: int) -> None: ...
+from runtime.engine.sampling import probs_from_logits
 
 
 CONTEXT_LOOKBACK = 64  # how far back a candidate match's agreement with the current suffix is measured
@@ -125,6 +117,13 @@ class PredictionTracker:
         return accepted
 
 
+class FreeProposer(Protocol):
+    name: str
+    cost_per_token: bool  # False
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
 class NgramProposer:
     name = "ngram"
     cost_per_token = False
@@ -132,18 +131,12 @@ class NgramProposer:
     def __init__(self, ngram_length: int):
         self.ngram_length = ngram_length
 
-    def start(self, prompt: Sequence[int]) -> None:
-        pass
-
-    def propose(self, tokens, k, sampling, generator):
-        return ngram_propose(tokens, self.ngram_length, k), None
-
-    def rollback(self, length: int) -> None:
-        pass
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        return ngram_propose(tokens, self.ngram_length, k)
 
 
 class DraftModelProposer:
-    """A small model with the target's tokenizer drafts autoregressively from its own KV cache."""
+    """A small model with the target's tokenizer drafts autoregressively, for every running row at once."""
 
     name = "draft_model"
     cost_per_token = True
@@ -151,33 +144,41 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def start(self, prompt: Sequence[int]) -> None:
-        self.runner.reset()
+    def prefill(self, row: int, tokens: list[int]) -> None:
+        self.runner.forward(row, [tokens], last_only=True)
+
+    def set_length(self, row: int, length: int) -> None:
+        self.runner.set_length(row, min(length, self.runner.length(row)))
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.runner.move_row(src, dst)
 
     @torch.inference_mode()
-    def propose(self, tokens, k, sampling, generator):
-        if k <= 0:
-            return [], None
-        runner = self.runner
-        # Catch up: the cache holds a prefix of `tokens`; feed the rest in one forward. That is the whole prompt
-        # on the first step, the last accepted token normally, and two tokens (d_k and the bonus) after a
-        # full accept.
-        pending = list(tokens[runner.length :])
-        logits = runner.forward(pending, last_only=True)[-1:]  # [1, vocab]
-        drafted: list[torch.Tensor] = []  # k tensors of shape [1]; kept on the device until the end
-        probs: list[torch.Tensor] = []  # k tensors of shape [1, vocab]
-        for i in range(k):
-            if sampling.greedy:
-                token = logits.argmax(-1)  # [1]
-            else:
-                q = probs_from_logits(logits, sampling)  # [1, vocab]
-                token = torch.multinomial(q, 1, generator=generator)[0]  # [1]
-                probs.append(q)
-            drafted.append(token)
-            if i + 1 < k:  # d_k is never fed: the target checks it, and catch-up feeds it if accepted
-                logits = runner.forward(token)[-1:]
-        draft_tokens = torch.cat(drafted).tolist()  # one host sync for all k drafts
-        return draft_tokens, (torch.cat(probs) if probs else None)
+    def propose(self, batch, width: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``).
 
-    def rollback(self, length: int) -> None:
-        self.runner.crop_to(length)
+        Returns drafts [B][width] and, per row, draft_probs [width, vocab] (None for greedy rows: one-hot)."""
+        runner = self.runner
+        # Catch up: a row holds a prefix of its tokens; feed the rest. Normally that is the last accepted token;
+        # after a full accept also d_k, which was never fed; more after steps that did not draft.
+        pending = [list(seq.tokens[runner.length(b):]) for b, seq in enumerate(batch)]
+        logits = runner.forward(0, pending)  # [B, S, vocab]
+        last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
+        logits = logits[torch.arange(len(batch), device=logits.device), last]  # [B, vocab]
+        drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
+        probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
+        for i in range(width):
+            token = logits.argmax(-1)  # [B]
+            for b, seq in enumerate(batch):
+                if not seq.sampling.greedy:
+                    q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]
+                    token[b] = torch.multinomial(q[0], 1, generator=seq.generator)[0]
+                    probs[b].append(q[0])
+            drafted.append(token)
+            if i + 1 < width:  # d_k is never fed: the target checks it, and catch-up feeds it if accepted
+                logits = runner.forward(0, token[:, None])[:, -1]  # [B, vocab]
+        tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
+        return tokens, [torch.stack(p) if p else None for p in probs]
+
+
+Proposer = Union[NgramProposer, DraftModelProposer, FreeProposer]

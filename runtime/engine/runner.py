@@ -1,94 +1,80 @@
-"""ModelRunner: one model plus the one KV cache it owns.
+"""ModelRunner: one model plus the one KV cache it owns (a ``SlotCache``: a row per running sequence).
 
-The cache always holds a prefix of the accepted sequence. The engine keeps this invariant with one call,
-``crop_to(len(tokens) - 1)`` after every step, for the target and the draft alike: positions that held rejected
-drafts are dropped, and the last accepted token is left out so that it is the next forward's first input.
-A draft model whose cache ends up *shorter* than that (after a full accept it never saw ``d_k``) catches up by
-feeding ``tokens[cache_len:]`` in its next forward.
+A forward takes a contiguous range of rows and a list of new tokens per row (ragged: padded to the longest), writes
+them at each row's length, and returns their logits. The engine keeps one invariant with ``set_length`` after every
+step, for the target and the draft alike: a row holds a prefix of its accepted sequence, and for the target exactly
+``len(tokens) - 1`` positions, so that the last accepted token is the next forward's first input. A draft row may be
+*shorter* (after a full accept it never saw ``d_k``); it catches up by feeding ``tokens[length:]`` next time.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
-from transformers import DynamicCache
+
+from runtime.engine.cache import SlotCache
+
+PAD_TOKEN = 0  # fills ragged rows; what a padded position computes is never read
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, cpu_small_batch_linear: bool = True):
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, max_rows: int = 1,
+                 max_context: int | None = None, slack: int = 64):
         self.model = model
         self.device = next(model.parameters()).device
-        if cpu_small_batch_linear and self.device.type == "cpu":
-            use_weight_major_linear(model)
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        max_context = max_context or getattr(config, "max_position_embeddings", 2048)
         # Logit rows beyond the tokenizer's vocabulary are padding (Qwen pads its tables); sliced off so target
         # and draft probabilities line up.
         self.vocab_size = vocab_size
-        self.cache: DynamicCache | None = None
+        self.max_rows = max_rows
+        # slack: a verify writes up to K + 1 positions past a row's length, some of them padding
+        self.cache = SlotCache(model.config, max_rows, max_context + slack)
+        self._eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
 
-    def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+    def length(self, row: int) -> int:
+        return self.cache.lengths[row]
 
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
+    def set_length(self, row: int, length: int) -> None:
+        self.cache.set_length(row, length)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Append ``token_ids`` to the cache and return their logits.
+    def forward(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append ``inputs[b]`` to row ``first + b`` for every b and return the logits.
 
-        token_ids: n ints, or a [n] / [1, n] tensor already on the device
-        returns: [n, vocab] logits, or [1, vocab] when ``last_only`` (prefill: skip the lm_head for the rest)
+        inputs: B lists of token ids (ragged), or a [B, S] tensor already on the device (no host round trip)
+
+        returns: [B, S, vocab] with S = the longest input (row b's logits for its tokens are ``[b, :len(inputs[b])]``),
+        or [B, 1, vocab] when ``last_only`` (a prefill: skip the lm_head for the rest; rows must be equally long)
         """
-        if isinstance(token_ids, torch.Tensor):
-            input_ids = token_ids.view(1, -1)
+        if isinstance(inputs, torch.Tensor):
+            input_ids = inputs  # [B, S]
+            widths = [inputs.shape[1]] * inputs.shape[0]
         else:
-            input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0
-        )
-        logits = out.logits[0]  # [n, vocab]
+            widths = [len(x) for x in inputs]
+            width = max(widths)
+            padded = [x + [PAD_TOKEN] * (width - len(x)) for x in inputs]
+            input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, S]
+        position_ids, mask = self.cache.begin(first, widths, self.device)
+        if self._eager:  # eager attention adds its mask: 0 where visible, the dtype's minimum elsewhere
+            mask = _additive(mask, self.model.dtype)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                             past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        finally:
+            self.cache.advance(first, widths)
+        logits = out.logits  # [B, S or 1, vocab]
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit_vocab(logits, self.vocab_size)
         return logits
 
-    def crop_to(self, length: int) -> None:
-        """Drop cached positions >= ``length`` (no-op when the cache is already that short)."""
-        extra = self.length - length
-        if extra > 0:
-            # transformers 5: crop(-n) removes the last n positions; a positive argument raises
-            self.cache.crop(-extra)
 
-
-WEIGHT_MAJOR_MAX_ROWS = 64  # past this (a prefill), F.linear's GEMM is faster: SmolLM2, 250 tokens, 425 vs 510 ms
-
-
-def _weight_major_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # x: [..., in] -> [..., out], computed as (W @ x^T)^T
-    if x.numel() > WEIGHT_MAJOR_MAX_ROWS * x.shape[-1]:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-    # [n, in], row-major: the product below then reads x^T column-major, MKL's fast layout for a thin right-hand
-    # side. A transposed view (the output of the previous weight-major linear, through the MLP's silu * up)
-    # took a path ~5x slower on Qwen's down_proj for 5 rows; the copy is n * in floats.
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = (self.weight @ flat.T).T.reshape(*x.shape[:-1], self.weight.shape[0])  # [..., out]
-    return y if self.bias is None else y + self.bias
-
-
-def use_weight_major_linear(model: torch.nn.Module) -> None:
-    """Compute every ``nn.Linear`` of ``model`` as ``(W @ x^T)^T`` instead of ``F.linear``.
-
-    Why: on a CPU, ``F.linear`` for a handful of rows (a verify pass over k + 1 tokens) takes a GEMM path that
-    costs nearly 2x a single-token step; the weight-major product keeps it close to the one-token cost (SmolLM2 on
-    2 cores: verify of 5 tokens 68 ms instead of 109 ms; a single step unchanged at 58 ms). That is what makes
-    verifying K drafts nearly as cheap as one step, which speculation needs. Plain decoding goes through the same
-    layers, so greedy speculative output still equals plain greedy output of this runner (tests check it on tiny
-    and real models). Passes over more than ``WEIGHT_MAJOR_MAX_ROWS`` rows (prefills) keep ``F.linear``, which is
-    faster there. Patched per instance: other users of the class are untouched.
-    """
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_weight_major_forward, module)
+def _additive(mask, dtype: torch.dtype):
+    if isinstance(mask, dict):
+        return {k: _additive(v, dtype) for k, v in mask.items()}
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

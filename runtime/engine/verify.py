@@ -24,12 +24,11 @@ from __future__ import annotations
 import torch
 
 
-def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+def verify_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[int, int]:
     """Return (number accepted, recovered-or-bonus token).
 
-    draft_tokens: k ints; target_logits: [k + 1, vocab]
+    draft_tokens: k ints; target_argmax: the target's k + 1 (or more, padding) greedy choices for this row
     """
-    target_argmax = target_logits.argmax(dim=-1).tolist()  # k + 1 ints; the step's only host sync
     n = 0
     for draft, best in zip(draft_tokens, target_argmax):
         if draft != best:
@@ -75,3 +74,45 @@ def verify_sampled(
     dist = residual / total if float(total) > 0 else target_probs[n]
     recovered = torch.multinomial(dist, 1, generator=generator)
     return n, int(recovered)
+
+
+# ---- seeded sampling: the seed alone decides the output -------------------------------------------------------
+# Rejection sampling is exact in distribution, but which token comes out depends on where drafts were verified and
+# on the random draws each verify consumed, so a seeded request would change with its draft lengths, which depend on
+# the batch and on measured costs. For a seeded request, the target's token at output position ``i`` is instead the
+# inverse-CDF sample of ``p_i`` at a uniform ``u_i`` that is a function of (seed, i) alone; a draft token is accepted
+# when it equals that sample. Every emitted token is then exactly what plain sampling with the same ``u_i`` emits,
+# whatever was drafted (acceptance is sum_x p(x) q(x) instead of rejection sampling's sum_x min(p(x), q(x)): the
+# price of reproducibility, paid only by seeded requests).
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) from (seed, position): splitmix64 of the pair, deterministic across runs and machines."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token whose CDF interval holds ``u``. probs: [vocab]"""
+    cdf = probs.double().cumsum(0)  # [vocab]
+    x = torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device=probs.device)
+    return min(int(torch.searchsorted(cdf, x, right=True)), probs.shape[0] - 1)
+
+
+def verify_seeded(draft_tokens: list[int], target_probs: torch.Tensor, seed: int, position: int) -> tuple[int, int]:
+    """Sample-and-compare for seeded requests. Return (number accepted, the target's token after them).
+
+    target_probs: [k + 1, vocab]; ``position``: the output index of the first verified position
+    """
+    n = 0
+    for i in range(len(draft_tokens) + 1):
+        token = inverse_cdf(target_probs[i], position_uniform(seed, position + i))
+        if i == len(draft_tokens) or token != draft_tokens[i]:
+            return n, token
+        n += 1
+    raise AssertionError("unreachable")

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, SpeculativeEngine,
@@ -77,7 +76,8 @@ def test_greedy_output_equals_plain_decoding(target, draft, method, k):
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_self_draft_accepts_everything(target, k):
     engine = make(target, DraftModelProposer(ModelRunner(target)), k, adaptive=False)
-    run(engine, PROMPTS[0], max_tokens=(k + 1) * 5, ignore_eos=True)  # a multiple of k + 1: no clamped last step
+    # the first token comes from the prefill; then 5 steps of k + 1 tokens, none clamped by max_tokens
+    run(engine, PROMPTS[0], max_tokens=1 + (k + 1) * 5, ignore_eos=True)
     assert engine.stats.acceptance_rate == 1.0
     assert engine.stats.mean_acceptance_length == k + 1
     assert engine.stats.accepted_per_position == [5] * k
@@ -129,47 +129,33 @@ def test_context_limit_caps_output(target):
 
 
 class _FixedProposer:
-    """Proposes a fixed continuation, so a test chooses between the all-accepted and first-rejected paths."""
+    """A free proposer with a fixed continuation, so a test chooses between the all-accepted and first-rejected paths."""
 
     name, cost_per_token = "fixed", False
 
     def __init__(self, drafts):
         self.drafts = drafts
 
-    def start(self, prompt):
-        pass
-
-    def propose(self, tokens, k, sampling, generator):
-        return self.drafts[:k], None
-
-    def rollback(self, length):
-        pass
-
-
-def _spy_lengths(engine, runner):
-    lengths = []
-    original = runner.crop_to
-
-    def crop_to(length):
-        original(length)
-        lengths.append(runner.length)
-
-    runner.crop_to = crop_to
-    return lengths
+    def propose(self, tokens, k):
+        return self.drafts[:k]
 
 
 @pytest.mark.parametrize("path", ["all_accepted", "first_rejected"])
-def test_rollback_leaves_caches_at_accepted_length(target, path):
+def test_rollback_leaves_the_cache_row_at_the_accepted_length(target, path):
     prompt = PROMPTS[0]
     plain, _ = run(make(target), prompt, max_tokens=8, ignore_eos=True)
-    drafts = plain[:4] if path == "all_accepted" else [(plain[0] + 1) % 256] + plain[1:4]
+    # the prefill gives plain[0]; the first step then verifies drafts for plain[1:5]
+    drafts = plain[1:5] if path == "all_accepted" else [(plain[1] + 1) % 256] + plain[2:5]
     engine = make(target, _FixedProposer(drafts), 4, adaptive=False)
-    lengths = _spy_lengths(engine, engine.target)
-    step = next(engine.generate(prompt, GenerationParams(max_tokens=8, ignore_eos=True)))
-    expected = plain[:5] if path == "all_accepted" else plain[:1]  # 4 accepted + bonus, or just the recovery
+    steps = engine.generate(prompt, GenerationParams(max_tokens=8, ignore_eos=True))
+    assert next(steps).token_ids == plain[:1]
+    step = next(steps)
+    expected = plain[1:6] if path == "all_accepted" else plain[1:2]  # 4 accepted + bonus, or just the recovery
     assert step.token_ids == expected
-    # the cache holds the prompt and the accepted tokens, minus the last one (the next step's input)
-    assert lengths[-1] == len(prompt) + len(expected) - 1
+    # the row holds the prompt and the accepted tokens, minus the last one (the next step's input); the rejected
+    # drafts' positions are past it, to be overwritten
+    assert engine.target.length(0) == len(prompt) + 1 + len(expected) - 1
+    steps.close()
 
 
 def test_draft_model_cache_catches_up_after_full_accept(target):
@@ -177,10 +163,11 @@ def test_draft_model_cache_catches_up_after_full_accept(target):
     engine = make(target, DraftModelProposer(runner), 3, adaptive=False)
     prompt = PROMPTS[1]
     gen = engine.generate(prompt, GenerationParams(max_tokens=20, ignore_eos=True))
+    assert len(next(gen).token_ids) == 1  # the prefill's token
     first = next(gen)
     assert len(first.token_ids) == 4  # self-draft: all 3 accepted + bonus
-    # the draft never fed d_k: its cache is two tokens behind the sequence (d_k and the bonus)
-    assert runner.length == len(prompt) + 4 - 2
+    # the draft never fed d_k: its row is two tokens behind the sequence (d_k and the bonus)
+    assert runner.length(0) == len(prompt) + 1 + 4 - 2
     second = next(gen)
     assert len(second.token_ids) == 4  # catch-up fed both, and drafting continued exactly
     gen.close()
@@ -205,23 +192,16 @@ def test_prediction_drafts_and_stays_exact(target):
     assert [t for o in outs for t in o.token_ids] == plain
 
 
-def test_dynamic_cache_crop_semantics_we_rely_on():
-    # runner.crop_to relies on crop(-n) dropping the last n positions (transformers 5.x); pin it
-    cache = DynamicCache()
-    k = torch.zeros(1, 2, 10, 4)
-    cache.update(k, k, 0)
-    cache.crop(-3)
-    assert cache.get_seq_length() == 7
-
-
 def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):
     # calibration taken on a busy machine: long verifies look 100x dearer than they are
     engine = make(target, NgramProposer(2), 4)
     engine.calibrate()
-    for k in (1, 2, 4):
-        engine.policy.verify_cost[k] = 1000.0  # seconds: no draft could ever pay at that price
+    samples = engine.policy.verify_cost.samples
+    for n in samples:
+        if n > 1:
+            samples[n] = 1000.0  # seconds: no draft could ever pay at that price
     run(engine, PROMPTS[2], max_tokens=120, ignore_eos=True)  # a repetitive prompt: the n-gram guesses hit
     assert engine.stats.num_draft_tokens > 0  # probes drafted...
-    # ...and replaced a bad measurement with a real one (which lengths depends on what the proposer found and on
+    # ...and replaced a bad measurement with a real one (which widths depends on what the proposer found and on
     # timings, so only "some" is certain)
-    assert min(engine.policy.verify_cost[k] for k in (1, 2, 3, 4) if k in engine.policy.verify_cost) < 1000.0
+    assert min(v for n, v in samples.items() if n > 1) < 1000.0

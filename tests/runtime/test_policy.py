@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine.policy import DraftLengthPolicy, RequestAcceptance, _track
+from runtime.engine.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan, _track
 
 
 def test_acceptance_is_kept_per_state():
@@ -26,31 +26,77 @@ def test_acceptance_is_kept_per_state():
     assert 0.3 < acc.overall < 0.95  # both states, weighted by their (decayed) trials
 
 
+def _rows(policy, rates_and_available, model=False):
+    rows = []
+    for rate, available in rates_and_available:
+        acc = policy.new_request(prior=rate)
+        rows.append(RowPlan(acc, available, model))
+    return rows
+
+
+def _cpu_like(policy):
+    # seconds for a pass over n token rows: flat while memory-bound, then growing (SmolLM2 on 2 cores, roughly)
+    for n, s in {1: 0.050, 2: 0.052, 4: 0.055, 8: 0.080, 16: 0.110, 32: 0.150, 64: 0.250, 128: 0.480}.items():
+        policy.verify_cost.observe(n, s)
+
+
 def test_policy_drafts_long_inside_a_run_and_stops_outside():
     policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
-    policy.verify_cost = {0: 1.0, 1: 1.2, 2: 1.25, 4: 1.3, 8: 1.6}
-    acc = policy.new_request(prior=0.5)
+    _cpu_like(policy)
+    [row] = _rows(policy, [(0.5, 8)])
     for _ in range(30):
-        acc.observe(0, 1)
-    assert policy.choose(acc, limit=100) == 0
-    acc.observe(1, 1)
+        row.acceptance.observe(0, 1)
+    assert policy.width([row]) == 0
+    row.acceptance.observe(1, 1)
     for _ in range(20):
-        acc.observe(8, 8)
-    assert policy.choose(acc, limit=100) == 8
-    assert policy.choose(acc, limit=3) == 3  # the limit caps the length
-    acc.observe(0, 1)
-    assert policy.choose(acc, limit=100) == 0
+        row.acceptance.observe(8, 8)
+    assert policy.width([row]) == 8
+    assert policy.width([RowPlan(row.acceptance, 3, False)]) == 3  # a row's guess (or its room) caps the width
+    row.acceptance.observe(0, 1)
+    # back among the misses: at most one draft (a 2-token pass costs 4% more than 1 here, so a long shot can pay)
+    assert policy.width([row]) <= 1
+
+
+def test_the_same_drafts_that_pay_alone_do_not_pay_in_a_full_batch():
+    # a 60% acceptance pays at batch 1 (a 9-token pass costs ~2x one token) but not at batch 8, where padding every
+    # row to 9 tokens makes the pass ~6x dearer than the plain batch step
+    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    _cpu_like(policy)
+    assert policy.width(_rows(policy, [(0.6, 8)])) > 0
+    assert policy.width(_rows(policy, [(0.6, 8)] + [(0.0, 0)] * 7)) == 0
+    # ...while a batch that copies (grounded edits) still drafts, just shorter than alone
+    alone = policy.width(_rows(policy, [(0.95, 8)]))
+    full = policy.width(_rows(policy, [(0.95, 8)] * 8))
+    assert alone == 8 and 0 < full < alone
+
+
+def test_rows_without_guesses_do_not_make_the_batch_draft():
+    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    _cpu_like(policy)
+    assert policy.width(_rows(policy, [(0.9, 0)] * 4)) == 0
 
 
 def test_draft_cost_shortens_drafts():
     policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=True)
-    policy.verify_cost = {0: 1.0, 8: 1.5}
-    acc = policy.new_request(prior=0.8)
-    policy.draft_cost = 0.01
-    cheap = policy.choose(acc, limit=100)
-    policy.draft_cost = 0.3
-    dear = policy.choose(acc, limit=100)
+    policy.verify_cost.observe(1, 1.0)
+    policy.verify_cost.observe(9, 1.5)
+    policy.draft_cost.observe(1, 0.01)
+    cheap = policy.width(_rows(policy, [(0.8, 8)], model=True))
+    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=True)
+    policy.verify_cost.observe(1, 1.0)
+    policy.verify_cost.observe(9, 1.5)
+    policy.draft_cost.observe(1, 0.3)
+    dear = policy.width(_rows(policy, [(0.8, 8)], model=True))
     assert cheap > dear >= 1
+
+
+def test_cost_model_interpolates_and_extrapolates_upwards():
+    cost = CostModel()
+    cost.observe(8, 0.08)
+    cost.observe(16, 0.11)
+    assert cost(12) == pytest.approx(0.095)
+    assert cost(4) == pytest.approx(0.08)  # below the smallest measurement: no cheaper than it
+    assert cost(32) == pytest.approx(0.11 + 16 * (0.03 / 8))  # past the largest: the last slope continues
 
 
 def test_cost_tracking_averages_noise_and_recovers_from_contention():

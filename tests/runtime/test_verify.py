@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.verify import verify_greedy, verify_sampled
+from runtime.engine.verify import inverse_cdf, position_uniform, verify_greedy, verify_sampled, verify_seeded
 
 VOCAB = 6
 TRIALS = 40_000
@@ -46,9 +46,25 @@ def test_one_hot_draft_ngram_also_matches_the_target():
 
 
 def test_greedy_accepts_the_matching_prefix():
-    logits = torch.full((4, 8), -1.0)
-    for pos, tok in enumerate([3, 5, 1, 7]):
-        logits[pos, tok] = 1.0
-    assert verify_greedy([3, 5, 2], logits) == (2, 1)  # d0, d1 accepted; 2 rejected, target says 1 (recovered)
-    assert verify_greedy([3, 5, 1], logits) == (3, 7)  # all accepted; 7 is the bonus token
-    assert verify_greedy([], logits[:1]) == (0, 3)  # no draft: a plain decode step
+    argmax = [3, 5, 1, 7]  # the target's choice at each verified position
+    assert verify_greedy([3, 5, 2], argmax) == (2, 1)  # d0, d1 accepted; 2 rejected, target says 1 (recovered)
+    assert verify_greedy([3, 5, 1], argmax) == (3, 7)  # all accepted; 7 is the bonus token
+    assert verify_greedy([], argmax) == (0, 3)  # no draft: a plain decode step (later entries: padding)
+
+
+def test_seeded_verification_emits_what_plain_sampling_emits():
+    # sample-and-compare: whatever was drafted, position i's token is the inverse-CDF draw at u(seed, i)
+    gen = torch.Generator().manual_seed(0)
+    target = torch.rand(5, VOCAB, generator=gen).softmax(-1)  # [k + 1, vocab]
+    plain = [inverse_cdf(target[i], position_uniform(42, 10 + i)) for i in range(5)]
+    for drafts in ([], plain[:4], plain[:2] + [(plain[2] + 1) % VOCAB, plain[3]], [(plain[0] + 1) % VOCAB]):
+        n, token = verify_seeded(drafts, target[: len(drafts) + 1], seed=42, position=10)
+        assert drafts[:n] + [token] == plain[: n + 1]
+
+
+def test_seeded_draws_follow_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.15, 0.1])
+    counts = torch.zeros(VOCAB)
+    for i in range(TRIALS):
+        counts[inverse_cdf(probs, position_uniform(7, i))] += 1
+    assert _tv(counts / TRIALS, probs) < 0.015

@@ -1,0 +1,134 @@
+"""Continuous batching over one engine: which sequences run this step, and when prompts are prefilled.
+
+- Requests wait in arrival order (FIFO) until a row is free (at most ``max_batch_size`` run at once).
+- The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, one chunk per
+  iteration, *after* the running batch's step: running streams keep producing while a long prompt is read, at the
+  cost of one chunk's time per step (chunking, not a mixed pass, because a pass pads every row to the widest: one
+  64-token chunk in a batch of 1-token rows would make every row 64 wide). With nothing running, the prompt is
+  read in one go. The last chunk's logits give the request its first token (time to first token is one prefill),
+  and the request joins the batch at the next step.
+- A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
+  always rows 0..B-1 of every cache and a pass never touches an idle row.
+
+The scheduler is not thread-safe: one thread owns it and its engine (see ``runtime.worker``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Iterator, Sequence as Seq
+
+from runtime.engine.sequence import GenerationParams, Sequence, StepOutput
+
+PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: ~2 decode steps of SmolLM2 on 2 CPU cores
+
+
+class Scheduler:
+    def __init__(self, engine, max_batch_size: int, prefill_chunk: int = PREFILL_CHUNK):
+        if not 1 <= max_batch_size <= engine.max_rows:
+            raise ValueError(f"max_batch_size must be in 1..{engine.max_rows} (the engine's cache rows)")
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[b].row == b
+        self.prefilling: Sequence | None = None  # row len(running) while its prompt is read
+        self._cancelled: set[int] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.prefilling)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: the sequence leaves at the start of the next iteration."""
+        self._cancelled.add(seq.id)
+
+    def step(self) -> list[tuple[Sequence, StepOutput]]:
+        """One iteration: drop cancelled requests, step the running batch, admit and prefill. Returns each
+        sequence's new output (a sequence whose output carries a finish_reason has left)."""
+        out: list[tuple[Sequence, StepOutput]] = []
+        if self._cancelled:
+            self._drop_cancelled(out)
+        if self.running:
+            for seq, o in zip(list(self.running), self.engine.step(self.running)):
+                out.append((seq, o))
+                if o.finish_reason:
+                    self._leave(seq)
+        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
+            self.prefilling = self.waiting.popleft()
+            self.prefilling.row = len(self.running)
+        if self.prefilling is not None:
+            seq = self.prefilling
+            budget = self.prefill_chunk if self.running else seq.prompt_len
+            o = self.engine.prefill(seq, budget)
+            if o is not None:
+                self.prefilling = None
+                out.append((seq, o))
+                if o.finish_reason:
+                    self._release(seq)
+                else:
+                    self.running.append(seq)
+        return out
+
+    def _drop_cancelled(self, out) -> None:
+        for seq in [s for s in self.running if s.id in self._cancelled]:
+            self._leave(seq)
+            out.append((seq, StepOutput([], "cancelled")))
+        if self.prefilling is not None and self.prefilling.id in self._cancelled:
+            seq, self.prefilling = self.prefilling, None
+            self._release(seq)
+            out.append((seq, StepOutput([], "cancelled")))
+        for seq in [s for s in self.waiting if s.id in self._cancelled]:
+            self.waiting.remove(seq)
+            out.append((seq, StepOutput([], "cancelled")))
+        self._cancelled.clear()
+
+    def _leave(self, seq: Sequence) -> None:
+        """Take a running sequence out, keeping the batch in rows 0..B-1 (and a prefilling one right after)."""
+        i, last = self.running.index(seq), len(self.running) - 1
+        if i != last:
+            moved = self.running[last]
+            self.engine.move_row(last, i)
+            moved.row, self.running[i] = i, moved
+        self.running.pop()
+        self._release(seq, row=last)
+        if self.prefilling is not None:
+            self.engine.move_row(self.prefilling.row, last)
+            self.prefilling.row = last
+
+    def _release(self, seq: Sequence, row: int | None = None) -> None:
+        self.engine.release_row(seq.row if row is None else row)
+        seq.row = -1
+        if seq.finish_reason is None:
+            seq.finish_reason = "cancelled"
+        self.engine.finish(seq)
+
+    # ---- one request, run to the end in the calling thread ----
+    def generate(self, prompt_ids: Seq[int], params: GenerationParams,
+                 cancel: threading.Event | None = None) -> Iterator[StepOutput]:
+        seq = self.engine.new_sequence(prompt_ids, params)
+        self.add(seq)
+        try:
+            while self.has_work():
+                if cancel is not None and cancel.is_set():
+                    self.cancel(seq)
+                for s, o in self.step():
+                    if s is seq:
+                        yield o
+                        if o.finish_reason:
+                            return
+        finally:
+            if seq.finish_reason is None:  # the caller stopped early: free the row
+                self.cancel(seq)
+                self._drop_cancelled([])

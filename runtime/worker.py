@@ -1,0 +1,189 @@
+"""EngineWorker: the one thread that owns a deployment's engine.
+
+Everything that runs torch for a deployment runs here: loading the weights, calibration and warm-up, and every
+prefill and batch step. Why one thread: torch's CPU kernels run on an OpenMP pool that belongs to the thread that
+first ran a parallel region; a second thread doing torch work after the first has its own pool, and on a small
+machine the two pools fight (measured on 2 cores: a decode step on a request thread after loading on a loader thread
+ran ~1.7x slower than the same step on the loading thread). Other threads talk to the worker through its inbox:
+``submit`` a request (its outputs go to a callback, called on this thread), ``cancel`` it, change K, ``stop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Callable
+
+from runtime.engine import GenerationParams, Scheduler, StepOutput
+
+log = logging.getLogger("depctl.worker")
+
+Sink = Callable[[object], None]  # receives StepOutputs, then possibly an exception; called on the worker thread
+
+
+class Handle:
+    """A submitted request, as its submitter sees it."""
+
+    def __init__(self, worker: "EngineWorker"):
+        self._worker = worker
+        self.seq = None  # set on the worker thread once the request is admitted to the queue
+
+    def cancel(self) -> None:
+        self._worker._inbox.put(("cancel", self))
+
+
+class EngineWorker:
+    def __init__(self, name: str, load: Callable[[], object], on_loaded: Callable[["EngineWorker", object], bool],
+                 on_failed: Callable[["EngineWorker", BaseException], None], max_batch_size: int):
+        self.name = name
+        self.loaded = None  # a LoadedDeployment once loading succeeded
+        self.scheduler: Scheduler | None = None
+        self.max_batch_size = max_batch_size
+        self._load, self._on_loaded, self._on_failed = load, on_loaded, on_failed
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[int, Sink] = {}
+        self._stopping: tuple[bool, Callable[[], None] | None] | None = None  # (drain, then)
+        self._exit_lock = threading.Lock()
+        self._exited = False
+        self.thread = threading.Thread(target=self._run, name=f"depctl-engine-{name}", daemon=True)
+
+    # ---- any thread ----
+    def start(self) -> "EngineWorker":
+        self.thread.start()
+        return self
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams, sink: Sink) -> Handle:
+        handle = Handle(self)
+        self._inbox.put(("add", handle, prompt_ids, params, sink))
+        return handle
+
+    def set_num_draft_tokens(self, k: int) -> None:
+        self._inbox.put(("k", k))
+
+    def stop(self, drain: bool = True, then: Callable[[], None] | None = None) -> None:
+        """Stop after the requests already submitted finish (``drain``) or at once; ``then`` runs on exit."""
+        with self._exit_lock:
+            if not self._exited:
+                self._inbox.put(("stop", drain, then))
+                return
+        if then is not None:
+            then()
+
+    @property
+    def num_running(self) -> int:
+        s = self.scheduler
+        return s.num_running if s else 0
+
+    @property
+    def num_waiting(self) -> int:
+        s = self.scheduler
+        return (s.num_waiting if s else 0) + self._inbox.qsize()
+
+    # ---- the worker thread ----
+    def _run(self) -> None:
+        try:
+            loaded = self._load()
+        except BaseException as exc:  # noqa: BLE001 - every failure ends in FAILED with its reason
+            self._on_failed(self, exc)
+            self._finish_stop()
+            return
+        self.loaded = loaded
+        self.scheduler = Scheduler(loaded.engine, self.max_batch_size)
+        if not self._on_loaded(self, loaded):  # superseded while loading: nobody will send requests here
+            self.loaded = self.scheduler = None
+            self._finish_stop()
+            return
+        while True:
+            self._read_inbox(block=not self.scheduler.has_work())
+            if self._stopping is not None and (not self._stopping[0] or not self.scheduler.has_work()):
+                break
+            if self.scheduler.has_work():
+                self._step()
+        self._fail_all(RuntimeError("the deployment was stopped before this request finished"))
+        self.loaded = self.scheduler = None
+        self._finish_stop()
+
+    def _read_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, handle, prompt_ids, params, sink = msg
+            try:
+                seq = self.scheduler.engine.new_sequence(prompt_ids, params)
+            except ValueError as exc:
+                sink(exc)
+                return
+            handle.seq = seq
+            self._sinks[seq.id] = sink
+            self.scheduler.add(seq)
+        elif kind == "cancel":
+            seq = msg[1].seq
+            if seq is not None and seq.id in self._sinks:
+                self.scheduler.cancel(seq)
+        elif kind == "k":
+            self.scheduler.engine.set_num_draft_tokens(msg[1])
+        elif kind == "stop":
+            self._stopping = (msg[1], msg[2])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.scheduler.step()
+        except Exception as exc:  # a failed step fails the requests in it, never the deployment
+            log.error("deployment %s: a step failed: %s", self.name, "".join(traceback.format_exception(exc)))
+            self._fail_all(exc)
+            self.scheduler = Scheduler(self.scheduler.engine, self.max_batch_size)
+            for row in range(self.scheduler.engine.max_rows):
+                self.scheduler.engine.release_row(row)
+            return
+        for seq, out in outputs:
+            sink = self._sinks.get(seq.id)
+            if out.finish_reason:
+                self._sinks.pop(seq.id, None)
+            if sink is not None:
+                _deliver(sink, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            _deliver(sink, exc)
+
+    def _finish_stop(self) -> None:
+        """Exit: answer whatever is still in the inbox, then run the ``then`` of every stop request."""
+        with self._exit_lock:
+            self._exited = True
+        thens = [self._stopping[1]] if self._stopping else []
+        try:
+            while True:
+                msg = self._inbox.get_nowait()
+                if msg[0] == "stop":
+                    thens.append(msg[2])
+                elif msg[0] == "add":
+                    _deliver(msg[4], RuntimeError("the deployment is not serving"))
+        except queue.Empty:
+            pass
+        for then in thens:
+            if then is not None:
+                then()
+
+
+def _deliver(sink: Sink, item: object) -> None:
+    try:
+        sink(item)
+    except Exception:  # a consumer that went away must not stop the batch
+        log.exception("delivering an output failed")
+
+
+__all__ = ["EngineWorker", "Handle", "StepOutput"]
