@@ -1,0 +1,188 @@
+"""Continuous batching: a request's output does not depend on what else is in the batch (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine import (
+    DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, Scheduler, SpeculativeEngine,
+)
+from runtime.engine.runner import ModelRunner
+from tests.tiny import tiny_llama
+
+PROMPTS = [
+    [5, 17, 42, 99, 3, 17, 42, 99, 3, 8],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [200, 201, 200, 201, 200, 201, 200],
+    [77],
+    list(range(30, 60)) + list(range(30, 45)),
+    [9, 9, 9, 9, 9, 9],
+    list(range(100, 140)),
+    [64, 65, 66, 64, 65, 66, 64],
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_llama(1, layers=1)
+
+
+def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
+    proposer = {
+        "plain": lambda: None,
+        "ngram": lambda: NgramProposer(2),
+        "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
+    }[method]()
+    return SpeculativeEngine(ModelRunner(target, max_rows=rows, max_context=512), proposer,
+                             EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive))
+
+
+def solo(target, prompt, params):
+    engine = engine_for(target, "plain", 1)
+    return [t for o in engine.generate(prompt, params) for t in o.token_ids]
+
+
+def drive(scheduler, arrivals, cancel_at=None):
+    """Run to the end. ``arrivals``: (iteration, prompt, params); ``cancel_at``: {index: iteration}."""
+    engine = scheduler.engine
+    seqs, got, finish, it = {}, {}, {}, 0
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    while pending or scheduler.has_work():
+        while pending and pending[0][1][0] <= it:
+            i, (_, prompt, params) = pending.pop(0)
+            seqs[i] = engine.new_sequence(prompt, params)
+            got[i] = []
+            scheduler.add(seqs[i])
+        for i, when in (cancel_at or {}).items():
+            if when == it and i in seqs:
+                scheduler.cancel(seqs[i])
+        by_id = {s.id: i for i, s in seqs.items()}
+        for seq, out in scheduler.step():
+            got[by_id[seq.id]] += out.token_ids
+            if out.finish_reason:
+                finish[by_id[seq.id]] = out.finish_reason
+        it += 1
+    return got, finish
+
+
+GREEDY = GenerationParams(max_tokens=30, ignore_eos=True)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+def test_greedy_output_does_not_depend_on_the_batch(target, draft, method, batch):
+    # different prompt lengths, and max_tokens that make requests leave at different steps
+    arrivals = [(0, PROMPTS[i], GenerationParams(max_tokens=12 + 5 * i, ignore_eos=True)) for i in range(batch)]
+    got, finish = drive(Scheduler(engine_for(target, method, batch, draft), batch, prefill_chunk=8), arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, params), (method, batch, i)
+        assert finish[i] == "length"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_requests_join_and_leave_mid_flight(target, draft, method):
+    # 8 requests through 3 rows: the rest wait, join as rows free up, and prefill in chunks of 4 while others decode
+    arrivals = [(3 * i, PROMPTS[i], GenerationParams(max_tokens=8 + 3 * i, ignore_eos=True)) for i in range(8)]
+    scheduler = Scheduler(engine_for(target, method, 3, draft, adaptive=True), 3, prefill_chunk=4)
+    got, _ = drive(scheduler, arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, params), i
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_mixed_requests_in_one_batch(target, draft, method):
+    # plain (speculate=false), the deployment's proposer, a predicted output (right and wrong), side by side
+    right = tuple(solo(target, PROMPTS[2], GREEDY))
+    wrong = tuple((t + 3) % 256 for t in solo(target, PROMPTS[3], GREEDY))
+    arrivals = [
+        (0, PROMPTS[0], GenerationParams(max_tokens=30, ignore_eos=True, speculate=False)),
+        (0, PROMPTS[1], GREEDY),
+        (1, PROMPTS[2], GenerationParams(max_tokens=30, ignore_eos=True, prediction=right)),
+        (2, PROMPTS[3], GenerationParams(max_tokens=30, ignore_eos=True, prediction=wrong)),
+        (2, PROMPTS[4], GREEDY),
+    ]
+    got, _ = drive(Scheduler(engine_for(target, method, 5, draft), 5, prefill_chunk=8), arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, GREEDY), i
+
+
+def test_a_cancelled_neighbour_leaves_the_others_exact(target):
+    arrivals = [(0, PROMPTS[i], GREEDY) for i in range(4)]
+    scheduler = Scheduler(engine_for(target, "ngram", 4), 4, prefill_chunk=8)
+    got, finish = drive(scheduler, arrivals, cancel_at={1: 5, 3: 0})
+    assert finish[1] == "cancelled" and finish[3] == "cancelled"
+    assert len(got[1]) < 30
+    for i in (0, 2):
+        assert got[i] == solo(target, PROMPTS[i], GREEDY)
+    assert all(length == 0 for length in scheduler.engine.target.cache.lengths)  # every row was given back
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampling_is_reproducible_whatever_the_neighbours(target, draft, method):
+    seeded = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    alone = solo(target, PROMPTS[1], seeded)  # plain decoding, batch of one
+    noisy = GenerationParams(max_tokens=25, ignore_eos=True, sampling=SamplingParams(temperature=1.0))
+    arrivals = [(0, PROMPTS[0], noisy), (1, PROMPTS[1], seeded), (2, PROMPTS[2], GREEDY), (4, PROMPTS[4], noisy)]
+    for adaptive in (False, True):  # draft lengths chosen by measured costs must not matter either
+        got, _ = drive(Scheduler(engine_for(target, method, 4, draft, adaptive=adaptive), 4, prefill_chunk=8), arrivals)
+        assert got[1] == alone
+    other = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=8))
+    assert solo(target, PROMPTS[1], other) != alone
+
+
+def test_rollback_leaves_each_row_at_its_accepted_length(target):
+    # one batch step with three rows: all drafts accepted, the first draft rejected, and no draft (k_i = 0)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    plain = [solo(target, p, GenerationParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+
+    class Oracle:
+        """Row 0 gets the true continuation, row 1 a wrong first draft, row 2 nothing."""
+
+        name, cost_per_token = "oracle", False
+
+        def propose(self, tokens, k):
+            b = next(i for i, p in enumerate(prompts) if list(tokens[: len(p)]) == p)
+            truth = plain[b][len(tokens) - len(prompts[b]) :][:k]
+            return [truth, [(truth[0] + 1) % 256] + truth[1:], []][b]
+
+    engine = SpeculativeEngine(ModelRunner(target, max_rows=3, max_context=512), Oracle(),
+                               EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False))
+    scheduler = Scheduler(engine, 3)
+    seqs = [engine.new_sequence(p, GenerationParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+    for s in seqs:
+        scheduler.add(s)
+    while len(scheduler.running) < 3:  # prefills: one per iteration, each giving its request's first token
+        scheduler.step()
+    lengths_before = [len(s.tokens) for s in seqs]
+    outs = dict((s.id, o) for s, o in scheduler.step())
+    emitted = [len(outs[s.id].token_ids) for s in seqs]
+    assert [outs[s.id].accepted for s in seqs] == [4, 0, 0] and emitted == [5, 1, 1]
+    for b, s in enumerate(seqs):
+        assert s.tokens[s.prompt_len:] == plain[b][: len(s.tokens) - s.prompt_len]
+        assert engine.target.length(s.row) == lengths_before[b] + emitted[b] - 1
+
+
+def test_a_row_in_a_batch_samples_from_the_target(target):
+    # the rejection sampler sees its own row of the batch's logits: its first token follows the target's
+    # distribution, not the draft's, and not a neighbour's
+    vocab, trials = 6, 20_000
+    engine = engine_for(target, "plain", 3)
+    target_p = torch.tensor([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
+    neighbour = torch.tensor([0.40, 0.05, 0.30, 0.05, 0.10, 0.10])
+    logits = torch.stack([neighbour.log().expand(2, -1), target_p.log().expand(2, -1), neighbour.log().expand(2, -1)])
+    draft_q = neighbour  # the draft proposes from the neighbour's distribution
+    seq = engine.new_sequence([1, 2], GenerationParams(sampling=SamplingParams(temperature=1.0)))
+    seq.generator.manual_seed(3)
+    counts = torch.zeros(vocab)
+    for _ in range(trials):
+        d = int(torch.multinomial(draft_q, 1, generator=seq.generator))
+        n, token = engine._accept(seq, [d], draft_q[None], logits[1], [])
+        counts[d if n else token] += 1
+    tv = 0.5 * float((counts / trials - target_p).abs().sum())
+    assert tv < 0.02
