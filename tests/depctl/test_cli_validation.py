@@ -57,6 +57,10 @@ def spec_files(home) -> list:
          "smollm2-135m-instruct"),
         (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "int4"],
          "--draft-precision", "qwen2.5-coder-1.5b-instruct"),
+        # the batch size: bounded like the other flags
+        (["--max-batch-size", "0"], "--max-batch-size", "smollm2-135m-instruct"),
+        (["--max-batch-size", "257"], "--max-batch-size", "smollm2-135m-instruct"),
+        (["--max-batch-size", "eight"], "--max-batch-size", "smollm2-135m-instruct"),
     ],
 )
 def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
@@ -134,6 +138,7 @@ def _seed(depctl_home, speculation) -> None:
         (["--draft-token-count", "0"], "--draft-token-count"),
         (["--draft-precision", "int8"], "--draft-precision needs --draft-model (this deployment does not use a draft model)"),
         (["--disable-speculative-decoding", "--draft-precision", "int8"], "cannot be used with --disable-speculative-decoding"),
+        (["--max-batch-size", "0"], "--max-batch-size"),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -201,3 +206,14 @@ def test_commands_needing_the_daemon_say_how_to_start_it(depctl_home):
     result = run("generate", "dep", "hi")
     assert result.exit_code != 0
     assert "depctl daemon start" in result.stderr
+
+
+def test_max_batch_size_defaults_to_8_and_is_kept(depctl_home):
+    result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "-o", "json")
+    assert json.loads(result.stdout)["max_batch_size"] == 8
+    result = run("deployment", "create", "smollm2-135m-instruct", "--max-batch-size", "32", "--validate-only", "-o", "json")
+    assert json.loads(result.stdout)["max_batch_size"] == 32
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    result = run("deployment", "update", "dep", "--no-wait", "--max-batch-size", "2")
+    assert SpecStore().get("dep").max_batch_size == 2
+    assert SpecStore().get("dep").speculation == NgramSpeculation(ngram_length=3, num_draft_tokens=4)

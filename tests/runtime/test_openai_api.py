@@ -28,8 +28,10 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     store.create(DeploymentSpec(id="drafted", model=str(tiny_model_dir),
                                 speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3)))
     store.create(DeploymentSpec(id="broken", model=str(tiny_model_dir / "missing")))
+    store.create(DeploymentSpec(id="small", model=str(tiny_model_dir), max_batch_size=2,
+                                speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "drafted", "broken"):
+    for dep in ("ngram", "plain", "drafted", "broken", "small"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -41,7 +43,7 @@ def client(daemon):
 
 
 def test_models_lists_ready_deployments(client):
-    assert sorted(m.id for m in client.models.list()) == ["drafted", "ngram", "plain"]
+    assert sorted(m.id for m in client.models.list()) == ["drafted", "ngram", "plain", "small"]
 
 
 def test_completion_shape_and_usage(client):
@@ -149,6 +151,35 @@ def test_concurrent_clients_get_their_solo_outputs(client):
         together = list(pool.map(
             lambda p: client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text, prompts))
     assert together == solo
+
+
+def test_requests_beyond_the_batch_size_wait_and_are_reported(client, daemon):
+    # "small" decodes 2 requests at a time: 5 at once means 2 running and up to 3 waiting, in arrival order
+    prompts = [f"batch {i} " * (i + 1) for i in range(5)]
+    body = dict(max_tokens=150, extra_body={"ignore_eos": True}, **GREEDY)
+    solo = [client.completions.create(model="small", prompt=p, **body).choices[0].text for p in prompts]
+    seen = []
+
+    def watch():
+        while len(seen) < 400:
+            status = daemon.get("/depctl/v1/deployments/small").json()
+            seen.append((status["num_requests_running"], status["num_requests_waiting"]))
+            if seen[-1] == (0, 0) and len(seen) > 5:
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(5) as pool:
+        together = list(pool.map(lambda p: client.completions.create(model="small", prompt=p, **body).choices[0].text, prompts))
+    watcher.join()
+    assert together == solo
+    assert max(r for r, _ in seen) == 2  # never more than the batch size...
+    assert max(w for _, w in seen) >= 1  # ...and the rest queued
+    families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics").text)}
+    running = {s.labels["deployment"]: s.value for s in families["depctl:num_requests_running"].samples}
+    waiting = {s.labels["deployment"]: s.value for s in families["depctl:num_requests_waiting"].samples}
+    assert running["small"] == 0 and waiting["small"] == 0
 
 
 def test_disconnect_stops_generation(daemon):
