@@ -32,6 +32,7 @@ from runtime.engine import (  # noqa: E402
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner  # noqa: E402
+from runtime.engine.surgery import weight_major_linears  # noqa: E402
 from runtime.loader import load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8  # noqa: E402
 
 
@@ -97,6 +98,8 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each workload")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-surgery", action="store_true",
+                        help="run our engine on the models as transformers loads them (no weight-major linears)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -111,8 +114,12 @@ def main() -> int:
         return quantize_int8(d) if precision == "int8" else d
 
     draft = load_draft() if args.draft else None
-    # transformers' rows get their own copies: our runner changes how its model computes linears on a CPU
-    # (runner.use_weight_major_linear), and the baseline should be transformers as users run it
+    surgery = device.type == "cpu" and not args.no_surgery
+    if surgery:  # what the loader does for a deployment: weight-major linears for every float model we run
+        weight_major_linears(model)
+        if draft is not None and precision != "int8":
+            weight_major_linears(draft)
+    # transformers' rows get their own copies, as users run them (no module swaps)
     hf_model = None if args.no_hf else load(args.model, device, dtype)[0]
     hf_draft = None if args.no_hf or not args.draft else load_draft()
     # transformers with the draft as it comes (the target's dtype), when ours is held differently

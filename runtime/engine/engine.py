@@ -205,7 +205,6 @@ class SpeculativeEngine:
         else:
             if seq.produced >= seq.limit:
                 seq.finish_reason = "length"
-        seq.stats.record_row(drafted, accepted, len(emitted))
         self.stats.record_row(drafted, accepted, len(emitted))
         return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa)
 

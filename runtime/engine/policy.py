@@ -53,7 +53,6 @@ class RequestAcceptance:
         # [accepted, trials] after a full accept, and after a rejection (or at the start)
         self._counts = [[rate * weight, weight], [rate * weight, weight]]
         self._state = 1
-        self.plain_steps = 0
 
     @property
     def rate(self) -> float:

@@ -114,7 +114,18 @@ class Scheduler:
             seq.finish_reason = "cancelled"
         self.engine.finish(seq)
 
-    # ---- one request, run to the end in the calling thread ----
+    # ---- run to the end in the calling thread (tests, benchmarks) ----
+    def run_all(self, prompts: list[Seq[int]], params: GenerationParams) -> list[list[int]]:
+        """Submit every prompt at once and step until all finish; each prompt's output tokens, in order."""
+        seqs = [self.engine.new_sequence(p, params) for p in prompts]
+        got: dict[int, list[int]] = {s.id: [] for s in seqs}
+        for s in seqs:
+            self.add(s)
+        while self.has_work():
+            for s, o in self.step():
+                got[s.id] += o.token_ids
+        return [got[s.id] for s in seqs]
+
     def generate(self, prompt_ids: Seq[int], params: GenerationParams,
                  cancel: threading.Event | None = None) -> Iterator[StepOutput]:
         seq = self.engine.new_sequence(prompt_ids, params)

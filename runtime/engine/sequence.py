@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.engine.metrics import SpecDecodeStats
 from runtime.engine.policy import RequestAcceptance
 from runtime.engine.proposers import PredictionTracker
 from runtime.engine.sampling import SamplingParams
@@ -52,7 +51,6 @@ class Sequence:
         self.acceptance = acceptance
         self.prediction = PredictionTracker(params.prediction) if params.prediction else None
         self.prediction_acceptance = prediction_acceptance
-        self.stats = SpecDecodeStats(num_requests=1)
         self.finish_reason: str | None = None
         sampling = params.sampling
         self.generator = None

@@ -110,14 +110,7 @@ def test_sliding_window_models_decode_past_the_window_exactly(family):
     assert [t for o in plain.generate(prompt, params) for t in o.token_ids] == expected
     engine = SpeculativeEngine(ModelRunner(model, max_rows=3, max_context=128), NgramProposer(2),
                                EngineConfig(num_draft_tokens=4, max_context=128, adaptive=False))
-    scheduler = Scheduler(engine, 3, prefill_chunk=5)
-    seqs = [engine.new_sequence(p, params) for p in (prompt, prompt[:3], prompt[2:])]
-    got = {s.id: [] for s in seqs}
-    for s in seqs:
-        scheduler.add(s)
-    while scheduler.has_work():
-        for s, o in scheduler.step():
-            got[s.id] += o.token_ids
-    assert got[seqs[0].id] == expected
-    assert got[seqs[1].id] == hf_greedy(model, prompt[:3], 24)
+    got = Scheduler(engine, 3, prefill_chunk=5).run_all([prompt, prompt[:3], prompt[2:]], params)
+    assert got[0] == expected
+    assert got[1] == hf_greedy(model, prompt[:3], 24)
     assert engine.stats.num_draft_tokens > 0

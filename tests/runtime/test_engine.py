@@ -25,16 +25,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(1, layers=1)
-
-
 def make(model, proposer=None, k=0, **cfg):
     return SpeculativeEngine(ModelRunner(model), proposer, EngineConfig(num_draft_tokens=k, max_context=512, **cfg))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
+from runtime.engine import (
+    DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine,
+)
 from runtime.engine.runner import ModelRunner
 from runtime.loader import LoadError, pick_device, pick_dtype
 from tests.tiny import tiny_llama
@@ -46,3 +48,23 @@ def test_greedy_exact_on_cuda(dtype):
     for k in (1, 4, 8):
         assert run(NgramProposer(3), k) == plain
         assert run(DraftModelProposer(ModelRunner(draft)), k) == plain
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+def test_batched_greedy_exact_on_cuda(method):
+    # bfloat16, as a GPU deployment runs: a row's output in a batch of 4 equals its output alone
+    target = tiny_llama(0).to("cuda", torch.bfloat16)
+    draft = tiny_llama(1, layers=1).to("cuda", torch.bfloat16)
+    prompts = [[5, 17, 42, 99, 3, 17, 42, 99, 3, 8], [1, 2, 3], [200, 201, 200, 201, 200], list(range(30, 70))]
+    params = GenerationParams(max_tokens=40, ignore_eos=True)
+
+    def engine(rows):
+        proposer = {"plain": None, "ngram": NgramProposer(2),
+                    "draft": DraftModelProposer(ModelRunner(draft, max_rows=rows))}[method]
+        return SpeculativeEngine(ModelRunner(target, max_rows=rows), proposer,
+                                 EngineConfig(num_draft_tokens=4 if proposer else 0, adaptive=False))
+
+    alone = [[t for o in engine(1).generate(p, params) for t in o.token_ids] for p in prompts]
+    assert Scheduler(engine(4), 4, prefill_chunk=8).run_all(prompts, params) == alone

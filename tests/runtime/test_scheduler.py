@@ -9,28 +9,9 @@ from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, Scheduler, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner
-from tests.tiny import tiny_llama
+from tests.runtime.test_engine import PROMPTS as ENGINE_PROMPTS
 
-PROMPTS = [
-    [5, 17, 42, 99, 3, 17, 42, 99, 3, 8],
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-    [200, 201, 200, 201, 200, 201, 200],
-    [77],
-    list(range(30, 60)) + list(range(30, 45)),
-    [9, 9, 9, 9, 9, 9],
-    list(range(100, 140)),
-    [64, 65, 66, 64, 65, 66, 64],
-]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_llama(1, layers=1)
+PROMPTS = ENGINE_PROMPTS + [[9, 9, 9, 9, 9, 9], list(range(100, 140)), [64, 65, 66, 64, 65, 66, 64]]  # 8 in all
 
 
 def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
