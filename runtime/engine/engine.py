@@ -101,7 +101,7 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         # propose: free guesses first, then one draft width for the batch (policy), then the draft model
         guesses = [self._guess(seq) for seq in batch]
-        width = self.policy.width([RowPlan(g.acceptance, g.available, g.source == "model") for g in guesses])
+        width, predicted = self.policy.width([RowPlan(g.acceptance, g.available, g.source == "model") for g in guesses])
         drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
         t1 = time.perf_counter()
         # verify: ONE target pass over [last token, its drafts] for every row (ragged, padded to 1 + width)
@@ -115,6 +115,8 @@ class SpeculativeEngine:
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b]))
         self.policy.verify_cost.observe(len(batch) * logits.shape[1], t2 - t1)
+        if any(drafts):
+            self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
         if model_drafts[0] is not None and width:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         self.stats.record_step(t1 - t0, time.perf_counter() - t1)

@@ -15,7 +15,9 @@ not at all, and a row whose guesses keep failing stops paying for the others.
 - costs: an EMA per measured token count (a sample under half the estimate replaces it at once, so a calibration
   taken on a busy machine recovers); counts never measured are interpolated, and extrapolated past the largest.
 - ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
-  separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). A row that
+  separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). The
+  extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
+  (``realism``): per-row rates run optimistic when hits come in bursts, and a batch amplifies the error. A row that
   does not draft still has its free guess compared with the token the target produced, so the estimate keeps
   moving; after ``PROBE_EVERY`` plain steps the batch drafts once anyway (one token for a draft model; K when
   some row's free guesses keep hitting), re-measuring a cost that may have been taken on a busy machine.
@@ -30,7 +32,11 @@ EMA = 0.2  # weight of a new cost measurement
 REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
 PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
 PROBE_EVERY = 8
-MIN_GAIN = 1.03  # speculate only when it is expected to beat plain decoding by at least 3%
+REALISM_DECAY = 0.97  # per drafting step: the realised/predicted ratio follows the last ~30 drafting steps
+MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decoding by at least 3%
+# in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and at batch 8 a pass of 9
+# tokens a row costs ~3x a plain step, so a 3% predicted gain was a measured loss (SmolLM2, 2 cores: 0.84x)
+MIN_GAIN_BATCH = 1.10
 
 
 def _track(old: float | None, sample: float) -> float:
@@ -134,6 +140,10 @@ class DraftLengthPolicy:
         self.draft_cost = CostModel()  # one draft-model forward over n rows
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
         self.plain_steps = 0  # consecutive steps without drafts, for probing
+        # realised / predicted extra tokens of the steps that drafted (decayed sums, prior 1.0): acceptance rates
+        # estimated per row are optimistic when guesses come in bursts, and at batch 8 an optimism of 1.5x turns a
+        # predicted gain into a measured loss; what the steps actually returned corrects the prediction
+        self._realised, self._predicted = 4.0, 4.0
 
     # ---- per request ----
     def new_request(self, prior: float | None = None) -> RequestAcceptance:
@@ -144,38 +154,54 @@ class DraftLengthPolicy:
         if acc.trials > 2 * PRIOR_WEIGHT:
             self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.overall
 
+    @property
+    def realism(self) -> float:
+        """How many of the extra tokens the acceptance estimates predicted the drafting steps actually delivered."""
+        return min(self._realised / self._predicted, 1.0)  # it may only temper the rates' optimism
+
+    def observe_step(self, predicted_extra: float, realised_extra: int) -> None:
+        """A drafting step: the extra tokens (beyond one per row) ``width`` predicted, and what the step emitted."""
+        self._realised = REALISM_DECAY * self._realised + realised_extra
+        self._predicted = REALISM_DECAY * self._predicted + max(predicted_extra, 1e-6)
+
     # ---- per step ----
-    def width(self, rows: list[RowPlan]) -> int:
-        """This step's draft width w for the batch: row i then verifies ``min(w, rows[i].available)`` drafts."""
+    def width(self, rows: list[RowPlan]) -> tuple[int, float]:
+        """This step's draft width w for the batch (row i then verifies ``min(w, rows[i].available)`` drafts), and
+        the extra tokens it is expected to bring beyond one per row (0 for a plain step)."""
         longest = max((r.available for r in rows), default=0)
         if longest <= 0:
-            return 0
-        if not self.adaptive:
-            return longest
+            return 0, 0.0
         batch = len(rows)
+
+        def extra(w: int) -> float:
+            return sum(expected_tokens(r.acceptance.rate, min(w, r.available)) - 1 for r in rows)
+
+        if not self.adaptive:
+            return longest, extra(longest)
         uses_model = any(r.model and r.available for r in rows)
+        realism = self.realism
         best_w, best_rate = 0, batch / self.verify_cost(batch)
         base_rate = best_rate
         for w in range(1, longest + 1):
-            expected = sum(expected_tokens(r.acceptance.rate, min(w, r.available)) for r in rows)
             seconds = self.verify_cost(batch * (1 + w)) + (w * self.draft_cost(batch) if uses_model else 0.0)
-            if expected / seconds > best_rate:
-                best_w, best_rate = w, expected / seconds
-        if best_w and best_rate < MIN_GAIN * base_rate:
+            rate = (batch + realism * extra(w)) / seconds
+            if rate > best_rate:
+                best_w, best_rate = w, rate
+        if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w = 0
         if best_w:
             self.plain_steps = 0
-            return best_w
+            return best_w, extra(best_w)
         self.plain_steps += 1
         if self.plain_steps % PROBE_EVERY == 0:
             # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and
             # for free guesses that keep hitting, the cost of a long verify, which may have been measured while the
             # machine was busy and would otherwise never be measured again.
             if uses_model:
-                return 1
+                return 1, extra(1)
             if any(r.acceptance.rate >= 0.5 and r.available for r in rows):
-                return longest
-        return 0
+                return longest, extra(longest)
+        return 0, 0.0
 
     def snapshot(self) -> dict:
         return {
@@ -184,4 +210,5 @@ class DraftLengthPolicy:
             "verify_ms": self.verify_cost.snapshot(),  # token rows in the pass -> ms
             "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
+            "realised_over_predicted": round(self.realism, 3),
         }

@@ -46,15 +46,15 @@ def test_policy_drafts_long_inside_a_run_and_stops_outside():
     [row] = _rows(policy, [(0.5, 8)])
     for _ in range(30):
         row.acceptance.observe(0, 1)
-    assert policy.width([row]) == 0
+    assert policy.width([row])[0] == 0
     row.acceptance.observe(1, 1)
     for _ in range(20):
         row.acceptance.observe(8, 8)
-    assert policy.width([row]) == 8
-    assert policy.width([RowPlan(row.acceptance, 3, False)]) == 3  # a row's guess (or its room) caps the width
+    assert policy.width([row])[0] == 8
+    assert policy.width([RowPlan(row.acceptance, 3, False)])[0] == 3  # a row's guess (or its room) caps the width
     row.acceptance.observe(0, 1)
     # back among the misses: at most one draft (a 2-token pass costs 4% more than 1 here, so a long shot can pay)
-    assert policy.width([row]) <= 1
+    assert policy.width([row])[0] <= 1
 
 
 def test_the_same_drafts_that_pay_alone_do_not_pay_in_a_full_batch():
@@ -62,18 +62,32 @@ def test_the_same_drafts_that_pay_alone_do_not_pay_in_a_full_batch():
     # row to 9 tokens makes the pass ~6x dearer than the plain batch step
     policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
     _cpu_like(policy)
-    assert policy.width(_rows(policy, [(0.6, 8)])) > 0
-    assert policy.width(_rows(policy, [(0.6, 8)] + [(0.0, 0)] * 7)) == 0
+    assert policy.width(_rows(policy, [(0.6, 8)]))[0] > 0
+    assert policy.width(_rows(policy, [(0.6, 8)] + [(0.0, 0)] * 7))[0] == 0
     # ...while a batch that copies (grounded edits) still drafts, just shorter than alone
-    alone = policy.width(_rows(policy, [(0.95, 8)]))
-    full = policy.width(_rows(policy, [(0.95, 8)] * 8))
+    alone = policy.width(_rows(policy, [(0.95, 8)]))[0]
+    full = policy.width(_rows(policy, [(0.95, 8)] * 8))[0]
     assert alone == 8 and 0 < full < alone
+
+
+def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
+    # per-row rates said 60%; the drafting steps then delivered a third of the extra tokens that implied. The policy
+    # believes the steps, not the rates: at batch 4 the same drafts no longer pay
+    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    _cpu_like(policy)
+    rows = _rows(policy, [(0.6, 8)] * 4)
+    width, predicted = policy.width(rows)
+    assert width > 0 and predicted > 0
+    for _ in range(40):
+        policy.observe_step(predicted, round(predicted / 3))
+    assert policy.realism < 0.5
+    assert policy.width(rows)[0] < width
 
 
 def test_rows_without_guesses_do_not_make_the_batch_draft():
     policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
     _cpu_like(policy)
-    assert policy.width(_rows(policy, [(0.9, 0)] * 4)) == 0
+    assert policy.width(_rows(policy, [(0.9, 0)] * 4))[0] == 0
 
 
 def test_draft_cost_shortens_drafts():
@@ -81,12 +95,12 @@ def test_draft_cost_shortens_drafts():
     policy.verify_cost.observe(1, 1.0)
     policy.verify_cost.observe(9, 1.5)
     policy.draft_cost.observe(1, 0.01)
-    cheap = policy.width(_rows(policy, [(0.8, 8)], model=True))
+    cheap = policy.width(_rows(policy, [(0.8, 8)], model=True))[0]
     policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=True)
     policy.verify_cost.observe(1, 1.0)
     policy.verify_cost.observe(9, 1.5)
     policy.draft_cost.observe(1, 0.3)
-    dear = policy.width(_rows(policy, [(0.8, 8)], model=True))
+    dear = policy.width(_rows(policy, [(0.8, 8)], model=True))[0]
     assert cheap > dear >= 1
 
 
