@@ -19,8 +19,9 @@ not at all, and a row whose guesses keep failing stops paying for the others.
   extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
   (``realism``): per-row rates run optimistic when hits come in bursts, and a batch amplifies the error. A row that
   does not draft still has its free guess compared with the token the target produced, so the estimate keeps
-  moving; after ``PROBE_EVERY`` plain steps the batch drafts once anyway (one token for a draft model; K when
-  some row's free guesses keep hitting), re-measuring a cost that may have been taken on a busy machine.
+  moving; after ``PROBE_EVERY`` x B plain steps the batch drafts once anyway (one token for a draft model; K for
+  a single request whose free guesses keep hitting), re-measuring a cost that may have been taken on a busy
+  machine.
 """
 
 from __future__ import annotations
@@ -193,13 +194,15 @@ class DraftLengthPolicy:
             self.plain_steps = 0
             return best_w, extra(best_w)
         self.plain_steps += 1
-        if self.plain_steps % PROBE_EVERY == 0:
-            # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and
-            # for free guesses that keep hitting, the cost of a long verify, which may have been measured while the
-            # machine was busy and would otherwise never be measured again.
+        # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and for
+        # free guesses that keep hitting, the cost of a long verify, which may have been measured while the machine
+        # was busy and would otherwise never be measured again. A probe costs the whole batch a wider pass, so in
+        # a batch of B it comes B times less often, and free guesses probe only alone (in a batch, the rows that do
+        # draft keep the costs measured).
+        if self.plain_steps % (PROBE_EVERY * batch) == 0:
             if uses_model:
                 return 1, extra(1)
-            if any(r.acceptance.rate >= 0.5 and r.available for r in rows):
+            if batch == 1 and any(r.acceptance.rate >= 0.5 and r.available for r in rows):
                 return longest, extra(longest)
         return 0, 0.0
 

@@ -2,11 +2,11 @@
 
 - Requests wait in arrival order (FIFO) until a row is free (at most ``max_batch_size`` run at once).
 - The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, one chunk per
-  iteration, *after* the running batch's step: running streams keep producing while a long prompt is read, at the
+  iteration, before the running batch's step: running streams keep producing while a long prompt is read, at the
   cost of one chunk's time per step (chunking, not a mixed pass, because a pass pads every row to the widest: one
   64-token chunk in a batch of 1-token rows would make every row 64 wide). With nothing running, the prompt is
   read in one go. The last chunk's logits give the request its first token (time to first token is one prefill),
-  and the request joins the batch at the next step.
+  and the request joins the batch in the same iteration's step.
 - A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
   always rows 0..B-1 of every cache and a pass never touches an idle row.
 
@@ -60,15 +60,10 @@ class Scheduler:
         out: list[tuple[Sequence, StepOutput]] = []
         if self._cancelled:
             self._drop_cancelled(out)
-        if self.running:
-            for seq, o in zip(list(self.running), self.engine.step(self.running)):
-                out.append((seq, o))
-                if o.finish_reason:
-                    self._leave(seq)
         if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
             self.prefilling = self.waiting.popleft()
             self.prefilling.row = len(self.running)
-        if self.prefilling is not None:
+        if self.prefilling is not None:  # before the step: a short prompt's first token does not wait a step
             seq = self.prefilling
             budget = self.prefill_chunk if self.running else seq.prompt_len
             o = self.engine.prefill(seq, budget)
@@ -79,6 +74,11 @@ class Scheduler:
                     self._release(seq)
                 else:
                     self.running.append(seq)
+        if self.running:
+            for seq, o in zip(list(self.running), self.engine.step(self.running)):
+                out.append((seq, o))
+                if o.finish_reason:
+                    self._leave(seq)
         return out
 
     def _drop_cancelled(self, out) -> None:

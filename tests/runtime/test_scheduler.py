@@ -134,14 +134,12 @@ def test_rollback_leaves_each_row_at_its_accepted_length(target):
 
     engine = SpeculativeEngine(ModelRunner(target, max_rows=3, max_context=512), Oracle(),
                                EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False))
-    scheduler = Scheduler(engine, 3)
     seqs = [engine.new_sequence(p, GenerationParams(max_tokens=20, ignore_eos=True)) for p in prompts]
-    for s in seqs:
-        scheduler.add(s)
-    while len(scheduler.running) < 3:  # prefills: one per iteration, each giving its request's first token
-        scheduler.step()
+    for row, s in enumerate(seqs):  # what the scheduler does on admission: a row each, the prompt prefilled
+        s.row = row
+        engine.prefill(s, s.prompt_len)
     lengths_before = [len(s.tokens) for s in seqs]
-    outs = dict((s.id, o) for s, o in scheduler.step())
+    outs = dict((s.id, o) for s, o in zip(seqs, engine.step(seqs)))
     emitted = [len(outs[s.id].token_ids) for s in seqs]
     assert [outs[s.id].accepted for s in seqs] == [4, 0, 0] and emitted == [5, 1, 1]
     for b, s in enumerate(seqs):
