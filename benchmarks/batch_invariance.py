@@ -72,12 +72,12 @@ def main() -> int:
         for r in range(args.rows):
             runner.set_length(r, 0)
         runner.forward(0, [ids[0]])
-        alone = runner.forward(0, [[ids[0][-1]]])[0, 0]
+        alone = runner.forward(0, [[ids[0][-1]]])[0]
         for r in range(args.rows):
             runner.set_length(r, 0)
         for r in range(args.rows):
             runner.forward(r, [ids[0] if r == 0 else ids[r % len(ids)]])
-        batched = runner.forward(0, [[ids[0][-1]]] + [[ids[r % len(ids)][-1]] for r in range(1, args.rows)])[0, 0]
+        batched = runner.forward(0, [[ids[0][-1]]] + [[ids[r % len(ids)][-1]] for r in range(1, args.rows)])[0]
         for r in range(args.rows):
             runner.set_length(r, 0)
     print(f"\nlargest |logit difference|, one row alone vs in a batch of {args.rows}: "

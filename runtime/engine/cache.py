@@ -1,21 +1,23 @@
 """SlotCache: one preallocated KV cache for a batch of sequences, indexed by position, a length per row.
 
 Every sequence in the running batch owns one *row*. A row's ``length`` is how many positions of it hold valid
-keys and values; a forward writes a row's new tokens at ``length, length + 1, ...`` and the attention mask lets the
-token at position ``p`` see positions ``<= p`` of its own row only. Rolling back after a rejection is therefore pure
+keys and values; a forward writes a row's new tokens at ``length, length + 1, ...`` and the attention lets the token at
+position ``p`` see positions ``<= p`` of its own row only. Rolling back after a rejection is therefore pure
 bookkeeping (``length`` moves back to the accepted length) and the rejected positions are overwritten by the next
 forward, as in gpt-fast's ``input_pos`` cache and vLLM's ``num_computed_tokens``. Nothing is ever cropped, so a
 sliding-window layer (Gemma 3, Qwen2 with ``use_sliding_window``) keeps full rows and only its mask changes.
 
 It plugs into transformers through public interfaces only: a ``Cache`` subclass whose layers' ``update`` scatter
-into the rows, explicit ``position_ids``, and a ready 4D mask (a dict per layer type for models with sliding
-layers), which transformers passes to the attention as is.
+the step's flat token stream into the rows, explicit ``position_ids``, and an attention function registered with
+``AttentionInterface`` that reads each row's keys (``runtime.engine.attention``).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from runtime.engine.attention import RowLayout
 
 
 class SlotLayer(CacheLayerMixin):
@@ -35,42 +37,39 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        # key_states: [B, kv_heads, S, head_dim] for rows first..first + B - 1 of this forward
+        # key_states: [1, kv_heads, T, head_dim], the step's flat token stream; token t goes to its row and position
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         step = self._cache.step
-        rows = slice(step.first, step.first + key_states.shape[0])
-        keys, values = self.keys[rows], self.values[rows]  # views into the preallocated rows
-        if step.uniform_start is not None:  # every row writes at the same positions (one row, or a fresh batch)
-            span = slice(step.uniform_start, step.uniform_start + key_states.shape[2])
-            keys[:, :, span] = key_states
-            values[:, :, span] = value_states
-        else:
-            # [B, S] row and position of every new token; advanced indices around a slice put [B, S] first
-            keys[step.row_index, :, step.positions] = key_states.transpose(1, 2)
-            values[step.row_index, :, step.positions] = value_states.transpose(1, 2)
-        return keys[:, :, : step.kv_len], values[:, :, : step.kv_len]
+        lay = step.layout
+        if len(lay.widths) == 1:  # one row (a prefill chunk, a single request): a plain slice
+            span = slice(lay.starts[0], lay.starts[0] + lay.widths[0])
+            self.keys[lay.first, :, span] = key_states[0]
+            self.values[lay.first, :, span] = value_states[0]
+        else:  # advanced indices around a slice put the [T] dimension first: [T, kv_heads, head_dim]
+            self.keys[step.rows, :, step.positions] = key_states[0].transpose(0, 1)
+            self.values[step.rows, :, step.positions] = value_states[0].transpose(0, 1)
+        return self.keys, self.values  # all rows: the attention (runtime.engine.attention) reads each its own
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.step.kv_len, 0
+        return self._cache.get_seq_length(), 0
 
     def get_seq_length(self) -> int:
-        return self._cache.step.kv_len if self._cache.step else 0
+        return self._cache.get_seq_length()
 
     def get_max_length(self) -> int:
         return self._cache.capacity
 
 
 class _Step:
-    """Where this forward writes: rows ``first..first + B - 1``, token j of row b at ``positions[b, j]``."""
+    """The forward in progress: its layout, and the cache row and position of every token of the flat stream."""
 
-    def __init__(self, first: int, starts: list[int], width: int, device: torch.device):
-        self.first = first
-        self.kv_len = max(starts) + width  # keys each query may need to see: up to its row's last new position
-        self.uniform_start = starts[0] if len(set(starts)) == 1 else None
-        start = torch.tensor(starts, device=device)
-        self.positions = start[:, None] + torch.arange(width, device=device)  # [B, S]
-        self.row_index = torch.arange(len(starts), device=device)[:, None].expand(-1, width)  # [B, S]
+    def __init__(self, layout: RowLayout):
+        self.layout = layout
+        rows = [layout.first + b for b, w in enumerate(layout.widths) for _ in range(w)]
+        positions = [s + j for s, w in zip(layout.starts, layout.widths) for j in range(w)]
+        self.rows = torch.tensor(rows, device=layout.device)  # [T]
+        self.positions = torch.tensor(positions, device=layout.device)  # [T]
 
 
 class SlotCache(Cache):
@@ -85,25 +84,19 @@ class SlotCache(Cache):
         self.capacity = min(capacity, max_capacity)  # allocated positions per row; doubles on demand
         self.lengths = [0] * max_rows  # valid positions per row
         self.step: _Step | None = None
-        layer_types = getattr(text_config, "layer_types", None) or []
-        self.sliding_window = getattr(text_config, "sliding_window", None) if "sliding_attention" in layer_types else None
 
-    def begin(self, first: int, widths: list[int], device: torch.device) -> tuple[torch.Tensor, object]:
-        """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens (padded to
-        the widest). Returns ``position_ids [B, S]`` and the attention mask (a dict per layer type when the model
-        has sliding layers)."""
+    def begin(self, first: int, widths: list[int], device: torch.device) -> RowLayout:
+        """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens to the flat
+        stream. Returns the layout the attention needs (``runtime.engine.attention``)."""
         starts = [self.lengths[first + b] for b in range(len(widths))]
-        width = max(widths)
-        if max(starts) + width > self.capacity:
-            self._grow(max(starts) + width)
-        self.step = step = _Step(first, starts, width, device)
-        kv_pos = torch.arange(step.kv_len, device=device)  # [L]
-        q_pos = step.positions[:, None, :, None]  # [B, 1, S, 1]
-        mask = kv_pos <= q_pos  # [B, 1, S, L]: causal within the row; padded queries see a valid prefix too
-        if self.sliding_window is None:
-            return step.positions, mask
-        sliding = mask & (kv_pos > q_pos - self.sliding_window)
-        return step.positions, {"full_attention": mask, "sliding_attention": sliding}
+        offsets = [0]
+        for w in widths:
+            offsets.append(offsets[-1] + w)
+        layout = RowLayout(first, starts, list(widths), offsets, device)
+        if layout.kv_len > self.capacity:
+            self._grow(layout.kv_len)
+        self.step = _Step(layout)
+        return layout
 
     def _grow(self, needed: int) -> None:
         """Rows are allocated for the longest sequence seen so far, doubling up to ``max_capacity``: a deployment
@@ -147,7 +140,7 @@ class SlotCache(Cache):
         self.lengths[src] = 0 if src != dst else n
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.step.kv_len if self.step else max(self.lengths)
+        return self.step.layout.kv_len if self.step else max(self.lengths)
 
     def nbytes(self) -> int:
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)

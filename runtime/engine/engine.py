@@ -79,12 +79,12 @@ class SpeculativeEngine:
         """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
         t0 = time.perf_counter()
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
-        logits = self.target.forward(seq.row, [chunk], last_only=True)  # [1, 1, vocab]
+        logits = self.target.forward(seq.row, [chunk], last_only=True)  # [1, vocab]
         if self.proposer is not None and self.proposer.cost_per_token:
             self.proposer.prefill(seq.row, chunk)
         seq.prefilled += len(chunk)
         done = seq.prefilled == seq.prompt_len
-        token = self._sample(seq, logits[0, -1]) if done else None  # [vocab] -> the first output token
+        token = self._sample(seq, logits[0]) if done else None  # [vocab] -> the first output token
         self.stats.prefill_seconds += time.perf_counter() - t0
         if token is None:
             return None
@@ -104,17 +104,19 @@ class SpeculativeEngine:
         width, predicted = self.policy.width([RowPlan(g.acceptance, g.available, g.source == "model") for g in guesses])
         drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
         t1 = time.perf_counter()
-        # verify: ONE target pass over [last token, its drafts] for every row (ragged, padded to 1 + width)
-        logits = self.target.forward(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # [B, 1 + w, V]
-        argmax = logits.argmax(-1).tolist()  # [B][1 + w]: the step's one host sync for greedy rows
+        # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
+        logits = self.target.forward(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # [T, vocab]
+        argmax = logits.argmax(-1).tolist()  # [T]: the step's one host sync for greedy rows
         t2 = time.perf_counter()
-        outputs = []
+        outputs, at = [], 0
         for b, seq in enumerate(batch):
+            rows = slice(at, at + len(drafts[b]) + 1)  # this row's k_b + 1 positions of the stream
+            at = rows.stop
             # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
-            n, token = self._accept(seq, drafts[b], draft_probs[b], logits[b, : len(drafts[b]) + 1], argmax[b])
+            n, token = self._accept(seq, drafts[b], draft_probs[b], logits[rows], argmax[rows])
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b]))
-        self.policy.verify_cost.observe(len(batch) * logits.shape[1], t2 - t1)
+        self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
         if model_drafts[0] is not None and width:
@@ -223,7 +225,7 @@ class SpeculativeEngine:
     # ---- load time ----
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 2) -> dict:
-        """Measure passes over n token rows (and the draft model's forwards over B rows) once, so the policy starts
+        """Measure passes over n tokens (and the draft model's forwards over B rows) once, so the policy starts
         from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation."""
         rows = self.target.max_rows
         widest = 1 + self.policy.max_k

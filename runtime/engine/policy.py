@@ -1,16 +1,17 @@
 """How many tokens to draft each step, for the whole batch, so that speculation does not lose to plain decoding.
 
-One step runs ONE target pass over B rows of ``1 + w`` tokens each (w = the step's draft width; a row with fewer
-drafts is padded), plus, with a draft model, ``w`` draft forwards over the B rows. Row i then emits on average
+One step runs ONE target pass over ``sum_i (1 + k_i)`` tokens, row i verifying ``k_i = min(w, what it has)`` drafts
+(w = the step's draft width; the pass is one flat stream, so a row without drafts costs one token), plus, with a
+draft model, ``w`` draft forwards over the B rows. Row i then emits on average
 
     E_i(k) = 1 + a_i + a_i^2 + ... + a_i^k = (1 - a_i^(k+1)) / (1 - a_i)
 
 tokens, k = its own drafts (at most w), a_i its acceptance rate (Leviathan et al. 2023, eq. 1). The policy picks the
-w in ``0..K`` that maximises ``sum_i E_i / cost(B, w)``; ``w = 0`` is a plain decode step for everyone. The cost
-comes from measurements, not constants: a pass over n token rows (``CostModel``), measured at load and followed
-on every step. On a CPU a pass over 8 rows costs little more than over 1 while a pass over 72 costs several
-times as much, so the same drafts that pay at batch 1 do not at batch 8: at high load the policy drafts less, or
-not at all, and a row whose guesses keep failing stops paying for the others.
+w in ``0..K`` that maximises ``sum_i E_i(k_i) / cost(w)``; ``w = 0`` is a plain decode step for everyone. The cost
+comes from measurements, not constants: a pass over n tokens (``CostModel``), measured at load and followed on
+every step. On a CPU a pass over 8 tokens costs little more than over 1 while a pass over 72 costs several times
+as much, so the same drafts that pay at batch 1 do not at batch 8: at high load the policy drafts less, or not at
+all.
 
 - costs: an EMA per measured token count (a sample under half the estimate replaces it at once, so a calibration
   taken on a busy machine recovers); counts never measured are interpolated, and extrapolated past the largest.
@@ -184,7 +185,8 @@ class DraftLengthPolicy:
         best_w, best_rate = 0, batch / self.verify_cost(batch)
         base_rate = best_rate
         for w in range(1, longest + 1):
-            seconds = self.verify_cost(batch * (1 + w)) + (w * self.draft_cost(batch) if uses_model else 0.0)
+            tokens = sum(1 + min(w, r.available) for r in rows)  # the pass is a flat stream: no padding
+            seconds = self.verify_cost(tokens) + (w * self.draft_cost(batch) if uses_model else 0.0)
             rate = (batch + realism * extra(w)) / seconds
             if rate > best_rate:
                 best_w, best_rate = w, rate

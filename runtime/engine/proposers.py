@@ -155,9 +155,7 @@ class DraftModelProposer:
         # Catch up: a row holds a prefix of its tokens; feed the rest. Normally that is the last accepted token;
         # after a full accept also d_k, which was never fed; more after steps that did not draft.
         pending = [list(seq.tokens[runner.length(b):]) for b, seq in enumerate(batch)]
-        logits = runner.forward(0, pending)  # [B, S, vocab]
-        last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
-        logits = logits[torch.arange(len(batch), device=logits.device), last]  # [B, vocab]
+        logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
         drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
         probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
         for i in range(width):
@@ -169,7 +167,7 @@ class DraftModelProposer:
                     probs[b].append(q[0])
             drafted.append(token)
             if i + 1 < width:  # d_k is never fed: the target checks it, and catch-up feeds it if accepted
-                logits = runner.forward(0, token[:, None])[:, -1]  # [B, vocab]
+                logits = runner.forward(0, token[:, None])  # [B, vocab]
         tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
         return tokens, [torch.stack(p) if p else None for p in probs]
 

@@ -1,7 +1,7 @@
 """ModelRunner: one model plus the one KV cache it owns (a ``SlotCache``: a row per running sequence).
 
-A forward takes a contiguous range of rows and a list of new tokens per row (ragged: padded to the longest), writes
-them at each row's length, and returns their logits. The engine keeps one invariant with ``set_length`` after every
+A forward takes a contiguous range of rows and a list of new tokens per row (ragged, not padded: the model sees one
+flat stream of all of them), writes them at each row's length, and returns their logits. The engine keeps one invariant with ``set_length`` after every
 step, for the target and the draft alike: a row holds a prefix of its accepted sequence, and for the target exactly
 ``len(tokens) - 1`` positions, so that the last accepted token is the next forward's first input. A draft row may be
 *shorter* (after a full accept it never saw ``d_k``); it catches up by feeding ``tokens[length:]`` next time.
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.engine.attention import NAME as ROWS_ATTENTION
 from runtime.engine.cache import SlotCache
-
-PAD_TOKEN = 0  # fills ragged rows; what a padded position computes is never read
 
 
 class ModelRunner:
@@ -27,9 +26,11 @@ class ModelRunner:
         # and draft probabilities line up.
         self.vocab_size = vocab_size
         self.max_rows = max_rows
-        # slack: a verify writes up to K + 1 positions past a row's length, some of them padding
+        # slack: a verify writes up to K + 1 positions past a row's length
         self.cache = SlotCache(model.config, max_rows, max_context + slack)
-        self._eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
+        # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
+        # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.
+        model.set_attn_implementation(ROWS_ATTENTION)
 
     def length(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -45,36 +46,27 @@ class ModelRunner:
         """Append ``inputs[b]`` to row ``first + b`` for every b and return the logits.
 
         inputs: B lists of token ids (ragged), or a [B, S] tensor already on the device (no host round trip)
-
-        returns: [B, S, vocab] with S = the longest input (row b's logits for its tokens are ``[b, :len(inputs[b])]``),
-        or [B, 1, vocab] when ``last_only`` (a prefill: skip the lm_head for the rest; rows must be equally long)
+        returns: [T, vocab] for the flat stream of all rows' tokens (row b's are ``offsets[b]:offsets[b + 1]``,
+        offsets the running sum of the input lengths), or [B, vocab] with ``last_only``: each row's last token
         """
         if isinstance(inputs, torch.Tensor):
-            input_ids = inputs  # [B, S]
             widths = [inputs.shape[1]] * inputs.shape[0]
+            input_ids = inputs.reshape(1, -1)  # [1, T]
         else:
             widths = [len(x) for x in inputs]
-            width = max(widths)
-            padded = [x + [PAD_TOKEN] * (width - len(x)) for x in inputs]
-            input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [B, S]
-        position_ids, mask = self.cache.begin(first, widths, self.device)
-        if self._eager:  # eager attention adds its mask: 0 where visible, the dtype's minimum elsewhere
-            mask = _additive(mask, self.model.dtype)
+            input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
+        layout = self.cache.begin(first, widths, self.device)
+        position_ids = self.cache.step.positions[None]  # [1, T]
+        keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else 0
         try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=keep, depctl_rows=layout)
         finally:
             self.cache.advance(first, widths)
-        logits = out.logits  # [B, S or 1, vocab]
+        logits = out.logits[0]  # [T or B, vocab]
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit_vocab(logits, self.vocab_size)
         return logits
-
-
-def _additive(mask, dtype: torch.dtype):
-    if isinstance(mask, dict):
-        return {k: _additive(v, dtype) for k, v in mask.items()}
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 - Requests wait in arrival order (FIFO) until a row is free (at most ``max_batch_size`` run at once).
 - The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, one chunk per
   iteration, before the running batch's step: running streams keep producing while a long prompt is read, at the
-  cost of one chunk's time per step (chunking, not a mixed pass, because a pass pads every row to the widest: one
-  64-token chunk in a batch of 1-token rows would make every row 64 wide). With nothing running, the prompt is
+  cost of one chunk's time per step. A separate pass rather than the chunk mixed into the batch's stream: a batch
+  whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a call per
+  row (``runtime.engine.attention``), and a 128-token chunk would make every step ragged. With nothing running, the prompt is
   read in one go. The last chunk's logits give the request its first token (time to first token is one prefill),
   and the request joins the batch in the same iteration's step.
 - A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is

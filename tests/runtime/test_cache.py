@@ -51,12 +51,15 @@ def test_a_ragged_forward_equals_each_row_alone():
     prompts, news = [[1, 2, 3, 4, 5], [9, 8], [7] * 11], [[6, 7, 8], [7], [1, 2]]
     for b, p in enumerate(prompts):
         rows.forward(b, [p])
-    batched = rows.forward(0, news)  # [3, 3, vocab]: padded to the widest row
+    batched = rows.forward(0, news)  # [6, vocab]: one flat stream, 3 + 1 + 2 tokens, no padding
+    assert batched.shape[0] == 6
+    at = 0
     for b, (p, new) in enumerate(zip(prompts, news)):
         alone.set_length(0, 0)
         alone.forward(0, [p])
-        solo = alone.forward(0, [new])[0]
-        torch.testing.assert_close(batched[b, : len(new)], solo, rtol=1e-5, atol=1e-5)
+        solo = alone.forward(0, [new])
+        torch.testing.assert_close(batched[at : at + len(new)], solo, rtol=1e-5, atol=1e-5)
+        at += len(new)
     assert rows.cache.lengths[:3] == [8, 3, 13]
 
 
@@ -66,9 +69,9 @@ def test_rollback_is_bookkeeping_and_rejected_positions_are_overwritten():
     runner.forward(0, [[1, 2, 3, 4]])
     runner.forward(0, [[50, 60, 70]])  # three drafts...
     runner.set_length(0, 5)  # ...of which the first was accepted: 60, 70 stay in memory, unseen
-    after = runner.forward(0, [[99]])[0, -1]
+    after = runner.forward(0, [[99]])[-1]
     reference = ModelRunner(model, max_rows=1, max_context=128)
-    expected = reference.forward(0, [[1, 2, 3, 4, 50, 99]])[0, -1]
+    expected = reference.forward(0, [[1, 2, 3, 4, 50, 99]])[-1]
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cannot extend"):
         runner.set_length(0, 100)
@@ -84,10 +87,10 @@ def test_rows_grow_on_demand_and_move():
     assert runner.cache.capacity == 512
     runner.move_row(0, 1)
     assert runner.cache.lengths[:2] == [0, 300]
-    moved = runner.forward(1, [[3]])[0, -1]
+    moved = runner.forward(1, [[3]])[-1]
     fresh = ModelRunner(model, max_rows=1, max_context=1000)
     fresh.forward(0, [list(range(200)) + list(range(100))])
-    torch.testing.assert_close(moved, fresh.forward(0, [[3]])[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(moved, fresh.forward(0, [[3]])[-1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
@@ -102,8 +105,7 @@ def test_sliding_window_models_decode_past_the_window_exactly(family):
     with torch.no_grad():
         reference = model(torch.tensor([long])).logits[0]  # [30, vocab], transformers' own sliding mask
     runner = ModelRunner(model, max_context=128)
-    ours = torch.cat([runner.forward(0, [long[:11]])[0], runner.forward(0, [long[11:12]])[0],
-                      runner.forward(0, [long[12:]])[0]])
+    ours = torch.cat([runner.forward(0, [long[:11]]), runner.forward(0, [long[11:12]]), runner.forward(0, [long[12:]])])
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
     params = GenerationParams(max_tokens=24, ignore_eos=True)
     plain = SpeculativeEngine(ModelRunner(model, max_context=128), None, EngineConfig(max_context=128))

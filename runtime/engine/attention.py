@@ -1,0 +1,117 @@
+"""Attention over the ``SlotCache`` rows for a ragged, unpadded token stream, registered with transformers.
+
+A step's tokens go through the model as ONE flat sequence (batch dimension 1): row b contributes ``n_b`` tokens
+(its last token and its k_b drafts; one token on a plain step; a prompt chunk on a prefill), so the linear
+layers, which are most of the cost, see exactly ``sum(n_b)`` rows and no padding (vLLM v1 batches the same way).
+Only attention needs to know where each row's tokens start and which cache row they read; the runner passes that
+``RowLayout`` as a keyword argument of the model's forward, which transformers hands down to the attention
+function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kernels).
+
+- every row equally wide (a plain decode step, a fully drafted batch, a prefill): one batched SDPA call, the
+  batch's rows reshaped back into a batch dimension, with a mask over each row's length;
+- ragged: one SDPA call per row, over that row's keys only.
+
+Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "depctl_rows"
+
+
+@dataclass
+class RowLayout:
+    """Where a forward's flat token stream sits in the cache: rows ``first..first + B - 1``."""
+
+    first: int
+    starts: list[int]  # [B] each row's cache length before this forward (its first new token's position)
+    widths: list[int]  # [B] tokens each row adds
+    offsets: list[int]  # [B + 1] where each row's tokens start in the flat stream
+    device: torch.device
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.widths)) == 1
+
+    @property
+    def kv_len(self) -> int:
+        return max(s + w for s, w in zip(self.starts, self.widths))
+
+    def batched_mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, S, L] for the uniform case: token j of row b (position starts[b] + j) sees its row up to itself.
+        Built once per forward and window, not once per layer."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: int | None) -> torch.Tensor:
+        width = self.widths[0]
+        q_pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        q_pos = q_pos[:, None, :, None]  # [B, 1, S, 1]
+        kv_pos = torch.arange(self.kv_len, device=self.device)
+        mask = kv_pos <= q_pos
+        return mask if window is None else mask & (kv_pos > q_pos - window)
+
+
+def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                   depctl_rows: RowLayout | None = None, **kwargs):
+    """query: [1, heads, T, dim]; key, value: the cache's rows [rows, kv_heads, capacity, dim] (or, without a
+    layout, ordinary [B, kv_heads, L, dim] tensors). Returns [1, T, heads, dim] and no weights."""
+    if depctl_rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, **kwargs)
+    lay = depctl_rows
+    window = sliding_window or None
+    heads, dim = query.shape[1], query.shape[3]
+    if lay.uniform:
+        rows, width = len(lay.widths), lay.widths[0]
+        q = query[0].reshape(heads, rows, width, dim).transpose(0, 1)  # [B, heads, S, dim]
+        k = key[lay.first : lay.first + rows, :, : lay.kv_len]  # [B, kv_heads, L, dim]
+        v = value[lay.first : lay.first + rows, :, : lay.kv_len]
+        out = _attend(q, k, v, lay.batched_mask(window), scaling)  # [B, heads, S, dim]
+        return out.transpose(1, 2).reshape(1, rows * width, heads, dim), None
+    out = query.new_empty(1, query.shape[2], heads, dim)
+    for b, (start, width) in enumerate(zip(lay.starts, lay.widths)):
+        lo = lay.offsets[b]
+        end = start + width  # keys this row's last token sees
+        first_key = 0 if window is None else max(0, start - window + 1)
+        q = query[:, :, lo : lo + width]  # [1, heads, n, dim]
+        k = key[lay.first + b : lay.first + b + 1, :, first_key:end]  # [1, kv_heads, keys, dim]
+        v = value[lay.first + b : lay.first + b + 1, :, first_key:end]
+        mask = None
+        if width > 1 or window is not None:
+            q_pos = torch.arange(start, end, device=lay.device)[:, None]  # [n, 1]
+            kv_pos = torch.arange(first_key, end, device=lay.device)  # [keys]
+            mask = kv_pos <= q_pos
+            if window is not None:
+                mask = mask & (kv_pos > q_pos - window)
+            mask = mask[None, None]  # [1, 1, n, keys]
+        out[0, lo : lo + width] = _attend(q, k, v, mask, scaling)[0].transpose(0, 1)
+    return out, None
+
+
+def _attend(q, k, v, mask, scale):
+    """SDPA with grouped-query heads folded into the query length: q [B, heads, S, dim], k and v
+    [B, kv_heads, L, dim], mask [B, 1, S, L] or None. Folding keeps SDPA on its fused CPU kernel; ``enable_gqa``
+    with a mask took the math path (2x the attention time, and copies of every key)."""
+    batch, heads, width, dim = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1:
+        q = q.reshape(batch, k.shape[1], groups * width, dim)  # head h = kv_head * groups + g; row g * S + s
+        if mask is not None:
+            mask = mask.repeat(1, 1, groups, 1)
+    out = sdpa(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, width, dim)
+
+
+AttentionInterface.register(NAME, rows_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # model.generate on the same model builds SDPA masks
