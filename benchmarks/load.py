@@ -7,8 +7,9 @@ on, through one deployment (a request can ask to decode plainly, so both modes u
 Each concurrency level runs N clients in a closed loop (a client sends its next request when the previous one
 ends) over the workload's prompts, streaming, greedy, chat template applied by the server. One table per workload:
 aggregate tokens/s, per-request decode tokens/s (median), time to first token (median, p95), acceptance, and the
-ratio to plain decoding at the same concurrency. Before the daemon starts, the same engine runs the same prompts
-in this process, one at a time (the "in-process" row): the daemon's single stream should match it.
+ratio to plain decoding at the same concurrency. Before the daemon starts and after it stops, the same engine runs
+the same prompts in this process, one at a time (the "in-process" line, the mean of both runs, since the machine's
+speed drifts): the daemon's single stream should match it.
 """
 
 from __future__ import annotations
@@ -186,10 +187,15 @@ def main() -> int:
                     cell = run_cell(url, prompts[w], c, n, args.max_tokens, speculate)
                     results[(w, c, speculate)] = cell
                     print(f"  [{w} c={c} {'ngram' if speculate else 'plain'}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
-            print_table(w, levels, results, reference.get(w), args)
     finally:
         proc.terminate()
         proc.wait(30)
+    if not args.no_in_process:  # again after the daemon: the machine's speed drifts; the tables use both runs
+        for w in workloads:
+            again = in_process(spec, prompts[w], args.max_tokens)
+            reference[w] = ((reference[w][0] + again[0]) / 2, reference[w][1], reference[w][0], again[0])
+    for w in workloads:
+        print_table(w, levels, results, reference.get(w), args)
     if args.json:
         args.json.write_text(json.dumps({f"{w}/{c}/{'ngram' if s else 'plain'}": vars(cell) | {"aggregate": cell.aggregate}
                                          for (w, c, s), cell in results.items()}, indent=1))
@@ -202,7 +208,8 @@ def print_table(workload, levels, results, reference, args) -> None:
     if reference is not None:
         plain1 = results[(workload, levels[0], False)].aggregate if levels[0] == 1 else None
         ratio = f" (daemon, 1 client: {plain1 / reference[0]:.2f}x of it)" if plain1 else ""
-        print(f"Same engine in-process, one request at a time, plain: {reference[0]:.1f} tok/s{ratio}\n")
+        runs = f" (before the daemon {reference[2]:.1f}, after {reference[3]:.1f})" if len(reference) > 2 else ""
+        print(f"Same engine in-process, one request at a time, plain: {reference[0]:.1f} tok/s{runs}{ratio}\n")
     print("| clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | TTFT p95 s | "
           "acceptance | vs plain (same clients) | vs 1 client |")
     print("|---|---|---|---|---|---|---|---|---|---|")
