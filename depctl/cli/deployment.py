@@ -161,7 +161,7 @@ def _detail_table(r: dict) -> Table:
     policy = status.get("policy")
     if policy and policy.get("max_draft_tokens"):
         costs = ", ".join(f"{n}: {v}" for n, v in policy["verify_ms"].items())
-        rows.append(("Pass cost (token rows: ms)", costs))
+        rows.append(("Pass cost (tokens: ms)", costs))
         if policy.get("draft_ms"):
             rows.append(("Draft forward (rows: ms)", ", ".join(f"{n}: {v}" for n, v in policy["draft_ms"].items())))
     if r.get("created_at"):
