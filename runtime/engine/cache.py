@@ -141,6 +141,3 @@ class SlotCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.step.layout.kv_len if self.step else max(self.lengths)
-
-    def nbytes(self) -> int:
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)

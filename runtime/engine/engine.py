@@ -19,7 +19,7 @@ from runtime.engine.proposers import Proposer
 from runtime.engine.runner import ModelRunner
 from runtime.engine.sampling import probs_from_logits
 from runtime.engine.sequence import GenerationParams, Sequence, StepOutput
-from runtime.engine.verify import inverse_cdf, position_uniform, verify_greedy, verify_sampled, verify_seeded
+from runtime.engine.verify import verify_greedy, verify_sampled, verify_seeded
 
 
 @dataclass
@@ -47,11 +47,10 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.config = config or EngineConfig()
         self.stats = SpecDecodeStats()  # the deployment's totals
-        self.policy = DraftLengthPolicy(
-            max_k=self.config.num_draft_tokens if proposer else 0,
-            draft_costs_per_token=bool(proposer and proposer.cost_per_token),
-            adaptive=self.config.adaptive,
-        )
+        # the proposer that owns a KV cache with the target's rows (None for free proposers)
+        self.draft_model = proposer if proposer is not None and proposer.cost_per_token else None
+        self.policy = DraftLengthPolicy(max_k=self.config.num_draft_tokens if proposer else 0,
+                                        adaptive=self.config.adaptive)
 
     @property
     def max_rows(self) -> int:
@@ -80,19 +79,16 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
         logits = self.target.forward(seq.row, [chunk], last_only=True)  # [1, vocab]
-        if self.proposer is not None and self.proposer.cost_per_token:
-            self.proposer.prefill(seq.row, chunk)
+        if self.draft_model is not None:
+            self.draft_model.prefill(seq.row, chunk)
         seq.prefilled += len(chunk)
-        done = seq.prefilled == seq.prompt_len
-        token = self._sample(seq, logits[0]) if done else None  # [vocab] -> the first output token
         self.stats.prefill_seconds += time.perf_counter() - t0
-        if token is None:
+        if seq.prefilled < seq.prompt_len:
             return None
+        # the first output token, chosen as a step with no drafts would choose it
+        _, token = self._accept(seq, [], None, logits, logits.argmax(-1).tolist())
         seq.tokens.append(token)
-        pa = 0
-        if seq.prediction is not None:  # the first token may already follow the prediction
-            seq.prediction.propose([], 0)
-            pa = seq.prediction.observe(0, token)
+        pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
         return self._emit(seq, [token], pa=pa)
 
     @torch.inference_mode()
@@ -126,13 +122,13 @@ class SpeculativeEngine:
 
     def move_row(self, src: int, dst: int) -> None:
         self.target.move_row(src, dst)
-        if self.proposer is not None and self.proposer.cost_per_token:
-            self.proposer.move_row(src, dst)
+        if self.draft_model is not None:
+            self.draft_model.move_row(src, dst)
 
     def release_row(self, row: int) -> None:
         self.target.set_length(row, 0)
-        if self.proposer is not None and self.proposer.cost_per_token:
-            self.proposer.set_length(row, 0)
+        if self.draft_model is not None:
+            self.draft_model.set_length(row, 0)
 
     def finish(self, seq: Sequence) -> None:
         self.policy.end_request(seq.acceptance)
@@ -149,7 +145,7 @@ class SpeculativeEngine:
         if self.proposer is None or not seq.params.speculate:
             return Guess([], seq.acceptance, None)
         k = min(room, self.policy.max_k)
-        if self.proposer.cost_per_token:
+        if self.draft_model is not None:
             return Guess([], seq.acceptance, "model", max(k, 0))
         tokens = self.proposer.propose(seq.tokens, k) if k > 0 else []
         return Guess(tokens, seq.acceptance, "ngram", len(tokens))
@@ -159,7 +155,7 @@ class SpeculativeEngine:
         own tokens per row when it ran (its cache keeps only the part the target accepted)."""
         model_tokens, model_probs = [None] * len(batch), [None] * len(batch)
         if width and any(g.source == "model" and g.available for g in guesses):
-            model_tokens, model_probs = self.proposer.propose(batch, width)
+            model_tokens, model_probs = self.draft_model.propose(batch, width)
         drafts, probs = [], []
         for g, tokens, q in zip(guesses, model_tokens, model_probs):
             k = min(width, g.available)
@@ -191,7 +187,7 @@ class SpeculativeEngine:
             agree = 0
             while agree < len(model_drafts) and agree < len(emitted) and model_drafts[agree] == emitted[agree]:
                 agree += 1
-            self.proposer.set_length(seq.row, before + agree)
+            self.draft_model.set_length(seq.row, before + agree)
         k = len(drafts)
         if k:
             guess.acceptance.observe(n, n + (1 if n < k else 0))
@@ -212,16 +208,6 @@ class SpeculativeEngine:
         self.stats.record_row(drafted, accepted, len(emitted))
         return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The first output token, from the prefill's last logits [vocab], as a plain step would choose it."""
-        sampling = seq.sampling
-        if sampling.greedy:
-            return int(logits.argmax())
-        probs = probs_from_logits(logits[None], sampling)[0]
-        if sampling.seed is not None:
-            return inverse_cdf(probs, position_uniform(sampling.seed, seq.produced))
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
-
     # ---- load time ----
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 2) -> dict:
@@ -231,9 +217,7 @@ class SpeculativeEngine:
         widest = 1 + self.policy.max_k
         vocab = self.target.vocab_size or 256
         prompt = [(i * 7919) % min(vocab, 1000) for i in range(context)]
-        runners = [self.target]
-        if self.proposer is not None and self.proposer.cost_per_token:
-            runners.append(self.proposer.runner)
+        runners = [self.target] + ([self.draft_model.runner] if self.draft_model is not None else [])
         for runner in runners:
             runner.forward(0, [prompt] * rows, last_only=True)
         counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= rows * widest} | {rows, rows * widest})

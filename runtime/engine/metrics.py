@@ -48,24 +48,6 @@ class SpecDecodeStats:
             self.draft_seconds += draft_s
             self.verify_seconds += verify_s
 
-    def merge(self, other: SpecDecodeStats) -> None:
-        with self._lock:
-            self.num_steps += other.num_steps
-            self.num_drafts += other.num_drafts
-            self.num_draft_tokens += other.num_draft_tokens
-            self.num_accepted_tokens += other.num_accepted_tokens
-            self.num_generated_tokens += other.num_generated_tokens
-            self.draft_seconds += other.draft_seconds
-            self.verify_seconds += other.verify_seconds
-            self.prefill_seconds += other.prefill_seconds
-            self.num_requests += other.num_requests
-            if len(self.accepted_per_position) < len(other.accepted_per_position):
-                self.accepted_per_position.extend(
-                    [0] * (len(other.accepted_per_position) - len(self.accepted_per_position))
-                )
-            for i, v in enumerate(other.accepted_per_position):
-                self.accepted_per_position[i] += v
-
     @property
     def acceptance_rate(self) -> float | None:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None

@@ -134,10 +134,9 @@ class RowPlan:
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_k: int, draft_costs_per_token: bool, adaptive: bool = True):
+    def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k = max_k
         self.adaptive = adaptive
-        self.draft_costs_per_token = draft_costs_per_token
         self.verify_cost = CostModel()  # target pass over n token rows
         self.draft_cost = CostModel()  # one draft-model forward over n rows
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one

@@ -95,6 +95,11 @@ class PredictionTracker:
         self._start = start
         return self.prediction[start : start + k] if k > 0 and start >= 0 else []
 
+    def observe_first(self, token: int) -> int:
+        """The prefill's token (no drafts): 1 when it is the prediction's start."""
+        self._start = self.expected
+        return self.observe(0, token)
+
     def observe(self, accepted: int, next_token: int) -> int:
         """After verification: follow the prediction while the target's own token agrees with it.
 

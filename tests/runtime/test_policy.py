@@ -41,7 +41,7 @@ def _cpu_like(policy):
 
 
 def test_policy_drafts_long_inside_a_run_and_stops_outside():
-    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
     [row] = _rows(policy, [(0.5, 8)])
     for _ in range(30):
@@ -60,7 +60,7 @@ def test_policy_drafts_long_inside_a_run_and_stops_outside():
 def test_the_same_drafts_that_pay_alone_do_not_pay_in_a_full_batch():
     # a 60% acceptance pays at batch 1 (a 9-token pass costs ~2x one token) but not at batch 8, where the plain step
     # already fills the memory-bound part of the pass and 8 more tokens cost 40% more
-    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
     assert policy.width(_rows(policy, [(0.6, 8)]))[0] > 0
     assert policy.width(_rows(policy, [(0.6, 8)] + [(0.0, 0)] * 7))[0] == 0
@@ -73,7 +73,7 @@ def test_the_same_drafts_that_pay_alone_do_not_pay_in_a_full_batch():
 def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
     # per-row rates said 60%; the drafting steps then delivered a third of the extra tokens that implied. The policy
     # believes the steps, not the rates: at batch 4 the same drafts no longer pay
-    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
     rows = _rows(policy, [(0.6, 8)] * 4)
     width, predicted = policy.width(rows)
@@ -85,18 +85,18 @@ def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
 
 
 def test_rows_without_guesses_do_not_make_the_batch_draft():
-    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=False)
+    policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
     assert policy.width(_rows(policy, [(0.9, 0)] * 4))[0] == 0
 
 
 def test_draft_cost_shortens_drafts():
-    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=True)
+    policy = DraftLengthPolicy(max_k=8)
     policy.verify_cost.observe(1, 1.0)
     policy.verify_cost.observe(9, 1.5)
     policy.draft_cost.observe(1, 0.01)
     cheap = policy.width(_rows(policy, [(0.8, 8)], model=True))[0]
-    policy = DraftLengthPolicy(max_k=8, draft_costs_per_token=True)
+    policy = DraftLengthPolicy(max_k=8)
     policy.verify_cost.observe(1, 1.0)
     policy.verify_cost.observe(9, 1.5)
     policy.draft_cost.observe(1, 0.3)
