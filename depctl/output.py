@@ -1,15 +1,22 @@
-"""The one output sink: data to stdout (table, json or yaml), messages and errors to stderr."""
+"""The one output sink: data to stdout (table, json or yaml), messages and errors to stderr.
+
+User text (names, paths, reasons, model output) is never read as Rich markup: ``message`` and table cells print a
+``str`` literally, so a display name like ``[/]`` or ``[red]x[/red]`` shows as typed. Style comes only from
+``(text, style)`` pairs and ``Text`` objects built here and in the commands."""
 
 from __future__ import annotations
 
 import enum
 import json
 from datetime import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import yaml
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+Part = Union[str, tuple[str, str], Text]  # literal text, (text, style), or a styled Text
 
 
 class Format(str, enum.Enum):
@@ -46,15 +53,27 @@ def emit(data: Any, fmt: Format, table: Callable[[Any], Any]) -> None:
         out().print(table(data))
 
 
-def message(text: str) -> None:
-    err().print(text, highlight=False)
+def message(*parts: Part) -> None:
+    err().print(Text.assemble(*parts), highlight=False)
+
+
+class LiteralTable(Table):
+    """A table whose ``str`` cells are shown as typed (never parsed as markup); pass ``Text`` for style."""
+
+    def add_row(self, *cells, **kwargs) -> None:
+        super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **kwargs)
 
 
 def make_table(*columns: str, title: str | None = None) -> Table:
-    table = Table(title=title, header_style="bold", box=None, pad_edge=False)
+    table = LiteralTable(title=title, header_style="bold", box=None, pad_edge=False)
     for column in columns:
         table.add_column(column, overflow="fold")
     return table
+
+
+def make_grid() -> Table:
+    grid = LiteralTable.grid(padding=(0, 2))
+    return grid
 
 
 def fmt_rate(value: float | None) -> str:

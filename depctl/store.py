@@ -37,13 +37,26 @@ def _format_validation(exc: ValidationError) -> str:
 
 
 def parse_spec(path: Path) -> DeploymentSpec:
-    """Read and validate one spec file, or raise ``SpecError`` naming the file and every problem."""
+    """Read and validate one spec file, or raise ``SpecError`` naming the file and every problem.
+
+    Whatever the file holds (binary junk, a FIFO, a directory, a YAML bomb), the answer is a spec or a ``SpecError``:
+    the daemon's reconciling and ``list`` read every file, so one bad file must never raise anything else."""
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb", opener=_open_nonblocking) as fh:
+            if not os.path.isfile(path):
+                raise SpecError(f"{path}: not a regular file; remove it (`rm {path}`)")
+            data = fh.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError(f"{path}: larger than {MAX_SPEC_BYTES // 1024} KB; a spec is a few hundred bytes")
+        raw = yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{path}: not UTF-8 text (byte {exc.start}); fix it or delete the deployment") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {exc}".replace("\n", " ")) from None
     except OSError as exc:
-        raise SpecError(f"{path}: cannot be read: {exc.strerror}") from None
+        raise SpecError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of fields, found {type(raw).__name__}")
     try:
@@ -53,6 +66,14 @@ def parse_spec(path: Path) -> DeploymentSpec:
     if spec.id != path.stem:
         raise SpecError(f"{path}: id {spec.id!r} does not match the file name {path.stem!r}")
     return spec
+
+
+MAX_SPEC_BYTES = 64 * 1024
+
+
+def _open_nonblocking(path, flags):
+    # O_NONBLOCK: opening a FIFO someone named *.yaml returns at once instead of waiting for a writer
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
 
 
 class SpecStore:
@@ -76,6 +97,8 @@ class SpecStore:
                 specs.append(parse_spec(path))
             except SpecError as exc:
                 broken.append(BrokenSpec(path.stem, path, exc.message))
+            except Exception as exc:  # noqa: BLE001 - parse_spec maps every known failure; this keeps the promise
+                broken.append(BrokenSpec(path.stem, path, f"{path}: {type(exc).__name__}: {exc}"))
         specs.sort(key=lambda s: (s.created_at, s.id))
         return specs, broken
 

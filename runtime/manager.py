@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from depctl.errors import DepctlError
@@ -32,6 +33,8 @@ from runtime.worker import EngineWorker
 log = logging.getLogger("depctl.manager")
 
 POLL_SECONDS = 2.0
+WATCH_SECONDS = 0.25  # how often the poller checks the running load against its time limit
+DEFAULT_LOAD_TIMEOUT = 900.0
 
 
 class State(str, enum.Enum):
@@ -112,12 +115,16 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec) -> bool:
 
 
 class DeploymentManager:
-    def __init__(self, store: SpecStore, loader: Loader = load_deployment):
+    def __init__(self, store: SpecStore, loader: Loader = load_deployment, load_timeout: float = DEFAULT_LOAD_TIMEOUT):
         self.store = store
         self.loader = loader
+        self.load_timeout = load_timeout
         self.deployments: dict[str, Deployment] = {}
         self._lock = threading.RLock()  # guards self.deployments and state transitions
-        self._load_lock = threading.Lock()  # one load at a time: two big models never load at once
+        # one load at a time (two big models never load at once): the turn belongs to one _Turn, and the poller
+        # takes it back from a load that overran load_timeout so that a hung load never blocks the others
+        self._turn_cond = threading.Condition()
+        self._turn: _Turn | None = None
         self._stop = threading.Event()
         self._fingerprint: dict | None = None
         self._poller: threading.Thread | None = None
@@ -136,9 +143,13 @@ class DeploymentManager:
                     dep.worker.stop(drain=False)
 
     def _poll(self) -> None:
-        while not self._stop.wait(POLL_SECONDS):
+        next_reconcile = time.monotonic() + POLL_SECONDS
+        while not self._stop.wait(WATCH_SECONDS):
             try:
-                self.reconcile()
+                self._check_load_time()
+                if time.monotonic() >= next_reconcile:
+                    next_reconcile = time.monotonic() + POLL_SECONDS
+                    self.reconcile()
             except Exception:  # a poll must never die; the next one retries
                 log.exception("reconcile failed")
 
@@ -160,17 +171,21 @@ class DeploymentManager:
             self._fingerprint = fingerprint
             specs, broken = self.store.list()
             wanted = {s.id: s for s in specs}
-            for b in broken:
-                self._on_broken(b.id, b.problem)
-            for spec in specs:
-                self._on_spec(spec)
-            for dep_id in list(self.deployments):
-                if dep_id not in wanted and dep_id not in {b.id for b in broken}:
-                    self._on_deleted(self.deployments[dep_id])
+            changes = [(b.id, partial(self._on_broken, b.id, b.problem)) for b in broken]
+            changes += [(s.id, partial(self._on_spec, s)) for s in specs]
+            changes += [(dep_id, partial(self._on_deleted, dep)) for dep_id, dep in list(self.deployments.items())
+                        if dep_id not in wanted and dep_id not in {b.id for b in broken}]
+            for dep_id, apply in changes:
+                try:
+                    apply()
+                except Exception:  # one deployment's trouble never stops the others' reconciling
+                    log.exception("reconciling deployment %s failed", dep_id)
 
     def _on_spec(self, spec: DeploymentSpec) -> None:
         dep = self.deployments.get(spec.id)
-        if dep is None:
+        if dep is None or dep.state == State.DELETING:
+            # new, or re-created while the deleted one drains: a deployment of its own (the draining one's exit
+            # only forgets its own record), never an in-place change to an engine that is on its way out
             dep = self.deployments[spec.id] = Deployment(spec.id, spec, State.CREATING)
             self._schedule_load(dep)
             return
@@ -191,7 +206,7 @@ class DeploymentManager:
     def _on_broken(self, dep_id: str, problem: str) -> None:
         dep = self.deployments.get(dep_id)
         reason = f"the spec file is broken: {problem}"
-        if dep is None:
+        if dep is None or dep.state == State.DELETING:
             dep = self.deployments[dep_id] = Deployment(dep_id, None, State.FAILED, reason)
         if dep.reason != reason or dep.spec is not None:
             dep.spec = None
@@ -231,10 +246,14 @@ class DeploymentManager:
                 return dep.generation == generation and self.deployments.get(dep.id) is dep
 
         def load() -> LoadedDeployment:
-            with self._load_lock:
+            turn = _Turn(dep, generation)
+            self._take_turn(turn)
+            try:
                 if not current():
                     raise _Superseded()
                 return self.loader(spec)
+            finally:
+                self._end_turn(turn)
 
         def on_loaded(worker: EngineWorker, loaded: LoadedDeployment) -> bool:
             with self._lock:
@@ -263,6 +282,46 @@ class DeploymentManager:
                 self._release(dep)
 
         EngineWorker(dep.id, load, on_loaded, on_failed, spec.max_batch_size).start()
+
+    # ---- the load turn ----
+    def _take_turn(self, turn: "_Turn") -> None:
+        with self._turn_cond:
+            while self._turn is not None:
+                self._turn_cond.wait()
+            self._turn = turn
+            turn.started = time.monotonic()
+
+    def _end_turn(self, turn: "_Turn") -> None:
+        with self._turn_cond:
+            if self._turn is turn:
+                self._turn = None
+                self._turn_cond.notify_all()
+
+    def _check_load_time(self) -> None:
+        """Fail a load that overran ``load_timeout`` and give the turn to the next one. Its thread cannot be killed
+        (it may sit in a read that never returns); whatever it loads later is dropped as stale."""
+        with self._turn_cond:
+            turn = self._turn
+            if turn is None or time.monotonic() - turn.started < self.load_timeout:
+                return
+        dep = turn.dep
+        with self._lock:
+            if dep.generation == turn.generation and self.deployments.get(dep.id) is dep:
+                dep.generation += 1  # what the stuck load returns, if ever, is stale
+                dep.set_state(State.FAILED, (
+                    f"the model did not finish loading within {self.load_timeout:g}s (DEPCTL_LOAD_TIMEOUT, or "
+                    f"`depctl daemon start --load-timeout`): check that its files are readable (not a FIFO or a hung "
+                    f"network mount); `depctl deployment update` retries"))
+                self._release(dep)
+        log.error("deployment %s: load exceeded %gs; the next load goes ahead", dep.id, self.load_timeout)
+        self._end_turn(turn)
+
+
+@dataclass(eq=False)
+class _Turn:
+    dep: Deployment
+    generation: int
+    started: float = 0.0
 
 
 class _Superseded(Exception):

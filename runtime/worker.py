@@ -16,6 +16,7 @@ import threading
 import traceback
 from typing import Callable
 
+from depctl.errors import DepctlError
 from runtime.engine import GenerationParams, Scheduler, StepOutput
 
 log = logging.getLogger("depctl.worker")
@@ -95,15 +96,25 @@ class EngineWorker:
             self.loaded = self.scheduler = None
             self._finish_stop()
             return
-        while True:
-            self._read_inbox(block=not self.scheduler.has_work())
-            if self._stopping is not None and (not self._stopping[0] or not self.scheduler.has_work()):
-                break
-            if self.scheduler.has_work():
-                self._step()
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not leave a READY deployment nobody serves
+            log.error("deployment %s: the engine thread failed: %s", self.name, "".join(traceback.format_exception(exc)))
+            self._fail_all(exc)
+            self._on_failed(self, DepctlError(f"the engine thread failed ({type(exc).__name__}: {exc}); see "
+                                              "`depctl daemon logs`; `depctl deployment update` reloads it"))
         self._fail_all(RuntimeError("the deployment was stopped before this request finished"))
         self.loaded = self.scheduler = None
         self._finish_stop()
+
+    def _serve(self) -> None:
+        while True:
+            idle = not self.scheduler.has_work()
+            if self._stopping is not None and (idle or not self._stopping[0]):
+                return  # (checked before blocking: a drain that just ended must not wait for a message)
+            self._read_inbox(block=idle)
+            if self.scheduler.has_work() and (self._stopping is None or self._stopping[0]):
+                self._step()
 
     def _read_inbox(self, block: bool) -> None:
         try:
@@ -123,8 +134,8 @@ class EngineWorker:
             _, handle, prompt_ids, params, sink = msg
             try:
                 seq = self.scheduler.engine.new_sequence(prompt_ids, params)
-            except ValueError as exc:
-                sink(exc)
+            except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
+                _deliver(sink, exc)
                 return
             handle.seq = seq
             self._sinks[seq.id] = sink

@@ -6,7 +6,6 @@ import functools
 import traceback
 
 import typer
-from rich.markup import escape
 
 from depctl import config, output
 from depctl.client import Client, daemon_info, start_daemon
@@ -41,10 +40,9 @@ def handle_errors(fn):
 
 
 def _print_error(message: str, hint: str | None) -> None:
-    console = output.err()
-    console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False)
+    output.message(("Error: ", "bold red"), message)
     if hint:
-        console.print(f"[yellow]Hint:[/] {escape(hint)}", highlight=False)
+        output.message(("Hint: ", "yellow"), hint)
 
 
 def connect(autostart: bool) -> Client | None:

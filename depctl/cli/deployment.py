@@ -7,8 +7,8 @@ import typing
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from depctl import models, output
 from depctl import spec as spec_module
@@ -100,7 +100,7 @@ def _records(store: SpecStore, client) -> list[dict]:
     statuses = {s["id"]: s for s in client.deployments()} if client else {}
     rows = [record(spec, statuses.get(spec.id), client is not None) for spec in specs]
     for b in broken:
-        output.message(f"[yellow]Warning:[/] {escape(b.problem)}")
+        output.message(("Warning: ", "yellow"), b.problem)
         rows.append({"id": b.id, "path": str(b.path), "status": {"state": "FAILED", "reason": f"broken spec file: {b.problem}"}})
     return rows
 
@@ -125,13 +125,13 @@ def _spec_obj(speculation: dict):
     return DeploymentSpec.model_validate({"id": "x", "model": "x", "speculation": speculation}).speculation
 
 
-def _state_cell(status: dict) -> str:
+def _state_cell(status: dict) -> Text:
     colour = {"READY": "green", "FAILED": "red", "UNKNOWN": "yellow"}.get(status["state"], "cyan")
-    return f"[{colour}]{status['state']}[/]"
+    return Text(status["state"], style=colour)
 
 
 def _detail_table(r: dict) -> Table:
-    table = Table.grid(padding=(0, 2))
+    table = output.make_grid()
     status = r["status"]
     stats = status.get("stats") or {}
     rows = [
@@ -146,7 +146,7 @@ def _detail_table(r: dict) -> Table:
     if "num_requests_running" in status:
         rows.append(("Requests running / waiting", f"{status['num_requests_running']} / {status['num_requests_waiting']}"))
     if status.get("reason"):
-        rows.append(("Reason", escape(status["reason"])))
+        rows.append(("Reason", status["reason"]))
     if stats:
         rows += [
             ("Requests", str(stats["requests"])),
@@ -167,7 +167,7 @@ def _detail_table(r: dict) -> Table:
     if r.get("created_at"):
         rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
     for key, value in rows:
-        table.add_row(f"[bold]{key}[/]", value)
+        table.add_row(Text(key, style="bold"), value)
     return table
 
 
@@ -236,7 +236,7 @@ def create(
         output.message("Valid. Nothing was written (--validate-only).")
         return
     store.create(spec)
-    output.message(f"Created deployment [bold]{dep_id}[/] ({escape(target.ref)}, speculation: {describe_speculation(speculation)})")
+    output.message("Created deployment ", (dep_id, "bold"), f" ({target.ref}, speculation: {describe_speculation(speculation)})")
     _apply(dep_id, wait, wait_timeout, fmt, store, "created")
 
 
@@ -317,7 +317,7 @@ def update(
         return spec.model_copy(update=fields)
 
     updated = store.update(deployment_id, change)
-    output.message(f"Updated deployment [bold]{deployment_id}[/] (speculation: {describe_speculation(updated.speculation)})")
+    output.message("Updated deployment ", (deployment_id, "bold"), f" (speculation: {describe_speculation(updated.speculation)})")
     _apply(deployment_id, wait, wait_timeout, fmt, store, "updated")
 
 
@@ -335,4 +335,4 @@ def delete(
         client.reconcile()
         if wait:
             client.wait_settled(deployment_id, 120.0, gone=True)
-    output.message(f"Deleted deployment [bold]{deployment_id}[/]")
+    output.message("Deleted deployment ", (deployment_id, "bold"))

@@ -40,12 +40,12 @@ def stream_reply(client: Client, path: str, body: dict) -> tuple[str, dict | Non
         spec = usage.get("speculation") or {}
         rate = spec.get("acceptance_rate")
         decode = elapsed - (first - t0) if first else elapsed
-        output.message(
-            f"[dim]{n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s; first token {((first or t0) - t0) * 1000:.0f} ms, "
+        output.message((
+            f"{n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s; first token {((first or t0) - t0) * 1000:.0f} ms, "
             f"then {max(n - 1, 0) / decode if decode > 0 else 0:.1f} tok/s) · "
             f"acceptance {'-' if rate is None else f'{rate:.0%}'} "
-            f"({spec.get('accepted_tokens', 0)}/{spec.get('drafted_tokens', 0)} drafted)[/]"
-        )
+            f"({spec.get('accepted_tokens', 0)}/{spec.get('drafted_tokens', 0)} drafted)", "dim"
+        ))
     return "".join(parts), usage
 
 
@@ -87,7 +87,7 @@ def chat(
     client = _client()
     messages = [{"role": "system", "content": system}] if system else []
     console = output.err()
-    console.print(f"Chatting with [bold]{deployment_id}[/]. Empty line or Ctrl-D to quit.")
+    output.message("Chatting with ", (deployment_id, "bold"), ". Empty line or Ctrl-D to quit.")
     while True:
         try:
             line = console.input("[bold cyan]you>[/] ")

@@ -217,3 +217,33 @@ def test_max_batch_size_defaults_to_8_and_is_kept(depctl_home):
     result = run("deployment", "update", "dep", "--no-wait", "--max-batch-size", "2")
     assert SpecStore().get("dep").max_batch_size == 2
     assert SpecStore().get("dep").speculation == NgramSpeculation(ngram_length=3, num_draft_tokens=4)
+
+
+@pytest.mark.parametrize("name", ["[/]", "[red]x[/red]", "[bold", "a]b[/"])
+def test_user_text_is_shown_as_typed_never_as_markup(name, depctl_home, tmp_path, monkeypatch):
+    # the bug: `update --display-name '[/]'` wrote the spec, then failed with MarkupError, and `get` stayed broken;
+    # a model directory named `[/]x` broke `list` for every deployment
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
+    monkeypatch.setenv("COLUMNS", "500")  # no wrapping inside a cell
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    result = run("deployment", "update", "dep", "--no-wait", "--display-name", name)
+    assert "Updated deployment" in result.stderr and "MarkupError" not in result.stderr
+    result = run("deployment", "get", "dep")
+    assert result.exit_code == 0, result.stderr
+    assert name in result.stdout
+    model_dir = tmp_path / f"{name}x"  # "[/]x" is a directory "[" holding "]x": the path reads [/]x
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    SpecStore().create(DeploymentSpec(id="odd", model=str(model_dir)))
+    result = run("deployment", "list")
+    assert result.exit_code == 0, result.stderr
+    assert str(model_dir) in result.stdout and "dep" in result.stdout
+    (depctl_home / "deployments" / "broken.yaml").write_text(f"id: [{name}\n")  # a problem quoting user text
+    result = run("deployment", "list")
+    assert result.exit_code == 0 and "Warning:" in result.stderr, result.stderr

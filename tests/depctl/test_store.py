@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import yaml
@@ -78,6 +79,30 @@ def test_broken_file_is_reported_and_others_still_list(depctl_home):
     assert "does not match the file name" in problems["renamed"]
     with pytest.raises(SpecError, match="bad.yaml"):
         parse_spec(store.root / "bad.yaml")
+
+
+@pytest.mark.parametrize("content", [b"\x00\xff\xfe garbage", b"id: a\nmodel: \xff\n", b"\x00" * 64,
+                                     b"!!python/object/apply:os.system ['true']\n", b"a: &a [*a, *a]\n", b"- 1\n- 2\n"])
+def test_any_bytes_are_a_broken_spec_never_an_exception(depctl_home, content):
+    # undecodable bytes once raised UnicodeDecodeError out of list(), which stopped the daemon's reconciling
+    store = SpecStore()
+    store.create(make("good"))
+    (store.root / "s1.yaml").write_bytes(content)
+    specs, broken = store.list()
+    assert [s.id for s in specs] == ["good"]
+    assert [b.id for b in broken] == ["s1"] and "s1.yaml" in broken[0].problem
+    with pytest.raises(SpecError, match="s1.yaml"):
+        store.get("s1")
+
+
+def test_a_directory_or_unreadable_entry_is_a_broken_spec(depctl_home):
+    store = SpecStore()
+    store.create(make("good"))
+    (store.root / "dir.yaml").mkdir()
+    os.mkfifo(store.root / "fifo.yaml")  # opening it for reading would wait for a writer forever
+    specs, broken = store.list()
+    assert [s.id for s in specs] == ["good"] and [b.id for b in broken] == ["dir", "fifo"]
+    assert all("not a regular file" in b.problem or "cannot be read" in b.problem for b in broken)
 
 
 def _create_many(args):

@@ -68,3 +68,43 @@ def test_a_request_that_cannot_run_gets_an_error_not_a_hang(tiny_model_dir):
     stopped = threading.Event()
     worker.stop(drain=False, then=stopped.set)
     assert stopped.wait(30)
+
+
+def test_a_drain_that_ends_with_the_last_request_exits(tiny_model_dir):
+    # the bug: stop(drain=True) arriving while a request ran left the thread blocked on its inbox once the request
+    # finished: the deleted deployment never went away
+    spec = DeploymentSpec(id="w", model=str(tiny_model_dir), device="cpu")
+    ready = threading.Event()
+    worker, _ = _start(spec, set(), ready)
+    assert ready.wait(60)
+    out = queue.SimpleQueue()
+    worker.submit([5, 17, 42], GenerationParams(max_tokens=200, ignore_eos=True), out.put)
+    stopped = threading.Event()
+    worker.stop(drain=True, then=stopped.set)
+    tokens, item = 0, None
+    while item is None or not item.finish_reason:
+        item = out.get(timeout=60)
+        tokens += len(item.token_ids)
+    assert tokens == 200  # drained: the request ran to its end
+    assert stopped.wait(10)
+
+
+def test_an_engine_thread_that_crashes_fails_its_requests_and_reports(tiny_model_dir):
+    spec = DeploymentSpec(id="w", model=str(tiny_model_dir), device="cpu")
+    ready, failures = threading.Event(), []
+
+    def on_failed(worker, exc):
+        failures.append(exc)
+        ready.set()
+
+    worker = EngineWorker("w", lambda: load_deployment(spec, calibrate=False), lambda w, l: ready.set() or True,
+                          on_failed, 1).start()
+    assert ready.wait(60)
+    ready.clear()
+    worker._step = None  # a bug in the loop itself: calling it raises TypeError
+    out = queue.SimpleQueue()
+    worker.submit([5, 17, 42], GenerationParams(max_tokens=5), out.put)
+    assert isinstance(out.get(timeout=30), TypeError)
+    assert ready.wait(10) and "engine thread failed" in str(failures[0].message)
+    worker.thread.join(10)
+    assert not worker.thread.is_alive()

@@ -1,0 +1,127 @@
+"""The deployment manager: reconciling the store with what is loaded, through deletes, re-creates, broken files and
+loads that never finish."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from depctl.spec import DeploymentSpec, NgramSpeculation
+from depctl.store import SpecStore
+from runtime.engine import GenerationParams
+from runtime.loader import load_deployment
+from runtime.manager import DeploymentManager, State
+
+
+def _spec(dep_id, model, **kw):
+    return DeploymentSpec(id=dep_id, model=str(model), device="cpu",
+                          speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4), **kw)
+
+
+def _wait(manager, dep_id, states, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        manager.reconcile(force=True)
+        dep = manager.get(dep_id)
+        if dep is not None and dep.state.value in states:
+            return dep
+        time.sleep(0.05)
+    dep = manager.get(dep_id)
+    raise AssertionError(f"{dep_id} is {dep.state.value if dep else 'gone'} ({dep.reason if dep else ''}), not {states}")
+
+
+def _serves(dep) -> bool:
+    worker = dep.worker
+    return worker is not None and worker.loaded is not None
+
+
+@pytest.fixture
+def manager(depctl_home):
+    m = DeploymentManager(SpecStore(), loader=lambda spec: load_deployment(spec, calibrate=False))
+    yield m
+    m.stop()
+
+
+def test_recreate_while_the_old_engine_drains_loads_a_new_one(manager, tiny_model_dir):
+    # the bug: delete (the old engine drains its streams), re-create the same id at once: the re-create was applied
+    # in place to the draining engine, which then exited, leaving READY with no model (503 for every request)
+    store = manager.store
+    store.create(_spec("d", tiny_model_dir))
+    dep = _wait(manager, "d", ("READY",))
+    done = threading.Event()
+    dep.worker.submit(list(b"abcabcabc"), GenerationParams(max_tokens=400, ignore_eos=True),
+                      lambda out: done.set() if isinstance(out, BaseException) or out.finish_reason else None)
+    store.delete("d")
+    manager.reconcile(force=True)
+    assert manager.get("d").state == State.DELETING
+    store.create(_spec("d", tiny_model_dir, display_name="again"))  # (a new created_at, as from the CLI)
+    manager.reconcile(force=True)
+    assert done.wait(60)  # the old engine finished its request (a delete lets in-flight requests finish)
+    dep = _wait(manager, "d", ("READY", "FAILED"))
+    assert dep.state == State.READY and _serves(dep), dep.reason
+    time.sleep(0.3)  # the old worker's exit must not take the new deployment with it
+    dep = manager.get("d")
+    assert dep is not None and dep.state == State.READY and _serves(dep)
+
+
+def test_ready_always_means_serving(manager, tiny_model_dir):
+    # delete and re-create many times in a row, with and without traffic: READY must always come with an engine
+    store = manager.store
+    for i in range(6):
+        store.create(_spec("r", tiny_model_dir, display_name=f"v{i}"))
+        dep = _wait(manager, "r", ("READY",))
+        if i % 2 == 0:
+            dep.worker.submit(list(b"hello hello"), GenerationParams(max_tokens=50, ignore_eos=True), lambda out: None)
+        store.delete("r")
+        manager.reconcile(force=True)
+    store.create(_spec("r", tiny_model_dir))
+    dep = _wait(manager, "r", ("READY",))
+    assert _serves(dep)
+
+
+def test_undecodable_spec_does_not_stop_reconciling(manager, tiny_model_dir):
+    store = manager.store
+    (store.root / "s1.yaml").write_bytes(b"\x00\xff\xfe garbage")
+    store.create(_spec("ok", tiny_model_dir))
+    assert _wait(manager, "ok", ("READY",)).state == State.READY
+    assert manager.get("s1").state == State.FAILED and "not UTF-8" in manager.get("s1").reason
+    store.delete("ok")
+    manager.reconcile(force=True)
+    _wait_gone(manager, "ok")
+
+
+def _wait_gone(manager, dep_id, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while manager.get(dep_id) is not None:
+        assert time.monotonic() < deadline, f"{dep_id} still {manager.get(dep_id).state}"
+        manager.reconcile(force=True)
+        time.sleep(0.05)
+
+
+def test_a_hung_load_fails_after_the_load_timeout_and_others_still_load(depctl_home, tiny_model_dir):
+    release = threading.Event()
+
+    def loader(spec):
+        if spec.id == "hung":
+            release.wait(120)  # a model file that never finishes reading (a FIFO, a dead network mount)
+        return load_deployment(spec, calibrate=False)
+
+    manager = DeploymentManager(SpecStore(), loader=loader, load_timeout=1.0)
+    manager.start()  # its poller watches the load time
+    try:
+        manager.store.create(_spec("hung", tiny_model_dir))
+        manager.reconcile(force=True)
+        manager.store.create(_spec("after", tiny_model_dir))
+        dep = _wait(manager, "after", ("READY",), timeout=30)
+        assert _serves(dep)
+        hung = _wait(manager, "hung", ("FAILED",), timeout=10)
+        assert "did not finish loading within 1s" in hung.reason and "DEPCTL_LOAD_TIMEOUT" in hung.reason
+        release.set()  # the stuck load finally returns: its result is dropped, the state stays FAILED
+        time.sleep(0.5)
+        manager.reconcile(force=True)
+        assert manager.get("hung").state == State.FAILED and not _serves(manager.get("hung"))
+    finally:
+        release.set()
+        manager.stop()
