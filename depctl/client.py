@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import httpx
+from filelock import FileLock
 
 from depctl import config
 from depctl.errors import DaemonError, DaemonNotRunning, DepctlError, WaitTimeout
 
 START_TIMEOUT = 60.0
+ALREADY_RUNNING = 3  # the daemon's exit status when another daemon holds the home's lock (runtime.__main__)
 
 
 @dataclass(frozen=True)
@@ -25,10 +27,18 @@ class DaemonInfo:
     host: str
     port: int
     started_at: float
+    api_key: str | None = None  # the daemon's key (daemon.json is readable by its owner only)
+    drain_timeout: float = 10.0
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)  # bound everywhere: talk locally
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def headers(self) -> dict:
+        key = os.environ.get("DEPCTL_API_KEY") or self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -45,7 +55,8 @@ def daemon_info() -> DaemonInfo | None:
     """The running daemon per ``daemon.json``, or None (no file, or its process is gone)."""
     try:
         raw = json.loads(config.daemon_file().read_text())
-        info = DaemonInfo(int(raw["pid"]), str(raw["host"]), int(raw["port"]), float(raw.get("started_at", 0)))
+        info = DaemonInfo(int(raw["pid"]), str(raw["host"]), int(raw["port"]), float(raw.get("started_at", 0)),
+                          raw.get("api_key"), float(raw.get("drain_timeout", 10.0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return info if _pid_alive(info.pid) else None
@@ -53,16 +64,24 @@ def daemon_info() -> DaemonInfo | None:
 
 def _healthy(info: DaemonInfo) -> bool:
     try:
-        return httpx.get(f"{info.url}/health", timeout=2.0).status_code == 200
+        return httpx.get(f"{info.url}/health", timeout=2.0, headers=info.headers).status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def start_daemon(port: int | None = None, timeout: float = START_TIMEOUT) -> tuple[DaemonInfo, bool]:
-    """Start the daemon in the background unless one runs; returns (info, started_now)."""
-    info = daemon_info()
-    if info is not None and _healthy(info):
-        return info, False
+def start_daemon(port: int | None = None, timeout: float = START_TIMEOUT, env: dict | None = None) -> tuple[DaemonInfo, bool]:
+    """Start the daemon in the background unless one runs; returns (info, started_now).
+
+    Several CLI calls at once (``deployment create`` x N with no daemon) take turns on a start lock, so one starts it
+    and the others find it; the daemon's own lock on the home makes a second daemon impossible anyway."""
+    with FileLock(str(config.home() / "start.lock"), timeout=timeout + 10):
+        info = daemon_info()
+        if info is not None and _healthy(info):
+            return info, False
+        return _spawn(port, timeout, env or {})
+
+
+def _spawn(port: int | None, timeout: float, env: dict) -> tuple[DaemonInfo, bool]:
     log_path = config.daemon_log()
     cmd = [sys.executable, "-m", "runtime"] + ([] if port is None else ["--port", str(port)])
     with open(log_path, "ab") as log:
@@ -70,10 +89,16 @@ def start_daemon(port: int | None = None, timeout: float = START_TIMEOUT) -> tup
         log.flush()
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env={**os.environ, **env},
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc.poll() == ALREADY_RUNNING:  # one started outside this lock (`python -m runtime` by hand)
+            info = daemon_info()
+            if info is not None and _healthy(info):
+                return info, False
+            time.sleep(0.2)
+            continue
         if proc.poll() is not None:
             raise DaemonError(
                 f"the daemon exited at start-up (status {proc.returncode}): {_log_tail(log_path)}",
@@ -86,12 +111,13 @@ def start_daemon(port: int | None = None, timeout: float = START_TIMEOUT) -> tup
     raise DaemonError(f"the daemon did not answer within {timeout:.0f}s", f"see `depctl daemon logs` ({log_path})")
 
 
-def stop_daemon(timeout: float = 20.0) -> DaemonInfo | None:
+def stop_daemon(timeout: float | None = None) -> DaemonInfo | None:
+    """SIGTERM: the daemon drains (running requests get its drain timeout), then exits; SIGKILL if it does not."""
     info = daemon_info()
     if info is None:
         return None
     os.kill(info.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (info.drain_timeout + 20 if timeout is None else timeout)
     while time.monotonic() < deadline and _pid_alive(info.pid):
         time.sleep(0.1)
     if _pid_alive(info.pid):
@@ -116,7 +142,7 @@ class Client:
         if info is None:
             raise DaemonNotRunning()
         self.info = info
-        self.http = httpx.Client(base_url=info.url, timeout=httpx.Timeout(timeout, connect=5.0))
+        self.http = httpx.Client(base_url=info.url, timeout=httpx.Timeout(timeout, connect=5.0), headers=info.headers)
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:

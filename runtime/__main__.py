@@ -1,7 +1,12 @@
 """``python -m runtime``: the depctl daemon (``depctl daemon start`` runs this in the background).
 
-It binds the socket itself before writing ``$DEPCTL_HOME/daemon.json`` ({pid, host, port, ...}), so port 0 works
-(tests use it) and the CLI never reads a port nobody is bound to.
+- **One daemon per home.** It holds ``$DEPCTL_HOME/daemon.lock`` (an OS file lock, released even on kill -9) for
+  its whole life; a second one started on the same home reports the first and exits with ``ALREADY_RUNNING``.
+- It binds the socket itself before writing ``$DEPCTL_HOME/daemon.json`` ({pid, host, port, ...}, mode 0600 since it
+  may hold the API key), so port 0 works (tests use it) and the CLI never reads a port nobody is bound to.
+- **Graceful stop** (SIGTERM or SIGINT): it stops accepting connections, answers new requests 503, gives running
+  ones ``drain_timeout`` seconds to finish, then cuts the rest with an error (streams get an error event and
+  ``[DONE]``), and exits. The specs stay in the store: the next start loads every deployment again.
 """
 
 from __future__ import annotations
@@ -14,15 +19,25 @@ import socket
 import sys
 import time
 
+import uvicorn
+from filelock import FileLock, Timeout
+
 from depctl import __version__, config
+from runtime.settings import SETTINGS, Settings
+
+ALREADY_RUNNING = 3  # exit status when another daemon holds this home's lock
+
+log = logging.getLogger("depctl")
 
 
-def _write_daemon_file(host: str, port: int) -> None:
+def _write_daemon_file(host: str, port: int, settings: Settings) -> None:
     path = config.daemon_file()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(
-        json.dumps({"pid": os.getpid(), "host": host, "port": port, "started_at": time.time(), "version": __version__})
-    )
+    info = {"pid": os.getpid(), "host": host, "port": port, "started_at": time.time(), "version": __version__,
+            "drain_timeout": settings.drain_timeout, "api_key": settings.api_key}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(info))
     os.replace(tmp, path)
 
 
@@ -35,41 +50,92 @@ def _remove_daemon_file() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtime", description="the depctl runtime daemon")
-    parser.add_argument("--host", default=config.DEFAULT_HOST, help="address to bind (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=None, help=f"port (default $DEPCTL_PORT or {config.DEFAULT_PORT}; 0 picks a free one)")
+    for name, s in SETTINGS.items():
+        parser.add_argument(s.flag, dest=name, default=None, help=f"{s.help} (${s.env})")
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    port = config.default_port() if args.port is None else args.port
+    try:
+        settings = Settings.resolve({name: getattr(args, name) for name in SETTINGS})
+        port = config.default_port() if args.port is None else args.port
+    except ValueError as exc:
+        print(f"depctl daemon: {exc}", file=sys.stderr)
+        return 2
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    lock = FileLock(str(config.home() / "daemon.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"depctl daemon: another daemon already serves {config.home()} ({_describe_running()}); "
+              "stop it with `depctl daemon stop`", file=sys.stderr)
+        return ALREADY_RUNNING
+    try:
+        return _serve(settings, port)
+    finally:
+        lock.release()
+
+
+def _describe_running() -> str:
+    try:
+        info = json.loads(config.daemon_file().read_text())
+        return f"pid {info['pid']} on http://{info['host']}:{info['port']}"
+    except (OSError, ValueError, KeyError):
+        return "still starting"
+
+
+def _serve(settings: Settings, port: int) -> int:
+    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, port))
+        sock.bind((settings.host, port))
     except OSError as exc:
-        print(f"depctl daemon: cannot bind {args.host}:{port}: {exc.strerror}; set DEPCTL_PORT or --port to another port",
-              file=sys.stderr)
+        print(f"depctl daemon: cannot bind {settings.host}:{port}: {exc.strerror}; set DEPCTL_PORT or --port to "
+              "another port", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
+    if not settings.loopback and not settings.api_key:
+        log.warning("!" * 100)
+        log.warning("LISTENING ON %s WITHOUT AN API KEY: anyone who can reach this address can use every deployment. "
+                    "Set DEPCTL_API_KEY (or --api-key), or bind 127.0.0.1.", host)
+        log.warning("!" * 100)
 
-    import uvicorn
+    from sse_starlette.sse import AppStatus
 
     from runtime.app import create_app
 
-    app = create_app()
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
-    _write_daemon_file(host, port)
-    logging.getLogger("depctl").info("depctl daemon %s listening on http://%s:%d (pid %d, home %s)",
-                                     __version__, host, port, os.getpid(), config.home())
+    AppStatus.disable_automatic_graceful_drain()  # streams end through our drain (an error event, [DONE]), not cut
+    app = create_app(settings=settings)
+    server = _DrainingServer(uvicorn.Config(app, log_level=logging.getLevelName(log.getEffectiveLevel()).lower(),
+                                            timeout_graceful_shutdown=settings.drain_timeout + 5))
+    _write_daemon_file(host, port, settings)
+    log.info("depctl daemon %s listening on http://%s:%d (pid %d, home %s%s)", __version__, host, port, os.getpid(),
+             config.home(), ", API key required" if settings.api_key else "")
     try:
         server.run(sockets=[sock])
     finally:
         _remove_daemon_file()
     return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on shutdown closes the listening socket and waits for open requests; first it tells the
+    service to refuse new requests and to cut, after the drain timeout, those still running."""
+
+    async def shutdown(self, sockets=None) -> None:
+        service = self.config.app.state.service
+        drain = self.config.app.state.settings.drain_timeout
+        log.info("stopping: running requests get %gs to finish", drain)
+        service.begin_drain(drain)
+        await super().shutdown(sockets)
 
 
 if __name__ == "__main__":

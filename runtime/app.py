@@ -9,14 +9,18 @@ from fastapi import FastAPI
 from depctl import __version__
 from depctl.store import SpecStore
 from runtime.api.errors import install_handlers
+from runtime.api.guard import Guard
 from runtime.api.metrics import Metrics
 from runtime.api.routes import router
 from runtime.api.serving import Service
 from runtime.manager import DeploymentManager
+from runtime.settings import Settings
 
 
-def create_app(store: SpecStore | None = None, manager: DeploymentManager | None = None) -> FastAPI:
-    manager = manager or DeploymentManager(store or SpecStore())
+def create_app(store: SpecStore | None = None, manager: DeploymentManager | None = None,
+               settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    manager = manager or DeploymentManager(store or SpecStore(), load_timeout=settings.load_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -27,9 +31,11 @@ def create_app(store: SpecStore | None = None, manager: DeploymentManager | None
             manager.stop()
 
     app = FastAPI(title="depctl runtime", version=__version__, lifespan=lifespan)
+    app.state.settings = settings
     app.state.manager = manager
     app.state.metrics = Metrics(manager)
-    app.state.service = Service(manager, app.state.metrics)
+    app.state.service = Service(manager, app.state.metrics, settings)
     install_handlers(app)
     app.include_router(router)
+    app.add_middleware(Guard, settings=settings)
     return app

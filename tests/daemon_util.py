@@ -15,13 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class DaemonProcess:
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, env: dict | None = None):
         self.home = home
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        key = self.env.get("DEPCTL_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def start(self, timeout: float = 60.0) -> "DaemonProcess":
-        env = {**os.environ, "DEPCTL_HOME": str(self.home), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "DEPCTL_HOME": str(self.home), "HF_HUB_OFFLINE": "1", **self.env}
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "daemon.json").unlink(missing_ok=True)
         self.log = open(self.home / "test-daemon.log", "ab")
@@ -58,11 +61,11 @@ class DaemonProcess:
                 self.proc.kill()
         self.log.close()
 
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30)
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.url + path, **{"timeout": 30, "headers": self.headers, **kwargs})
 
-    def post(self, path: str, body: dict | None = None) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=120)
+    def post(self, path: str, body: dict | None = None, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, **{"timeout": 120, "headers": self.headers, **kwargs})
 
     def wait_state(self, dep_id: str, states: tuple[str, ...] = ("READY", "FAILED"), timeout: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout

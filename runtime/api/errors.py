@@ -1,16 +1,25 @@
 """Errors in OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}`` with the matching status.
 
 Raised as ``APIError`` anywhere below the routes and mapped to a response in exactly one place
-(``install_handlers``), so the SDK raises its matching exception (NotFoundError, BadRequestError, ...).
+(``install_handlers``), so the SDK raises its matching exception (NotFoundError, BadRequestError, ...). Everything
+else that can go wrong on the way is mapped here too: an unknown route or method, a body that is not JSON or does not
+validate, a body over the size limit, and any bug (a 500 that names the exception, never plain text).
 """
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
+log = logging.getLogger("depctl.api")
+
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+         413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 class APIError(Exception):
@@ -31,24 +40,58 @@ class APIError(Exception):
             }
         }
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
-    )
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): not a parameter
+        where = first.get("loc", ("body", None))[-1]
+        detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return APIError(400, f"the request body is not valid JSON: {detail} at character {where}", code="invalid_json")
+    param = _param(first.get("loc", ())) or None
+    message = "; ".join(f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _param(loc) -> str:
+    """("body", "messages", 0, "content", "str") -> "messages.0.content": the field path without pydantic's union
+    member tags (``str``, ``list[int]``, ``function-after[...]``)."""
+    tags = {"str", "int", "float", "bool", "list", "dict", "none"}
+    return ".".join(str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in tags)))
+
+
+def _http_error(request: Request, exc: HTTPException) -> APIError:
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}: the API serves /v1/models, /v1/completions, " \
+                  "/v1/chat/completions, /health, /metrics and /depctl/v1/deployments"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return APIError(exc.status_code, message, code=HTTP_CODES.get(exc.status_code))
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return _validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        response = _http_error(request, exc).response()
+        if exc.headers:
+            response.headers.update(exc.headers)
+        return response
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return APIError(500, f"internal error ({type(exc).__name__}: {exc}); this is a bug in depctl: the daemon log "
+                             "(`depctl daemon logs`) has the traceback", code="internal_error").response()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import aclosing
@@ -62,28 +63,48 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
-    job = service.completion_job(body)
-    return await _respond(service, job, body.stream, body.include_usage)
+    job = await run_in_threadpool(service.completion_job, body)  # tokenizing stays off the event loop
+    return await _respond(service, job, body.stream, body.include_usage, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = _service(request)
-    job = service.chat_job(body)
-    return await _respond(service, job, body.stream, body.include_usage)
+    job = await run_in_threadpool(service.chat_job, body)
+    return await _respond(service, job, body.stream, body.include_usage, request)
 
 
-async def _respond(service: Service, job: Job, stream: bool, include_usage: bool):
+async def _respond(service: Service, job: Job, stream: bool, include_usage: bool, request: Request):
     if stream:
         return EventSourceResponse(_stream(service, job, include_usage), ping=15)
-    # a client that disconnects cancels this handler, and with it the request's generation (Service.run's finally)
-    text, finish = await service.collect(job)
+    text, finish = await _unless_disconnected(service.collect(job), request)
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}
     if job.kind == "chat.completion":
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {**_head(job, job.kind), "choices": [choice], "usage": job.usage}
+
+
+async def _unless_disconnected(work, request: Request):
+    """Await ``work`` unless the client hangs up first; then cancel it (Service.run's finally frees the batch row).
+    uvicorn does not cancel a handler whose client went away, so a non-streaming request watches for it itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client closed the connection", code="client_closed")  # (nobody reads this)
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _head(job: Job, obj: str) -> dict:

@@ -4,6 +4,13 @@
 (``runtime.worker``), which batches it with whatever else is running, and yields one ``Delta`` per step that gave
 it tokens (a run of accepted tokens). Detokenizing and stop strings happen here, off the engine thread. Leaving
 the generator early (the client went away) cancels the request, which frees its batch row at the next step.
+
+Building a job (chat template, tokenizing) runs on a worker thread, never on the event loop: a multi-megabyte prompt
+must not stall every other client. The tokenizer is called through ``encode_batch``, which releases the GIL (a plain
+``encode`` of 6 MB held it for 2.7 s here).
+
+Stopping the daemon: ``begin_drain`` refuses new requests (503) and, after the drain timeout, cuts the requests
+still running: each ends with a 503 error (in-stream: an error event, then ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -20,9 +27,20 @@ from runtime.api.metrics import Metrics
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.engine import GenerationParams
 from runtime.manager import Deployment, DeploymentManager, State
+from runtime.settings import Settings
 from depctl.spec import describe_speculation
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
+_CUT = object()  # put in a running request's queue when the daemon's drain time is up
+
+
+def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids for ``text``, as ``tokenizer(text)["input_ids"]`` gives them, without holding the GIL (fast
+    tokenizers' ``encode_batch`` releases it; a single ``encode`` does not)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 @dataclass
@@ -45,12 +63,28 @@ class Delta:
 
 
 class Service:
-    def __init__(self, manager: DeploymentManager, metrics: Metrics):
+    def __init__(self, manager: DeploymentManager, metrics: Metrics, settings: Settings | None = None):
         self.manager = manager
         self.metrics = metrics
+        self.settings = settings or Settings()
+        self.stopping = False
+        self._running: set[asyncio.Queue] = set()  # the output queues of the requests in flight
+
+    # ---- stopping ----
+    def begin_drain(self, timeout: float) -> None:
+        """New requests get 503 from now on; requests still running after ``timeout`` seconds are cut."""
+        self.stopping = True
+        asyncio.get_running_loop().call_later(timeout, self._cut_all)
+
+    def _cut_all(self) -> None:
+        for queue in list(self._running):
+            queue.put_nowait(_CUT)
 
     # ---- looking up the deployment ----
     def deployment(self, model: str) -> Deployment:
+        if self.stopping:
+            raise APIError(503, "the daemon is stopping; retry once it is back (`depctl daemon start`)",
+                           code="daemon_stopping")
         dep_id = model.split("#", 1)[1] if "#" in model else model  # firectl's MODEL#DEPLOYMENT_ID form
         dep = self.manager.get(dep_id)
         if dep is None:
@@ -75,7 +109,7 @@ class Service:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            prompt_ids = encode(tokenizer, prompt, add_special_tokens=True)
         else:
             prompt_ids = list(prompt)
             vocab = len(tokenizer)
@@ -97,25 +131,31 @@ class Service:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja templates raise on roles they do not support
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids = encode(tokenizer, text, add_special_tokens=False)
         prediction = ()
         if req.prediction is not None:
-            prediction = tuple(tokenizer(req.prediction.text(), add_special_tokens=False)["input_ids"])
+            prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
         return self._job("chat.completion", dep, req, prompt_ids, req.token_budget, prediction)
 
     def _job(self, kind, dep, req, prompt_ids, max_tokens, prediction) -> Job:
+        prompt_param = "prompt" if kind == "text_completion" else "messages"
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param="prompt" if kind == "text_completion" else "messages")
+            raise APIError(400, "the prompt is empty", param=prompt_param)
+        limit = self.settings.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this daemon accepts at most {limit} "
+                                "(DEPCTL_MAX_PROMPT_TOKENS, or `depctl daemon start --max-prompt-tokens`)",
+                           param=prompt_param, code="prompt_too_long")
         max_context = dep.loaded.max_context
         room = max_context - len(prompt_ids)
-        if max_tokens is None:
-            max_tokens = room
+        if max_tokens is None:  # a chat request without max_tokens: the daemon's default, within the context
+            max_tokens = min(self.settings.default_max_tokens, room)
         if room < 1 or max_tokens > room:
             raise APIError(
                 400,
                 f"this model's context holds {max_context} tokens; the prompt has {len(prompt_ids)} and max_tokens "
                 f"asks for {max_tokens}: shorten the prompt or lower max_tokens",
-                param="max_tokens" if room >= 1 else "messages", code="context_length_exceeded",
+                param="max_tokens" if room >= 1 else prompt_param, code="context_length_exceeded",
             )
         try:
             sampling = req.sampling_params()
@@ -140,10 +180,15 @@ class Service:
         outputs: asyncio.Queue = asyncio.Queue()
         handle = worker.submit(job.prompt_ids, job.params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
         finished = False
+        self._running.add(outputs)
         try:
             detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(job.stops)
             while True:
                 out = await outputs.get()
+                if out is _CUT:
+                    raise APIError(503, f"the daemon is stopping and this request was still running when its drain time "
+                                        f"ran out, after {completion} tokens (DEPCTL_DRAIN_TIMEOUT); retry once it is back",
+                                   code="daemon_stopping")
                 if isinstance(out, BaseException):
                     finished = True
                     if isinstance(out, ValueError):
@@ -176,6 +221,7 @@ class Service:
             status = "ok"
             job.usage = self._usage(job, completion, drafted, accepted, pred_accepted)
         finally:
+            self._running.discard(outputs)
             if not finished:  # a stop string, a client that went away, an error: free the batch row
                 handle.cancel()
             self.metrics.observe_request(

@@ -1,0 +1,167 @@
+"""The daemon's front door against careless and hostile clients: an API key, the Host header, body and prompt limits,
+errors always in OpenAI's envelope, fields it cannot honour refused by name, and a big prompt that does not freeze
+anyone else."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from depctl.spec import DeploymentSpec, NgramSpeculation
+from depctl.store import SpecStore
+from tests.daemon_util import DaemonProcess
+
+KEY = "sk-test-0123456789"
+LIMITS = {"DEPCTL_API_KEY": KEY, "DEPCTL_MAX_BODY_BYTES": "3000000", "DEPCTL_DEFAULT_MAX_TOKENS": "7"}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_model_dir):
+    home = tmp_path_factory.mktemp("guard-home")
+    SpecStore(home / "deployments").create(DeploymentSpec(
+        id="tiny", model=str(tiny_model_dir), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
+    d = DaemonProcess(home, env=LIMITS).start()
+    d.wait_state("tiny")
+    yield d
+    d.stop()
+
+
+def _envelope(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_api_key_on_every_route_but_health(daemon):
+    assert httpx.get(daemon.url + "/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
+                         ("GET", "/depctl/v1/deployments"), ("POST", "/depctl/v1/reconcile"), ("GET", "/nope")]:
+        r = httpx.request(method, daemon.url + path, json={})
+        assert r.status_code == 401, (path, r.text)
+        assert _envelope(r)["code"] == "missing_api_key"
+        r = httpx.request(method, daemon.url + path, json={}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and _envelope(r)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=daemon.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_foreign_host_headers_are_refused(daemon):
+    # a page on evil.example that rebinds its name to 127.0.0.1 reaches the port with its own Host header
+    for host in ("evil.example", "evil.example:8642", "127.0.0.1.evil.example"):
+        r = daemon.get("/v1/models", headers={**daemon.headers, "Host": host})
+        assert r.status_code == 400 and _envelope(r)["code"] == "invalid_host", host
+    port = daemon.url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert daemon.get("/v1/models", headers={**daemon.headers, "Host": host}).status_code == 200
+
+
+def test_body_limit_refuses_before_reading(daemon):
+    big = {"model": "tiny", "prompt": "x" * 3_100_000}
+    r = daemon.post("/v1/completions", big)
+    assert r.status_code == 413
+    err = _envelope(r)
+    assert err["code"] == "request_too_large" and "DEPCTL_MAX_BODY_BYTES" in err["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(40):
+            yield b"y" * 100_000
+        yield b'"}'
+
+    r = httpx.post(daemon.url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={**daemon.headers, "Content-Type": "application/json"})
+    assert r.status_code == 413 and _envelope(r)["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("body, status, param, needle", [
+    ({"model": "tiny", "prompt": "a", "seed": 2**64}, 400, "seed", "less than or equal"),
+    ({"model": "tiny", "prompt": "a", "seed": -(2**63) - 1}, 400, "seed", "greater than or equal"),
+    ({"model": "tiny", "prompt": "a\udfffb"}, 400, "prompt", "surrogate"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content", "surrogate"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     400, "response_format", "JSON"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs", "logprobs"),
+    ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
+    ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "presence_penalty"),
+    ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 1}, 400, "prompt", "context"),
+])
+def test_bad_requests_get_400_in_the_envelope_naming_the_field(daemon, body, status, param, needle):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(daemon.url + path, content=json.dumps(body), timeout=30,
+                   headers={**daemon.headers, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = _envelope(r)
+    assert err["param"] == param and needle in err["message"], err
+
+
+def test_response_format_text_and_empty_tools_are_fine(daemon):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "presence_penalty": 0}
+    assert daemon.post("/v1/chat/completions", body).status_code == 200
+
+
+def test_unknown_routes_methods_and_bodies_use_the_envelope(daemon):
+    r = daemon.get("/v1/nothing")
+    assert r.status_code == 404 and _envelope(r)["code"] == "not_found"
+    r = daemon.get("/v1/completions")
+    assert r.status_code == 405 and _envelope(r)["code"] == "method_not_allowed"
+    r = httpx.post(daemon.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "a", "max_tokens": }',
+                   headers={**daemon.headers, "Content-Type": "application/json"})
+    err = _envelope(r)
+    assert r.status_code == 400 and err["code"] == "invalid_json" and err["param"] is None and "character" in err["message"]
+    r = httpx.post(daemon.url + "/v1/completions", content=b"\xff\xfe", headers=daemon.headers)
+    assert r.status_code == 400 and _envelope(r)
+
+
+def test_chat_without_max_tokens_uses_the_default(daemon):
+    r = daemon.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "go"}],
+                                             "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7  # DEPCTL_DEFAULT_MAX_TOKENS
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_generation(daemon):
+    stats = lambda: daemon.get("/depctl/v1/deployments/tiny").json()["stats"]["generated_tokens"]  # noqa: E731
+    before = stats()
+    with pytest.raises(httpx.ReadTimeout):
+        daemon.post("/v1/completions", {"model": "tiny", "prompt": "go", "max_tokens": 450, "ignore_eos": True,
+                                        "speculate": False}, timeout=0.3)
+    time.sleep(2.0)
+    generated = stats() - before
+    assert generated < 450, generated  # without the cancel it ran to its 450 tokens
+    assert daemon.get("/depctl/v1/deployments/tiny").json()["num_requests_running"] == 0
+
+
+def test_a_big_prompt_does_not_freeze_health(daemon):
+    # tokenizing runs off the event loop (and without the GIL): /health answers while a big prompt is read
+    body = {"model": "tiny", "prompt": "hello world " * 200_000, "max_tokens": 1}  # 2.4 MB: ~1 s to tokenize
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=daemon.post("/v1/completions", body)))
+    worker.start()
+    worst = 0.0
+    while worker.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(daemon.url + "/health", timeout=10).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.01)
+    worker.join()
+    assert result["r"].status_code == 400 and _envelope(result["r"])["code"] == "context_length_exceeded"
+    assert worst < 0.5, worst
+
+
+def test_a_slow_body_does_not_block_others(daemon):
+    host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        r = daemon.post("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200
