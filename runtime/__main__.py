@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -116,6 +117,9 @@ def _serve(settings: Settings, port: int) -> int:
     app = create_app(settings=settings)
     server = _DrainingServer(uvicorn.Config(app, log_level=logging.getLevelName(log.getEffectiveLevel()).lower(),
                                             timeout_graceful_shutdown=settings.drain_timeout + 5))
+    # uvicorn handles SIGTERM (the drain), then re-raises it for the handler that was there before: make that one a
+    # normal exit, so that the daemon file is removed and the exit status says the stop went as planned
+    signal.signal(signal.SIGTERM, _stopped)
     _write_daemon_file(host, port, settings)
     log.info("depctl daemon %s listening on http://%s:%d (pid %d, home %s%s)", __version__, host, port, os.getpid(),
              config.home(), ", API key required" if settings.api_key else "")
@@ -124,6 +128,10 @@ def _serve(settings: Settings, port: int) -> int:
     finally:
         _remove_daemon_file()
     return 0
+
+
+def _stopped(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 class _DrainingServer(uvicorn.Server):

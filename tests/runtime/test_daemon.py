@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -136,3 +137,107 @@ def test_daemon_binds_localhost_and_cli_autostarts(depctl_home, tiny_model_dir, 
         assert cli("daemon", "stop").exit_code == 0
     assert not (depctl_home / "daemon.json").exists()
     assert cli("daemon", "status").exit_code != 0
+
+
+def _daemon_pids(home) -> list[int]:
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            env = proc.info["environ"] or {}
+        except (psutil.Error, OSError):
+            continue
+        if cmd[-3:-2] == ["runtime"] or "runtime" in cmd[1:3]:
+            if env.get("DEPCTL_HOME") == str(home):
+                pids.append(proc.pid)
+    return pids
+
+
+def test_one_daemon_per_home_however_many_start_at_once(depctl_home, monkeypatch):
+    # the bug: `daemon start & daemon start` left a daemon serving that `status` did not see and `stop` could not stop
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("DEPCTL_PORT", "0")
+    starts = [subprocess.Popen([sys.executable, "-c", "from depctl.cli import main; main()", "daemon", "start"], stderr=subprocess.PIPE,
+                               text=True, env={**os.environ}) for _ in range(4)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in starts]
+        assert all(p.returncode == 0 for p in starts), errs
+        assert sum("Started" in e for e in errs) == 1 and sum("Already running" in e for e in errs) == 3, errs
+        assert len(_daemon_pids(depctl_home)) == 1
+        # a daemon started by hand on the same home refuses, naming the running one
+        info = json.loads((depctl_home / "daemon.json").read_text())
+        hand = subprocess.run([sys.executable, "-m", "runtime", "--port", "0"], capture_output=True, text=True,
+                              timeout=60, env={**os.environ})
+        assert hand.returncode == 3 and f"pid {info['pid']}" in hand.stderr
+        assert cli_json("daemon", "status")["pid"] == info["pid"]
+    finally:
+        assert cli("daemon", "stop").exit_code == 0
+    assert _daemon_pids(depctl_home) == []
+    assert cli("daemon", "status").exit_code != 0
+
+
+def test_cli_uses_the_daemons_api_key(depctl_home, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("DEPCTL_PORT", "0")
+    result = cli("daemon", "start", "--api-key", "sk-local-key")
+    try:
+        assert result.exit_code == 0, result.stderr
+        info = json.loads((depctl_home / "daemon.json").read_text())
+        assert (depctl_home / "daemon.json").stat().st_mode & 0o077 == 0  # it holds the key: owner only
+        url = f"http://{info['host']}:{info['port']}"
+        import httpx
+
+        assert httpx.get(url + "/v1/models").status_code == 401
+        rec = cli_json("deployment", "create", str(tiny_model_dir), "--deployment-id", "keyed")
+        assert rec["status"]["state"] == "READY"
+        assert cli("generate", "keyed", "hi", "--max-tokens", "3").exit_code == 0
+        monkeypatch.setenv("DEPCTL_API_KEY", "sk-wrong")  # the environment wins over daemon.json
+        result = cli("deployment", "list")
+        assert result.exit_code != 0 and "401" in result.stderr
+    finally:
+        monkeypatch.delenv("DEPCTL_API_KEY")
+        assert cli("daemon", "stop").exit_code == 0
+
+
+def test_stop_drains_then_cuts_streams_with_an_error_and_done(depctl_home, tiny_model_dir):
+    # graceful stop: a stream still running after the drain time is cut with an error event and [DONE] (it used to
+    # end mid-stream with neither), the daemon exits 0, and the next start restores the deployment
+    import threading
+
+    import httpx
+
+    from depctl.spec import DeploymentSpec
+    from depctl.store import SpecStore
+
+    SpecStore().create(DeploymentSpec(id="d", model=str(tiny_model_dir)))
+    daemon = DaemonProcess(depctl_home, env={"DEPCTL_DRAIN_TIMEOUT": "0.3"}).start()
+    daemon.wait_state("d")
+    lines, short = [], {}
+
+    def long_stream():
+        body = {"model": "d", "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True, "speculate": False}
+        with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    lines.append(line[5:].strip())
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    while not lines:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    daemon.proc.terminate()
+    assert daemon.proc.wait(30) == 0
+    reader.join(30)
+    assert time.monotonic() - t0 < 0.3 + 8
+    assert lines[-1] == "[DONE]"
+    error = json.loads(lines[-2])["error"]
+    assert error["code"] == "daemon_stopping" and "DEPCTL_DRAIN_TIMEOUT" in error["message"]
+    assert 3 < len(lines) < 500  # it streamed for the drain time, then was cut
+    daemon.log.close()
+    daemon.start()
+    assert daemon.wait_state("d")["state"] == "READY"
+    daemon.stop()

@@ -1,0 +1,365 @@
+"""Chaos and soak: a daemon under mixed traffic while its specs churn and it is killed, bounded in time, 127.0.0.1 only.
+
+    .venv/bin/python benchmarks/chaos.py                      # 3 minutes, tiny random models (no download)
+    .venv/bin/python benchmarks/chaos.py --duration 600 --model smollm2-135m-instruct
+
+For ``--duration`` seconds, in a temporary DEPCTL_HOME:
+
+- ``--clients`` threads send requests in a closed loop: streamed and not, completions and chat, with and without
+  speculation; some hang up early (mid-stream, or a non-streaming request with a short timeout); some are bad on
+  purpose (invalid JSON, an unpaired surrogate, a seed past 2^64, tools, an unknown model or route, a body over the
+  limit, a wrong API key);
+- a churn thread creates, updates and deletes deployments through the CLI (``python -m depctl``) and corrupts spec
+  files (binary junk, wrong schema), then repairs or deletes them;
+- the daemon is killed with SIGKILL twice and stopped gracefully once (``depctl daemon stop``), each time restarted
+  by the CLI; after each restart every deployment with a valid spec must come back READY.
+
+At the end it stops the daemon and prints one table: requests sent, completed, failed by status, streams cut, specs
+lost (a spec the churn thread wrote and did not delete that is missing or different: must be 0), deployments back
+READY after each restart (must be all), daemon RSS after its first start and at the end, and processes left behind
+(must be 0). ``--json FILE`` writes the same numbers for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KEY = "sk-chaos"
+BODY_LIMIT = 256 * 1024
+
+
+class Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts = collections.Counter()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[key] += n
+
+
+def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DEPCTL_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "depctl", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def daemon_info(home: Path) -> dict | None:
+    try:
+        return json.loads((home / "daemon.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---- traffic ------------------------------------------------------------------------------------------------------
+
+BAD = [
+    ("invalid json", "/v1/completions", b'{"model": "steady", "prompt": ', None),
+    ("surrogate", "/v1/completions", b'{"model": "steady", "prompt": "a\\udfff"}', None),
+    ("huge seed", "/v1/completions", json.dumps({"model": "steady", "prompt": "a", "seed": 2**64}).encode(), None),
+    ("tools", "/v1/chat/completions", json.dumps({"model": "steady", "messages": [{"role": "user", "content": "a"}],
+                                                 "tools": [{"type": "function"}]}).encode(), None),
+    ("unknown model", "/v1/completions", json.dumps({"model": "ghost", "prompt": "a"}).encode(), None),
+    ("unknown route", "/v1/nothing", b"{}", None),
+    ("too large", "/v1/completions", json.dumps({"model": "steady", "prompt": "x" * (BODY_LIMIT + 10)}).encode(), None),
+    ("wrong key", "/v1/models", b"", "sk-wrong"),
+]
+
+
+def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Random, max_tokens: int) -> None:
+    import httpx
+
+    prompts = ["Repeat: the quick brown fox jumps over the lazy dog. The quick brown fox",
+               "Write a list of fruits: apple, banana, cherry, apple, banana,", "Hello! How are you today?",
+               "def add(a, b):\n    return a + b\n\ndef add(a, b):"]
+    while not stop.is_set():
+        info = daemon_info(home)
+        if info is None:
+            time.sleep(0.1)
+            continue
+        url = f"http://127.0.0.1:{info['port']}"
+        headers = {"Authorization": f"Bearer {KEY}"}
+        kind = rng.random()
+        tally.add("sent")
+        try:
+            if kind < 0.12:
+                name, path, body, key = rng.choice(BAD)
+                h = {"Authorization": f"Bearer {key or KEY}", "Content-Type": "application/json"}
+                r = httpx.post(url + path, content=body, headers=h, timeout=30) if body else \
+                    httpx.get(url + path, headers=h, timeout=30)
+                envelope = r.headers.get("content-type", "").startswith("application/json") and "error" in r.json()
+                tally.add(f"bad request -> {r.status_code}{'' if envelope else ' (NOT in the envelope)'}")
+                continue
+            prompt = rng.choice(prompts)
+            chat = rng.random() < 0.5
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            body = {"model": "steady", "max_tokens": rng.randint(4, max_tokens), "temperature": rng.choice([0, 0.8]),
+                    "speculate": rng.random() < 0.7}
+            body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+            if rng.random() < 0.5:
+                hang_up_after = rng.randint(1, 4) if rng.random() < 0.15 else None
+                stream_request(url, path, body, headers, hang_up_after, tally)
+            elif rng.random() < 0.1:
+                try:
+                    httpx.post(url + path, json=body, headers=headers, timeout=0.05)
+                    tally.add("completed")
+                except httpx.TimeoutException:
+                    tally.add("client hung up (non-streaming)")
+            else:
+                r = httpx.post(url + path, json=body, headers=headers, timeout=120)
+                tally.add("completed" if r.status_code == 200 else f"failed {r.status_code}: {_code(r)}")
+        except httpx.TransportError:
+            tally.add("connection failed (daemon down)")
+            time.sleep(0.05)
+
+
+def stream_request(url, path, body, headers, hang_up_after, tally) -> None:
+    import httpx
+
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=headers, timeout=120) as r:
+        if r.status_code != 200:
+            r.read()
+            tally.add(f"failed {r.status_code}: {_code(r)}")
+            return
+        events, done, error = 0, False, None
+        try:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    error = obj["error"].get("code")
+                events += 1
+                if hang_up_after is not None and events >= hang_up_after:
+                    tally.add("client hung up (stream)")
+                    return
+        except httpx.TransportError:
+            pass
+    if done and error is None:
+        tally.add("completed")
+    elif done:
+        tally.add(f"stream ended with an error event + [DONE]: {error}")
+    else:
+        tally.add("stream cut without [DONE]")
+
+
+def _code(r) -> str:
+    try:
+        return r.json()["error"]["code"] or "-"
+    except (ValueError, KeyError, TypeError):
+        return "NOT in the envelope"
+
+
+# ---- spec churn ---------------------------------------------------------------------------------------------------
+
+def churn_loop(home: Path, model: str, stop: threading.Event, tally: Tally, rng: random.Random, mine: dict,
+               corrupted: set, pause: threading.Event) -> None:
+    specs = home / "deployments"
+    n = 0
+    while not stop.wait(rng.uniform(0.5, 1.5)):
+        if pause.is_set():
+            continue
+        op = rng.random()
+        live = sorted(mine)
+        if op < 0.35 or not live:
+            n += 1
+            dep = f"churn-{n}"
+            r = cli(home, "deployment", "create", model, "--deployment-id", dep, "--ngram-speculation-length", "2",
+                    "--draft-token-count", str(rng.randint(1, 6)), "--max-batch-size", "2", "--no-wait")
+            if "Created deployment" in r.stderr:  # written to the store (whatever the daemon did next)
+                mine[dep] = True
+            tally.add("spec created" if r.returncode == 0 else "spec created (daemon unavailable)")
+        elif op < 0.6:
+            dep = rng.choice(live)
+            r = cli(home, "deployment", "update", dep, "--draft-token-count", str(rng.randint(1, 6)), "--no-wait")
+            tally.add("spec updated" if r.returncode == 0 else "spec updated (daemon unavailable)")
+        elif op < 0.8:
+            dep = rng.choice(live)
+            r = cli(home, "deployment", "delete", dep, "--no-wait")
+            if r.returncode == 0 or "not found" not in r.stderr:
+                mine.pop(dep, None)
+            tally.add("spec deleted")
+        else:
+            bad = f"junk-{n}"
+            n += 1
+            content = rng.choice([b"\x00\xff\xfe garbage", b"id: wrong\nmodel: x\n", b"speculation: [unclosed\n"])
+            (specs / f"{bad}.yaml").write_bytes(content)
+            corrupted.add(bad)
+            tally.add("spec corrupted")
+        for path in [specs / f"{c}.yaml" for c in list(corrupted) if rng.random() < 0.3]:
+            path.unlink(missing_ok=True)  # repaired by removal
+            corrupted.discard(path.stem)
+
+
+# ---- restarts -----------------------------------------------------------------------------------------------------
+
+def restart(home: Path, how: str, tally: Tally) -> tuple[int, int, float]:
+    """Kill (-9) or stop the daemon, start it again with the CLI; (valid specs, READY, seconds until all READY)."""
+    info = daemon_info(home)
+    if how == "kill -9":
+        os.kill(info["pid"], signal.SIGKILL)
+        _wait_dead(info["pid"])
+    else:
+        r = cli(home, "daemon", "stop")
+        assert r.returncode == 0, r.stderr
+    tally.add(f"daemon {how}")
+    t0 = time.monotonic()
+    r = cli(home, "daemon", "start", "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT), "--drain-timeout", "3")
+    assert r.returncode == 0, r.stderr
+    return wait_ready(home, t0)
+
+
+def wait_ready(home: Path, t0: float, timeout: float = 120) -> tuple[int, int, float]:
+    from depctl.store import SpecStore
+
+    while True:
+        valid = {s.id for s in SpecStore(home / "deployments").list()[0]}
+        r = cli(home, "deployment", "list", "-o", "json")
+        rows = json.loads(r.stdout) if r.returncode == 0 else []
+        ready = {row["id"] for row in rows if row["status"]["state"] == "READY"}
+        if valid <= ready or time.monotonic() - t0 > timeout:
+            return len(valid), len(valid & ready), time.monotonic() - t0
+        time.sleep(0.5)
+
+
+def _wait_dead(pid: int) -> None:
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(30)
+    except psutil.NoSuchProcess:
+        pass
+
+
+def rss_mb(home: Path) -> float:
+    import psutil
+
+    info = daemon_info(home)
+    return psutil.Process(info["pid"]).memory_info().rss / 2**20
+
+
+def leftover_processes(home: Path) -> list[int]:
+    import psutil
+
+    left = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
+        except (psutil.Error, OSError):
+            continue
+        if "runtime" in cmd and env.get("DEPCTL_HOME") == str(home):
+            left.append(proc.pid)
+    return left
+
+
+# ---- main -----------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of traffic (default 180)")
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--model", default=None, help="default: a tiny random model built here (no download)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+
+    home = Path(tempfile.mkdtemp(prefix="depctl-chaos-"))
+    os.environ["DEPCTL_PORT"] = "0"
+    model = args.model
+    if model is None:
+        from tests.tiny import save_tiny
+
+        model = str(save_tiny(home / "tiny-model", seed=0, max_positions=1024))
+    tally, stop, pause = Tally(), threading.Event(), threading.Event()
+    mine, corrupted = {}, set()
+
+    r = cli(home, "daemon", "start", "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT), "--drain-timeout", "3")
+    assert r.returncode == 0, r.stderr
+    r = cli(home, "deployment", "create", model, "--deployment-id", "steady", "--ngram-speculation-length", "2",
+            "--draft-token-count", "4")
+    assert r.returncode == 0, r.stderr
+    mine["steady"] = True
+    rss_start = rss_mb(home)
+    threads = [threading.Thread(target=client_loop, args=(home, stop, tally, random.Random(rng.random()), args.max_tokens))
+               for _ in range(args.clients)]
+    threads.append(threading.Thread(target=churn_loop, args=(home, model, stop, tally, random.Random(rng.random()),
+                                                             mine, corrupted, pause)))
+    for t in threads:
+        t.start()
+    restarts = []
+    t_start = time.monotonic()
+    try:
+        for when, how in ((0.3, "kill -9"), (0.55, "stop (graceful)"), (0.8, "kill -9")):
+            time.sleep(max(0.0, t_start + when * args.duration - time.monotonic()))
+            pause.set()  # the churn thread waits while the daemon restarts, so "all READY" has a fixed target
+            time.sleep(1.0)
+            restarts.append((how, *restart(home, how, tally)))
+            pause.clear()
+        time.sleep(max(0.0, t_start + args.duration - time.monotonic()))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(180)
+    rss_end = rss_mb(home)
+
+    from depctl.store import SpecStore
+
+    specs, _ = SpecStore(home / "deployments").list()
+    present = {s.id for s in specs}
+    lost = sorted(dep for dep, written in mine.items() if written and dep not in present)
+    r = cli(home, "daemon", "stop")
+    time.sleep(0.5)
+    left = leftover_processes(home)
+
+    counts = tally.counts
+    failed = {k: v for k, v in counts.items() if k.startswith(("failed", "bad request", "connection failed"))}
+    rows = [
+        ("duration", f"{args.duration:.0f} s, {args.clients} clients, model {Path(model).name}"),
+        ("requests sent", counts["sent"]),
+        ("completed", counts["completed"]),
+        *[(f"  {k}", v) for k, v in sorted(failed.items())],
+        ("streams cut without [DONE]", counts["stream cut without [DONE]"]),
+        *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("stream ended with")],
+        *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("client hung up")],
+        ("specs created / updated / deleted / corrupted",
+         f"{counts['spec created'] + counts['spec created (daemon unavailable)']} / "
+         f"{counts['spec updated'] + counts['spec updated (daemon unavailable)']} / {counts['spec deleted']} / "
+         f"{counts['spec corrupted']}"),
+        ("specs lost (must be 0)", len(lost)),
+        *[(f"READY after {how} (must be all)", f"{ready}/{valid} in {secs:.1f} s") for how, valid, ready, secs in restarts],
+        ("daemon RSS after first start / at end", f"{rss_start:.0f} MB / {rss_end:.0f} MB"),
+        ("processes left behind (must be 0)", len(left)),
+    ]
+    print("\n| chaos run | |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "counts": dict(counts), "lost": lost, "restarts": restarts, "left": left,
+            "rss_start_mb": rss_start, "rss_end_mb": rss_end}, indent=1))
+    ok = not lost and not left and all(ready == valid for _, valid, ready, _ in restarts)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
