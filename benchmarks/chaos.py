@@ -310,7 +310,7 @@ def main(argv=None) -> int:
                                                              mine, corrupted, pause)))
     for t in threads:
         t.start()
-    restarts = []
+    restarts, rss_restarted = [], float("nan")
     t_start = time.monotonic()
     try:
         for when, how in ((0.3, "kill -9"), (0.55, "stop (graceful)"), (0.8, "kill -9")):
@@ -318,6 +318,7 @@ def main(argv=None) -> int:
             pause.set()  # the churn thread waits while the daemon restarts, so "all READY" has a fixed target
             time.sleep(1.0)
             restarts.append((how, *restart(home, how, tally)))
+            rss_restarted = rss_mb(home)
             pause.clear()
         time.sleep(max(0.0, t_start + args.duration - time.monotonic()))
     finally:
@@ -354,7 +355,7 @@ def main(argv=None) -> int:
          f"{counts['spec corrupted']}"),
         ("specs lost (must be 0)", len(lost)),
         *[(f"READY after {how} (must be all)", f"{ready}/{valid} in {secs:.1f} s") for how, valid, ready, secs in restarts],
-        ("daemon RSS after first start / at end", f"{rss_start:.0f} MB / {rss_end:.0f} MB"),
+        ("daemon RSS: first start / last restart / end", f"{rss_start:.0f} / {rss_restarted:.0f} / {rss_end:.0f} MB"),
         ("processes left behind (must be 0)", len(left)),
     ]
     print("\n| chaos run | |\n|---|---|")
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "counts": dict(counts), "lost": lost, "restarts": restarts, "left": left, "unexplained_cuts": unexplained,
-            "rss_start_mb": rss_start, "rss_end_mb": rss_end}, indent=1))
+            "rss_start_mb": rss_start, "rss_restarted_mb": rss_restarted, "rss_end_mb": rss_end}, indent=1))
     ok = not lost and not left and not unexplained and all(ready == valid for _, valid, ready, _ in restarts)
     return 0 if ok else 1
 
