@@ -1,8 +1,11 @@
-"""Every test gets its own DEPCTL_HOME (specs, daemon file, log) in a temp dir; the model cache is shared."""
+"""Every test gets its own DEPCTL_HOME (specs, daemon file, log) in a temp dir and port 0 for any daemon it starts;
+the model cache is shared. A daemon a test leaves running in its home is killed afterwards, and the test fails."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 
 import pytest
 
@@ -11,9 +14,24 @@ import pytest
 def depctl_home(tmp_path, monkeypatch):
     home = tmp_path / "depctl-home"
     monkeypatch.setenv("DEPCTL_HOME", str(home))
+    monkeypatch.setenv("DEPCTL_PORT", "0")  # a daemon a test starts never takes the user's port 8642
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never wait ~50 s on a hub retry for a path that does not exist
     monkeypatch.delenv("DEPCTL_DEBUG", raising=False)
-    return home
+    monkeypatch.delenv("DEPCTL_API_KEY", raising=False)
+    yield home
+    left = _live_daemon(home)
+    if left is not None:
+        os.kill(left, signal.SIGKILL)
+        pytest.fail(f"the test left a daemon running in its home (pid {left}): stop it in the test")
+
+
+def _live_daemon(home) -> int | None:
+    try:
+        pid = int(json.loads((home / "daemon.json").read_text())["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return pid
 
 
 @pytest.fixture(scope="session")

@@ -208,7 +208,14 @@ def test_commands_needing_the_daemon_say_how_to_start_it(depctl_home):
     assert "depctl daemon start" in result.stderr
 
 
-def test_max_batch_size_defaults_to_8_and_is_kept(depctl_home):
+def test_max_batch_size_defaults_to_8_and_is_kept(depctl_home, monkeypatch):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)  # (it once left a daemon running on port 8642)
     result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "-o", "json")
     assert json.loads(result.stdout)["max_batch_size"] == 8
     result = run("deployment", "create", "smollm2-135m-instruct", "--max-batch-size", "32", "--validate-only", "-o", "json")

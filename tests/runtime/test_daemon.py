@@ -161,7 +161,7 @@ def test_one_daemon_per_home_however_many_start_at_once(depctl_home, monkeypatch
     import sys
 
     monkeypatch.setenv("DEPCTL_PORT", "0")
-    starts = [subprocess.Popen([sys.executable, "-c", "from depctl.cli import main; main()", "daemon", "start"], stderr=subprocess.PIPE,
+    starts = [subprocess.Popen([sys.executable, "-m", "depctl", "daemon", "start"], stderr=subprocess.PIPE,
                                text=True, env={**os.environ}) for _ in range(4)]
     try:
         errs = [p.communicate(timeout=120)[1] for p in starts]
@@ -205,17 +205,24 @@ def test_cli_uses_the_daemons_api_key(depctl_home, tiny_model_dir, monkeypatch):
 def test_stop_drains_then_cuts_streams_with_an_error_and_done(depctl_home, tiny_model_dir):
     # graceful stop: a stream still running after the drain time is cut with an error event and [DONE] (it used to
     # end mid-stream with neither), the daemon exits 0, and the next start restores the deployment
-    import threading
-
-    import httpx
-
     from depctl.spec import DeploymentSpec
     from depctl.store import SpecStore
 
     SpecStore().create(DeploymentSpec(id="d", model=str(tiny_model_dir)))
     daemon = DaemonProcess(depctl_home, env={"DEPCTL_DRAIN_TIMEOUT": "0.3"}).start()
+    try:
+        _stop_mid_stream(daemon)
+    finally:
+        daemon.stop()
+
+
+def _stop_mid_stream(daemon) -> None:
+    import threading
+
+    import httpx
+
     daemon.wait_state("d")
-    lines, short = [], {}
+    lines = []
 
     def long_stream():
         body = {"model": "d", "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True, "speculate": False}
@@ -240,4 +247,3 @@ def test_stop_drains_then_cuts_streams_with_an_error_and_done(depctl_home, tiny_
     daemon.log.close()
     daemon.start()
     assert daemon.wait_state("d")["state"] == "READY"
-    daemon.stop()
