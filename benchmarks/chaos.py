@@ -124,6 +124,8 @@ def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Ran
             else:
                 r = httpx.post(url + path, json=body, headers=headers, timeout=120)
                 tally.add("completed" if r.status_code == 200 else f"failed {r.status_code}: {_code(r)}")
+                if r.status_code == 503:
+                    time.sleep(0.25)  # as a client with retries would: not a busy loop while it loads
         except httpx.TransportError:
             tally.add("connection failed (daemon down)")
             time.sleep(0.25)
@@ -136,6 +138,8 @@ def stream_request(url, path, body, headers, hang_up_after, tally) -> None:
         if r.status_code != 200:
             r.read()
             tally.add(f"failed {r.status_code}: {_code(r)}")
+            if r.status_code == 503:
+                time.sleep(0.25)
             return
         events, done, error = 0, False, None
         try:

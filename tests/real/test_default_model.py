@@ -108,3 +108,13 @@ def test_gguf_file_source(smollm2, tmp_path):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(source).vocab_size == 49152
+
+
+def test_gil_free_encode_equals_the_tokenizer(loaded):
+    from runtime.api.serving import encode
+
+    tokenizer = loaded[1]
+    chat = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    for text in [*PROMPTS, chat, "", "  leading spaces\n\n\ttabs  ", "ünïcödé ✓ 日本語 🙂"]:
+        for special in (True, False):
+            assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
