@@ -32,8 +32,9 @@ from runtime.engine import (  # noqa: E402
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner  # noqa: E402
-from runtime.engine.surgery import weight_major_linears  # noqa: E402
-from runtime.loader import load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8  # noqa: E402
+from runtime.loader import (  # noqa: E402
+    load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
+)
 
 
 @dataclass
@@ -99,7 +100,7 @@ def main() -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-surgery", action="store_true",
-                        help="run our engine on the models as transformers loads them (no weight-major linears)")
+                        help="run our engine on the models as transformers loads them (no weight-major or split-K linears)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -115,10 +116,10 @@ def main() -> int:
 
     draft = load_draft() if args.draft else None
     surgery = device.type == "cpu" and not args.no_surgery
-    if surgery:  # what the loader does for a deployment: weight-major linears for every float model we run
-        weight_major_linears(model)
+    if surgery:  # what the loader does for a deployment (runtime.loader.surgery_for); int8 drafts are quantized above
+        model = surgery_for(model, str(dtype).removeprefix("torch."), exact=True)
         if draft is not None and precision != "int8":
-            weight_major_linears(draft)
+            draft = surgery_for(draft, precision, exact=False)
     # transformers' rows get their own copies, as users run them (no module swaps)
     hf_model = None if args.no_hf else load(args.model, device, dtype)[0]
     hf_draft = None if args.no_hf or not args.draft else load_draft()

@@ -19,7 +19,7 @@ from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine
 from runtime.engine.runner import ModelRunner
-from runtime.engine.surgery import int8_linears, weight_major_linears
+from runtime.engine.surgery import int8_linears, row_invariant_chunk, split_k_linears, weight_major_linears
 
 log = logging.getLogger("depctl.loader")
 
@@ -70,9 +70,19 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
         return getattr(torch, requested)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # On a CPU fp32 is both exact to the dequantized weights and the fastest for multi-token verification
-    # (bf16 verify of 8 tokens measured 4-6x one step here; see ../shared/MODELS.md).
+    # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads and its
+    # GEMM is flat in the row count (SmolLM2's lm_head: 7.2 ms fp32, 2.0 ms bf16 for one row, 2.3 ms for nine), so
+    # decoding is ~1.7x faster and verification nearly free. Without them bf16 is emulated (verifying 8 tokens cost
+    # 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (cpu_surgery).
+    if cpu_has_bf16() and row_invariant_chunk(torch.bfloat16) is not None:
+        return torch.bfloat16
     return torch.float32
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 dot products in hardware: AVX-512 BF16 (Zen 4, Cooper Lake on) or AMX tiles (Sapphire Rapids on)."""
+    cpu = getattr(torch, "cpu", None)
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def pick_draft_precision(requested: str, device: torch.device, target_dtype: torch.dtype) -> str:
@@ -105,15 +115,32 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         ) from exc
 
 
-def cpu_surgery(loaded: LoadedModel) -> None:
-    """The module swaps that make a CPU fast, applied here and nowhere else: int8 linears for an int8 draft,
-    weight-major linears for every float model (``runtime.engine.surgery``). Nothing on a GPU."""
-    if loaded.device.type != "cpu":
-        return
-    if loaded.precision == "int8":
-        loaded.model = quantize_int8(loaded.model)
-    else:
-        weight_major_linears(loaded.model)
+def cpu_surgery(loaded: LoadedModel, exact: bool = True) -> None:
+    """The module swaps that make a CPU fast and keep it exact, applied here (``runtime.engine.surgery``); nothing on a
+    GPU. ``exact``: the model's numerics reach the output (a target), so its products must not depend on how many rows
+    share a pass; a draft's never do."""
+    if loaded.device.type == "cpu":
+        loaded.model = surgery_for(loaded.model, loaded.precision, exact)
+
+
+def surgery_for(model: torch.nn.Module, precision: str, exact: bool) -> torch.nn.Module:
+    """int8 linears for an int8 draft; for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
+    differently with more rows beside it (a target only: a half-precision draft needs nothing); weight-major linears
+    for float32 (a handful of rows cost close to one)."""
+    if precision == "int8":
+        return quantize_int8(model)
+    if precision in ("bfloat16", "float16"):
+        if exact:
+            dtype = getattr(torch, precision)
+            chunk = row_invariant_chunk(dtype)
+            if chunk is None:
+                raise LoadError(
+                    f"{precision} matrix products on this CPU give a row a different result depending on how many "
+                    "rows share the pass, so speculation would not be exact: update the deployment with --dtype float32")
+            split_k_linears(model, chunk)
+        return model
+    weight_major_linears(model)
+    return model
 
 
 def resolve_source(ref: str, flag: str) -> str:
@@ -247,7 +274,7 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
     if draft_ref:
         draft = load_model(draft_ref, "--draft-model", device, load_dtype(precision))
         draft.precision = precision
-        cpu_surgery(draft)
+        cpu_surgery(draft, exact=False)
     vocab = real_vocab_size(target.tokenizer)
     rows = spec.max_batch_size
     proposer = None

@@ -9,7 +9,12 @@ function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kern
 
 - every row equally wide (a plain decode step, a fully drafted batch, a prefill): one batched SDPA call, the
   batch's rows reshaped back into a batch dimension, with a mask over each row's length;
-- ragged: one SDPA call per row, over that row's keys only.
+- ragged: one SDPA call per row, over that row's keys only;
+- ``per_position`` (bf16/fp16 on a CPU, set by the runner): a row's tokens in a verify pass are attended one position
+  at a time, each call shaped exactly like the one-token step at that position. The CPU's half-precision SDPA
+  kernel rounds a query differently when more query rows share the call (measured: 18 folded rows vs 3 changed the
+  last bits of SmolLM2's attention), which would make a verify pass disagree with plain decoding; per position it
+  cannot. Prefill chunks (wider than ``PER_POSITION_MAX_WIDTH``) keep the one call: both modes prefill alike.
 
 Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.
 """
@@ -25,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "depctl_rows"
+PER_POSITION_MAX_WIDTH = 33  # the widest verify pass: 1 + the largest --draft-token-count
 
 
 @dataclass
@@ -36,6 +42,7 @@ class RowLayout:
     widths: list[int]  # [B] tokens each row adds
     offsets: list[int]  # [B + 1] where each row's tokens start in the flat stream
     device: torch.device
+    per_position: bool = False  # attend a verify pass position by position (see the module docstring)
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -72,12 +79,19 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     lay = depctl_rows
     window = sliding_window or None
     heads, dim = query.shape[1], query.shape[3]
+    per_position = lay.per_position and 1 < max(lay.widths) <= PER_POSITION_MAX_WIDTH
     if lay.uniform:
         rows, width = len(lay.widths), lay.widths[0]
         q = query[0].reshape(heads, rows, width, dim).transpose(0, 1)  # [B, heads, S, dim]
-        k = key[lay.first : lay.first + rows, :, : lay.kv_len]  # [B, kv_heads, L, dim]
-        v = value[lay.first : lay.first + rows, :, : lay.kv_len]
-        out = _attend(q, k, v, lay.batched_mask(window), scaling)  # [B, heads, S, dim]
+        mask = lay.batched_mask(window)  # [B, 1, S, L]
+        if per_position:  # position j: keys up to the furthest row's j-th token, as a one-token step there
+            out = torch.cat([_attend(q[:, :, j : j + 1], key[lay.first : lay.first + rows, :, : lay.kv_len - width + j + 1],
+                                     value[lay.first : lay.first + rows, :, : lay.kv_len - width + j + 1],
+                                     mask[:, :, j : j + 1, : lay.kv_len - width + j + 1], scaling) for j in range(width)], 2)
+        else:
+            k = key[lay.first : lay.first + rows, :, : lay.kv_len]  # [B, kv_heads, L, dim]
+            v = value[lay.first : lay.first + rows, :, : lay.kv_len]
+            out = _attend(q, k, v, mask, scaling)  # [B, heads, S, dim]
         return out.transpose(1, 2).reshape(1, rows * width, heads, dim), None
     out = query.new_empty(1, query.shape[2], heads, dim)
     for b, (start, width) in enumerate(zip(lay.starts, lay.widths)):
@@ -95,7 +109,14 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             if window is not None:
                 mask = mask & (kv_pos > q_pos - window)
             mask = mask[None, None]  # [1, 1, n, keys]
-        out[0, lo : lo + width] = _attend(q, k, v, mask, scaling)[0].transpose(0, 1)
+        if per_position and width > 1:
+            keys = end - first_key
+            out[0, lo : lo + width] = torch.cat(
+                [_attend(q[:, :, j : j + 1], k[:, :, : keys - width + j + 1], v[:, :, : keys - width + j + 1],
+                         mask[:, :, j : j + 1, : keys - width + j + 1], scaling) for j in range(width)], 2,
+            )[0].transpose(0, 1)
+        else:
+            out[0, lo : lo + width] = _attend(q, k, v, mask, scaling)[0].transpose(0, 1)
     return out, None
 
 

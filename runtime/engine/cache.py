@@ -85,14 +85,14 @@ class SlotCache(Cache):
         self.lengths = [0] * max_rows  # valid positions per row
         self.step: _Step | None = None
 
-    def begin(self, first: int, widths: list[int], device: torch.device) -> RowLayout:
+    def begin(self, first: int, widths: list[int], device: torch.device, per_position: bool = False) -> RowLayout:
         """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens to the flat
         stream. Returns the layout the attention needs (``runtime.engine.attention``)."""
         starts = [self.lengths[first + b] for b in range(len(widths))]
         offsets = [0]
         for w in widths:
             offsets.append(offsets[-1] + w)
-        layout = RowLayout(first, starts, list(widths), offsets, device)
+        layout = RowLayout(first, starts, list(widths), offsets, device, per_position=per_position)
         if layout.kv_len > self.capacity:
             self._grow(layout.kv_len)
         self.step = _Step(layout)

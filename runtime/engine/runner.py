@@ -28,6 +28,9 @@ class ModelRunner:
         self.max_rows = max_rows
         # slack: a verify writes up to K + 1 positions past a row's length
         self.cache = SlotCache(model.config, max_rows, max_context + slack)
+        # half precision on a CPU: verify passes attend position by position, so that they round as plain steps do
+        dtype = next(model.parameters()).dtype
+        self.per_position = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
         # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.
         model.set_attn_implementation(ROWS_ATTENTION)
@@ -55,7 +58,7 @@ class ModelRunner:
         else:
             widths = [len(x) for x in inputs]
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
-        layout = self.cache.begin(first, widths, self.device)
+        layout = self.cache.begin(first, widths, self.device, self.per_position)
         position_ids = self.cache.step.positions[None]  # [1, T]
         keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else 0
         try:

@@ -4,6 +4,10 @@
   copied) that computes ``(W @ x^T)^T`` for a few rows. This is what makes verifying k drafts cost close to one
   step on a CPU.
 - ``int8_linears(model)``: dynamic int8 linears (a draft model only: its numerics never reach the output).
+- ``split_k_linears(model, chunk)``: for bfloat16/float16 on a CPU, every ``nn.Linear`` whose inner dimension is
+  longer than ``chunk`` becomes a ``SplitKLinear``, so that a row's product does not depend on how many rows share
+  the pass (``row_invariant_chunk`` measures ``chunk`` on this CPU). Without it a bf16 target verifying k drafts
+  does not reproduce the same target decoding one token at a time, and speculation would not be exact.
 
 Neither changes what a model *is* (its config, its weights); each returns how many modules it swapped.
 """
@@ -43,6 +47,62 @@ class WeightMajorLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class SplitKLinear(nn.Module):
+    """``nn.Linear`` whose result for a row is the same whatever the number of rows in the pass.
+
+    Why: a CPU's bf16 GEMM (oneDNN) reduces the inner dimension in one block for a few rows and in several for more
+    once that dimension is long (measured on an AVX-512-bf16 EPYC: K = 1536 changes from 7 rows on; K <= 768 never
+    does), so a verify pass over k + 1 tokens rounds differently from k + 1 single-token steps. Here the inner
+    dimension is cut into fixed chunks no longer than what the CPU reduces the same way for any row count, each
+    chunk's product is taken separately and the partial products are summed in float32 in a fixed order: the same
+    arithmetic for every row count. The chunks are contiguous copies that replace the weight (no extra memory).
+    """
+
+    def __init__(self, linear: nn.Linear, chunk: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.bounds = list(range(0, self.in_features, chunk)) + [self.in_features]
+        self.chunks = nn.ParameterList(
+            [nn.Parameter(w[:, lo:hi].contiguous(), requires_grad=False) for lo, hi in zip(self.bounds, self.bounds[1:])])
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = None
+        for (lo, hi), w in zip(zip(self.bounds, self.bounds[1:]), self.chunks):
+            part = nn.functional.linear(x[..., lo:hi], w).float()
+            out = part if out is None else out.add_(part)
+        if self.bias is not None:
+            out = out.add_(self.bias.float())
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, chunks={len(self.chunks)}"
+
+
+CHUNK_CANDIDATES = (2048, 1536, 1024, 896, 768, 640, 576, 512, 384, 256, 128)
+_invariant_chunks: dict = {}
+
+
+def row_invariant_chunk(dtype: torch.dtype, max_rows: int = 128) -> int | None:
+    """The longest inner dimension for which this CPU's ``F.linear`` in ``dtype`` gives every row the same result
+    with 1 to ``max_rows`` rows in the pass (checked on random data, all rows, every row count); None if even 128 is
+    not. Measured once per process (~1 s): it depends on the CPU and the kernel library, not on the model."""
+    key = (dtype, max_rows)
+    if key not in _invariant_chunks:
+        _invariant_chunks[key] = next((k for k in CHUNK_CANDIDATES if _row_invariant(k, dtype, max_rows)), None)
+    return _invariant_chunks[key]
+
+
+def _row_invariant(k: int, dtype: torch.dtype, max_rows: int, n: int = 1024) -> bool:
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(max_rows, k, generator=g).to(dtype)
+    alone = torch.cat([nn.functional.linear(x[i:i + 1], w) for i in range(max_rows)])
+    return all(torch.equal(nn.functional.linear(x[:m], w), alone[:m]) for m in range(2, max_rows + 1))
+
+
 def _swap(model: nn.Module, pick, make) -> int:
     swapped = 0
     for parent in list(model.modules()):
@@ -56,6 +116,11 @@ def _swap(model: nn.Module, pick, make) -> int:
 def weight_major_linears(model: nn.Module) -> int:
     """Swap every plain ``nn.Linear`` of ``model`` for a ``WeightMajorLinear`` over the same weights."""
     return _swap(model, lambda m: type(m) is nn.Linear, WeightMajorLinear.wrap)
+
+
+def split_k_linears(model: nn.Module, chunk: int) -> int:
+    """Swap every ``nn.Linear`` of ``model`` with an inner dimension longer than ``chunk`` for a ``SplitKLinear``."""
+    return _swap(model, lambda m: type(m) is nn.Linear and m.in_features > chunk, lambda m: SplitKLinear(m, chunk))
 
 
 def int8_linears(model: nn.Module) -> nn.Module:

@@ -118,3 +118,37 @@ def test_gil_free_encode_equals_the_tokenizer(loaded):
     for text in [*PROMPTS, chat, "", "  leading spaces\n\n\ttabs  ", "ünïcödé ✓ 日本語 🙂"]:
         for special in (True, False):
             assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
+
+
+def test_bf16_target_speculation_is_exact_alone_and_in_a_batch(smollm2):
+    """What `--dtype auto` loads on a CPU with bf16 instructions: SmolLM2 in bf16 with the loader's surgery. n-gram
+    speculation must give exactly what the same bf16 model gives decoding plainly, one request at a time and in a
+    batch (a verify pass over k + 1 tokens, or over several rows, must round each row as a one-token step does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from runtime.engine import Scheduler
+    from runtime.loader import cpu_has_bf16, surgery_for
+
+    if not cpu_has_bf16():
+        pytest.skip("this CPU has no bf16 instructions (AVX-512 BF16 or AMX): --dtype auto keeps float32 here")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.bfloat16).eval()
+    model = surgery_for(model, "bfloat16", exact=True)
+    vocab, eos = len(tokenizer), (tokenizer.eos_token_id,)
+    prompts = [*PROMPTS, "Repeat this list twice: red, green, blue, yellow, purple, orange.",
+               "Copy this sentence and fix its typos: Teh cat sat on teh mat and lookd at teh dog."]
+    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   tokenize=False), add_special_tokens=False)["input_ids"]
+           for p in prompts]
+
+    def engine(proposer, k=0):
+        return SpeculativeEngine(ModelRunner(model, vocab, max_rows=len(ids)), proposer,
+                                 EngineConfig(num_draft_tokens=k, eos_token_ids=eos, adaptive=False))
+
+    plain = [_generate(engine(None), p, 48) for p in ids]
+    spec = engine(NgramProposer(3), 6)
+    assert [_generate(spec, p, 48) for p in ids] == plain
+    assert spec.stats.num_accepted_tokens > 0  # drafts were verified in wide passes, and accepted
+    together = Scheduler(engine(NgramProposer(3), 6), max_batch_size=len(ids)).run_all(ids, GenerationParams(max_tokens=48))
+    assert together == plain

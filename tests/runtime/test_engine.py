@@ -195,3 +195,19 @@ def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):
     # ...and replaced a bad measurement with a real one (which widths depends on what the proposer found and on
     # timings, so only "some" is certain)
     assert min(v for n, v in samples.items() if n > 1) < 1000.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_exact(target, dtype):
+    # what --dtype bfloat16 (auto on CPUs with bf16 instructions) runs: the loader's split-K surgery, and the runner
+    # attends a verify pass position by position; speculation gives exactly the plain tokens of the same model
+    from runtime.loader import surgery_for
+
+    model = surgery_for(copy.deepcopy(target).to(dtype), str(dtype).removeprefix("torch."), exact=True)
+    plain_engine = make(model)
+    assert plain_engine.target.per_position
+    for prompt in PROMPTS:
+        plain, _ = run(plain_engine, prompt)
+        spec = make(model, NgramProposer(2), k=4, adaptive=False)
+        assert run(spec, prompt)[0] == plain
+    assert spec.stats.num_draft_tokens > 0

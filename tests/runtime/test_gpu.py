@@ -9,7 +9,8 @@ from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner
-from runtime.loader import LoadError, pick_device, pick_dtype
+from runtime.engine.surgery import row_invariant_chunk
+from runtime.loader import LoadError, cpu_has_bf16, pick_device, pick_dtype
 from tests.tiny import tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -19,7 +20,8 @@ def test_auto_device_and_dtype_rules():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert pick_device("auto").type == expected
     assert pick_device("cpu").type == "cpu"
-    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    fast_bf16 = cpu_has_bf16() and row_invariant_chunk(torch.bfloat16) is not None
+    assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert pick_dtype("float16", torch.device("cpu")) == torch.float16
     if not torch.cuda.is_available():
         with pytest.raises(LoadError, match="no CUDA GPU"):

@@ -1,0 +1,49 @@
+"""The loader's model surgery: module swaps that keep a model's results while changing how a CPU computes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.engine.surgery import SplitKLinear, WeightMajorLinear, row_invariant_chunk, split_k_linears
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_linear_is_a_linear_whose_rows_do_not_depend_on_their_neighbours(dtype, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(1536, 320, bias=bias).to(dtype)
+    split = SplitKLinear(linear, 512)
+    x = torch.randn(72, 1536).to(dtype)
+    ref = (x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)).to(dtype)
+    y = split(x)
+    assert y.dtype == dtype and y.shape == (72, 320)
+    assert torch.allclose(y.float(), ref.float(), rtol=2e-2, atol=2e-1)
+    alone = torch.cat([split(x[i:i + 1]) for i in range(72)])
+    for m in range(1, 73):  # the same bits for a row, whatever else is in the pass
+        assert torch.equal(split(x[:m]), alone[:m]), m
+    assert torch.equal(split(x.view(8, 9, 1536)).view(72, 320), y)  # [batch, tokens, in] like a model's activations
+
+
+def test_split_k_swaps_only_long_inner_dimensions_and_frees_the_original_weight():
+    model = nn.Sequential(nn.Linear(512, 1536), nn.ReLU(), nn.Linear(1536, 512)).to(torch.bfloat16)
+    before = sum(p.numel() for p in model.parameters())
+    assert split_k_linears(model, 1024) == 1
+    assert type(model[0]) is nn.Linear and isinstance(model[2], SplitKLinear)
+    assert sum(p.numel() for p in model.parameters()) == before  # the chunks replace the weight
+    assert len(model[2].chunks) == 2
+
+
+def test_row_invariant_chunk_is_measured_once():
+    chunk = row_invariant_chunk(torch.bfloat16)
+    assert chunk is None or 128 <= chunk <= 2048
+    assert row_invariant_chunk(torch.bfloat16) == chunk
+
+
+def test_weight_major_linear_keeps_the_weights():
+    linear = nn.Linear(64, 32)
+    wm = WeightMajorLinear.wrap(linear)
+    assert wm.weight is linear.weight
+    x = torch.randn(5, 64)
+    assert torch.allclose(wm(x), linear(x), atol=1e-5)
