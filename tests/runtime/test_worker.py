@@ -30,7 +30,7 @@ def _start(spec, torch_threads: set, ready: threading.Event):
 
 
 def test_one_thread_does_all_torch_work_and_requests_batch(tiny_model_dir):
-    spec = DeploymentSpec(id="w", model=str(tiny_model_dir), max_batch_size=4, device="cpu",
+    spec = DeploymentSpec(id="w", model=str(tiny_model_dir), max_batch_size=4, device="cpu", dtype="float32",
                           speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4))
     torch_threads, ready = set(), threading.Event()
     worker, loaded_on = _start(spec, torch_threads, ready)
