@@ -154,6 +154,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--dtype", default="auto", help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 "
+                        "instructions, else float32)")
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -161,7 +163,7 @@ def main() -> int:
     workloads = args.workload.split(",")
     prompts = {w: [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{w}.jsonl").open()]
                for w in workloads}
-    spec = DeploymentSpec(id="bench", model=args.model, max_batch_size=max(levels),
+    spec = DeploymentSpec(id="bench", model=args.model, max_batch_size=max(levels), dtype=args.dtype,
                           speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
 
     reference = {}
@@ -203,7 +205,7 @@ def main() -> int:
 
 
 def print_table(workload, levels, results, reference, args) -> None:
-    print(f"\n### {workload}: {args.model}, n-gram n={args.ngram} K={args.k}, max_tokens {args.max_tokens}, greedy, "
+    print(f"\n### {workload}: {args.model} ({args.dtype}), n-gram n={args.ngram} K={args.k}, max_tokens {args.max_tokens}, greedy, "
           f"streaming over HTTP\n")
     if reference is not None:
         plain1 = results[(workload, levels[0], False)].aggregate if levels[0] == 1 else None
