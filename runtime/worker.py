@@ -1,11 +1,17 @@
-"""EngineWorker: the one thread that owns a deployment's engine.
+"""EngineWorker: a deployment's engine, loaded on a thread of its own, then stepped by the process's one engine thread.
 
-Everything that runs torch for a deployment runs here: loading the weights, calibration and warm-up, and every
-prefill and batch step. Why one thread: torch's CPU kernels run on an OpenMP pool that belongs to the thread that
-first ran a parallel region; a second thread doing torch work after the first has its own pool, and on a small
-machine the two pools fight (measured on 2 cores: a decode step on a request thread after loading on a loader thread
-ran ~1.7x slower than the same step on the loading thread). Other threads talk to the worker through its inbox:
-``submit`` a request (its outputs go to a callback, called on this thread), ``cancel`` it, change K, ``stop``.
+torch's CPU kernels run on an OpenMP pool that belongs to the thread that first ran a parallel region. A pool whose
+thread is alive but idle slows the pool that works: the process then has more OpenMP threads than cores, and libgomp
+lets a worker spin only briefly before it sleeps, so each of a step's hundreds of small parallel regions waits for a
+wake-up (measured on 2 cores, SmolLM2 bf16: 22-35 ms a forward alone or after another thread's pool had exited,
+39-58 ms beside a live idle one; a daemon with a second, idle deployment decoded at 23-26 tok/s against 41). So:
+
+- a worker's own thread loads the weights and calibrates (a load takes seconds to minutes and must not stall the
+  deployments that serve), then hands the engine to the ``EngineHost`` and exits, and its pool with it;
+- the ``EngineHost`` thread runs every prefill and batch step of every deployment, round robin, on one pool.
+
+Other threads talk to a worker through its inbox: ``submit`` a request (its outputs go to a callback, called on the
+engine thread), ``cancel`` it, change K, ``stop``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ class EngineWorker:
         self._stopping: tuple[bool, Callable[[], None] | None] | None = None  # (drain, then)
         self._exit_lock = threading.Lock()
         self._exited = False
-        self.thread = threading.Thread(target=self._run, name=f"depctl-engine-{name}", daemon=True)
+        self._host: EngineHost | None = None  # set once loaded: the engine thread steps it from then on
+        self.thread = threading.Thread(target=self._run, name=f"depctl-load-{name}", daemon=True)
 
     # ---- any thread ----
     def start(self) -> "EngineWorker":
@@ -57,20 +64,25 @@ class EngineWorker:
 
     def submit(self, prompt_ids: list[int], params: GenerationParams, sink: Sink) -> Handle:
         handle = Handle(self)
-        self._inbox.put(("add", handle, prompt_ids, params, sink))
+        self._post(("add", handle, prompt_ids, params, sink))
         return handle
 
     def set_num_draft_tokens(self, k: int) -> None:
-        self._inbox.put(("k", k))
+        self._post(("k", k))
 
     def stop(self, drain: bool = True, then: Callable[[], None] | None = None) -> None:
         """Stop after the requests already submitted finish (``drain``) or at once; ``then`` runs on exit."""
         with self._exit_lock:
             if not self._exited:
-                self._inbox.put(("stop", drain, then))
+                self._post(("stop", drain, then))
                 return
         if then is not None:
             then()
+
+    def _post(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+        if self._host is not None:
+            self._host.wake(self)
 
     @property
     def num_running(self) -> int:
@@ -96,25 +108,37 @@ class EngineWorker:
             self.loaded = self.scheduler = None
             self._finish_stop()
             return
+        EngineHost.get().attach(self)  # this thread ends here, and its OpenMP pool with it
+
+    # ---- on the engine thread (EngineHost) ----
+    def _tick(self) -> bool:
+        """Read the inbox, then take one step if there is work; False once the worker has exited."""
         try:
-            self._serve()
+            self._read_inbox(block=False)
+            if self._stopping is not None and (not self.scheduler.has_work() or not self._stopping[0]):
+                self._exit(None)
+                return False
+            if self.scheduler.has_work():
+                self._step()
+            return True
         except BaseException as exc:  # noqa: BLE001 - a bug here must not leave a READY deployment nobody serves
             log.error("deployment %s: the engine thread failed: %s", self.name, "".join(traceback.format_exception(exc)))
-            self._fail_all(exc)
-            self._on_failed(self, DepctlError(f"the engine thread failed ({type(exc).__name__}: {exc}); see "
+            self._exit(exc)
+            return False
+
+    def _exit(self, crash: BaseException | None) -> None:
+        if crash is not None:
+            self._fail_all(crash)
+            self._on_failed(self, DepctlError(f"the engine thread failed ({type(crash).__name__}: {crash}); see "
                                               "`depctl daemon logs`; `depctl deployment update` reloads it"))
         self._fail_all(RuntimeError("the deployment was stopped before this request finished"))
         self.loaded = self.scheduler = None
         self._finish_stop()
 
-    def _serve(self) -> None:
-        while True:
-            idle = not self.scheduler.has_work()
-            if self._stopping is not None and (idle or not self._stopping[0]):
-                return  # (checked before blocking: a drain that just ended must not wait for a message)
-            self._read_inbox(block=idle)
-            if self.scheduler.has_work() and (self._stopping is None or self._stopping[0]):
-                self._step()
+    @property
+    def busy(self) -> bool:
+        """Has steps to take, or a stop to carry out (a drain that just ended must not wait for more mail)."""
+        return self.scheduler is not None and (self.scheduler.has_work() or self._stopping is not None)
 
     def _read_inbox(self, block: bool) -> None:
         try:
@@ -190,6 +214,51 @@ class EngineWorker:
                 then()
 
 
+class EngineHost:
+    """The process's one engine thread: steps every attached worker, one step each in turn, and sleeps when none has
+    work until a worker gets mail."""
+
+    _instance: "EngineHost | None" = None
+    _instance_lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> "EngineHost":
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self):
+        self._mail: queue.SimpleQueue = queue.SimpleQueue()  # workers with something new in their inbox
+        self._workers: list[EngineWorker] = []
+        self.thread = threading.Thread(target=self._run, name="depctl-engine", daemon=True)
+        self.thread.start()
+
+    def attach(self, worker: EngineWorker) -> None:
+        worker._host = self
+        self._mail.put(worker)
+
+    def wake(self, worker: EngineWorker) -> None:
+        self._mail.put(worker)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                worker = self._mail.get(block=not any(w.busy for w in self._workers))
+            except queue.Empty:
+                worker = None
+            while worker is not None:  # take all the mail: new workers join the round
+                if worker not in self._workers and worker.scheduler is not None:
+                    self._workers.append(worker)
+                try:
+                    worker = self._mail.get_nowait()
+                except queue.Empty:
+                    worker = None
+            for w in list(self._workers):
+                if not w._tick():
+                    self._workers.remove(w)
+
+
 def _deliver(sink: Sink, item: object) -> None:
     try:
         sink(item)
@@ -197,4 +266,4 @@ def _deliver(sink: Sink, item: object) -> None:
         log.exception("delivering an output failed")
 
 
-__all__ = ["EngineWorker", "Handle", "StepOutput"]
+__all__ = ["EngineHost", "EngineWorker", "Handle", "StepOutput"]

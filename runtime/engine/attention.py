@@ -10,11 +10,12 @@ function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kern
 - every row equally wide (a plain decode step, a fully drafted batch, a prefill): one batched SDPA call, the
   batch's rows reshaped back into a batch dimension, with a mask over each row's length;
 - ragged: one SDPA call per row, over that row's keys only;
-- ``per_position`` (bf16/fp16 on a CPU, set by the runner): a row's tokens in a verify pass are attended one position
-  at a time, each call shaped exactly like the one-token step at that position. The CPU's half-precision SDPA
-  kernel rounds a query differently when more query rows share the call (measured: 18 folded rows vs 3 changed the
-  last bits of SmolLM2's attention), which would make a verify pass disagree with plain decoding; per position it
-  cannot. Prefill chunks (wider than ``PER_POSITION_MAX_WIDTH``) keep the one call: both modes prefill alike.
+- ``per_position`` (bf16/fp16 on a CPU, set by the runner): every row is attended as if it were alone in the batch,
+  and a row's tokens in a verify pass one position at a time, each call shaped exactly like the one-token step at
+  that position. The CPU's half-precision SDPA kernel rounds a query differently when more query rows share the call
+  (measured: 18 folded rows vs 3 changed the last bits of SmolLM2's attention), and a row batched with others came
+  out differently from the same row alone; this way neither a verify pass nor a batch can change a row's bits.
+  Prefill chunks (wider than ``PER_POSITION_MAX_WIDTH``) keep one call per row: both modes prefill alike.
 
 Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.
 """
@@ -79,6 +80,14 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     lay = depctl_rows
     window = sliding_window or None
     heads, dim = query.shape[1], query.shape[3]
+    if lay.per_position and len(lay.widths) > 1:  # each row exactly as in a batch of one
+        out = query.new_empty(1, query.shape[2], heads, dim)
+        for b in range(len(lay.widths)):
+            lo, hi = lay.offsets[b], lay.offsets[b + 1]
+            alone = RowLayout(lay.first + b, [lay.starts[b]], [hi - lo], [0, hi - lo], lay.device, per_position=True)
+            out[:, lo:hi] = rows_attention(module, query[:, :, lo:hi], key, value, None, scaling=scaling,
+                                           sliding_window=sliding_window, depctl_rows=alone)[0]
+        return out, None
     per_position = lay.per_position and 1 < max(lay.widths) <= PER_POSITION_MAX_WIDTH
     if lay.uniform:
         rows, width = len(lay.widths), lay.widths[0]

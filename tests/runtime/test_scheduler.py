@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -165,3 +167,21 @@ def test_a_row_in_a_batch_samples_from_the_target(target):
         counts[d if n else token] += 1
     tv = 0.5 * float((counts / trials - target_p).abs().sum())
     assert tv < 0.02
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_half_precision_rows_are_the_same_alone_and_in_a_batch(target, speculate):
+    # bf16 on a CPU: a batched decode step once gave a row other bits than the same row alone (one of eight prompts
+    # diverged); rows are now attended each as in a batch of one, and linears are row-invariant (split-K)
+    from runtime.loader import surgery_for
+
+    model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
+    prompts = [list((f"prompt number {i} " * (i % 3 + 1)).encode()) for i in range(8)]
+
+    def engine(rows):
+        return SpeculativeEngine(ModelRunner(model, max_rows=rows), NgramProposer(2) if speculate else None,
+                                 EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False))
+
+    params = GenerationParams(max_tokens=40, ignore_eos=True)
+    solo = [Scheduler(engine(1), 1).run_all([p], params)[0] for p in prompts]
+    assert Scheduler(engine(8), 8).run_all(prompts, params) == solo

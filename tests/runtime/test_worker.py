@@ -1,4 +1,5 @@
-"""EngineWorker: one thread loads, calibrates and steps a deployment's engine; requests come through its inbox."""
+"""EngineWorker: a thread of its own loads and calibrates a deployment's engine, the one engine thread steps it;
+requests come through its inbox."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from depctl.spec import DeploymentSpec, NgramSpeculation
 from runtime.engine import GenerationParams
 from runtime.engine.surgery import WeightMajorLinear
 from runtime.loader import load_deployment
-from runtime.worker import EngineWorker
+from runtime.worker import EngineHost, EngineWorker
 
 
 def _start(spec, torch_threads: set, ready: threading.Event):
@@ -51,7 +52,9 @@ def test_one_thread_does_all_torch_work_and_requests_batch(tiny_model_dir):
                 break
         texts.append(tokens)
     assert all(len(t) == 20 for t in texts)
-    assert torch_threads == {loaded_on["thread"]} == {worker.thread.ident}
+    # loading ran on the worker's own thread, which then ended; every step ran on the one engine thread
+    assert loaded_on["thread"] == worker.thread.ident and not worker.thread.is_alive()
+    assert torch_threads == {EngineHost.get().thread.ident}
     done = threading.Event()
     worker.stop(drain=True, then=done.set)
     assert done.wait(30)
