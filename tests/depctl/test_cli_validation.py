@@ -254,3 +254,13 @@ def test_user_text_is_shown_as_typed_never_as_markup(name, depctl_home, tmp_path
     (depctl_home / "deployments" / "broken.yaml").write_text(f"id: [{name}\n")  # a problem quoting user text
     result = run("deployment", "list")
     assert result.exit_code == 0 and "Warning:" in result.stderr, result.stderr
+
+
+def test_a_fifo_named_gguf_is_not_a_model(depctl_home, tmp_path):
+    # a FIFO named *.gguf once hung the daemon's only loader on its first read
+    import os
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    result = run("deployment", "create", str(fifo), "--validate-only")
+    assert result.exit_code == 2 and "is not a regular file" in " ".join(result.stderr.split())

@@ -18,7 +18,8 @@ from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
 
 KEY = "sk-test-0123456789"
-LIMITS = {"DEPCTL_API_KEY": KEY, "DEPCTL_MAX_BODY_BYTES": "3000000", "DEPCTL_DEFAULT_MAX_TOKENS": "7"}
+LIMITS = {"DEPCTL_API_KEY": KEY, "DEPCTL_MAX_BODY_BYTES": "3000000", "DEPCTL_DEFAULT_MAX_TOKENS": "7",
+          "DEPCTL_MAX_PROMPT_TOKENS": "450"}  # the tiny model's context is 512
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,9 @@ def test_body_limit_refuses_before_reading(daemon):
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs", "logprobs"),
     ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
     ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "presence_penalty"),
-    ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 1}, 400, "prompt", "context"),
+    ({"model": "tiny", "prompt": "x" * 400, "max_tokens": 200}, 400, "max_tokens", "context"),
+    ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 1}, 400, "prompt", "DEPCTL_MAX_PROMPT_TOKENS"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages", "at most 450"),
 ])
 def test_bad_requests_get_400_in_the_envelope_naming_the_field(daemon, body, status, param, needle):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -154,7 +157,7 @@ def test_a_big_prompt_does_not_freeze_health(daemon):
         worst = max(worst, time.perf_counter() - t0)
         time.sleep(0.01)
     worker.join()
-    assert result["r"].status_code == 400 and _envelope(result["r"])["code"] == "context_length_exceeded"
+    assert result["r"].status_code == 400 and _envelope(result["r"])["code"] == "prompt_too_long"
     assert worst < 0.5, worst
 
 
