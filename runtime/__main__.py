@@ -86,11 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _describe_running() -> str:
-    try:
-        info = json.loads(config.daemon_file().read_text())
-        return f"pid {info['pid']} on http://{info['host']}:{info['port']}"
-    except (OSError, ValueError, KeyError):
-        return "still starting"
+    from depctl.client import daemon_info
+
+    info = daemon_info()
+    return f"pid {info.pid} on {info.url}" if info else "still starting"
 
 
 def _serve(settings: Settings, port: int) -> int:

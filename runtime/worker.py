@@ -114,7 +114,7 @@ class EngineWorker:
     def _tick(self) -> bool:
         """Read the inbox, then take one step if there is work; False once the worker has exited."""
         try:
-            self._read_inbox(block=False)
+            self._read_inbox()
             if self._stopping is not None and (not self.scheduler.has_work() or not self._stopping[0]):
                 self._exit(None)
                 return False
@@ -140,17 +140,13 @@ class EngineWorker:
         """Has steps to take, or a stop to carry out (a drain that just ended must not wait for more mail)."""
         return self.scheduler is not None and (self.scheduler.has_work() or self._stopping is not None)
 
-    def _read_inbox(self, block: bool) -> None:
-        try:
-            msg = self._inbox.get(block=block)
-        except queue.Empty:
-            return
+    def _read_inbox(self) -> None:
         while True:
-            self._handle(msg)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            self._handle(msg)
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -255,7 +251,12 @@ class EngineHost:
                 except queue.Empty:
                     worker = None
             for w in list(self._workers):
-                if not w._tick():
+                try:
+                    alive = w._tick()  # (catches its own failures; this guards the thread every deployment needs)
+                except BaseException:  # noqa: BLE001
+                    log.exception("deployment %s: leaving the engine thread failed", w.name)
+                    alive = False
+                if not alive:
                     self._workers.remove(w)
 
 

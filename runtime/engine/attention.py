@@ -44,7 +44,7 @@ class RowLayout:
     offsets: list[int]  # [B + 1] where each row's tokens start in the flat stream
     device: torch.device
     per_position: bool = False  # attend a verify pass position by position (see the module docstring)
-    _masks: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)  # per forward: masks by window, per-row layouts
 
     @property
     def uniform(self) -> bool:
@@ -53,6 +53,15 @@ class RowLayout:
     @property
     def kv_len(self) -> int:
         return max(s + w for s, w in zip(self.starts, self.widths))
+
+    def alone(self, b: int) -> "RowLayout":
+        """Row b's layout as if it were the only row: for ``per_position`` attention, built once per forward."""
+        key = ("alone", b)
+        if key not in self._masks:
+            width = self.widths[b]
+            self._masks[key] = RowLayout(self.first + b, [self.starts[b]], [width], [0, width], self.device,
+                                         per_position=True)
+        return self._masks[key]
 
     def batched_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, S, L] for the uniform case: token j of row b (position starts[b] + j) sees its row up to itself.
@@ -84,9 +93,8 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         out = query.new_empty(1, query.shape[2], heads, dim)
         for b in range(len(lay.widths)):
             lo, hi = lay.offsets[b], lay.offsets[b + 1]
-            alone = RowLayout(lay.first + b, [lay.starts[b]], [hi - lo], [0, hi - lo], lay.device, per_position=True)
             out[:, lo:hi] = rows_attention(module, query[:, :, lo:hi], key, value, None, scaling=scaling,
-                                           sliding_window=sliding_window, depctl_rows=alone)[0]
+                                           sliding_window=sliding_window, depctl_rows=lay.alone(b))[0]
         return out, None
     per_position = lay.per_position and 1 < max(lay.widths) <= PER_POSITION_MAX_WIDTH
     if lay.uniform:
