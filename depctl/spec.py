@@ -11,6 +11,7 @@ speculation: {method: ngram, ngram_length: 3, num_draft_tokens: 4}
 max_batch_size: 8
 device: auto
 dtype: auto
+quantization: none
 created_at: 2026-11-22T12:00:00Z
 updated_at: 2026-11-22T12:00:00Z
 ```
@@ -23,7 +24,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from depctl.errors import UsageError
 
@@ -40,6 +41,10 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # target verifies every token); "int8" (dynamic int8 linears, CPU only) drafts ~3x faster than float32 on a CPU.
 # auto: int8 on a CPU, the target's dtype on a GPU.
 DraftPrecision = Literal["auto", "float32", "bfloat16", "float16", "int8"]
+# How the target's weights are held. "int8": weight-only int8, one scale per output channel, activations in bfloat16
+# (CPU only): half the bytes of bf16 per step. It changes the model's outputs slightly (as llama.cpp's Q8_0 does);
+# speculation stays exact against the same int8 model decoding plainly. Never picked for you.
+Quantization = Literal["none", "int8"]
 
 
 class _Strict(BaseModel):
@@ -85,6 +90,7 @@ class DeploymentSpec(_Strict):
     max_batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, le=MAX_BATCH_SIZE)
     device: Device = "auto"
     dtype: Dtype = "auto"
+    quantization: Quantization = "none"
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 
@@ -94,8 +100,27 @@ class DeploymentSpec(_Strict):
         check_deployment_id(value)
         return value
 
+    @model_validator(mode="after")
+    def _check_quantization(self) -> "DeploymentSpec":
+        check_quantization(self.quantization, self.dtype, self.device)
+        return self
+
     def to_yaml_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+
+def check_quantization(quantization: str, dtype: str, device: str) -> None:
+    """int8 weights compute with bfloat16 activations on a CPU; raises ValueError naming the flag to change."""
+    if quantization != "int8":
+        return
+    if dtype not in ("auto", "bfloat16"):
+        raise ValueError(
+            f"--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype {dtype} "
+            "(PyTorch's int8 weight kernel is 10-20x slower with float32 activations): use --dtype auto or bfloat16, "
+            "or --quantization none")
+    if device == "cuda":
+        raise ValueError("--quantization int8 runs on a CPU in this version: use --device cpu (or auto on a machine "
+                         "without a GPU), or --quantization none")
 
 
 def check_deployment_id(value: str) -> str:

@@ -19,11 +19,14 @@ from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine
 from runtime.engine.runner import ModelRunner
-from runtime.engine.surgery import int8_linears, row_invariant_chunk, split_k_linears, weight_major_linears
+from runtime.engine.surgery import (
+    int8_linears, int8_row_invariant, int8_weight_linears, row_invariant_chunk, split_k_linears, weight_major_linears,
+)
 
 log = logging.getLogger("depctl.loader")
 
-MAX_CONTEXT_CAP = 32768  # a KV budget for models that advertise 128k positions on a laptop
+MAX_CONTEXT_CAP = 32768
+INT8_WEIGHTS = "int8 weights"  # a target's --quantization int8: weight-only int8, bfloat16 activations  # a KV budget for models that advertise 128k positions on a laptop
 
 
 class LoadError(Exception):
@@ -37,7 +40,8 @@ class LoadedModel:
     source: str  # what from_pretrained loaded (a directory or a hub id)
     device: torch.device
     dtype: torch.dtype
-    precision: str = ""  # how the weights are held: the dtype's name, or "int8" (dynamic int8 linears)
+    # how the weights are held: the dtype's name, "int8" (a draft's dynamic int8 linears) or INT8_WEIGHTS
+    precision: str = ""
 
     def __post_init__(self):
         self.precision = self.precision or str(self.dtype).removeprefix("torch.")
@@ -65,7 +69,16 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+def pick_dtype(requested: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    if quantization == "int8":  # the activations' dtype: the int8 weight kernel wants bf16 (spec.check_quantization)
+        if device.type != "cpu":
+            raise LoadError(f"--quantization int8 runs on a CPU in this version, and this deployment resolved to "
+                            f"{device.type}: update it with --device cpu, or --quantization none")
+        if not int8_row_invariant(torch.bfloat16):
+            raise LoadError("this CPU's int8 weight kernel gives a row a different result depending on how many rows "
+                            "share the pass, so speculation would not be exact: update the deployment with "
+                            "--quantization none")
+        return torch.bfloat16
     if requested != "auto":
         return getattr(torch, requested)
     if device.type == "cuda":
@@ -124,9 +137,13 @@ def cpu_surgery(loaded: LoadedModel, exact: bool = True) -> None:
 
 
 def surgery_for(model: torch.nn.Module, precision: str, exact: bool) -> torch.nn.Module:
-    """int8 linears for an int8 draft; for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
+    """Weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8 draft;
+    for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
     differently with more rows beside it (a target only: a half-precision draft needs nothing); weight-major linears
     for float32 (a handful of rows cost close to one)."""
+    if precision == INT8_WEIGHTS:
+        int8_weight_linears(model, torch.bfloat16)
+        return model
     if precision == "int8":
         return quantize_int8(model)
     if precision in ("bfloat16", "float16"):
@@ -248,7 +265,7 @@ def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
 
 def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeployment:
     device = pick_device(spec.device)
-    dtype = pick_dtype(spec.dtype, device)
+    dtype = pick_dtype(spec.dtype, device, spec.quantization)
     spec_method = spec.speculation
     draft_ref = spec_method.draft_model if isinstance(spec_method, DraftModelSpeculation) else None
 
@@ -269,6 +286,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
     check_memory(needs, device)
 
     target = load_model(spec.model, "MODEL", device, dtype)
+    if spec.quantization == "int8":
+        target.precision = INT8_WEIGHTS
     cpu_surgery(target)
     draft = None
     if draft_ref:

@@ -91,6 +91,7 @@ class Deployment:
             engine = loaded.engine
             out["device"] = str(loaded.target.device)
             out["dtype"] = str(loaded.target.dtype).removeprefix("torch.")
+            out["weights"] = loaded.target.precision  # the dtype's name, or "int8 weights"
             if loaded.draft is not None:
                 out["draft_precision"] = loaded.draft.precision
             out["max_context"] = loaded.max_context
@@ -109,7 +110,7 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec) -> bool:
     def key(spec: DeploymentSpec) -> tuple:
         s = spec.speculation.model_dump()
         s.pop("num_draft_tokens", None)
-        return (spec.model, spec.device, spec.dtype, spec.max_batch_size, tuple(sorted(s.items())))
+        return (spec.model, spec.device, spec.dtype, spec.quantization, spec.max_batch_size, tuple(sorted(s.items())))
 
     return key(old) != key(new)
 

@@ -63,20 +63,36 @@ class RowLayout:
                                          per_position=True)
         return self._masks[key]
 
-    def batched_mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, S, L] for the uniform case: token j of row b (position starts[b] + j) sees its row up to itself.
-        Built once per forward and window, not once per layer."""
-        if window not in self._masks:
-            self._masks[window] = self._build_mask(window)
-        return self._masks[window]
+    def batched_mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """The uniform case's mask, token j of row b (position starts[b] + j) seeing its row up to itself, folded for
+        ``_attend`` ([B, 1, groups * S, L]) and additive (0 or -inf in ``dtype``, what SDPA would turn a bool mask
+        into on every call). Built once per forward, not once per layer."""
+        key = ("batched", window, groups, dtype)
+        if key not in self._masks:
+            width = self.widths[0]
+            q_pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            self._masks[key] = _additive(q_pos[:, None, :, None], 0, self.kv_len, window, groups, dtype)
+        return self._masks[key]
 
-    def _build_mask(self, window: int | None) -> torch.Tensor:
-        width = self.widths[0]
-        q_pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
-        q_pos = q_pos[:, None, :, None]  # [B, 1, S, 1]
-        kv_pos = torch.arange(self.kv_len, device=self.device)
-        mask = kv_pos <= q_pos
-        return mask if window is None else mask & (kv_pos > q_pos - window)
+    def row_mask(self, b: int, first_key: int, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """Row b's mask in the ragged case: [1, 1, groups * n, keys], as ``batched_mask``."""
+        key = ("row", b, window, groups, dtype)
+        if key not in self._masks:
+            start, end = self.starts[b], self.starts[b] + self.widths[b]
+            q_pos = torch.arange(start, end, device=self.device)[None, None, :, None]  # [1, 1, n, 1]
+            self._masks[key] = _additive(q_pos, first_key, end, window, groups, dtype)
+        return self._masks[key]
+
+
+def _additive(q_pos: torch.Tensor, first_key: int, end: int, window: int | None, groups: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """q_pos [B, 1, S, 1] -> [B, 1, groups * S, end - first_key]: 0 where a query sees a key, -inf elsewhere."""
+    kv_pos = torch.arange(first_key, end, device=q_pos.device)
+    sees = kv_pos <= q_pos
+    if window is not None:
+        sees = sees & (kv_pos > q_pos - window)
+    mask = torch.zeros(sees.shape, dtype=dtype, device=q_pos.device).masked_fill_(~sees, float("-inf"))
+    return mask.repeat(1, 1, groups, 1)  # the query's rows are (group, position) after folding: see _attend
 
 
 def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
@@ -89,6 +105,7 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     lay = depctl_rows
     window = sliding_window or None
     heads, dim = query.shape[1], query.shape[3]
+    groups = heads // key.shape[1]
     if lay.per_position and len(lay.widths) > 1:  # each row exactly as in a batch of one
         out = query.new_empty(1, query.shape[2], heads, dim)
         for b in range(len(lay.widths)):
@@ -96,19 +113,17 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             out[:, lo:hi] = rows_attention(module, query[:, :, lo:hi], key, value, None, scaling=scaling,
                                            sliding_window=sliding_window, depctl_rows=lay.alone(b))[0]
         return out, None
-    per_position = lay.per_position and 1 < max(lay.widths) <= PER_POSITION_MAX_WIDTH
+    per_position = lay.per_position and max(lay.widths) <= PER_POSITION_MAX_WIDTH
     if lay.uniform:
         rows, width = len(lay.widths), lay.widths[0]
         q = query[0].reshape(heads, rows, width, dim).transpose(0, 1)  # [B, heads, S, dim]
-        mask = lay.batched_mask(window)  # [B, 1, S, L]
-        if per_position:  # position j: keys up to the furthest row's j-th token, as a one-token step there
-            out = torch.cat([_attend(q[:, :, j : j + 1], key[lay.first : lay.first + rows, :, : lay.kv_len - width + j + 1],
-                                     value[lay.first : lay.first + rows, :, : lay.kv_len - width + j + 1],
-                                     mask[:, :, j : j + 1, : lay.kv_len - width + j + 1], scaling) for j in range(width)], 2)
+        if rows == 1 and (width == 1 or per_position):  # one query at a time: exactly a one-token step's call
+            out = torch.cat([_one_query(q[:, :, j : j + 1], key[lay.first], value[lay.first], lay.starts[0] + j,
+                                        window, scaling) for j in range(width)], 2)
         else:
             k = key[lay.first : lay.first + rows, :, : lay.kv_len]  # [B, kv_heads, L, dim]
             v = value[lay.first : lay.first + rows, :, : lay.kv_len]
-            out = _attend(q, k, v, mask, scaling)  # [B, heads, S, dim]
+            out = _attend(q, k, v, lay.batched_mask(window, groups, query.dtype), scaling)  # [B, heads, S, dim]
         return out.transpose(1, 2).reshape(1, rows * width, heads, dim), None
     out = query.new_empty(1, query.shape[2], heads, dim)
     for b, (start, width) in enumerate(zip(lay.starts, lay.widths)):
@@ -118,35 +133,28 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         q = query[:, :, lo : lo + width]  # [1, heads, n, dim]
         k = key[lay.first + b : lay.first + b + 1, :, first_key:end]  # [1, kv_heads, keys, dim]
         v = value[lay.first + b : lay.first + b + 1, :, first_key:end]
-        mask = None
-        if width > 1 or window is not None:
-            q_pos = torch.arange(start, end, device=lay.device)[:, None]  # [n, 1]
-            kv_pos = torch.arange(first_key, end, device=lay.device)  # [keys]
-            mask = kv_pos <= q_pos
-            if window is not None:
-                mask = mask & (kv_pos > q_pos - window)
-            mask = mask[None, None]  # [1, 1, n, keys]
-        if per_position and width > 1:
-            keys = end - first_key
-            out[0, lo : lo + width] = torch.cat(
-                [_attend(q[:, :, j : j + 1], k[:, :, : keys - width + j + 1], v[:, :, : keys - width + j + 1],
-                         mask[:, :, j : j + 1, : keys - width + j + 1], scaling) for j in range(width)], 2,
-            )[0].transpose(0, 1)
-        else:
-            out[0, lo : lo + width] = _attend(q, k, v, mask, scaling)[0].transpose(0, 1)
+        mask = lay.row_mask(b, first_key, window, groups, query.dtype) if width > 1 or window is not None else None
+        out[0, lo : lo + width] = _attend(q, k, v, mask, scaling)[0].transpose(0, 1)
     return out, None
+
+
+def _one_query(q, key, value, position, window, scale):
+    """One query at ``position`` of one cache row: q [1, heads, 1, dim], key/value [kv_heads, capacity, dim]. The keys it
+    sees are a contiguous range (a sliding window only moves its start), so there is no mask: SDPA keeps its fast path,
+    and a verify pass's position-by-position calls are shaped exactly like the one-token steps they must equal."""
+    lo = 0 if window is None else max(0, position - window + 1)
+    return _attend(q, key[None, :, lo : position + 1], value[None, :, lo : position + 1], None, scale)
 
 
 def _attend(q, k, v, mask, scale):
     """SDPA with grouped-query heads folded into the query length: q [B, heads, S, dim], k and v
-    [B, kv_heads, L, dim], mask [B, 1, S, L] or None. Folding keeps SDPA on its fused CPU kernel; ``enable_gqa``
-    with a mask took the math path (2x the attention time, and copies of every key)."""
+    [B, kv_heads, L, dim], mask [B, 1, groups * S, L] (already folded: ``RowLayout.batched_mask``) or None. Folding
+    keeps SDPA on its fused CPU kernel; ``enable_gqa`` with a mask took the math path (2x the attention time, and
+    copies of every key)."""
     batch, heads, width, dim = q.shape
     groups = heads // k.shape[1]
     if groups > 1:
         q = q.reshape(batch, k.shape[1], groups * width, dim)  # head h = kv_head * groups + g; row g * S + s
-        if mask is not None:
-            mask = mask.repeat(1, 1, groups, 1)
     out = sdpa(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, width, dim)
 

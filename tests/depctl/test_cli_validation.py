@@ -61,6 +61,12 @@ def spec_files(home) -> list:
         (["--max-batch-size", "0"], "--max-batch-size", "smollm2-135m-instruct"),
         (["--max-batch-size", "257"], "--max-batch-size", "smollm2-135m-instruct"),
         (["--max-batch-size", "eight"], "--max-batch-size", "smollm2-135m-instruct"),
+        # int8 weights compute in bf16 on a CPU
+        (["--quantization", "int8", "--dtype", "float32"],
+         "--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype float32",
+         "smollm2-135m-instruct"),
+        (["--quantization", "int8", "--device", "cuda"], "--quantization int8 runs on a CPU", "smollm2-135m-instruct"),
+        (["--quantization", "int4"], "--quantization", "smollm2-135m-instruct"),
     ],
 )
 def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
@@ -139,6 +145,7 @@ def _seed(depctl_home, speculation) -> None:
         (["--draft-precision", "int8"], "--draft-precision needs --draft-model (this deployment does not use a draft model)"),
         (["--disable-speculative-decoding", "--draft-precision", "int8"], "cannot be used with --disable-speculative-decoding"),
         (["--max-batch-size", "0"], "--max-batch-size"),
+        (["--quantization", "int8", "--dtype", "float16"], "cannot be combined with --dtype float16"),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -264,3 +271,24 @@ def test_a_fifo_named_gguf_is_not_a_model(depctl_home, tmp_path):
     os.mkfifo(fifo)
     result = run("deployment", "create", str(fifo), "--validate-only")
     assert result.exit_code == 2 and "is not a regular file" in " ".join(result.stderr.split())
+
+
+def test_quantization_is_kept_and_checked_against_the_spec_as_it_is(depctl_home):
+    result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "--quantization", "int8", "-o", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["quantization"] == "int8"
+    assert DeploymentSpec(id="d", model="m").quantization == "none"
+    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct", dtype="float32"))
+    before = (depctl_home / "deployments" / "dep.yaml").read_text()
+    result = run("deployment", "update", "dep", "--no-wait", "--quantization", "int8")  # the stored dtype is float32
+    assert result.exit_code != 0 and "--dtype float32" in " ".join(result.stderr.split())
+    assert (depctl_home / "deployments" / "dep.yaml").read_text() == before
+
+
+def test_a_spec_file_with_an_impossible_quantization_is_a_broken_spec(tmp_path):
+    from depctl.store import parse_spec
+
+    path = tmp_path / "x.yaml"
+    path.write_text("id: x\nmodel: m\ndtype: float32\nquantization: int8\n")
+    with pytest.raises(Exception, match="--quantization int8"):
+        parse_spec(path)

@@ -120,21 +120,26 @@ def test_gil_free_encode_equals_the_tokenizer(loaded):
             assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
 
 
-def test_bf16_target_speculation_is_exact_alone_and_in_a_batch(smollm2):
-    """What `--dtype auto` loads on a CPU with bf16 instructions: SmolLM2 in bf16 with the loader's surgery. n-gram
-    speculation must give exactly what the same bf16 model gives decoding plainly, one request at a time and in a
-    batch (a verify pass over k + 1 tokens, or over several rows, must round each row as a one-token step does)."""
+@pytest.mark.parametrize("precision", ["bfloat16", "int8 weights"])
+def test_half_precision_target_speculation_is_exact_alone_and_in_a_batch(smollm2, precision):
+    """What `--dtype auto` loads on a CPU with bf16 instructions (SmolLM2 in bf16 with the loader's surgery), and what
+    `--quantization int8` loads (weight-only int8, bf16 activations). n-gram speculation must give exactly what the
+    same model gives decoding plainly, one request at a time and in a batch (a verify pass over k + 1 tokens, or over
+    several rows, must round each row as a one-token step does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from runtime.engine import Scheduler
-    from runtime.loader import cpu_has_bf16, surgery_for
+    from runtime.engine.surgery import int8_row_invariant
+    from runtime.loader import INT8_WEIGHTS, cpu_has_bf16, surgery_for
 
-    if not cpu_has_bf16():
+    if precision == "bfloat16" and not cpu_has_bf16():
         pytest.skip("this CPU has no bf16 instructions (AVX-512 BF16 or AMX): --dtype auto keeps float32 here")
+    if precision == INT8_WEIGHTS and not int8_row_invariant(torch.bfloat16):
+        pytest.skip("this CPU's int8 weight kernel is not row-invariant: the loader refuses --quantization int8 here")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.bfloat16).eval()
-    model = surgery_for(model, "bfloat16", exact=True)
+    model = surgery_for(model, precision, exact=True)
     vocab, eos = len(tokenizer), (tokenizer.eos_token_id,)
     prompts = [*PROMPTS, "Repeat this list twice: red, green, blue, yellow, purple, orange.",
                "Copy this sentence and fix its typos: Teh cat sat on teh mat and lookd at teh dog."]
@@ -152,3 +157,4 @@ def test_bf16_target_speculation_is_exact_alone_and_in_a_batch(smollm2):
     assert spec.stats.num_accepted_tokens > 0  # drafts were verified in wide passes, and accepted
     together = Scheduler(engine(NgramProposer(3), 6), max_batch_size=len(ids)).run_all(ids, GenerationParams(max_tokens=48))
     assert together == plain
+    assert "Paris" in tokenizer.decode(plain[0])  # still the model it was: int8 weights keep the answer

@@ -54,3 +54,20 @@ def test_int8_draft_loads_quantized(tiny_model_dir, tiny_draft_dir):
     assert linears and all("quantized" in m for m in linears), linears
     assert loaded.target.precision == str(loader.pick_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     assert not any("quantized" in type(m).__module__ for m in loaded.target.model.modules())
+
+
+def test_int8_target_loads_weight_only_int8_in_bf16(tiny_model_dir):
+    from runtime.engine.surgery import Int8WeightLinear
+
+    spec = DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8")
+    loaded = load_deployment(spec, calibrate=False)
+    assert loaded.target.precision == loader.INT8_WEIGHTS and loaded.target.dtype == torch.bfloat16
+    linears = [m for m in loaded.target.model.modules() if isinstance(m, (torch.nn.Linear, Int8WeightLinear))]
+    assert linears and all(isinstance(m, Int8WeightLinear) for m in linears)  # the output layer included
+    assert loaded.engine.target.per_position  # bf16 activations: verify passes attend position by position
+
+
+def test_int8_target_is_refused_on_cuda_with_what_to_change():
+    with pytest.raises(LoadError, match="--quantization int8 runs on a CPU.*--device cpu, or --quantization none"):
+        loader.pick_dtype("auto", torch.device("cuda"), "int8")
+    assert loader.pick_dtype("auto", torch.device("cpu"), "int8") == torch.bfloat16

@@ -47,3 +47,37 @@ def test_weight_major_linear_keeps_the_weights():
     assert wm.weight is linear.weight
     x = torch.randn(5, 64)
     assert torch.allclose(wm(x), linear(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weight_linear_is_close_to_the_linear_and_row_invariant(bias):
+    from runtime.engine.surgery import Int8WeightLinear, int8_row_invariant
+
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 320, bias=bias)
+    q = Int8WeightLinear(linear, torch.bfloat16)
+    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (320, 576) and q.scales.dtype == torch.bfloat16
+    # per output row, max |w| maps to 127: the dequantized weight is within half a step of the original
+    step = q.scales.float()[:, None]
+    assert (q.qweight.float() * step - linear.weight).abs().max() <= (step / 2 + 1e-3 * step).max()
+    assert q.qweight.abs().amax(dim=1).min() >= 126
+    x = torch.randn(40, 576)
+    y = q(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and y.shape == (40, 320)
+    ref = linear(x)
+    assert (y.float() - ref).norm() / ref.norm() < 0.02
+    assert torch.equal(q(x.bfloat16().view(5, 8, 576)).view(40, 320), y)  # [batch, tokens, in]
+    if int8_row_invariant(torch.bfloat16):  # what the loader requires before it uses the kernel for a target
+        alone = torch.cat([q(x[i:i + 1].bfloat16()) for i in range(40)])
+        for m in range(1, 41):
+            assert torch.equal(q(x[:m].bfloat16()), alone[:m]), m
+    assert set(dict(q.named_buffers())) == {"qweight", "scales"}  # moved by .to(device), saved in a state dict
+
+
+def test_int8_weight_linears_swaps_every_linear():
+    from runtime.engine.surgery import Int8WeightLinear, int8_weight_linears
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).to(torch.bfloat16)
+    assert int8_weight_linears(model) == 2
+    assert all(isinstance(model[i], Int8WeightLinear) for i in (0, 2))
+    assert model(torch.randn(3, 64).bfloat16()).shape == (3, 64)
