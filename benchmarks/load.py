@@ -3,6 +3,12 @@ on, through one deployment (a request can ask to decode plainly, so both modes u
 
     .venv/bin/python benchmarks/load.py                                    # SmolLM2, chat + grounded, 1..16 clients
     .venv/bin/python benchmarks/load.py --workload chat --concurrency 1,8 --max-tokens 64
+    .venv/bin/python benchmarks/load.py --concurrency 1,8 --quantization int8 \
+        --llama-server $LLAMA/build/bin/llama-server --gguf F32=smol-f32.gguf --gguf Q8_0=smol-q8_0.gguf
+
+Peers (``--llama-server`` with ``--gguf``, ``--vllm-python``; ../shared/PEERS.md says how to build and install them)
+run after the daemon, one server process at a time, through the same client code, prompts and settings; their n-gram
+rows come from their own prompt-lookup speculation (llama.cpp ``ngram-simple``, vLLM ``ngram``) with the same n and K.
 
 Each concurrency level runs N clients in a closed loop (a client sends its next request when the previous one
 ends) over the workload's prompts, streaming, greedy, chat template applied by the server. One table per workload:
@@ -49,23 +55,25 @@ class Cell:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def one_request(client, prompt: str, max_tokens: int, speculate: bool, cell: Cell, lock: threading.Lock) -> None:
+def one_request(client, prompt: str, max_tokens: int, extra: dict, cell: Cell, lock: threading.Lock) -> None:
     t0 = time.perf_counter()
     first = last = None
     usage = None
+    chunks = 0
     stream = client.chat.completions.create(
         model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"speculate": speculate},
+        stream=True, stream_options={"include_usage": True}, extra_body=extra,
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             now = time.perf_counter()
             first = first or now
             last = now
+            chunks += 1
         if chunk.usage is not None:
             usage = chunk.usage
-    tokens = usage.completion_tokens
-    spec = (usage.model_extra or {}).get("speculation") or {}
+    tokens = usage.completion_tokens if usage is not None else chunks  # a server without usage: a chunk a token
+    spec = (usage.model_extra or {}).get("speculation") or {} if usage is not None else {}
     with lock:
         cell.requests += 1
         cell.tokens += tokens
@@ -77,7 +85,7 @@ def one_request(client, prompt: str, max_tokens: int, speculate: bool, cell: Cel
         cell.accepted += spec.get("accepted_tokens") or 0
 
 
-def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int, speculate: bool) -> Cell:
+def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int, extra: dict) -> Cell:
     import openai
 
     cell, lock = Cell(), threading.Lock()
@@ -86,7 +94,7 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
     def client_loop(c: int) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
         for i in counter:  # shared iterator: each request index is taken once (next() on a range iterator is atomic)
-            one_request(client, prompts[(i + c) % len(prompts)], max_tokens, speculate, cell, lock)
+            one_request(client, prompts[(i + c) % len(prompts)], max_tokens, extra, cell, lock)
 
     threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(concurrency)]
     t0 = time.perf_counter()
@@ -145,6 +153,59 @@ def p95(xs):
     return sorted(xs)[max(0, int(round(0.95 * len(xs))) - 1)] if xs else float("nan")
 
 
+def start_server(argv: list[str], url: str, log_path: Path, env: dict | None = None,
+                 timeout: float = 600) -> subprocess.Popen:
+    """A peer's OpenAI-compatible server: started, and waited for until ``/v1/models`` answers."""
+    import httpx
+
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[0]} exited: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise RuntimeError(f"{argv[0]} did not answer on {url} in {timeout:.0f}s (log: {log_path})")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_servers(binary: Path, label: str, gguf: Path, args, parallel: int):
+    """(name, mode, argv, url, env) for llama.cpp's server on one GGUF, plain and with its n-gram speculation."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = [str(binary), "-m", str(gguf), "-t", str(args.threads), "-c", str(4096 * parallel), "-np", str(parallel),
+            "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
+    ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.ngram),
+             "--spec-ngram-simple-size-m", str(args.k), "--spec-draft-n-max", str(args.k)]
+    env = {"LD_LIBRARY_PATH": str(binary.parent)}
+    return [(f"llama.cpp {label}", "plain", base, url, env), (f"llama.cpp {label}", "n-gram", base + ngram, url, env)]
+
+
+def vllm_servers(python: Path, model_dir: str, args):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    dtype = "float32" if args.dtype == "float32" else "bfloat16"
+    base = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            "bench", "--dtype", dtype, "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram,
+                       "prompt_lookup_max": args.ngram})
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(args.threads)}
+    return [(f"vLLM {dtype}", "plain", base, url, env), (f"vLLM {dtype}", "n-gram", base + ["--speculative-config", spec], url, env)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
@@ -156,7 +217,16 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--dtype", default="auto", help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 "
                         "instructions, else float32)")
+    parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
     parser.add_argument("--no-in-process", action="store_true")
+    parser.add_argument("--no-depctl", action="store_true", help="only the peers")
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="a llama-server binary (../shared/PEERS.md says how to build one): its rows join the tables")
+    parser.add_argument("--gguf", action="append", default=[], metavar="LABEL=FILE",
+                        help="a GGUF of the same model for --llama-server, e.g. F32=smol-f32.gguf (repeatable)")
+    parser.add_argument("--vllm-python", type=Path, default=None,
+                        help="the python of a virtualenv with vLLM's CPU build: its rows join the tables")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for the peers")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -164,67 +234,98 @@ def main() -> int:
     prompts = {w: [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{w}.jsonl").open()]
                for w in workloads}
     spec = DeploymentSpec(id="bench", model=args.model, max_batch_size=max(levels), dtype=args.dtype,
+                          quantization=args.quantization,
                           speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
+    ours = f"depctl {args.dtype}" + (f" {args.quantization}" if args.quantization != "none" else "")
 
-    reference = {}
-    if not args.no_in_process:
-        for w in workloads:
-            reference[w] = in_process(spec, prompts[w], args.max_tokens)
-            print(f"in-process {w}: {reference[w][0]:.1f} tok/s", file=sys.stderr)
-        import gc
-
-        gc.collect()
-
-    home = Path(tempfile.mkdtemp(prefix="depctl-load-"))
-    SpecStore(home / "deployments").create(spec)
-    proc, url = start_daemon(home)
-    results = {}
-    try:
-        run_cell(url, prompts[workloads[0]][:1], 1, 1, 8, True)  # warm-up
+    def cells(name: str, url: str, modes: dict[str, dict]) -> None:
+        """Every workload and level through one server; modes alternate who goes first at each level."""
+        run_cell(url, prompts[workloads[0]][:1], 1, 1, 8, next(iter(modes.values())))  # warm-up
         for w in workloads:
             for i, c in enumerate(levels):
                 n = args.requests or max(6, 2 * c)
-                order = (False, True) if i % 2 == 0 else (True, False)
-                for speculate in order:
-                    cell = run_cell(url, prompts[w], c, n, args.max_tokens, speculate)
-                    results[(w, c, speculate)] = cell
-                    print(f"  [{w} c={c} {'ngram' if speculate else 'plain'}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    if not args.no_in_process:  # again after the daemon: the machine's speed drifts; the tables use both runs
-        for w in workloads:
-            again = in_process(spec, prompts[w], args.max_tokens)
-            reference[w] = ((reference[w][0] + again[0]) / 2, reference[w][1], reference[w][0], again[0])
+                names = list(modes) if i % 2 == 0 else list(reversed(modes))
+                for mode in names:
+                    cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
+                    results[(name, mode, w, c)] = cell
+                    print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
+
+    results: dict = {}
+    reference = {}
+    if not args.no_depctl:
+        if not args.no_in_process:
+            for w in workloads:
+                reference[w] = in_process(spec, prompts[w], args.max_tokens)
+                print(f"in-process {w}: {reference[w][0]:.1f} tok/s", file=sys.stderr)
+            import gc
+
+            gc.collect()
+        home = Path(tempfile.mkdtemp(prefix="depctl-load-"))
+        SpecStore(home / "deployments").create(spec)
+        proc, url = start_daemon(home)
+        try:  # one deployment serves both modes: a request may ask to decode plainly
+            cells(ours, url, {"plain": {"speculate": False}, "n-gram": {"speculate": True}})
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        if not args.no_in_process:  # again after the daemon: the machine's speed drifts; the tables use both runs
+            for w in workloads:
+                again = in_process(spec, prompts[w], args.max_tokens)
+                reference[w] = ((reference[w][0] + again[0]) / 2, reference[w][1], reference[w][0], again[0])
+
+    peers = []
+    if args.llama_server:
+        for item in args.gguf:
+            label, _, path = item.partition("=")
+            peers += llama_servers(args.llama_server.resolve(), label, Path(path).resolve(), args, max(levels))
+    if args.vllm_python:
+        peers += vllm_servers(args.vllm_python, models.materialize(models.resolve(args.model, "--model")), args)
+    logs = Path(tempfile.mkdtemp(prefix="depctl-peers-"))
+    for name, mode, argv, url, env in peers:  # one process per mode: their speculation is a start-up flag
+        proc = start_server(argv, url, logs / f"{name.replace(' ', '-')}-{mode}.log", env)
+        try:
+            cells(name, url, {mode: {}})
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
     for w in workloads:
-        print_table(w, levels, results, reference.get(w), args)
+        print_table(w, levels, results, reference.get(w), args, ours)
     if args.json:
-        args.json.write_text(json.dumps({f"{w}/{c}/{'ngram' if s else 'plain'}": vars(cell) | {"aggregate": cell.aggregate}
-                                         for (w, c, s), cell in results.items()}, indent=1))
+        args.json.write_text(json.dumps({f"{n}/{m}/{w}/{c}": vars(cell) | {"aggregate": cell.aggregate}
+                                         for (n, m, w, c), cell in results.items()}, indent=1))
     return 0
 
 
-def print_table(workload, levels, results, reference, args) -> None:
-    print(f"\n### {workload}: {args.model} ({args.dtype}), n-gram n={args.ngram} K={args.k}, max_tokens {args.max_tokens}, greedy, "
+def print_table(workload, levels, results, reference, args, ours) -> None:
+    print(f"\n### {workload}: {args.model}, n-gram n={args.ngram} K={args.k}, max_tokens {args.max_tokens}, greedy, "
           f"streaming over HTTP\n")
     if reference is not None:
-        plain1 = results[(workload, levels[0], False)].aggregate if levels[0] == 1 else None
+        plain1 = results[(ours, "plain", workload, levels[0])].aggregate if levels[0] == 1 else None
         ratio = f" (daemon, 1 client: {plain1 / reference[0]:.2f}x of it)" if plain1 else ""
         runs = f" (before the daemon {reference[2]:.1f}, after {reference[3]:.1f})" if len(reference) > 2 else ""
         print(f"Same engine in-process, one request at a time, plain: {reference[0]:.1f} tok/s{runs}{ratio}\n")
-    print("| clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | TTFT p95 s | "
-          "acceptance | vs plain (same clients) | vs 1 client |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    servers = list(dict.fromkeys(name for name, _, w, _ in results if w == workload))
+    print("| server | clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | "
+          "TTFT p95 s | acceptance | vs its plain (same clients) | vs depctl plain (same clients) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:
-        for speculate in (False, True):
-            cell = results[(workload, c, speculate)]
-            plain = results[(workload, c, False)].aggregate
-            one = results.get((workload, levels[0], speculate))
-            acc = f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"
-            print(f"| {c} | {'n-gram' if speculate else 'plain'} | {cell.requests} | {cell.aggregate:.1f} | "
-                  f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
-                  f"{cell.aggregate / plain:.2f}x | {cell.aggregate / one.aggregate:.2f}x |")
+        for name in servers:
+            for mode in ("plain", "n-gram"):
+                cell = results.get((name, mode, workload, c))
+                if cell is None:
+                    continue
+                own = results.get((name, "plain", workload, c))
+                base = results.get((ours, "plain", workload, c))
+                acc = f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"
+                print(f"| {name} | {c} | {mode} | {cell.requests} | {cell.aggregate:.1f} | "
+                      f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
+                      f"{_ratio(cell, own)} | {_ratio(cell, base)} |")
     sys.stdout.flush()
+
+
+def _ratio(cell: Cell, base: Cell | None) -> str:
+    return f"{cell.aggregate / base.aggregate:.2f}x" if base is not None and base.aggregate else "-"
 
 
 if __name__ == "__main__":
