@@ -33,7 +33,7 @@ from runtime.engine import (  # noqa: E402
 )
 from runtime.engine.runner import ModelRunner  # noqa: E402
 from runtime.loader import (  # noqa: E402
-    load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
+    INT8_WEIGHTS, load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
 )
 
 
@@ -99,27 +99,33 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each workload")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
+                        help="the target's weights as --quantization holds them (transformers' rows keep bf16 weights)")
     parser.add_argument("--no-surgery", action="store_true",
                         help="run our engine on the models as transformers loads them (no weight-major or split-K linears)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="keep transformers' forward for our engine (no fused projections, runtime.engine.decoder)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
     device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    dtype = pick_dtype(args.dtype, device, args.quantization)
     t0 = time.perf_counter()
     model, tokenizer = load(args.model, device, dtype)
     precision = pick_draft_precision(args.draft_precision, device, dtype) if args.draft else None
 
-    def load_draft():
+    surgery = device.type == "cpu" and not args.no_surgery
+
+    def load_draft(ours: bool = False):
         d = load(args.draft, device, load_dtype(precision))[0]
+        if ours and surgery:
+            return surgery_for(d, precision, exact=False, fuse=not args.no_fuse)
         return quantize_int8(d) if precision == "int8" else d
 
-    draft = load_draft() if args.draft else None
-    surgery = device.type == "cpu" and not args.no_surgery
-    if surgery:  # what the loader does for a deployment (runtime.loader.surgery_for); int8 drafts are quantized above
-        model = surgery_for(model, str(dtype).removeprefix("torch."), exact=True)
-        if draft is not None and precision != "int8":
-            draft = surgery_for(draft, precision, exact=False)
+    draft = load_draft(ours=True) if args.draft else None
+    if surgery:  # what the loader does for a deployment (runtime.loader.surgery_for)
+        target_precision = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
+        model = surgery_for(model, target_precision, exact=True, fuse=not args.no_fuse)
     # transformers' rows get their own copies, as users run them (no module swaps)
     hf_model = None if args.no_hf else load(args.model, device, dtype)[0]
     hf_draft = None if args.no_hf or not args.draft else load_draft()
@@ -127,7 +133,8 @@ def main() -> int:
     hf_draft_plain = None
     if hf_draft is not None and precision != str(dtype).removeprefix("torch."):
         hf_draft_plain = load(args.draft, device, dtype)[0]
-    print(f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}, "
+    print(f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}"
+          f"{', int8 weights' if args.quantization == 'int8' else ''}, "
           f"{torch.get_num_threads()} threads", file=sys.stderr)
     vocab = len(tokenizer)
     eos = sorted({tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id)))

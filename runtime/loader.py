@@ -18,6 +18,7 @@ from depctl import models
 from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine
+from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
     int8_linears, int8_row_invariant, int8_weight_linears, row_invariant_chunk, split_k_linears, weight_major_linears,
@@ -86,7 +87,7 @@ def pick_dtype(requested: str, device: torch.device, quantization: str = "none")
     # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads and its
     # GEMM is flat in the row count (SmolLM2's lm_head: 7.2 ms fp32, 2.0 ms bf16 for one row, 2.3 ms for nine), so
     # decoding is ~1.7x faster and verification nearly free. Without them bf16 is emulated (verifying 8 tokens cost
-    # 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (cpu_surgery).
+    # 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (surgery).
     if cpu_has_bf16() and row_invariant_chunk(torch.bfloat16) is not None:
         return torch.bfloat16
     return torch.float32
@@ -128,19 +129,25 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         ) from exc
 
 
-def cpu_surgery(loaded: LoadedModel, exact: bool = True) -> None:
-    """The module swaps that make a CPU fast and keep it exact, applied here (``runtime.engine.surgery``); nothing on a
-    GPU. ``exact``: the model's numerics reach the output (a target), so its products must not depend on how many rows
-    share a pass; a draft's never do."""
+def surgery(loaded: LoadedModel, exact: bool = True) -> None:
+    """The loader's model surgery, explicit and in one place: fused projections for Llama-family models on any device
+    (``runtime.engine.decoder``: the runner then steps our own forward), then on a CPU the module swaps that make it
+    fast and keep it exact (``runtime.engine.surgery``). ``exact``: the model's numerics reach the output (a target),
+    so its products must not depend on how many rows share a pass; a draft's never do."""
     if loaded.device.type == "cpu":
         loaded.model = surgery_for(loaded.model, loaded.precision, exact)
+    else:
+        fuse_projections(loaded.model)
 
 
-def surgery_for(model: torch.nn.Module, precision: str, exact: bool) -> torch.nn.Module:
-    """Weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8 draft;
-    for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
+def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool = True) -> torch.nn.Module:
+    """A CPU's surgery: fused projections where the architecture allows (then the swaps below apply to the fused
+    linears); weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8
+    draft; for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
     differently with more rows beside it (a target only: a half-precision draft needs nothing); weight-major linears
     for float32 (a handful of rows cost close to one)."""
+    if fuse:
+        fuse_projections(model)
     if precision == INT8_WEIGHTS:
         int8_weight_linears(model, torch.bfloat16)
         return model
@@ -288,12 +295,12 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
     target = load_model(spec.model, "MODEL", device, dtype)
     if spec.quantization == "int8":
         target.precision = INT8_WEIGHTS
-    cpu_surgery(target)
+    surgery(target)
     draft = None
     if draft_ref:
         draft = load_model(draft_ref, "--draft-model", device, load_dtype(precision))
         draft.precision = precision
-        cpu_surgery(draft, exact=False)
+        surgery(draft, exact=False)
     vocab = real_vocab_size(target.tokenizer)
     rows = spec.max_batch_size
     proposer = None

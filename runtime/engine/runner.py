@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.engine import decoder
 from runtime.engine.attention import NAME as ROWS_ATTENTION
 from runtime.engine.cache import SlotCache
 
@@ -34,6 +35,8 @@ class ModelRunner:
         # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
         # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.
         model.set_attn_implementation(ROWS_ATTENTION)
+        # a model the loader fused (runtime.engine.decoder) is stepped through our own forward, not transformers'
+        self.fused = decoder.is_fused(model)
 
     def length(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -62,11 +65,15 @@ class ModelRunner:
         position_ids = self.cache.step.positions[None]  # [1, T]
         keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else 0
         try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=keep, depctl_rows=layout)
+            if self.fused:
+                logits = decoder.forward(self.model, input_ids[0], position_ids[0], self.cache, layout,
+                                         keep if last_only else None)
+            else:
+                logits = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
+                                    use_cache=True, logits_to_keep=keep, depctl_rows=layout).logits[0]
         finally:
             self.cache.advance(first, widths)
-        logits = out.logits[0]  # [T or B, vocab]
+        # logits: [T or B, vocab]
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit_vocab(logits, self.vocab_size)
         return logits

@@ -19,7 +19,9 @@ def _start(spec, torch_threads: set, ready: threading.Event):
     def load():
         loaded = load_deployment(spec)  # loading and calibration run here, on the worker thread
         loaded_on["thread"] = threading.get_ident()
-        loaded.engine.target.model.register_forward_hook(lambda *_: torch_threads.add(threading.get_ident()))
+        # the output layer runs in every forward, transformers' or ours (runtime.engine.decoder)
+        loaded.engine.target.model.get_output_embeddings().register_forward_hook(
+            lambda *_: torch_threads.add(threading.get_ident()))
         return loaded
 
     def on_loaded(worker, loaded):
