@@ -218,6 +218,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 "
                         "instructions, else float32)")
     parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
+    parser.add_argument("--depctl", action="append", default=[], metavar="DTYPE[+int8]",
+                        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8 (repeatable; default: "
+                        "--dtype with --quantization). Each gets a daemon of its own, one after another")
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--no-depctl", action="store_true", help="only the peers")
     parser.add_argument("--llama-server", type=Path, default=None,
@@ -233,10 +236,15 @@ def main() -> int:
     workloads = args.workload.split(",")
     prompts = {w: [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{w}.jsonl").open()]
                for w in workloads}
-    spec = DeploymentSpec(id="bench", model=args.model, max_batch_size=max(levels), dtype=args.dtype,
-                          quantization=args.quantization,
-                          speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
-    ours = f"depctl {args.dtype}" + (f" {args.quantization}" if args.quantization != "none" else "")
+    configs = args.depctl or [args.dtype + ("+int8" if args.quantization == "int8" else "")]
+    specs = {}
+    for config in configs:
+        dtype, _, quantization = config.partition("+")
+        specs[f"depctl {config}"] = DeploymentSpec(
+            id="bench", model=args.model, max_batch_size=max(levels), dtype=dtype or "auto",
+            quantization=quantization or "none",
+            speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
+    ours = next(iter(specs))  # the others' "vs depctl plain" column compares with this one
 
     def cells(name: str, url: str, modes: dict[str, dict]) -> None:
         """Every workload and level through one server; modes alternate who goes first at each level."""
@@ -252,8 +260,9 @@ def main() -> int:
 
     results: dict = {}
     reference = {}
-    if not args.no_depctl:
-        if not args.no_in_process:
+    for name, spec in ({} if args.no_depctl else specs).items():
+        check = not args.no_in_process and name == ours  # the in-process reference: for the first one only
+        if check:
             for w in workloads:
                 reference[w] = in_process(spec, prompts[w], args.max_tokens)
                 print(f"in-process {w}: {reference[w][0]:.1f} tok/s", file=sys.stderr)
@@ -264,11 +273,11 @@ def main() -> int:
         SpecStore(home / "deployments").create(spec)
         proc, url = start_daemon(home)
         try:  # one deployment serves both modes: a request may ask to decode plainly
-            cells(ours, url, {"plain": {"speculate": False}, "n-gram": {"speculate": True}})
+            cells(name, url, {"plain": {"speculate": False}, "n-gram": {"speculate": True}})
         finally:
             proc.terminate()
             proc.wait(30)
-        if not args.no_in_process:  # again after the daemon: the machine's speed drifts; the tables use both runs
+        if check:  # again after the daemon: the machine's speed drifts; the tables use both runs
             for w in workloads:
                 again = in_process(spec, prompts[w], args.max_tokens)
                 reference[w] = ((reference[w][0] + again[0]) / 2, reference[w][1], reference[w][0], again[0])
@@ -302,6 +311,7 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
           f"streaming over HTTP\n")
     if reference is not None:
         plain1 = results[(ours, "plain", workload, levels[0])].aggregate if levels[0] == 1 else None
+        print(f"In-process reference: {ours}.")
         ratio = f" (daemon, 1 client: {plain1 / reference[0]:.2f}x of it)" if plain1 else ""
         runs = f" (before the daemon {reference[2]:.1f}, after {reference[3]:.1f})" if len(reference) > 2 else ""
         print(f"Same engine in-process, one request at a time, plain: {reference[0]:.1f} tok/s{runs}{ratio}\n")
