@@ -21,7 +21,8 @@ from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, Spec
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
-    int8_linears, int8_row_invariant, int8_weight_linears, row_invariant_chunk, split_k_linears, weight_major_linears,
+    int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears, onednn_row_invariant, row_invariant_chunk,
+    split_k_linears, weight_major_linears,
 )
 
 log = logging.getLogger("depctl.loader")
@@ -144,8 +145,9 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     """A CPU's surgery: fused projections where the architecture allows (then the swaps below apply to the fused
     linears); weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8
     draft; for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
-    differently with more rows beside it (a target only: a half-precision draft needs nothing); weight-major linears
-    for float32 (a handful of rows cost close to one)."""
+    differently with more rows beside it (a target only: a half-precision draft needs nothing); for float32, oneDNN
+    linears with at least two rows a product where that is row-invariant here, else weight-major linears (a handful
+    of rows cost close to one)."""
     if fuse:
         fuse_projections(model)
     if precision == INT8_WEIGHTS:
@@ -163,7 +165,10 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
                     "rows share the pass, so speculation would not be exact: update the deployment with --dtype float32")
             split_k_linears(model, chunk)
         return model
-    weight_major_linears(model)
+    if onednn_row_invariant():
+        onednn_linears(model)
+    else:
+        weight_major_linears(model)
     return model
 
 

@@ -10,11 +10,12 @@ function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kern
 - every row equally wide (a plain decode step, a fully drafted batch, a prefill): one batched SDPA call, the
   batch's rows reshaped back into a batch dimension, with a mask over each row's length;
 - ragged: one SDPA call per row, over that row's keys only;
-- ``per_position`` (bf16/fp16 on a CPU, set by the runner): every row is attended as if it were alone in the batch,
+- ``per_position`` (any dtype on a CPU, set by the runner): every row is attended as if it were alone in the batch,
   and a row's tokens in a verify pass one position at a time, each call shaped exactly like the one-token step at
-  that position. The CPU's half-precision SDPA kernel rounds a query differently when more query rows share the call
-  (measured: 18 folded rows vs 3 changed the last bits of SmolLM2's attention), and a row batched with others came
-  out differently from the same row alone; this way neither a verify pass nor a batch can change a row's bits.
+  that position. The CPU's SDPA kernels round a query differently when more query rows share the call (bf16: 18
+  folded rows vs 3 changed the last bits of SmolLM2's attention; float32 too, by ~1e-5 in the logits), and a row
+  batched with others came out differently from the same row alone; this way neither a verify pass nor a batch can
+  change a row's bits.
   Prefill chunks (wider than ``PER_POSITION_MAX_WIDTH``) keep one call per row: both modes prefill alike.
 
 Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.

@@ -29,9 +29,10 @@ class ModelRunner:
         self.max_rows = max_rows
         # slack: a verify writes up to K + 1 positions past a row's length
         self.cache = SlotCache(model.config, max_rows, max_context + slack)
-        # half precision on a CPU: verify passes attend position by position, so that they round as plain steps do
-        dtype = next(model.parameters()).dtype
-        self.per_position = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        # on a CPU, verify passes attend position by position, so that they round as plain steps do: SDPA's CPU kernels
+        # round a query differently beside more queries, in float32 too (with the loader's row-invariant linears this
+        # makes a 9-token verify pass bit-identical to 9 one-token steps; tests/real checks it on SmolLM2)
+        self.per_position = self.device.type == "cpu"
         # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
         # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.
         model.set_attn_implementation(ROWS_ATTENTION)

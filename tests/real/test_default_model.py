@@ -120,16 +120,18 @@ def test_gil_free_encode_equals_the_tokenizer(loaded):
             assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "int8 weights"])
-def test_half_precision_target_speculation_is_exact_alone_and_in_a_batch(smollm2, precision):
-    """What `--dtype auto` loads on a CPU with bf16 instructions (SmolLM2 in bf16 with the loader's surgery), and what
-    `--quantization int8` loads (weight-only int8, bf16 activations). n-gram speculation must give exactly what the
-    same model gives decoding plainly, one request at a time and in a batch (a verify pass over k + 1 tokens, or over
-    several rows, must round each row as a one-token step does)."""
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8 weights"])
+def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surgery(smollm2, precision):
+    """What the loader makes of SmolLM2 on this CPU: float32 (oneDNN linears, fused projections), bfloat16 (what
+    `--dtype auto` loads with bf16 instructions: split-K linears) and `--quantization int8` (weight-only int8, bf16
+    activations). n-gram speculation must give exactly what the same model gives decoding plainly, one request at a
+    time and in a batch (a verify pass over k + 1 tokens, or over several rows, must round each row as a one-token
+    step does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from runtime.engine import Scheduler
+    from runtime.engine.decoder import is_fused
     from runtime.engine.surgery import int8_row_invariant
     from runtime.loader import INT8_WEIGHTS, cpu_has_bf16, surgery_for
 
@@ -138,8 +140,10 @@ def test_half_precision_target_speculation_is_exact_alone_and_in_a_batch(smollm2
     if precision == INT8_WEIGHTS and not int8_row_invariant(torch.bfloat16):
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: the loader refuses --quantization int8 here")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.bfloat16).eval()
+    dtype = torch.float32 if precision == "float32" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=dtype).eval()
     model = surgery_for(model, precision, exact=True)
+    assert is_fused(model)  # SmolLM2 is a Llama: our own forward
     vocab, eos = len(tokenizer), (tokenizer.eos_token_id,)
     prompts = [*PROMPTS, "Repeat this list twice: red, green, blue, yellow, purple, orange.",
                "Copy this sentence and fix its typos: Teh cat sat on teh mat and lookd at teh dog."]
@@ -151,6 +155,16 @@ def test_half_precision_target_speculation_is_exact_alone_and_in_a_batch(smollm2
         return SpeculativeEngine(ModelRunner(model, vocab, max_rows=len(ids)), proposer,
                                  EngineConfig(num_draft_tokens=k, eos_token_ids=eos, adaptive=False))
 
+    # the property speculation rests on, bit for bit: a verify pass over 9 tokens gives each position the logits
+    # that 9 one-token steps give it (fp32 rounding differences rarely flip a greedy token, so tokens alone would
+    # not show a kernel that breaks it)
+    runner = ModelRunner(model, vocab)
+    runner.forward(0, [ids[0]])
+    start, probe = runner.length(0), ids[1][:9]
+    wide = runner.forward(0, [probe])
+    runner.set_length(0, start)
+    steps = torch.cat([runner.forward(0, [[t]]) for t in probe])
+    assert torch.equal(wide, steps)
     plain = [_generate(engine(None), p, 48) for p in ids]
     spec = engine(NgramProposer(3), 6)
     assert [_generate(spec, p, 48) for p in ids] == plain

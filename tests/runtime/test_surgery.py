@@ -81,3 +81,32 @@ def test_int8_weight_linears_swaps_every_linear():
     assert int8_weight_linears(model) == 2
     assert all(isinstance(model[i], Int8WeightLinear) for i in (0, 2))
     assert model(torch.randn(3, 64).bfloat16()).shape == (3, 64)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bias):
+    from runtime.engine.surgery import OneDNNLinear, onednn_row_invariant
+
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 320, bias=bias)
+    fast = OneDNNLinear(linear)
+    assert fast.weight is linear.weight  # no copy
+    x = torch.randn(40, 576)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: the loader keeps weight-major linears")
+    torch.testing.assert_close(fast(x), linear(x), rtol=1e-4, atol=1e-4)
+    assert fast(x[:1]).shape == (1, 320) and fast(x.view(5, 8, 576)).shape == (5, 8, 320)
+    if onednn_row_invariant():  # what the loader requires before it uses it for a float32 model
+        alone = torch.cat([fast(x[i : i + 1]) for i in range(40)])
+        for m in range(1, 41):
+            assert torch.equal(fast(x[:m]), alone[:m]), m
+
+
+def test_the_float32_surgery_is_picked_by_what_the_machine_does():
+    from runtime.engine.surgery import OneDNNLinear, onednn_row_invariant
+    from runtime.loader import surgery_for
+
+    model = nn.Sequential(nn.Linear(64, 32))
+    model.config = None
+    surgery_for(model, "float32", exact=True)
+    assert isinstance(model[0], OneDNNLinear if onednn_row_invariant() else WeightMajorLinear)
