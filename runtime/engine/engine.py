@@ -78,7 +78,7 @@ class SpeculativeEngine:
         """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
         t0 = time.perf_counter()
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
-        logits = self.target.forward(seq.row, [chunk], last_only=True)  # [1, vocab]
+        logits = self.target.forward(seq.row, [chunk], last_only=True, prefill=True)  # [1, vocab]
         if self.draft_model is not None:
             self.draft_model.prefill(seq.row, chunk)
         seq.prefilled += len(chunk)

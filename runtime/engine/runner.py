@@ -9,11 +9,14 @@ step, for the target and the draft alike: a row holds a prefix of its accepted s
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from runtime.engine import decoder
 from runtime.engine.attention import NAME as ROWS_ATTENTION
 from runtime.engine.cache import SlotCache
+from runtime.engine.surgery import prefill_pass
 
 
 class ModelRunner:
@@ -49,12 +52,15 @@ class ModelRunner:
         self.cache.move_row(src, dst)
 
     @torch.inference_mode()
-    def forward(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
+                prefill: bool = False) -> torch.Tensor:
         """Append ``inputs[b]`` to row ``first + b`` for every b and return the logits.
 
         inputs: B lists of token ids (ragged), or a [B, S] tensor already on the device (no host round trip)
         returns: [T, vocab] for the flat stream of all rows' tokens (row b's are ``offsets[b]:offsets[b + 1]``,
         offsets the running sum of the input lengths), or [B, vocab] with ``last_only``: each row's last token
+        prefill: the inputs are a prompt chunk, which plain and speculative decoding read alike: linears may use a
+        kernel that is faster for many rows (``surgery.prefill_pass``)
         """
         if isinstance(inputs, torch.Tensor):
             widths = [inputs.shape[1]] * inputs.shape[0]
@@ -64,20 +70,23 @@ class ModelRunner:
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
         layout = self.cache.begin(first, widths, self.device, self.per_position)
         position_ids = self.cache.step.positions[None]  # [1, T]
-        keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else 0
+        keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else None
         try:
-            if self.fused:
-                logits = decoder.forward(self.model, input_ids[0], position_ids[0], self.cache, layout,
-                                         keep if last_only else None)
-            else:
-                logits = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache,
-                                    use_cache=True, logits_to_keep=keep, depctl_rows=layout).logits[0]
+            with prefill_pass() if prefill else contextlib.nullcontext():
+                logits = self._forward(input_ids, position_ids, layout, keep)
         finally:
             self.cache.advance(first, widths)
         # logits: [T or B, vocab]
         if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
             logits = _fit_vocab(logits, self.vocab_size)
         return logits
+
+    def _forward(self, input_ids, position_ids, layout, keep) -> torch.Tensor:
+        """keep: None, or the stream indices whose logits are wanted. Returns [T or len(keep), vocab]."""
+        if self.fused:
+            return decoder.forward(self.model, input_ids[0], position_ids[0], self.cache, layout, keep)
+        return self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+                          logits_to_keep=0 if keep is None else keep, depctl_rows=layout).logits[0]
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -110,3 +110,22 @@ def test_the_float32_surgery_is_picked_by_what_the_machine_does():
     model.config = None
     surgery_for(model, "float32", exact=True)
     assert isinstance(model[0], OneDNNLinear if onednn_row_invariant() else WeightMajorLinear)
+
+
+def test_int8_prompt_chunks_take_the_dequantized_path_only_inside_a_prefill_pass():
+    from runtime.engine import surgery
+    from runtime.engine.surgery import Int8WeightLinear, prefill_pass
+
+    torch.manual_seed(0)
+    q = Int8WeightLinear(nn.Linear(576, 320), torch.bfloat16)
+    x = torch.randn(64, 576).bfloat16()
+    kernel = q(x)
+    with prefill_pass():
+        chunk = q(x)
+        assert torch.equal(q(x[:surgery.PREFILL_DEQUANT_ROWS]), kernel[:surgery.PREFILL_DEQUANT_ROWS])  # few rows: the kernel
+    assert not torch.equal(chunk, kernel)  # another kernel: different last bits...
+    assert (chunk.float() - kernel.float()).norm() / kernel.float().norm() < 0.01  # ...the same product
+    assert torch.equal(q(x), kernel)  # the pass ended: decode and verify passes use the row-invariant kernel
+    with pytest.raises(RuntimeError), prefill_pass():
+        raise RuntimeError("a failed forward")
+    assert torch.equal(q(x), kernel)  # reset even when the forward raised
