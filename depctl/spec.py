@@ -12,6 +12,9 @@ max_batch_size: 8
 device: auto
 dtype: auto
 quantization: none
+engine: depctl            # or vllm: the daemon runs a vLLM server for it (see depctl.vllm)
+max_context_length: null  # tokens a request may span (prompt + output); null: the model's, up to 32768
+tensor_parallel_size: 1   # vLLM only, like pipeline_parallel_size and ray_address
 created_at: 2026-11-22T12:00:00Z
 updated_at: 2026-11-22T12:00:00Z
 ```
@@ -45,6 +48,11 @@ DraftPrecision = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 # (CPU only): half the bytes of bf16 per step. It changes the model's outputs slightly (as llama.cpp's Q8_0 does);
 # speculation stays exact against the same int8 model decoding plainly. Never picked for you.
 Quantization = Literal["none", "int8"]
+# Which engine serves the deployment: depctl's own (one device, one process), or a vLLM server the daemon starts and
+# supervises (tensor/pipeline parallel, multi-node through Ray), behind the same API.
+Engine = Literal["depctl", "vllm"]
+MAX_PARALLEL_SIZE = 1024
+MIN_CONTEXT_LENGTH = 16
 
 
 class _Strict(BaseModel):
@@ -91,6 +99,11 @@ class DeploymentSpec(_Strict):
     device: Device = "auto"
     dtype: Dtype = "auto"
     quantization: Quantization = "none"
+    engine: Engine = "depctl"
+    max_context_length: int | None = Field(None, ge=MIN_CONTEXT_LENGTH)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)
+    pipeline_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)
+    ray_address: str | None = Field(None, min_length=1)
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 
@@ -103,6 +116,7 @@ class DeploymentSpec(_Strict):
     @model_validator(mode="after")
     def _check_quantization(self) -> "DeploymentSpec":
         check_quantization(self.quantization, self.dtype, self.device)
+        check_engine(self)
         return self
 
     def to_yaml_dict(self) -> dict:
@@ -121,6 +135,26 @@ def check_quantization(quantization: str, dtype: str, device: str) -> None:
     if device == "cuda":
         raise ValueError("--quantization int8 runs on a CPU in this version: use --device cpu (or auto on a machine "
                          "without a GPU), or --quantization none")
+
+
+def check_engine(spec: "DeploymentSpec") -> None:
+    """What each engine can run; raises ValueError naming the flag to change. vLLM's own refusals that a spec can
+    show without loading anything are here, so ``create`` refuses them instead of a server failing to start."""
+    if spec.engine == "depctl":
+        for flag, value, default in (("--tensor-parallel-size", spec.tensor_parallel_size, 1),
+                                     ("--pipeline-parallel-size", spec.pipeline_parallel_size, 1),
+                                     ("--ray-address", spec.ray_address, None)):
+            if value != default:
+                raise ValueError(f"{flag} needs --engine vllm: depctl's own engine runs on one device in one process "
+                                 f"(use --engine vllm to spread a model over GPUs or machines, or drop {flag})")
+        return
+    if spec.quantization != "none":
+        raise ValueError(f"--quantization {spec.quantization} is depctl's own kernel and vLLM has no equivalent: use "
+                         "--quantization none with --engine vllm (or a checkpoint quantized for vLLM), or --engine depctl")
+    precision = getattr(spec.speculation, "draft_precision", "auto")
+    if precision != "auto":
+        raise ValueError(f"--draft-precision {precision} applies to depctl's engine; vLLM holds the draft in the "
+                         "target's dtype: use --draft-precision auto with --engine vllm")
 
 
 def check_deployment_id(value: str) -> str:
@@ -227,6 +261,16 @@ def _flag_bounds_message(exc: ValidationError) -> str:
         field = str(err["loc"][-1]) if err["loc"] else ""
         parts.append(f"{flags.get(field, field)}: {err['msg']}")
     return "; ".join(parts)
+
+
+def describe_engine(spec: "DeploymentSpec") -> str:
+    """``depctl``, or ``vllm`` with its parallelism when there is any: ``vllm (tp=2, pp=2, ray=auto)``."""
+    if spec.engine != "vllm":
+        return spec.engine
+    parts = [f"tp={spec.tensor_parallel_size}"] if spec.tensor_parallel_size > 1 else []
+    parts += [f"pp={spec.pipeline_parallel_size}"] if spec.pipeline_parallel_size > 1 else []
+    parts += [f"ray={spec.ray_address}"] if spec.ray_address else []
+    return "vllm" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def describe_speculation(spec: NoSpeculation | NgramSpeculation | DraftModelSpeculation) -> str:

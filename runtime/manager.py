@@ -9,7 +9,9 @@ The daemon owns status; it never writes into a spec. States (as Fireworks and ds
 
 A spec file that does not parse shows up as FAILED with the file and the problem, and touches no other
 deployment. Each loaded engine belongs to one ``EngineWorker`` thread, which loads it, calibrates it and runs every
-step (see ``runtime.worker``); loads take turns on one lock so two big models never load at once.
+step (see ``runtime.worker``); a ``--engine vllm`` deployment belongs to a ``VLLMServer``, which starts and supervises
+a vLLM server process (see ``runtime.vllm_server``; a crash there is FAILED, then CREATING again as it restarts). Loads
+and server start-ups take turns on one lock so two big models never load at once.
 Reconciling happens on a poll of the store (every ``POLL_SECONDS``) and at once when the CLI calls
 ``POST /depctl/v1/reconcile`` after a write.
 """
@@ -25,9 +27,10 @@ from functools import partial
 from typing import Callable
 
 from depctl.errors import DepctlError
-from depctl.spec import DeploymentSpec, describe_speculation
+from depctl.spec import DeploymentSpec, describe_engine, describe_speculation
 from depctl.store import SpecStore
 from runtime.loader import LoadedDeployment, LoadError, load_deployment
+from runtime.vllm_server import VLLMServer, reap_orphans, stats_from_metrics
 from runtime.worker import EngineWorker
 
 log = logging.getLogger("depctl.manager")
@@ -52,6 +55,7 @@ class Deployment:
     state: State
     reason: str | None = None
     worker: EngineWorker | None = None  # the thread serving the loaded engine
+    server: VLLMServer | None = None  # or the vLLM server serving it (--engine vllm)
     loaded_spec: DeploymentSpec | None = None  # the spec the loaded engine was built from
     generation: int = 0  # bumps on every spec change; a load for an older generation is discarded
     state_since: float = field(default_factory=time.time)
@@ -63,6 +67,22 @@ class Deployment:
         worker = self.worker
         return worker.loaded if worker is not None else None
 
+    @property
+    def serving(self) -> bool:
+        """Something is there to answer requests (the state says whether it should)."""
+        server = self.server
+        return self.loaded is not None or (server is not None and server.ready)
+
+    @property
+    def tokenizer(self):
+        loaded, server = self.loaded, self.server
+        return loaded.tokenizer if loaded else (server.tokenizer if server else None)
+
+    @property
+    def max_context(self) -> int | None:
+        loaded, server = self.loaded, self.server
+        return loaded.max_context if loaded else (server.max_model_len if server else None)
+
     def set_state(self, state: State, reason: str | None = None) -> None:
         if state != self.state:
             log.info("deployment %s: %s -> %s%s", self.id, self.state.value, state.value, f" ({reason})" if reason else "")
@@ -70,7 +90,9 @@ class Deployment:
         self.reason = reason
         self.state_since = time.time()
 
-    def status(self) -> dict:
+    def status(self, scrape: bool = True) -> dict:
+        """What ``deployment get`` shows. ``scrape``: ask a vLLM server for fresh counters (an HTTP call: never on the
+        event loop); otherwise the last ones read."""
         spec = self.spec or self.loaded_spec
         worker = self.worker
         out = {
@@ -80,12 +102,25 @@ class Deployment:
             "state_since": self.state_since,
             "model": spec.model if spec else None,
             "speculation": describe_speculation(spec.speculation) if spec else None,
+            "engine": describe_engine(spec) if spec else None,
             "ready_at": self.ready_at,
             "load_seconds": self.load_seconds,
             # vLLM's gauge names: requests in the running batch (prefilling included), and queued behind it
             "num_requests_running": worker.num_running if worker else 0,
             "num_requests_waiting": worker.num_waiting if worker else 0,
         }
+        server = self.server
+        if server is not None:
+            metrics = server.metrics(fetch=scrape)
+            out["vllm"] = server.status()
+            out["num_requests_running"] = int(metrics.get("vllm:num_requests_running", 0))
+            out["num_requests_waiting"] = int(metrics.get("vllm:num_requests_waiting", 0))
+            out["device"] = server.device
+            out["dtype"] = server.dtype
+            out["max_context"] = server.max_model_len
+            out["max_batch_size"] = (self.loaded_spec or spec).max_batch_size if (self.loaded_spec or spec) else None
+            if server.ready:
+                out["stats"] = stats_from_metrics(metrics)
         loaded = self.loaded
         if loaded:
             engine = loaded.engine
@@ -107,10 +142,11 @@ Loader = Callable[[DeploymentSpec], LoadedDeployment]
 def _reload_needed(old: DeploymentSpec, new: DeploymentSpec) -> bool:
     """Everything but the draft token count, the display name and timestamps needs new weights or a new proposer."""
 
-    def key(spec: DeploymentSpec) -> tuple:
-        s = spec.speculation.model_dump()
-        s.pop("num_draft_tokens", None)
-        return (spec.model, spec.device, spec.dtype, spec.quantization, spec.max_batch_size, tuple(sorted(s.items())))
+    def key(spec: DeploymentSpec) -> dict:
+        fields = spec.model_dump(exclude={"display_name", "created_at", "updated_at"})
+        if spec.engine == "depctl":  # our engine changes K in place; a vLLM server takes it only at start-up
+            fields["speculation"].pop("num_draft_tokens", None)
+        return fields
 
     return key(old) != key(new)
 
@@ -129,9 +165,11 @@ class DeploymentManager:
         self._stop = threading.Event()
         self._fingerprint: dict | None = None
         self._poller: threading.Thread | None = None
+        self._servers: set[VLLMServer] = set()
 
     # ---- lifecycle ----
     def start(self) -> None:
+        reap_orphans()  # vLLM servers a killed daemon left behind: gone before anything starts again
         self.reconcile()
         self._poller = threading.Thread(target=self._poll, name="depctl-poll", daemon=True)
         self._poller.start()
@@ -142,6 +180,11 @@ class DeploymentManager:
             for dep in self.deployments.values():
                 if dep.worker is not None:
                     dep.worker.stop(drain=False)
+            servers = list(self._servers)
+        for server in servers:
+            server.stop()
+        for server in servers:  # the daemon exits only once its vLLM servers have
+            server.wait_stopped(timeout=30)
 
     def _poll(self) -> None:
         next_reconcile = time.monotonic() + POLL_SECONDS
@@ -194,14 +237,14 @@ class DeploymentManager:
             return  # unchanged (a FAILED deployment is retried when its spec changes or the daemon restarts)
         dep.spec = spec
         dep.generation += 1
-        if dep.loaded is not None and dep.loaded_spec is not None and not _reload_needed(dep.loaded_spec, spec):
-            # the draft token count (or just the name) changed: apply in place, no reload
-            k = getattr(spec.speculation, "num_draft_tokens", 0)
-            dep.worker.set_num_draft_tokens(k)  # on the engine's own thread
+        if dep.serving and dep.loaded_spec is not None and not _reload_needed(dep.loaded_spec, spec):
+            # the draft token count (depctl's engine) or just the name changed: apply in place, no reload
+            if dep.worker is not None:
+                dep.worker.set_num_draft_tokens(getattr(spec.speculation, "num_draft_tokens", 0))  # on its thread
             dep.loaded_spec = spec
             dep.set_state(State.READY)
             return
-        dep.set_state(State.UPDATING if dep.loaded is not None else State.CREATING)
+        dep.set_state(State.UPDATING if dep.serving else State.CREATING)
         self._schedule_load(dep)
 
     def _on_broken(self, dep_id: str, problem: str) -> None:
@@ -227,16 +270,19 @@ class DeploymentManager:
                     del self.deployments[dep.id]
             _free_memory()
 
-        worker = dep.worker
+        worker = dep.worker or dep.server
         if worker is None:
             forget()
         else:
-            worker.stop(drain=True, then=forget)  # in-flight requests finish first
+            worker.stop(drain=True, then=forget)  # in-flight requests finish first (depctl's engine)
 
     def _release(self, dep: Deployment) -> None:
         worker, dep.worker, dep.loaded_spec = dep.worker, None, None
+        server, dep.server = dep.server, None
         if worker is not None:
             worker.stop(drain=True, then=_free_memory)
+        if server is not None:
+            server.stop()
 
     def _schedule_load(self, dep: Deployment) -> None:
         generation, spec = dep.generation, dep.spec
@@ -245,6 +291,10 @@ class DeploymentManager:
         def current() -> bool:
             with self._lock:
                 return dep.generation == generation and self.deployments.get(dep.id) is dep
+
+        if spec.engine == "vllm":
+            self._start_server(dep, spec, generation, current, t0)
+            return
 
         def load() -> LoadedDeployment:
             turn = _Turn(dep, generation)
@@ -257,16 +307,7 @@ class DeploymentManager:
                 self._end_turn(turn)
 
         def on_loaded(worker: EngineWorker, loaded: LoadedDeployment) -> bool:
-            with self._lock:
-                if not current():
-                    return False  # stale: drop what we loaded
-                previous, dep.worker, dep.loaded_spec = dep.worker, worker, spec
-                dep.load_seconds = round(time.time() - t0, 2)
-                dep.ready_at = time.time()
-                dep.set_state(State.READY)
-            if previous is not None:
-                previous.stop(drain=True, then=_free_memory)  # the old engine finishes what it was serving
-            return True
+            return self._serving_now(dep, current, spec, t0, worker=worker)
 
         def on_failed(worker: EngineWorker, exc: BaseException) -> None:
             if isinstance(exc, _Superseded):
@@ -283,6 +324,67 @@ class DeploymentManager:
                 self._release(dep)
 
         EngineWorker(dep.id, load, on_loaded, on_failed, spec.max_batch_size).start()
+
+    def _serving_now(self, dep: Deployment, current, spec: DeploymentSpec, t0: float,
+                     worker: EngineWorker | None = None, server: VLLMServer | None = None) -> bool:
+        """A load (or server start) finished: it serves from now on and the previous one, if any, is let go."""
+        with self._lock:
+            if not current():
+                return False  # stale: drop what we loaded
+            previous = [p for p in (dep.worker, dep.server) if p is not None and p is not server]
+            dep.worker, dep.server, dep.loaded_spec = worker, server, spec
+            dep.load_seconds = round(time.time() - t0, 2)
+            dep.ready_at = time.time()
+            dep.set_state(State.READY)
+        for p in previous:
+            p.stop(drain=True, then=_free_memory)  # the old engine finishes what it was serving
+        return True
+
+    def _start_server(self, dep: Deployment, spec: DeploymentSpec, generation: int, current, t0: float) -> None:
+        turn = _Turn(dep, generation)
+
+        def wanted() -> bool:
+            """Starting for the spec as it is, or already the deployment's server (which a display-name change,
+            say, must not stop); once neither, the server stops itself."""
+            with self._lock:
+                return (self.deployments.get(dep.id) is dep and dep.state != State.DELETING
+                        and (current() or dep.server is server))
+
+        def on_starting(server: VLLMServer, progress: str) -> None:
+            with self._lock:
+                if not wanted():
+                    return
+                if dep.state == State.UPDATING and dep.server is not server:
+                    dep.reason = progress  # the previous engine serves until this one is up
+                else:
+                    dep.set_state(State.CREATING, progress)  # new, or restarting after a crash
+
+        def on_failed(server: VLLMServer, reason: str, retrying: bool) -> None:
+            with self._lock:
+                if not wanted():
+                    return
+                dep.set_state(State.FAILED, reason)
+                if dep.server is not server or not retrying:
+                    # as for a failed load: the previous engine goes too (it no longer matches the spec); a server
+                    # still retrying becomes the deployment's once it is up
+                    self._release(dep)
+
+        def on_ready(server: VLLMServer) -> bool:
+            return self._serving_now(dep, wanted, spec, t0, server=server)
+
+        def exited() -> None:
+            with self._lock:
+                self._servers.discard(server)
+
+        server = VLLMServer(spec, load_timeout=self.load_timeout, wanted=wanted,
+                            take_turn=lambda: self._take_turn(turn), end_turn=lambda: self._end_turn(turn),
+                            on_starting=on_starting, on_ready=on_ready, on_failed=on_failed)
+        with self._lock:
+            self._servers.add(server)  # every live server, so that `daemon stop` waits for all of them
+            if not dep.serving:
+                dep.server = server
+        server.stop_callbacks.append(exited)
+        server.start()
 
     # ---- the load turn ----
     def _take_turn(self, turn: "_Turn") -> None:

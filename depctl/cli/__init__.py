@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from depctl.cli import bench, daemon, deployment, model, talk
+from depctl.cli import bench, daemon, deployment, engine, model, talk
 
 app = typer.Typer(
     name="depctl",
@@ -17,6 +17,7 @@ deployment.app.command()(bench.bench)
 app.add_typer(deployment.app, name="deployment")
 app.add_typer(daemon.app, name="daemon")
 app.add_typer(model.app, name="model")
+app.add_typer(engine.app, name="engine")
 app.command()(talk.generate)
 app.command()(talk.chat)
 

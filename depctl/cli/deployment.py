@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.table import Table
+from pydantic import ValidationError
 from rich.text import Text
 
 from depctl import models, output
@@ -23,6 +24,7 @@ from depctl.spec import (
     DeploymentSpec,
     DraftModelSpeculation,
     check_deployment_id,
+    describe_engine,
     describe_speculation,
     new_deployment_id,
     speculation_from_flags,
@@ -41,6 +43,7 @@ Device = _choices("Device", spec_module.Device)
 Dtype = _choices("Dtype", spec_module.Dtype)
 DraftPrecision = _choices("DraftPrecision", spec_module.DraftPrecision)
 Quantization = _choices("Quantization", spec_module.Quantization)
+Engine = _choices("Engine", spec_module.Engine)
 
 
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
@@ -60,6 +63,20 @@ DRAFT_PRECISION = typer.Option(
 )
 QUANTIZATION_HELP = ("none, or int8: weight-only int8 for the target (bfloat16 activations, CPU only), about 2x faster a "
                      "step than bfloat16; outputs change slightly, speculation stays exact against the int8 model.")
+
+
+ENGINE_HELP = ("depctl (default): our engine, one device; vllm: a vLLM server the daemon starts and supervises, "
+               "for tensor/pipeline parallelism and Ray clusters (install it once: `depctl engine install vllm`).")
+CONTEXT = typer.Option(None, "--max-context-length", min=spec_module.MIN_CONTEXT_LENGTH,
+                       help="Most tokens a request may span, prompt and output (default: the model's, up to 32768).")
+
+
+def _parallel_option(flag: str, default: int | None, what: str):
+    return typer.Option(default, flag, min=1, max=spec_module.MAX_PARALLEL_SIZE, help=f"{what} (--engine vllm).")
+
+
+TP_WHAT, PP_WHAT = "GPUs each layer is split over", "Pipeline stages the layers are split into"
+RAY = typer.Option(None, "--ray-address", help="A Ray cluster to run on, e.g. auto or ray://head:10001 (--engine vllm).")
 
 
 def _batch_option(default):
@@ -89,11 +106,13 @@ def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.Resolve
     return draft
 
 
-def _check_quantization(quantization: str, dtype: str, device: str) -> None:
+def _checked(make: typing.Callable[[], DeploymentSpec]) -> DeploymentSpec:
+    """Build a spec; the cross-field rules (quantization, engine) come back as a UsageError naming the flags."""
     try:
-        spec_module.check_quantization(quantization, dtype, device)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        return make()
+    except ValidationError as exc:
+        messages = [str(e.get("ctx", {}).get("error") or e["msg"]).removeprefix("Value error, ") for e in exc.errors()]
+        raise UsageError("; ".join(messages)) from None
 
 
 def record(spec: DeploymentSpec, status: dict | None, daemon_up: bool) -> dict:
@@ -118,12 +137,12 @@ def _records(store: SpecStore, client) -> list[dict]:
 
 
 def _list_table(rows: list[dict]) -> Table:
-    table = output.make_table("ID", "MODEL", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S")
+    table = output.make_table("ID", "MODEL", "ENGINE", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S")
     for r in rows:
         stats = r["status"].get("stats") or {}
         spec = r.get("speculation")
         table.add_row(
-            r["id"], r.get("model", "-"),
+            r["id"], r.get("model", "-"), _engine_cell(r),
             describe_speculation(_spec_obj(spec)) if spec else "-",
             _state_cell(r["status"]),
             fmt_rate(stats.get("acceptance_rate")),
@@ -133,8 +152,26 @@ def _list_table(rows: list[dict]) -> Table:
     return table
 
 
+def _engine_cell(r: dict) -> str:
+    if "engine" not in r:
+        return "-"
+    spec = DeploymentSpec.model_validate({k: v for k, v in r.items() if k in DeploymentSpec.model_fields})
+    return describe_engine(spec)
+
+
 def _spec_obj(speculation: dict):
     return DeploymentSpec.model_validate({"id": "x", "model": "x", "speculation": speculation}).speculation
+
+
+def _vllm_note(info: dict | None) -> str:
+    if not info:
+        return ""
+    parts = [f"vLLM {info['version']}" if info.get("version") else "vLLM"]
+    if info.get("pid"):
+        parts.append(f"pid {info['pid']}")
+    if info.get("restarts"):
+        parts.append(f"{info['restarts']} restarts")
+    return f" ({', '.join(parts)})"
 
 
 def _state_cell(status: dict) -> Text:
@@ -149,12 +186,15 @@ def _detail_table(r: dict) -> Table:
     rows = [
         ("ID", r["id"]), ("Display name", r.get("display_name") or "-"), ("Model", r.get("model", "-")),
         ("Speculation", describe_speculation(_spec_obj(r["speculation"])) if r.get("speculation") else "-"),
+        ("Engine", _engine_cell(r) + _vllm_note(status.get("vllm"))),
         ("Device / dtype", f"{r.get('device')} / {r.get('dtype')}" + (
             f" (running on {status['device']} / {status['dtype']})" if status.get("device") else "")),
         *([("Quantization", r["quantization"] + (
             f" (running: {status['weights']})" if status.get("weights") else ""))] if r.get("quantization", "none") != "none" else []),
         *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
         ("Max batch size", str(r.get("max_batch_size", "-"))),
+        ("Context", f"{r.get('max_context_length') or 'the model’s'}" + (
+            f" (running: {status['max_context']} tokens)" if status.get("max_context") else "")),
         ("State", _state_cell(status)),
     ]
     if "num_requests_running" in status:
@@ -162,15 +202,18 @@ def _detail_table(r: dict) -> Table:
     if status.get("reason"):
         rows.append(("Reason", status["reason"]))
     if stats:
+        source = " (vLLM's counters)" if stats.get("source") == "vllm" else ""
         rows += [
             ("Requests", str(stats["requests"])),
             ("Generated tokens", str(stats["generated_tokens"])),
-            ("Decode speed", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s"),
-            ("Acceptance rate", fmt_rate(stats["acceptance_rate"])),
+            *([("Decode speed", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s")]
+              if stats.get("decode_tokens_per_second") is not None else []),
+            ("Acceptance rate" + source, fmt_rate(stats["acceptance_rate"])),
             ("Mean acceptance length", fmt_num(stats["mean_acceptance_length"])),
             ("Drafts / draft tokens / accepted", f"{stats['drafts']} / {stats['draft_tokens']} / {stats['accepted_tokens']}"),
             ("Accepted per position", ", ".join(map(str, stats["accepted_per_position"])) or "-"),
-            ("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s"),
+            *([("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s")]
+              if "draft_seconds" in stats else []),
         ]
     policy = status.get("policy")
     if policy and policy.get("max_draft_tokens"):
@@ -223,6 +266,11 @@ def create(
     dtype: Dtype = typer.Option(Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA and on CPUs with bf16 "
                                 "instructions, else float32."),
     quantization: Quantization = typer.Option(Quantization.none, "--quantization", help=QUANTIZATION_HELP),
+    engine: Engine = typer.Option(Engine.depctl, "--engine", help=ENGINE_HELP),
+    max_context_length: Optional[int] = CONTEXT,
+    tensor_parallel_size: int = _parallel_option("--tensor-parallel-size", 1, TP_WHAT),
+    pipeline_parallel_size: int = _parallel_option("--pipeline-parallel-size", 1, PP_WHAT),
+    ray_address: Optional[str] = RAY,
     validate_only: bool = typer.Option(False, "--validate-only", help="Print the spec that would be written; write nothing."),
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
@@ -237,23 +285,26 @@ def create(
     if isinstance(speculation, DraftModelSpeculation):
         draft = _check_draft(target, speculation.draft_model)
         speculation = speculation.model_copy(update={"draft_model": draft.ref})
-    _check_quantization(quantization.value, dtype.value, device.value)
     dep_id = deployment_id if deployment_id is not None else new_deployment_id(model)
     try:
         check_deployment_id(dep_id)
     except ValueError as exc:
         raise UsageError(f"--deployment-id: {exc}") from None
-    spec = DeploymentSpec(
+    spec = _checked(lambda: DeploymentSpec(
         id=dep_id, display_name=display_name, model=target.ref, speculation=speculation,
         max_batch_size=max_batch_size, device=device.value, dtype=dtype.value, quantization=quantization.value,
-    )
+        engine=engine.value, max_context_length=max_context_length, tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size, ray_address=ray_address or None,
+    ))
     store = SpecStore()
     if validate_only:
         output.emit(spec.model_dump(mode="json"), Format.yaml if fmt == Format.table else fmt, lambda d: d)
         output.message("Valid. Nothing was written (--validate-only).")
         return
     store.create(spec)
-    output.message("Created deployment ", (dep_id, "bold"), f" ({target.ref}, speculation: {describe_speculation(speculation)})")
+    engine_note = "" if spec.engine == "depctl" else f", engine: {describe_engine(spec)}"
+    output.message("Created deployment ", (dep_id, "bold"),
+                   f" ({target.ref}, speculation: {describe_speculation(speculation)}{engine_note})")
     _apply(dep_id, wait, wait_timeout, fmt, store, "created")
 
 
@@ -292,12 +343,17 @@ def update(
     device: Optional[Device] = typer.Option(None, "--device"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype"),
     quantization: Optional[Quantization] = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
+    engine: Optional[Engine] = typer.Option(None, "--engine", help=ENGINE_HELP),
+    max_context_length: Optional[int] = CONTEXT,
+    tensor_parallel_size: Optional[int] = _parallel_option("--tensor-parallel-size", None, TP_WHAT),
+    pipeline_parallel_size: Optional[int] = _parallel_option("--pipeline-parallel-size", None, PP_WHAT),
+    ray_address: Optional[str] = RAY,
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
     fmt: Format = OUTPUT,
 ) -> None:
-    """Change a deployment's speculation (or name, device, dtype, quantization). A new --draft-token-count applies
-    without a reload."""
+    """Change a deployment's speculation (or name, engine, device, dtype, quantization, context, parallelism). On
+    depctl's engine a new --draft-token-count applies without a reload. --ray-address "" clears it."""
     store = SpecStore()
     current = store.get(deployment_id)
     precision = draft_precision.value if draft_precision else None
@@ -305,22 +361,31 @@ def update(
         draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
         draft_precision=precision, disable=disable_speculative_decoding, current=current.speculation,
     )
-    if speculation is None and all(x is None for x in (display_name, max_batch_size, device, dtype, quantization)):
+    others = {"display_name": display_name, "max_batch_size": max_batch_size, "device": device and device.value,
+              "dtype": dtype and dtype.value, "quantization": quantization and quantization.value,
+              "engine": engine and engine.value, "max_context_length": max_context_length,
+              "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+              "ray_address": ray_address}
+    others = {k: v for k, v in others.items() if v is not None}
+    if "ray_address" in others and not others["ray_address"]:
+        others["ray_address"] = None  # --ray-address "": back to one machine
+    if speculation is None and not others:
         raise UsageError(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length with --draft-token-count, --draft-token-count, "
-            "--draft-precision, --disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype "
-            "or --quantization",
+            "--draft-precision, --disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, "
+            "--quantization, --engine, --max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
+            "--ray-address",
         )
-    _check_quantization(quantization.value if quantization else current.quantization,
-                        dtype.value if dtype else current.dtype, device.value if device else current.device)
+    _checked(lambda: DeploymentSpec.model_validate(
+        {**current.model_dump(), **({"speculation": speculation} if speculation is not None else {}), **others}))
     if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
         draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
         draft_model = draft.ref
 
     def change(spec: DeploymentSpec) -> DeploymentSpec:
         # recomputed under the store's lock from the spec as it is now, so concurrent updates compose
-        fields = {}
+        fields = dict(others)
         new = speculation_from_flags(
             draft_model=draft_model, draft_token_count=draft_token_count,
             ngram_speculation_length=ngram_speculation_length, draft_precision=precision,
@@ -328,19 +393,8 @@ def update(
         )
         if new is not None:
             fields["speculation"] = new
-        if display_name is not None:
-            fields["display_name"] = display_name
-        if max_batch_size is not None:
-            fields["max_batch_size"] = max_batch_size
-        if device is not None:
-            fields["device"] = device.value
-        if dtype is not None:
-            fields["dtype"] = dtype.value
-        if quantization is not None:
-            fields["quantization"] = quantization.value
-        new_spec = spec.model_copy(update=fields)
-        _check_quantization(new_spec.quantization, new_spec.dtype, new_spec.device)  # against the spec as it is now
-        return new_spec
+        # validated as a whole against the spec as it is now (model_copy would skip the cross-field rules)
+        return _checked(lambda: DeploymentSpec.model_validate({**spec.model_dump(), **fields}))
 
     updated = store.update(deployment_id, change)
     output.message("Updated deployment ", (deployment_id, "bold"), f" (speculation: {describe_speculation(updated.speculation)})")

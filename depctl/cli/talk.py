@@ -40,11 +40,12 @@ def stream_reply(client: Client, path: str, body: dict) -> tuple[str, dict | Non
         spec = usage.get("speculation") or {}
         rate = spec.get("acceptance_rate")
         decode = elapsed - (first - t0) if first else elapsed
+        # a vLLM deployment's usage has no per-request speculation counts (`deployment get` has its totals)
+        acceptance = (f" · acceptance {'-' if rate is None else f'{rate:.0%}'} "
+                      f"({spec.get('accepted_tokens', 0)}/{spec.get('drafted_tokens', 0)} drafted)") if spec else ""
         output.message((
             f"{n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s; first token {((first or t0) - t0) * 1000:.0f} ms, "
-            f"then {max(n - 1, 0) / decode if decode > 0 else 0:.1f} tok/s) · "
-            f"acceptance {'-' if rate is None else f'{rate:.0%}'} "
-            f"({spec.get('accepted_tokens', 0)}/{spec.get('drafted_tokens', 0)} drafted)", "dim"
+            f"then {max(n - 1, 0) / decode if decode > 0 else 0:.1f} tok/s){acceptance}", "dim"
         ))
     return "".join(parts), usage
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from runtime.vllm_server import stats_from_metrics
+
 if TYPE_CHECKING:
     from runtime.manager import DeploymentManager
 
@@ -38,6 +40,15 @@ class SpecDecodeCollector:
                                     labels=["deployment"])
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
+            server = dep.server
+            if server is not None and dep.worker is None:  # a vLLM deployment: its counters as last read
+                stats = stats_from_metrics(server.metrics(fetch=False))
+                drafts.add_metric([dep.id], stats["drafts"])
+                draft_tokens.add_metric([dep.id], stats["draft_tokens"])
+                accepted.add_metric([dep.id], stats["accepted_tokens"])
+                for pos, count in enumerate(stats["accepted_per_position"]):
+                    per_pos.add_metric([dep.id, str(pos)], count)
+                continue
             worker = dep.worker
             loaded = worker.loaded if worker is not None else None
             if loaded is None:

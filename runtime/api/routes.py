@@ -46,7 +46,7 @@ async def list_models(request: Request) -> dict:
                     "created": int(dep.ready_at or time.time()),
                     "owned_by": "depctl",
                     "root": dep.loaded_spec.model,
-                    "max_model_len": dep.loaded.max_context if dep.loaded else None,
+                    "max_model_len": dep.max_context,
                 }
             )
     return {"object": "list", "data": data}
@@ -64,17 +64,21 @@ async def metrics(request: Request) -> Response:
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
     job = await run_in_threadpool(service.completion_job, body)  # tokenizing stays off the event loop
-    return await _respond(service, job, body.stream, body.include_usage, request)
+    return await _respond(service, job, body, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = _service(request)
     job = await run_in_threadpool(service.chat_job, body)
-    return await _respond(service, job, body.stream, body.include_usage, request)
+    return await _respond(service, job, body, request)
 
 
-async def _respond(service: Service, job: Job, stream: bool, include_usage: bool, request: Request):
+async def _respond(service: Service, job: Job, body, request: Request):
+    stream, include_usage = body.stream, body.include_usage
+    if job.dep.server is not None and job.dep.worker is None:
+        # a --engine vllm deployment: validated above like any request (the same 400s), answered by its server
+        return await request.app.state.proxy.forward(job, body, request, service.metrics, _unless_disconnected)
     if stream:
         return EventSourceResponse(_stream(service, job, include_usage), ping=15)
     text, finish = await _unless_disconnected(service.collect(job), request)
@@ -152,9 +156,14 @@ async def _stream(service: Service, job: Job, include_usage: bool):
 # ---- depctl's own API ---------------------------------------------------------------------------------------------
 
 
+async def _statuses(deps) -> list[dict]:
+    # a vLLM deployment's status reads its server's counters over HTTP: never on the event loop
+    return await run_in_threadpool(lambda: [d.status() for d in deps])
+
+
 @router.get("/depctl/v1/deployments")
 async def deployments(request: Request) -> list[dict]:
-    return [d.status() for d in request.app.state.manager.all()]
+    return await _statuses(request.app.state.manager.all())
 
 
 @router.get("/depctl/v1/deployments/{deployment_id}")
@@ -162,11 +171,11 @@ async def deployment(deployment_id: str, request: Request) -> dict:
     dep = request.app.state.manager.get(deployment_id)
     if dep is None:
         raise APIError(404, f"deployment {deployment_id!r} is not known to the daemon", code="deployment_not_found")
-    return dep.status()
+    return (await _statuses([dep]))[0]
 
 
 @router.post("/depctl/v1/reconcile")
 async def reconcile(request: Request) -> list[dict]:
     manager = request.app.state.manager
     await run_in_threadpool(manager.reconcile, True)
-    return [d.status() for d in manager.all()]
+    return await _statuses(manager.all())

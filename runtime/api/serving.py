@@ -92,7 +92,7 @@ class Service:
                 404, f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
                 param="model", code="model_not_found",
             )
-        if dep.state not in SERVING_STATES or dep.loaded is None:
+        if dep.state not in SERVING_STATES or not dep.serving:
             why = f": {dep.reason}" if dep.reason else ""
             raise APIError(
                 503, f"deployment {dep_id!r} is {dep.state.value}{why}; it serves requests once READY",
@@ -104,7 +104,7 @@ class Service:
     def completion_job(self, req: CompletionRequest) -> Job:
         req.check_supported()
         dep = self.deployment(req.model)
-        tokenizer = dep.loaded.tokenizer
+        tokenizer = dep.tokenizer
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -121,7 +121,7 @@ class Service:
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check_supported()
         dep = self.deployment(req.model)
-        tokenizer = dep.loaded.tokenizer
+        tokenizer = dep.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(
                 400, f"deployment {dep.id!r} has no chat template (a base model?): use /v1/completions", param="messages"
@@ -146,7 +146,7 @@ class Service:
             raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this daemon accepts at most {limit} "
                                 "(DEPCTL_MAX_PROMPT_TOKENS, or `depctl daemon start --max-prompt-tokens`)",
                            param=prompt_param, code="prompt_too_long")
-        max_context = dep.loaded.max_context
+        max_context = dep.max_context
         room = max_context - len(prompt_ids)
         if max_tokens is None:  # a chat request without max_tokens: the daemon's default, within the context
             max_tokens = min(self.settings.default_max_tokens, room)
