@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
-from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
+from depctl.spec import DeploymentSpec, NgramSpeculation, NoSpeculation  # noqa: E402
 from depctl.store import SpecStore  # noqa: E402
 
 
@@ -227,6 +227,9 @@ def main() -> int:
                         help="a llama-server binary (../shared/PEERS.md says how to build one): its rows join the tables")
     parser.add_argument("--gguf", action="append", default=[], metavar="LABEL=FILE",
                         help="a GGUF of the same model for --llama-server, e.g. F32=smol-f32.gguf (repeatable)")
+    parser.add_argument("--depctl-vllm", action="store_true",
+                        help="also a --engine vllm deployment through our daemon (`depctl engine install vllm` first): "
+                        "vLLM behind depctl's API, plain and n-gram, one daemon each")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="the python of a virtualenv with vLLM's CPU build: its rows join the tables")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for the peers")
@@ -281,6 +284,21 @@ def main() -> int:
             for w in workloads:
                 again = in_process(spec, prompts[w], args.max_tokens)
                 reference[w] = ((reference[w][0] + again[0]) / 2, reference[w][1], reference[w][0], again[0])
+
+    if args.depctl_vllm:  # vLLM behind our daemon: its speculation is a start-up flag, so a deployment per mode
+        dtype = "float32" if args.dtype == "float32" else "bfloat16"
+        for mode, speculation in (("plain", NoSpeculation()),
+                                  ("n-gram", NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))):
+            home = Path(tempfile.mkdtemp(prefix="depctl-load-vllm-"))
+            SpecStore(home / "deployments").create(DeploymentSpec(
+                id="bench", model=args.model, speculation=speculation, dtype=dtype, engine="vllm",
+                max_context_length=4096, max_batch_size=max(levels)))
+            proc, url = start_daemon(home)
+            try:
+                cells(f"depctl->vLLM {dtype}", url, {mode: {}})
+            finally:
+                proc.terminate()
+                proc.wait(60)
 
     peers = []
     if args.llama_server:

@@ -51,6 +51,7 @@ class PackagedModel:
     parameters: str
     suggested_draft: str | None = None
     notes: str = ""
+    hub_id: str | None = None  # the original checkpoint on the hub: what a cluster loads (`deployment export`)
 
 
 PACKAGED: dict[str, PackagedModel] = {
@@ -66,6 +67,7 @@ PACKAGED: dict[str, PackagedModel] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98362432,
             parameters="135M",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         PackagedModel(
             alias="qwen2.5-coder-0.5b-instruct",
@@ -77,6 +79,7 @@ PACKAGED: dict[str, PackagedModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491400064,
             parameters="0.5B",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
         ),
         PackagedModel(
             alias="qwen2.5-coder-1.5b-instruct",
@@ -89,6 +92,7 @@ PACKAGED: dict[str, PackagedModel] = {
             size=1117320768,
             parameters="1.5B",
             suggested_draft="qwen2.5-coder-0.5b-instruct",
+            hub_id="Qwen/Qwen2.5-Coder-1.5B-Instruct",
         ),
     )
 }

@@ -111,6 +111,13 @@ def _kill_tree(pid: int, grace: float) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def reap_orphans() -> list[int]:
     """Kill the vLLM servers an earlier daemon of this home left running; return their pids."""
     reaped = []
@@ -229,7 +236,7 @@ class VLLMServer:
                     if not self._on_ready(self):
                         break  # superseded while starting
                     code = self._wait_exit()
-                    self.ready = False
+                    self._terminate()  # what the crashed server left in its process group (resource trackers...)
                     if self._stop.is_set():
                         break
                     if time.monotonic() - up_since > BACKOFF_RESET:
@@ -397,6 +404,8 @@ class VLLMServer:
             if proc.poll() is None:
                 log.info("deployment %s: stopping the vLLM server (pid %d)", self.spec.id, proc.pid)
                 _kill_tree(proc.pid, STOP_GRACE)
+            else:
+                _kill_group(proc.pid)  # the server is gone; its session may not be
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -416,3 +416,36 @@ def delete(
         if wait:
             client.wait_settled(deployment_id, 120.0, gone=True)
     output.message("Deleted deployment ", (deployment_id, "bold"))
+
+
+class ExportFormat(str, enum.Enum):
+    vllm = "vllm"
+    ray_serve = "ray-serve"
+    kserve = "kserve"
+
+
+class ModelSource(str, enum.Enum):
+    hub = "hub"
+    local = "local"
+
+
+@app.command()
+@handle_errors
+def export(
+    deployment_id: str = typer.Argument(...),
+    fmt: ExportFormat = typer.Option(..., "--format", "-f", help="vllm: the `vllm serve` command; ray-serve: a Ray "
+                                     "Serve LLM config; kserve: an InferenceService."),
+    model_source: ModelSource = typer.Option(ModelSource.hub, "--model-source", help="hub: packaged models as their "
+                                             "original hub checkpoints (for a cluster); local: depctl's local copies."),
+    min_replicas: int = typer.Option(1, "--min-replicas", min=0, help="ray-serve and kserve: fewest replicas."),
+    max_replicas: int = typer.Option(4, "--max-replicas", min=1, help="ray-serve and kserve: most replicas."),
+) -> None:
+    """Print what a cluster takes to run this deployment on vLLM: the same model, speculation, context, batch size
+    and parallelism. Works for either --engine."""
+    from depctl.export import export as render
+
+    if max_replicas < min_replicas:
+        raise UsageError(f"--max-replicas {max_replicas} is less than --min-replicas {min_replicas}")
+    spec = SpecStore().get(deployment_id)
+    typer.echo(render(spec, fmt.value, model_source=model_source.value, min_replicas=min_replicas,
+                      max_replicas=max_replicas), nl=False)

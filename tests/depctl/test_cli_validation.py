@@ -67,6 +67,16 @@ def spec_files(home) -> list:
          "smollm2-135m-instruct"),
         (["--quantization", "int8", "--device", "cuda"], "--quantization int8 runs on a CPU", "smollm2-135m-instruct"),
         (["--quantization", "int4"], "--quantization", "smollm2-135m-instruct"),
+        # what depctl's engine cannot do, and what vLLM would refuse
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size needs --engine vllm", "smollm2-135m-instruct"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size needs --engine vllm", "smollm2-135m-instruct"),
+        (["--ray-address", "auto"], "--ray-address needs --engine vllm", "smollm2-135m-instruct"),
+        (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent", "smollm2-135m-instruct"),
+        (["--engine", "vllm", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4",
+          "--draft-precision", "int8"], "vLLM holds the draft in the target's dtype", "smollm2-135m-instruct"),
+        (["--engine", "sglang"], "--engine", "smollm2-135m-instruct"),
+        (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size", "smollm2-135m-instruct"),
+        (["--max-context-length", "8"], "--max-context-length", "smollm2-135m-instruct"),
     ],
 )
 def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
@@ -146,6 +156,8 @@ def _seed(depctl_home, speculation) -> None:
         (["--disable-speculative-decoding", "--draft-precision", "int8"], "cannot be used with --disable-speculative-decoding"),
         (["--max-batch-size", "0"], "--max-batch-size"),
         (["--quantization", "int8", "--dtype", "float16"], "cannot be combined with --dtype float16"),
+        (["--tensor-parallel-size", "4"], "--tensor-parallel-size needs --engine vllm"),
+        (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent"),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -292,3 +304,22 @@ def test_a_spec_file_with_an_impossible_quantization_is_a_broken_spec(tmp_path):
     path.write_text("id: x\nmodel: m\ndtype: float32\nquantization: int8\n")
     with pytest.raises(Exception, match="--quantization int8"):
         parse_spec(path)
+
+
+def test_engine_flags_round_trip_through_create_update_and_get(depctl_home):
+    result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "v", "--engine", "vllm",
+                 "--tensor-parallel-size", "2", "--ray-address", "auto", "--max-context-length", "4096",
+                 "--ngram-speculation-length", "3", "--draft-token-count", "4", "--no-wait")
+    spec = SpecStore().get("v")
+    assert (spec.engine, spec.tensor_parallel_size, spec.ray_address, spec.max_context_length) == ("vllm", 2, "auto", 4096)
+    # back to depctl's engine: the vLLM-only settings must go in the same update, or it is refused and nothing changes
+    result = run("deployment", "update", "v", "--engine", "depctl", "--no-wait")
+    assert result.exit_code != 0 and "--tensor-parallel-size needs --engine vllm" in " ".join(result.stderr.split())
+    assert SpecStore().get("v").engine == "vllm"
+    run("deployment", "update", "v", "--engine", "depctl", "--tensor-parallel-size", "1", "--ray-address", "", "--no-wait")
+    spec = SpecStore().get("v")
+    assert (spec.engine, spec.tensor_parallel_size, spec.ray_address, spec.max_context_length) == ("depctl", 1, None, 4096)
+    result = run("deployment", "get", "v", "-o", "json")
+    assert '"engine": "depctl"' in result.stdout
+    result = run("deployment", "list")
+    assert "ENGINE" in result.stdout and "depctl" in result.stdout

@@ -1,0 +1,134 @@
+"""The real vLLM, end to end (CI runs these: .ci/run sets DEPCTL_TEST_VLLM=1).
+
+Setup goes through the project's own command, `depctl engine install vllm --with-ray` (its own virtualenv, ~3.5 GB,
+a few minutes the first time; reused after). Then: what `deployment export` prints is checked against vLLM's own
+argument parser, engine config (SpeculativeConfig included) and Ray Serve's LLMConfig; and a deployment with n-gram
+speculation runs on vLLM through the daemon: create, a chat completion and a stream through the `openai` client,
+vLLM's speculation counters moved, delete, nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from depctl import engines, models
+from depctl.export import ray_serve_config, vllm_argv
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = Path(__file__).parent / "check_in_vllm.py"
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("DEPCTL_TEST_VLLM") != "1",
+    reason="real vLLM: set DEPCTL_TEST_VLLM=1 to install it (`depctl engine install vllm --with-ray`, ~3.5 GB) and run "
+           "these (CI does)")
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    env = engines.vllm_env()
+    if env is None or not engines.has_ray(env.python):
+        proc = subprocess.run([sys.executable, "-m", "depctl", "engine", "install", "vllm", "--with-ray"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        env = engines.vllm_env()
+    return env.python
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return models.materialize(models.resolve(models.DEFAULT_MODEL))
+
+
+def _check(python: str, *args: str) -> dict:
+    proc = subprocess.run([python, str(CHECK), *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert proc.returncode == 0, f"vLLM refused it:\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("speculation", [NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+                                         DraftModelSpeculation(draft_model="smollm2-135m-instruct", num_draft_tokens=3)])
+def test_export_is_what_vllm_builds(vllm_python, model_dir, speculation):
+    spec = DeploymentSpec(id="v", model="smollm2-135m-instruct", engine="vllm", speculation=speculation,
+                          max_context_length=2048, max_batch_size=4)
+    built = _check(vllm_python, "argv", json.dumps(vllm_argv(spec, model_dir, model_dir)), "--build")["built"]
+    assert built["method"] == speculation.method
+    assert built["num_speculative_tokens"] == speculation.num_draft_tokens
+    assert (built["max_model_len"], built["max_num_seqs"]) == (2048, 4)
+    if isinstance(speculation, NgramSpeculation):
+        assert built["prompt_lookup_min"] == built["prompt_lookup_max"] == 3
+    else:
+        assert built["draft_model"] == model_dir
+    # Ray Serve: the same settings as engine_kwargs, through vLLM's engine args and Ray's LLMConfig
+    llm = ray_serve_config(spec, model_dir, model_dir, 1, 4)["applications"][0]["args"]["llm_configs"][0]
+    built = _check(vllm_python, "kwargs", json.dumps({"model": model_dir, "engine_kwargs": llm["engine_kwargs"]}),
+                   "--build")["built"]
+    assert built["method"] == speculation.method and built["max_model_len"] == 2048
+    ray = _check(vllm_python, "ray", json.dumps(llm))
+    assert ray["model_id"] == "v" and ray["autoscaling"]["max_replicas"] == 4
+
+
+def test_parallel_settings_parse(vllm_python, model_dir):
+    spec = DeploymentSpec(id="v", model="smollm2-135m-instruct", engine="vllm", tensor_parallel_size=2,
+                          pipeline_parallel_size=2, ray_address="auto")
+    parsed = _check(vllm_python, "argv", json.dumps(vllm_argv(spec, model_dir, None)))
+    assert (parsed["tensor_parallel_size"], parsed["pipeline_parallel_size"]) == (2, 2)
+    assert parsed["distributed_executor_backend"] == "ray"
+
+
+def _depctl(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "depctl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _ours(home: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("DEPCTL_HOME") == str(home):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_a_deployment_runs_on_vllm_through_depctl(vllm_python, depctl_home):
+    try:
+        r = _depctl("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "v", "--engine", "vllm",
+                    "--ngram-speculation-length", "3", "--draft-token-count", "4", "--max-context-length", "2048",
+                    "--wait-timeout", "900", "-o", "json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        status = json.loads(r.stdout)["status"]
+        assert status["state"] == "READY" and status["engine"] == "vllm" and status["vllm"]["pid"]
+        url = json.loads((depctl_home / "daemon.json").read_text())
+        client = openai.OpenAI(base_url=f"http://{url['host']}:{url['port']}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        text = "the quick brown fox jumps over the lazy dog. " * 3
+        messages = [{"role": "user", "content": f"Repeat exactly: {text}"}]
+        r1 = client.chat.completions.create(model="v", messages=messages, max_tokens=48, temperature=0)
+        assert r1.model == "v" and r1.id.startswith("chatcmpl-") and "fox" in r1.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="v", messages=messages, max_tokens=48, temperature=0, stream=True) if c.choices)
+        assert streamed == r1.choices[0].message.content  # greedy: the stream says what the whole answer said
+        stats = json.loads(_depctl("deployment", "get", "v", "-o", "json").stdout)["status"]["stats"]
+        assert stats["source"] == "vllm" and stats["requests"] >= 2
+        assert stats["drafts"] > 0 and stats["accepted_tokens"] > 0, stats  # vLLM's counters moved
+        assert _depctl("deployment", "delete", "v").returncode == 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and [p for p in _ours(depctl_home) if "vllm" in " ".join(p.cmdline())]:
+            time.sleep(0.5)
+        assert not [p for p in _ours(depctl_home) if "vllm" in " ".join(p.cmdline())], "delete left vLLM running"
+    finally:
+        _depctl("daemon", "stop", timeout=120)
+    time.sleep(1)
+    assert not _ours(depctl_home), "daemon stop left processes behind"
