@@ -307,6 +307,13 @@ def test_a_spec_file_with_an_impossible_quantization_is_a_broken_spec(tmp_path):
 
 
 def test_engine_flags_round_trip_through_create_update_and_get(depctl_home):
+    try:
+        _engine_flags_round_trip()
+    finally:
+        run("daemon", "stop")  # create and update hand the spec to a daemon (started for them)
+
+
+def _engine_flags_round_trip():
     result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "v", "--engine", "vllm",
                  "--tensor-parallel-size", "2", "--ray-address", "auto", "--max-context-length", "4096",
                  "--ngram-speculation-length", "3", "--draft-token-count", "4", "--no-wait")
