@@ -42,45 +42,36 @@ def speculative_config(spec: DeploymentSpec, draft_source: str | None = None) ->
     return None
 
 
-def engine_args(spec: DeploymentSpec, *, draft_source: str | None = None, dtype: str | None = None,
-                max_model_len: int | None = None) -> list[str]:
-    """The engine flags of ``vllm serve MODEL`` (everything after the model), in vLLM's spelling.
+def engine_kwargs(spec: DeploymentSpec, *, draft_source: str | None = None, dtype: str | None = None,
+                  max_model_len: int | None = None) -> dict:
+    """The spec's settings as keyword arguments of ``vllm.AsyncEngineArgs`` (Ray Serve's ``engine_kwargs``).
 
     ``dtype`` and ``max_model_len`` override the spec's (the daemon passes what it resolved ``auto`` and the model's
     context to, so that vLLM serves what depctl's engine would have).
     """
-    args = ["--served-model-name", spec.id,
-            "--dtype", dtype or spec.dtype,
-            "--max-num-seqs", str(spec.max_batch_size)]
+    kwargs: dict = {"dtype": dtype or spec.dtype, "max_num_seqs": spec.max_batch_size}
     length = max_model_len or spec.max_context_length
     if length:
-        args += ["--max-model-len", str(length)]
-    if spec.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
-    if spec.pipeline_parallel_size > 1:
-        args += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
-    if spec.ray_address:
-        args += ["--distributed-executor-backend", "ray"]
-    # sampling defaults as OpenAI's (and depctl's): not the ones a checkpoint's generation_config.json carries
-    args += ["--generation-config", "vllm"]
-    config = speculative_config(spec, draft_source)
-    if config is not None:
-        args += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
-    return args
-
-
-def engine_kwargs(spec: DeploymentSpec, *, draft_source: str | None = None) -> dict:
-    """The same settings as Python keyword arguments of ``vllm.AsyncEngineArgs`` (Ray Serve's ``engine_kwargs``)."""
-    kwargs: dict = {"dtype": spec.dtype, "max_num_seqs": spec.max_batch_size, "generation_config": "vllm"}
-    if spec.max_context_length:
-        kwargs["max_model_len"] = spec.max_context_length
+        kwargs["max_model_len"] = length
     if spec.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.pipeline_parallel_size > 1:
         kwargs["pipeline_parallel_size"] = spec.pipeline_parallel_size
     if spec.ray_address:
         kwargs["distributed_executor_backend"] = "ray"
+    # sampling defaults as OpenAI's (and depctl's): not the ones a checkpoint's generation_config.json carries
+    kwargs["generation_config"] = "vllm"
     config = speculative_config(spec, draft_source)
     if config is not None:
         kwargs["speculative_config"] = config
     return kwargs
+
+
+def engine_args(spec: DeploymentSpec, **overrides) -> list[str]:
+    """The same settings as the engine flags of ``vllm serve MODEL`` (everything after the model), in vLLM's spelling:
+    ``--max-num-seqs 8``, a dict as JSON. Takes ``engine_kwargs``' keyword arguments."""
+    args = ["--served-model-name", spec.id]
+    for key, value in engine_kwargs(spec, **overrides).items():
+        text = json.dumps(value, separators=(",", ":")) if isinstance(value, dict) else str(value)
+        args += [f"--{key.replace('_', '-')}", text]
+    return args

@@ -90,9 +90,14 @@ class Deployment:
         self.reason = reason
         self.state_since = time.time()
 
-    def status(self, scrape: bool = True) -> dict:
-        """What ``deployment get`` shows. ``scrape``: ask a vLLM server for fresh counters (an HTTP call: never on the
-        event loop); otherwise the last ones read."""
+    @property
+    def proxied(self) -> VLLMServer | None:
+        """The vLLM server that answers this deployment's requests, if that is what serves it."""
+        return self.server if self.worker is None else None
+
+    def status(self) -> dict:
+        """What ``deployment get`` shows. For a vLLM deployment it reads the server's counters (an HTTP call, cached
+        a second): never call it on the event loop."""
         spec = self.spec or self.loaded_spec
         worker = self.worker
         out = {
@@ -111,14 +116,14 @@ class Deployment:
         }
         server = self.server
         if server is not None:
-            metrics = server.metrics(fetch=scrape)
+            metrics = server.metrics()
             out["vllm"] = server.status()
             out["num_requests_running"] = int(metrics.get("vllm:num_requests_running", 0))
             out["num_requests_waiting"] = int(metrics.get("vllm:num_requests_waiting", 0))
             out["device"] = server.device
             out["dtype"] = server.dtype
             out["max_context"] = server.max_model_len
-            out["max_batch_size"] = (self.loaded_spec or spec).max_batch_size if (self.loaded_spec or spec) else None
+            out["max_batch_size"] = spec.max_batch_size if spec else None
             if server.ready:
                 out["stats"] = stats_from_metrics(metrics)
         loaded = self.loaded

@@ -164,7 +164,7 @@ class VLLMServer:
         self.stop_callbacks: list[Callable[[], None]] = []  # run once the server has exited for good
         self._exited = threading.Event()
         self._metrics: tuple[float, dict] = (0.0, {})
-        self._metrics_lock = threading.Lock()
+        self._exit_lock = threading.Lock()  # stop callbacks added vs. the supervisor's exit
         self.thread = threading.Thread(target=self._supervise, name=f"depctl-vllm-{spec.id}", daemon=True)
 
     # ---- any thread ----
@@ -184,7 +184,7 @@ class VLLMServer:
         """Stop the server (and keep it stopped); ``then`` runs once it has exited. vLLM finishes nothing on SIGTERM
         that a client still waits for, so ``drain`` only matters for depctl's engine."""
         if then is not None:
-            with self._metrics_lock:
+            with self._exit_lock:
                 if not self._exited.is_set():
                     self.stop_callbacks.append(then)
                     then = None
@@ -259,7 +259,7 @@ class VLLMServer:
             self._on_failed(self, f"the vLLM supervisor failed: {type(exc).__name__}: {exc}", False)
         finally:
             self._terminate()
-            with self._metrics_lock:
+            with self._exit_lock:
                 self._exited.set()
                 thens, self.stop_callbacks = self.stop_callbacks, []
             for then in thens:

@@ -40,8 +40,8 @@ class SpecDecodeCollector:
                                     labels=["deployment"])
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
-            server = dep.server
-            if server is not None and dep.worker is None:  # a vLLM deployment: its counters as last read
+            server = dep.proxied
+            if server is not None:  # a vLLM deployment: its counters as last read (this runs on the event loop)
                 stats = stats_from_metrics(server.metrics(fetch=False))
                 drafts.add_metric([dep.id], stats["drafts"])
                 draft_tokens.add_metric([dep.id], stats["draft_tokens"])
