@@ -19,7 +19,7 @@ from typing import Literal
 import yaml
 
 from depctl import models
-from depctl.spec import DeploymentSpec, DraftModelSpeculation, describe_engine, describe_speculation
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, SuffixSpeculation, describe_engine, describe_speculation
 from depctl.vllm import VLLM_VERSION, engine_args, engine_kwargs
 
 Format = Literal["vllm", "ray-serve", "kserve"]
@@ -50,6 +50,10 @@ def export(spec: DeploymentSpec, fmt: Format, *, model_source: ModelSource = "hu
     draft = None
     if isinstance(spec.speculation, DraftModelSpeculation):
         draft = model_reference(spec.speculation.draft_model, model_source, notes)
+    if isinstance(spec.speculation, SuffixSpeculation):
+        notes.append("suffix speculation runs as vLLM's `suffix` method, which needs `pip install arctic-inference` "
+                     "in the cluster's vLLM environment; vLLM bounds its cache in requests "
+                     "(suffix_decoding_max_cached_requests, default 10000), not in tokens")
     notes = list(dict.fromkeys(notes))  # a draft that is the target model itself: one note
     header = [f"depctl deployment {spec.id}: {spec.model}, speculation {describe_speculation(spec.speculation)}, "
               f"engine {describe_engine(spec)}", *notes]

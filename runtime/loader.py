@@ -16,8 +16,8 @@ import torch
 
 from depctl import models
 from depctl.errors import DepctlError
-from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
-from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
+from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
@@ -314,6 +314,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
         proposer = DraftModelProposer(ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context))
     elif isinstance(spec_method, NgramSpeculation):
         proposer = NgramProposer(spec_method.ngram_length)
+    elif isinstance(spec_method, SuffixSpeculation):
+        proposer = SuffixProposer(spec_method.cache_tokens)
     eos = target.tokenizer.eos_token_id
     gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
     eos_ids = {eos} if eos is not None else set()

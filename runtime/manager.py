@@ -138,6 +138,8 @@ class Deployment:
             out["max_batch_size"] = worker.max_batch_size
             out["stats"] = engine.stats.to_dict()
             out["policy"] = engine.policy.snapshot()
+            if hasattr(engine.proposer, "snapshot"):
+                out["suffix_index"] = engine.proposer.snapshot()
         return out
 
 

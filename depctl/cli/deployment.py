@@ -56,6 +56,16 @@ NGRAM = typer.Option(
     None, "--ngram-speculation-length", min=1, max=MAX_NGRAM_LENGTH,
     help=f"Prompt-lookup speculation: match the last N tokens, 1-{MAX_NGRAM_LENGTH}.",
 )
+SUFFIX = typer.Option(
+    False, "--suffix-speculation",
+    help="Suffix speculation: draft from the longest match in this request and in the deployment's recent traffic "
+    "(prompts and outputs), as far as the match is long and its continuation frequent.",
+)
+SUFFIX_CACHE = typer.Option(
+    None, "--suffix-cache-tokens", min=spec_module.MIN_SUFFIX_CACHE_TOKENS, max=spec_module.MAX_SUFFIX_CACHE_TOKENS,
+    help=f"Tokens of recent traffic the suffix index holds (least recently used evicted first; default "
+    f"{spec_module.DEFAULT_SUFFIX_CACHE_TOKENS}, about 50 MB).",
+)
 DRAFT_PRECISION = typer.Option(
     None, "--draft-precision",
     help="How the draft model's weights are held; never changes the output. auto: int8 on CPU (about 3x faster "
@@ -221,6 +231,11 @@ def _detail_table(r: dict) -> Table:
         rows.append(("Pass cost (tokens: ms)", costs))
         if policy.get("draft_ms"):
             rows.append(("Draft forward (rows: ms)", ", ".join(f"{n}: {v}" for n, v in policy["draft_ms"].items())))
+    index = status.get("suffix_index")
+    if index:
+        rows.append(("Suffix index", f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
+                                     f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} "
+                                     "lookups drafted"))
     if r.get("created_at"):
         rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
     for key, value in rows:
@@ -260,6 +275,8 @@ def create(
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
+    suffix_speculation: bool = SUFFIX,
+    suffix_cache_tokens: Optional[int] = SUFFIX_CACHE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     max_batch_size: int = _batch_option(DEFAULT_BATCH_SIZE),
     device: Device = typer.Option(Device.auto, "--device"),
@@ -279,7 +296,8 @@ def create(
     """Create a deployment of MODEL, optionally with speculative decoding."""
     speculation = speculation_from_flags(
         draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
-        draft_precision=draft_precision.value if draft_precision else None,
+        draft_precision=draft_precision.value if draft_precision else None, suffix=suffix_speculation,
+        suffix_cache_tokens=suffix_cache_tokens,
     )
     target = models.resolve(model, "MODEL")
     if isinstance(speculation, DraftModelSpeculation):
@@ -336,6 +354,8 @@ def update(
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
+    suffix_speculation: bool = SUFFIX,
+    suffix_cache_tokens: Optional[int] = SUFFIX_CACHE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     disable_speculative_decoding: bool = typer.Option(False, "--disable-speculative-decoding", help="Turn speculation off."),
     display_name: Optional[str] = typer.Option(None, "--display-name"),
@@ -359,7 +379,8 @@ def update(
     precision = draft_precision.value if draft_precision else None
     speculation = speculation_from_flags(
         draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
-        draft_precision=precision, disable=disable_speculative_decoding, current=current.speculation,
+        draft_precision=precision, disable=disable_speculative_decoding, suffix=suffix_speculation,
+        suffix_cache_tokens=suffix_cache_tokens, current=current.speculation,
     )
     others = {"display_name": display_name, "max_batch_size": max_batch_size, "device": device and device.value,
               "dtype": dtype and dtype.value, "quantization": quantization and quantization.value,
@@ -372,9 +393,9 @@ def update(
     if speculation is None and not others:
         raise UsageError(
             "nothing to update",
-            "pass --draft-model/--ngram-speculation-length with --draft-token-count, --draft-token-count, "
-            "--draft-precision, --disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, "
-            "--quantization, --engine, --max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
+            "pass --draft-model/--ngram-speculation-length/--suffix-speculation with --draft-token-count, "
+            "--draft-token-count, --suffix-cache-tokens, --draft-precision, --disable-speculative-decoding, "
+            "--max-batch-size, --display-name, --device, --dtype, --quantization, --engine, --max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
             "--ray-address",
         )
     _checked(lambda: DeploymentSpec.model_validate(
@@ -389,7 +410,8 @@ def update(
         new = speculation_from_flags(
             draft_model=draft_model, draft_token_count=draft_token_count,
             ngram_speculation_length=ngram_speculation_length, draft_precision=precision,
-            disable=disable_speculative_decoding, current=spec.speculation,
+            disable=disable_speculative_decoding, suffix=suffix_speculation, suffix_cache_tokens=suffix_cache_tokens,
+            current=spec.speculation,
         )
         if new is not None:
             fields["speculation"] = new

@@ -38,6 +38,10 @@ class SpecDecodeCollector:
                                     labels=["deployment"])
         waiting = GaugeMetricFamily("depctl:num_requests_waiting", "Requests waiting for a batch row",
                                     labels=["deployment"])
+        suffix_tokens = GaugeMetricFamily("depctl:suffix_cache_tokens", "Tokens held by suffix speculation's index",
+                                          labels=["deployment"])
+        suffix_requests = GaugeMetricFamily("depctl:suffix_cache_requests",
+                                            "Requests held by suffix speculation's index", labels=["deployment"])
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
             server = dep.proxied
@@ -61,7 +65,11 @@ class SpecDecodeCollector:
             accepted.add_metric([dep.id], stats.num_accepted_tokens)
             for pos, count in enumerate(stats.accepted_per_position):
                 per_pos.add_metric([dep.id, str(pos)], count)
-        yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos)
+            if hasattr(loaded.engine.proposer, "snapshot"):
+                index = loaded.engine.proposer.snapshot()
+                suffix_tokens.add_metric([dep.id], index["tokens"])
+                suffix_requests.add_metric([dep.id], index["requests"])
+        yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos, suffix_tokens, suffix_requests)
 
 
 class Metrics:

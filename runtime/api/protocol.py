@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from depctl.spec import MAX_DRAFT_TOKENS
 from runtime.api.errors import APIError
 from runtime.engine import SamplingParams
 
@@ -40,6 +41,14 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class SpeculationControl(BaseModel):
+    """depctl extension: this request's speculation. Unknown keys are refused (a typo must not silently do nothing)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True  # false: no drafts at all (a prediction included); the output is the same either way
+    max_draft_tokens: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)  # per step; 0 is off
+
+
 class _Common(_Request):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -58,7 +67,8 @@ class _Common(_Request):
     frequency_penalty: float | None = None
     response_format: dict | None = None
     ignore_eos: bool = False  # vLLM extension: benchmarks use it to force a length
-    speculate: bool = True  # depctl extension: false decodes this request plainly (`depctl deployment bench`)
+    speculate: bool = True  # depctl extension, kept for old clients: false is speculation.enabled = false
+    speculation: SpeculationControl | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -82,6 +92,14 @@ class _Common(_Request):
             return []
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return [s for s in stops if s]
+
+    @property
+    def speculation_enabled(self) -> bool:
+        return self.speculate and (self.speculation is None or self.speculation.enabled)
+
+    @property
+    def max_draft_tokens(self) -> int | None:
+        return None if self.speculation is None else self.speculation.max_draft_tokens
 
     @property
     def include_usage(self) -> bool:

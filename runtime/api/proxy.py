@@ -24,7 +24,8 @@ from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.api.serving import Job
 from runtime.manager import Deployment
 
-_DEPCTL_ONLY = {"speculate", "prediction"}  # extensions vLLM does not take (a prediction is only a speed hint)
+# extensions vLLM does not take: a prediction and per-request speculation control are speed hints, never the output
+_DEPCTL_ONLY = {"speculate", "speculation", "prediction"}
 
 
 class Proxy:

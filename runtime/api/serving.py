@@ -162,7 +162,8 @@ class Service:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         params = GenerationParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=req.ignore_eos,
-                                  prediction=prediction, speculate=req.speculate)
+                                  prediction=prediction, speculate=req.speculation_enabled,
+                                  max_draft_tokens=req.max_draft_tokens)
         return Job(kind, dep, req.model, list(prompt_ids), params, req.stop_strings)
 
     # ---- running ----
@@ -243,6 +244,7 @@ class Service:
             },
             "speculation": {
                 "method": describe_speculation(spec.speculation) if spec else None,
+                "enabled": job.params.speculate,
                 "drafted_tokens": drafted,
                 "accepted_tokens": accepted,
                 "acceptance_rate": round(accepted / drafted, 4) if drafted else None,

@@ -2,7 +2,7 @@
 
 from runtime.engine.engine import EngineConfig, SpeculativeEngine
 from runtime.engine.metrics import SpecDecodeStats
-from runtime.engine.proposers import DraftModelProposer, NgramProposer, Proposer, ngram_propose
+from runtime.engine.proposers import DraftModelProposer, NgramProposer, Proposer, SuffixProposer, ngram_propose
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import GenerationParams, Sequence, StepOutput
@@ -19,5 +19,6 @@ __all__ = [
     "SpecDecodeStats",
     "SpeculativeEngine",
     "StepOutput",
+    "SuffixProposer",
     "ngram_propose",
 ]

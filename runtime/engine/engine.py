@@ -37,7 +37,7 @@ class Guess:
 
     tokens: list[int]
     acceptance: RequestAcceptance
-    source: str | None  # "prediction" | "ngram" | "model" | None (no speculation for this row)
+    source: str | None  # "prediction" | "ngram" | "suffix" | "model" | None (no speculation for this row)
     available: int = 0
 
 
@@ -131,24 +131,28 @@ class SpeculativeEngine:
             self.draft_model.set_length(row, 0)
 
     def finish(self, seq: Sequence) -> None:
+        if self.proposer is not None and self.draft_model is None:
+            self.proposer.finish(seq)  # suffix speculation keeps the finished request as context for later ones
         self.policy.end_request(seq.acceptance)
         self.stats.num_requests += 1
 
     # ---- the parts of a step ----
     def _guess(self, seq: Sequence) -> Guess:
-        room = seq.room
+        params = seq.params
+        if not params.speculate:
+            return Guess([], seq.acceptance, None)
+        room = seq.room if params.max_draft_tokens is None else min(seq.room, params.max_draft_tokens)
         if seq.prediction is not None:
-            k = min(room, self.config.prediction_draft_tokens)
-            tokens = seq.prediction.propose(seq.tokens[seq.prompt_len :], k)
+            tokens = seq.prediction.propose(seq.tokens[seq.prompt_len :], min(room, self.config.prediction_draft_tokens))
             if tokens:
                 return Guess(tokens, seq.prediction_acceptance, "prediction", len(tokens))
-        if self.proposer is None or not seq.params.speculate:
+        if self.proposer is None:
             return Guess([], seq.acceptance, None)
         k = min(room, self.policy.max_k)
         if self.draft_model is not None:
             return Guess([], seq.acceptance, "model", max(k, 0))
-        tokens = self.proposer.propose(seq.tokens, k) if k > 0 else []
-        return Guess(tokens, seq.acceptance, "ngram", len(tokens))
+        tokens = self.proposer.propose(seq, k) if k > 0 else []
+        return Guess(tokens, seq.acceptance, self.proposer.name, len(tokens))
 
     def _drafts(self, batch, guesses: list[Guess], width: int):
         """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), and the draft model's

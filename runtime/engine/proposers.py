@@ -2,8 +2,8 @@
 
 Two kinds, told apart by ``cost_per_token``:
 
-- a **free** proposer (n-gram lookup; a request's predicted output, see ``PredictionTracker``) looks at a row's
-  tokens and returns up to ``k`` guesses: ``propose(tokens, k) -> list[int]``. Computing its guess costs nothing
+- a **free** proposer (n-gram lookup; suffix speculation over recent traffic; a request's predicted output, see
+  ``PredictionTracker``) looks at a row's tokens and returns up to ``k`` guesses: ``propose(seq, k) -> list[int]``. Computing its guess costs nothing
   next to a forward pass, so the engine asks before it decides how long this step's drafts are.
 - a **draft model** costs a forward per drafted token, batched over the running rows:
   ``propose(batch, width) -> (drafts, draft_probs)``; it owns a KV cache with the same rows as the target's
@@ -21,6 +21,7 @@ import torch
 
 from runtime.engine.runner import ModelRunner
 from runtime.engine.sampling import probs_from_logits
+from runtime.engine.suffix import SuffixIndex
 
 
 CONTEXT_LOOKBACK = 64  # how far back a candidate match's agreement with the current suffix is measured
@@ -58,42 +59,67 @@ def ngram_propose(tokens: Sequence[int], n: int, k: int) -> list[int]:
     return list(tokens[end + 1 : end + 1 + k])
 
 
-def lookup_in_reference(generated: Sequence[int], reference: Sequence[int], n: int, after: int = 0) -> int:
-    """Where the output continues in ``reference``: the index just past a match of the last ``n`` (or fewer, down
-    to 1) generated tokens, preferring the first match ending at or after ``after``; -1 when nothing matches."""
-    length = len(generated)
-    for size in range(min(n, length), 0, -1):
-        suffix = list(generated[length - size :])
-        ends = [i + size for i in range(len(reference) - size) if list(reference[i : i + size]) == suffix]
-        if ends:
-            later = [e for e in ends if e >= after]
-            return later[0] if later else ends[-1]
-    return -1
+REJOIN_NEAR = 16  # tokens either side of the divergence searched with a two-token agreement
+REJOIN_FAR = 4  # agreement needed to rejoin anywhere else in the prediction
+
+
+def rejoin(generated: Sequence[int], reference: Sequence[int], last: int) -> int:
+    """Where the output rejoins ``reference`` after leaving it at ``last`` (the reference token it did not follow):
+    the index in ``reference`` of the next token, or -1.
+
+    An edit inserts, deletes or replaces a few tokens, so the output comes back close to where it left. Every
+    occurrence in ``reference`` of the output's last token is scored by how many output tokens before it agree
+    (up to ``CONTEXT_LOOKBACK``); the agreement an occurrence needs grows with its distance ``d`` from ``last``:
+    one token right at the divergence (``1 <= d <= 2``: the output wrote its own tokens and came back to the
+    reference's next one, or replaced one token), two within ``REJOIN_NEAR`` tokens, ``REJOIN_FAR`` anywhere else. The
+    longest agreement wins, then forward before backward (edits move on through the text), then the nearest.
+    """
+    if not generated or not reference:
+        return -1
+    ref = np.asarray(reference, dtype=np.int64)
+    gen = np.asarray(generated, dtype=np.int64)
+    ends = np.flatnonzero(ref == gen[-1])  # the last output token's occurrences in the reference
+    if ends.size == 0:
+        return -1
+    back = np.arange(min(CONTEXT_LOOKBACK, len(gen)))
+    positions = ends[:, None] - back[None, :]  # [C, L]
+    same = (positions >= 0) & (ref[np.maximum(positions, 0)] == gen[len(gen) - 1 - back][None, :])
+    agree = np.cumprod(same, axis=1).sum(axis=1)  # [C]
+    starts = ends + 1
+    d = starts - last
+    need = np.where((d >= 1) & (d <= 2), 1, np.where(np.abs(d) <= REJOIN_NEAR, 2, REJOIN_FAR))
+    ok = (agree >= need) & (starts < len(ref))
+    if not ok.any():
+        return -1
+    # longest agreement, then forward, then nearest (np.lexsort's last key is the primary one)
+    order = np.lexsort((np.abs(d)[ok], (d < 0)[ok], -agree[ok]))
+    return int(starts[ok][order[0]])
 
 
 class PredictionTracker:
     """Predicted outputs: draft from text the client expects the answer to contain (an edited file, say).
 
     ``expected`` is the index in the prediction of the next token while the output follows it; the first step
-    proposes the prediction's start. After a divergence the last ``NGRAM`` generated tokens are looked up in the
-    prediction to find where the output rejoins it (edits move forward, so later matches are preferred).
+    proposes the prediction's start. When the output leaves the prediction (the edit), ``rejoin`` finds where
+    it comes back (tokens inserted, deleted or replaced) and drafting resumes from there; until then the
+    tracker proposes nothing and the deployment's own proposer drafts.
     """
-
-    NGRAM = 4
 
     def __init__(self, prediction: Sequence[int]):
         self.prediction = list(prediction)
         self.expected = 0
-        self.last = 0  # furthest position reached, for re-syncing
+        self.left_at = 0  # where the output last left the prediction (the token it did not follow)
         self._start = -1
         self.matched = 0  # output tokens that followed the prediction: accepted drafts and agreeing target tokens
+        self.rejoins = 0
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
         start = self.expected
-        if start < 0 or start >= len(self.prediction):
-            start = lookup_in_reference(generated, self.prediction, self.NGRAM, self.last) if generated else -1
-        self._start = start
-        return self.prediction[start : start + k] if k > 0 and start >= 0 else []
+        if start < 0:
+            start = rejoin(generated, self.prediction, self.left_at)
+            self.rejoins += start >= 0
+        self._start = start if 0 <= start < len(self.prediction) else -1
+        return self.prediction[start : start + k] if k > 0 and self._start >= 0 else []
 
     def observe_first(self, token: int) -> int:
         """The prefill's token (no drafts): 1 when it is the prediction's start."""
@@ -107,19 +133,24 @@ class PredictionTracker:
         pos = self._start + accepted if self._start >= 0 else -1
         if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
             self.expected = pos + 1
-            self.last = max(self.last, self.expected)
             self.matched += accepted + 1
             return accepted + 1
+        if pos >= 0:  # it left the prediction here (a step that did not follow it keeps the old place)
+            self.left_at = pos
         self.expected = -1
         self.matched += accepted
         return accepted
 
 
 class FreeProposer(Protocol):
+    """``seq`` is the request (``seq.id``, ``seq.tokens``: prompt + output); ``finish(seq)`` runs when it leaves."""
+
     name: str
     cost_per_token: bool  # False
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+    def propose(self, seq, k: int) -> list[int]: ...
+
+    def finish(self, seq) -> None: ...
 
 
 class NgramProposer:
@@ -129,8 +160,33 @@ class NgramProposer:
     def __init__(self, ngram_length: int):
         self.ngram_length = ngram_length
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        return ngram_propose(tokens, self.ngram_length, k)
+    def propose(self, seq, k: int) -> list[int]:
+        return ngram_propose(seq.tokens, self.ngram_length, k)
+
+    def finish(self, seq) -> None:
+        pass
+
+
+class SuffixProposer:
+    """Suffix speculation over this deployment's recent traffic (``runtime.engine.suffix``): each request's tokens
+    are indexed as it runs (the new tail, every step it drafts, and all of it when it finishes)."""
+
+    name = "suffix"
+    cost_per_token = False
+
+    def __init__(self, cache_tokens: int):
+        self.index = SuffixIndex(cache_tokens)
+
+    def propose(self, seq, k: int) -> list[int]:
+        self.index.sync(seq.id, seq.tokens)
+        return self.index.propose(seq.tokens, k)[0]
+
+    def finish(self, seq) -> None:
+        self.index.sync(seq.id, seq.tokens)
+        self.index.finish(seq.id)
+
+    def snapshot(self) -> dict:
+        return self.index.snapshot()
 
 
 class DraftModelProposer:
@@ -177,4 +233,4 @@ class DraftModelProposer:
         return tokens, [torch.stack(p) if p else None for p in probs]
 
 
-Proposer = Union[NgramProposer, DraftModelProposer, FreeProposer]
+Proposer = Union[NgramProposer, SuffixProposer, DraftModelProposer, FreeProposer]

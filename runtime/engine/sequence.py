@@ -19,7 +19,8 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
-    speculate: bool = True  # False: this request decodes plainly (benchmarks compare on the same engine)
+    speculate: bool = True  # False: no drafts at all for this request (a prediction included)
+    max_draft_tokens: int | None = None  # this request drafts at most this many tokens per step (None: the deployment's K)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def spec_files(home) -> list:
         (["--ngram-speculation-length", "3"], "--draft-token-count is required with --ngram-speculation-length", "smollm2-135m-instruct"),
         (["--draft-model", "smollm2-135m-instruct"], "--draft-token-count is required with --draft-model", "smollm2-135m-instruct"),
         # a count without a method
-        (["--draft-token-count", "4"], "--draft-token-count needs --draft-model or --ngram-speculation-length", "smollm2-135m-instruct"),
+        (["--draft-token-count", "4"], "--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation", "smollm2-135m-instruct"),
         # bounds and types: one line naming the flag, no traceback
         (["--ngram-speculation-length", "3", "--draft-token-count", "0"], "--draft-token-count", "smollm2-135m-instruct"),
         (["--ngram-speculation-length", "3", "--draft-token-count", "-2"], "--draft-token-count", "smollm2-135m-instruct"),
@@ -77,6 +77,20 @@ def spec_files(home) -> list:
         (["--engine", "sglang"], "--engine", "smollm2-135m-instruct"),
         (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size", "smollm2-135m-instruct"),
         (["--max-context-length", "8"], "--max-context-length", "smollm2-135m-instruct"),
+        # suffix speculation: one method among three, with a count, a bounded index, on depctl's engine
+        (["--suffix-speculation", "--ngram-speculation-length", "3", "--draft-token-count", "4"],
+         "--ngram-speculation-length and --suffix-speculation cannot be used together", "smollm2-135m-instruct"),
+        (["--suffix-speculation", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
+         "--draft-model and --suffix-speculation cannot be used together", "smollm2-135m-instruct"),
+        (["--suffix-speculation"], "--draft-token-count is required with --suffix-speculation", "smollm2-135m-instruct"),
+        (["--suffix-speculation", "--draft-token-count", "33"], "--draft-token-count", "smollm2-135m-instruct"),
+        (["--suffix-cache-tokens", "4096"], "--suffix-cache-tokens needs --suffix-speculation", "smollm2-135m-instruct"),
+        (["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "10"], "--suffix-cache-tokens",
+         "smollm2-135m-instruct"),
+        (["--suffix-speculation", "--draft-token-count", "8", "--draft-precision", "int8"],
+         "--draft-precision applies to a draft model and cannot be used with --suffix-speculation", "smollm2-135m-instruct"),
+        (["--suffix-speculation", "--draft-token-count", "8", "--engine", "vllm"],
+         "--suffix-speculation runs on depctl's engine", "smollm2-135m-instruct"),
     ],
 )
 def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
@@ -113,6 +127,10 @@ def test_unknown_model_says_what_was_tried(depctl_home):
         (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "float32"],
          {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 4,
           "draft_precision": "float32"}),
+        (["--suffix-speculation", "--draft-token-count", "16"],
+         {"method": "suffix", "num_draft_tokens": 16, "cache_tokens": 262144}),
+        (["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "65536"],
+         {"method": "suffix", "num_draft_tokens": 8, "cache_tokens": 65536}),
     ],
 )
 def test_validate_only_prints_the_spec_and_writes_nothing(flags, speculation, depctl_home):
@@ -158,6 +176,10 @@ def _seed(depctl_home, speculation) -> None:
         (["--quantization", "int8", "--dtype", "float16"], "cannot be combined with --dtype float16"),
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size needs --engine vllm"),
         (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent"),
+        (["--suffix-speculation"], "--draft-token-count is required with --suffix-speculation"),
+        (["--suffix-cache-tokens", "4096"], "--suffix-cache-tokens needs --suffix-speculation (this deployment does not "
+                                            "use suffix speculation)"),
+        (["--disable-speculative-decoding", "--suffix-speculation"], "--disable-speculative-decoding cannot be combined"),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -188,6 +210,28 @@ def test_update_draft_precision_alone_keeps_the_rest(depctl_home, monkeypatch):
     run("deployment", "update", "dep", "--no-wait", "--draft-token-count", "2")
     spec = SpecStore().get("dep").speculation
     assert (spec.num_draft_tokens, spec.draft_precision) == (2, "float32")
+
+
+def test_update_to_suffix_speculation_and_its_bound(depctl_home, monkeypatch):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    run("deployment", "update", "dep", "--no-wait", "--suffix-speculation", "--draft-token-count", "12")
+    spec = SpecStore().get("dep").speculation
+    assert (spec.method, spec.num_draft_tokens, spec.cache_tokens) == ("suffix", 12, 262144)
+    run("deployment", "update", "dep", "--no-wait", "--suffix-cache-tokens", "8192")  # the bound alone keeps K
+    spec = SpecStore().get("dep").speculation
+    assert (spec.method, spec.num_draft_tokens, spec.cache_tokens) == ("suffix", 12, 8192)
+    run("deployment", "update", "dep", "--no-wait", "--draft-token-count", "6")  # K alone keeps the bound
+    spec = SpecStore().get("dep").speculation
+    assert (spec.num_draft_tokens, spec.cache_tokens) == (6, 8192)
+    result = run("deployment", "get", "dep")
+    assert "suffix (k=6, cache=8192 tokens)" in " ".join(result.stdout.split())
 
 
 def test_update_count_without_method_on_a_plain_deployment(depctl_home):

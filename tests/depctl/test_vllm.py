@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from depctl.export import export, vllm_argv
-from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.vllm import engine_args, engine_kwargs, speculative_config
 
 
@@ -91,6 +91,16 @@ def test_export_local_keeps_depctls_copies(depctl_home, tiny_model_dir):
     text = export(spec, "vllm", model_source="local")
     assert f"vllm serve {tiny_model_dir}" in text and "every node that runs the deployment must see it" in text
     assert argv[2] == str(tiny_model_dir)
+
+
+def test_suffix_speculation_exports_as_vllms_suffix_method_and_says_what_it_needs(depctl_home):
+    spec = DeploymentSpec(id="s", model="HuggingFaceTB/SmolLM2-135M-Instruct",
+                          speculation=SuffixSpeculation(num_draft_tokens=12))
+    assert speculative_config(spec) == {"method": "suffix", "num_speculative_tokens": 12}
+    text = export(spec, "vllm")
+    assert "arctic-inference" in text and '"method":"suffix"' in text
+    with pytest.raises(ValueError, match="--suffix-speculation runs on depctl's engine"):
+        _spec(speculation=SuffixSpeculation(num_draft_tokens=12))  # the daemon's vLLM engine does not have it
 
 
 def test_export_works_for_a_depctl_engine_spec_too(depctl_home):

@@ -9,6 +9,7 @@ import torch
 
 from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, SpeculativeEngine,
+    SuffixProposer,
 )
 from runtime.engine.runner import ModelRunner
 from runtime.loader import quantize_int8
@@ -46,10 +47,11 @@ def test_plain_engine_matches_transformers_generate(target):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft", "int8 draft", "self"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "int8 draft", "self"])
 def test_greedy_output_equals_plain_decoding(target, draft, method, k):
     proposer = {
         "ngram": lambda: NgramProposer(2),
+        "suffix": lambda: SuffixProposer(4096),  # one engine for every prompt: later prompts draft from earlier ones
         "draft": lambda: DraftModelProposer(ModelRunner(draft)),
         # the draft's numerics never reach the output: an int8 copy of the target drafts, the fp32 target decides
         "int8 draft": lambda: DraftModelProposer(ModelRunner(quantize_int8(copy.deepcopy(target)))),
@@ -79,10 +81,11 @@ def test_ngram_hits_on_repetitive_prompt(target):
     assert engine.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_seeded_sampling_is_reproducible(target, draft, method):
     def once(seed):
-        proposer = NgramProposer(2) if method == "ngram" else DraftModelProposer(ModelRunner(draft))
+        proposer = {"ngram": lambda: NgramProposer(2), "suffix": lambda: SuffixProposer(4096),
+                    "draft": lambda: DraftModelProposer(ModelRunner(draft))}[method]()
         return run(make(target, proposer, 4), PROMPTS[0], sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
                    ignore_eos=True)[0]
 
@@ -126,8 +129,11 @@ class _FixedProposer:
     def __init__(self, drafts):
         self.drafts = drafts
 
-    def propose(self, tokens, k):
+    def propose(self, seq, k):
         return self.drafts[:k]
+
+    def finish(self, seq):
+        pass
 
 
 @pytest.mark.parametrize("path", ["all_accepted", "first_rejected"])
@@ -180,6 +186,30 @@ def test_prediction_drafts_and_stays_exact(target):
     wrong = tuple((t + 1) % 256 for t in plain)
     outs = list(engine.generate(PROMPTS[1], GenerationParams(max_tokens=30, ignore_eos=True, prediction=wrong)))
     assert [t for o in outs for t in o.token_ids] == plain
+
+
+def test_suffix_drafts_a_repeated_request_from_the_first(target):
+    engine = make(target, SuffixProposer(4096), 8, adaptive=False)
+    first, _ = run(engine, PROMPTS[1], max_tokens=41, ignore_eos=True)
+    before = engine.stats.num_accepted_tokens
+    again, _ = run(engine, PROMPTS[1], max_tokens=41, ignore_eos=True)
+    assert again == first
+    # the answer is in the index: 40 tokens after the prefill's, in 5 fully accepted steps of 8 + 1... minus the
+    # steps where the match is still shorter than 8 tokens (the draft length follows the match length)
+    assert engine.stats.num_accepted_tokens - before >= 30
+    assert engine.proposer.index.requests == 2
+
+
+def test_a_request_can_turn_speculation_off_or_cap_its_drafts(target):
+    plain, _ = run(make(target), PROMPTS[2], ignore_eos=True)
+    engine = make(target, NgramProposer(2), 8, adaptive=False)
+    off, _ = run(engine, PROMPTS[2], ignore_eos=True, speculate=False, prediction=tuple(plain))
+    assert off == plain and engine.stats.num_draft_tokens == 0  # off means no drafts at all, a prediction included
+    capped, _ = run(engine, PROMPTS[2], ignore_eos=True, max_draft_tokens=2)
+    assert capped == plain and engine.stats.num_draft_tokens > 0
+    assert len(engine.stats.accepted_per_position) <= 2
+    uncapped, _ = run(engine, PROMPTS[2], ignore_eos=True)
+    assert uncapped == plain and len(engine.stats.accepted_per_position) > 2  # the cap was what held it
 
 
 def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
 
@@ -25,13 +25,15 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     store.create(DeploymentSpec(id="ngram", model=str(tiny_model_dir),
                                 speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
     store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir)))
+    store.create(DeploymentSpec(id="suffix", model=str(tiny_model_dir),
+                                speculation=SuffixSpeculation(num_draft_tokens=8)))
     store.create(DeploymentSpec(id="drafted", model=str(tiny_model_dir),
                                 speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3)))
     store.create(DeploymentSpec(id="broken", model=str(tiny_model_dir / "missing")))
     store.create(DeploymentSpec(id="small", model=str(tiny_model_dir), max_batch_size=2,
                                 speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "drafted", "broken", "small"):
+    for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -43,7 +45,7 @@ def client(daemon):
 
 
 def test_models_lists_ready_deployments(client):
-    assert sorted(m.id for m in client.models.list()) == ["drafted", "ngram", "plain", "small"]
+    assert sorted(m.id for m in client.models.list()) == ["drafted", "ngram", "plain", "small", "suffix"]
 
 
 def test_completion_shape_and_usage(client):
@@ -58,8 +60,8 @@ def test_completion_shape_and_usage(client):
 def test_all_deployments_agree_greedily(client):
     # speculation never changes greedy output: n-gram and draft-model deployments equal the plain one
     texts = {dep: client.completions.create(model=dep, prompt="hello hello hello", max_tokens=30, **GREEDY).choices[0].text
-             for dep in ("plain", "ngram", "drafted")}
-    assert texts["ngram"] == texts["plain"] == texts["drafted"]
+             for dep in ("plain", "ngram", "suffix", "drafted")}
+    assert texts["ngram"] == texts["plain"] == texts["drafted"] == texts["suffix"]
 
 
 def test_firectl_model_form(client):
@@ -116,6 +118,43 @@ def test_predicted_outputs(client):
     wrong = client.chat.completions.create(model="ngram", messages=messages, max_tokens=40,
                                            prediction={"type": "content", "content": "nothing like it " * 5}, **GREEDY)
     assert wrong.choices[0].message.content == expected
+
+
+def test_suffix_speculation_drafts_a_repeated_request_from_the_first(client, daemon):
+    prompt = "the deployment has seen this prompt before: "
+    first = client.completions.create(model="suffix", prompt=prompt, max_tokens=48, **GREEDY)
+    again = client.completions.create(model="suffix", prompt=prompt, max_tokens=48, **GREEDY)
+    assert again.choices[0].text == first.choices[0].text
+    spec = again.usage.model_extra["speculation"]
+    assert spec["method"] == "suffix (k=8)"
+    # the second answer is drafted from the first: most of it accepted (the first token comes from the prefill, and
+    # the first steps' matches, hence drafts, are still short), and nearly every draft right
+    assert spec["accepted_tokens"] >= 35 and spec["acceptance_rate"] >= 0.9, spec
+    index = daemon.get("/depctl/v1/deployments/suffix").json()["suffix_index"]
+    assert index["requests"] >= 2 and index["tokens"] > 0 and index["hits"] > 0
+    families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics").text)}
+    held = {s.labels["deployment"]: s.value for s in families["depctl:suffix_cache_tokens"].samples}
+    assert held["suffix"] > 0
+
+
+def test_per_request_speculation_control(client, daemon):
+    prompt = "abcabcabcabcabcabcabc"
+    free = client.completions.create(model="ngram", prompt=prompt, max_tokens=40, **GREEDY)
+    off = client.completions.create(model="ngram", prompt=prompt, max_tokens=40, extra_body={"speculation": {"enabled": False}},
+                                    **GREEDY)
+    capped = client.completions.create(model="ngram", prompt=prompt, max_tokens=40,
+                                       extra_body={"speculation": {"max_draft_tokens": 1}}, **GREEDY)
+    assert off.choices[0].text == capped.choices[0].text == free.choices[0].text  # only the speed changes
+    usage = {name: r.usage.model_extra["speculation"] for name, r in (("free", free), ("off", off), ("capped", capped))}
+    assert usage["off"]["enabled"] is False and usage["off"]["drafted_tokens"] == 0
+    assert usage["free"]["enabled"] is True and usage["free"]["drafted_tokens"] > 0
+    # one draft token a step at most: no more draft tokens than steps (each step emits accepted + 1 tokens)
+    steps = capped.usage.completion_tokens - 1 - usage["capped"]["accepted_tokens"]
+    assert 0 < usage["capped"]["drafted_tokens"] <= steps
+    for bad in ({"max_draft_tokens": -1}, {"max_draft_tokens": 99}, {"max_drafts": 2}, {"enabled": "maybe"}):
+        r = daemon.post("/v1/completions", {"model": "ngram", "prompt": "a", "max_tokens": 2, "speculation": bad})
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["param"].startswith("speculation"), r.json()
 
 
 def test_errors_map_to_sdk_exceptions(client):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.engine.proposers import PredictionTracker, lookup_in_reference, ngram_propose
+from runtime.engine.proposers import PredictionTracker, ngram_propose, rejoin
 
 
 def test_ngram_most_recent_match():
@@ -46,11 +46,57 @@ def test_ngram_repeating_pattern_proposes_itself():
     assert ngram_propose([1, 2, 3, 1, 2, 3, 1], n=1, k=4) == [2, 3, 1]
 
 
-def test_lookup_prefers_first_match_after_position():
-    ref = [1, 2, 3, 1, 2, 4]
-    assert lookup_in_reference([9, 1, 2], ref, n=2, after=0) == 2
-    assert lookup_in_reference([9, 1, 2], ref, n=2, after=3) == 5
-    assert lookup_in_reference([8], ref, n=2, after=0) == -1
+def follow(prediction, output, k=4):
+    """Drive a tracker over ``output`` as the engine would with one draft step per token (nothing accepted beyond
+    the first check): returns, per output position, what the tracker proposed before the token was known."""
+    tracker = PredictionTracker(prediction)
+    proposals = []
+    for i, token in enumerate(output):
+        proposals.append(tracker.propose(output[:i], k))
+        tracker.observe(0, token)
+    return tracker, proposals
+
+
+def test_prediction_rejoins_after_a_replaced_token():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    output = [10, 11, 12, 99, 14, 15, 16, 17, 18]  # 13 became 99
+    tracker, proposals = follow(prediction, output)
+    assert proposals[3] == [13, 14, 15, 16]  # the guess that failed
+    assert proposals[4] == []  # 99 is not in the prediction: the deployment's proposer drafts this step
+    assert proposals[5] == [15, 16, 17, 18]  # after 14, one token past the divergence: back on the prediction
+    assert tracker.matched == 7  # all but 99 and 14 (produced while the tracker was looking for the rejoin)
+
+
+def test_prediction_rejoins_after_inserted_tokens():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17]
+    output = [10, 11, 12, 90, 91, 92, 13, 14, 15, 16, 17]  # three tokens inserted before 13
+    _, proposals = follow(prediction, output)
+    assert proposals[4] == [] and proposals[5] == []
+    assert proposals[7] == [14, 15, 16, 17]  # 13 came back right where the output left: rejoined at once
+
+
+def test_prediction_rejoins_after_deleted_tokens():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    output = [10, 11, 12, 16, 17, 18, 19]  # 13-15 deleted
+    _, proposals = follow(prediction, output)
+    assert proposals[4] == []  # 16 alone, four tokens on: a one-token match this far from the divergence is not enough
+    assert proposals[5] == [18, 19]  # 16, 17 agree two tokens, within reach
+
+
+def test_prediction_needs_a_longer_match_far_from_the_divergence():
+    prediction = [10, 11, 12, 13] + [50 + i for i in range(30)] + [7, 8, 9, 1, 2]
+    # the output leaves at 11 and later writes 7, 8: a two-token match 30 tokens away is not trusted
+    assert rejoin([10, 99, 98, 7, 8], prediction, last=1) == -1
+    # four agreeing tokens are, anywhere (an edit that dropped a whole block)
+    assert rejoin([10, 99, 98, 8, 9, 1], prediction, last=1) == -1  # three only
+    assert rejoin([10, 99, 7, 8, 9, 1], prediction, last=1) == len(prediction) - 1
+
+
+def test_prediction_prefers_the_nearest_rejoin():
+    # [5, 6] occurs twice after the divergence: the nearer one wins, and forward before backward
+    prediction = [5, 6, 1, 2, 3, 5, 6, 4, 4]
+    assert rejoin([9, 5, 6], prediction, last=3) == 7
+    assert rejoin([9, 5, 6], prediction, last=1) == 2
 
 
 def test_prediction_tracker_follows_diverges_and_resyncs():

@@ -9,6 +9,7 @@ import torch
 
 from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, Scheduler, SpeculativeEngine,
+    SuffixProposer,
 )
 from runtime.engine.runner import ModelRunner
 from tests.runtime.test_engine import PROMPTS as ENGINE_PROMPTS
@@ -20,6 +21,7 @@ def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
     proposer = {
         "plain": lambda: None,
         "ngram": lambda: NgramProposer(2),
+        "suffix": lambda: SuffixProposer(4096),
         "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
     }[method]()
     return SpeculativeEngine(ModelRunner(target, max_rows=rows, max_context=512), proposer,
@@ -58,7 +60,7 @@ GREEDY = GenerationParams(max_tokens=30, ignore_eos=True)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft"])
 def test_greedy_output_does_not_depend_on_the_batch(target, draft, method, batch):
     # different prompt lengths, and max_tokens that make requests leave at different steps
     arrivals = [(0, PROMPTS[i], GenerationParams(max_tokens=12 + 5 * i, ignore_eos=True)) for i in range(batch)]
@@ -68,7 +70,7 @@ def test_greedy_output_does_not_depend_on_the_batch(target, draft, method, batch
         assert finish[i] == "length"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_requests_join_and_leave_mid_flight(target, draft, method):
     # 8 requests through 3 rows: the rest wait, join as rows free up, and prefill in chunks of 4 while others decode
     arrivals = [(3 * i, PROMPTS[i], GenerationParams(max_tokens=8 + 3 * i, ignore_eos=True)) for i in range(8)]
@@ -78,7 +80,7 @@ def test_requests_join_and_leave_mid_flight(target, draft, method):
         assert got[i] == solo(target, prompt, params), i
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_mixed_requests_in_one_batch(target, draft, method):
     # plain (speculate=false), the deployment's proposer, a predicted output (right and wrong), side by side
     right = tuple(solo(target, PROMPTS[2], GREEDY))
@@ -106,7 +108,7 @@ def test_a_cancelled_neighbour_leaves_the_others_exact(target):
     assert all(length == 0 for length in scheduler.engine.target.cache.lengths)  # every row was given back
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_seeded_sampling_is_reproducible_whatever_the_neighbours(target, draft, method):
     seeded = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
     alone = solo(target, PROMPTS[1], seeded)  # plain decoding, batch of one
@@ -129,10 +131,14 @@ def test_rollback_leaves_each_row_at_its_accepted_length(target):
 
         name, cost_per_token = "oracle", False
 
-        def propose(self, tokens, k):
+        def propose(self, seq, k):
+            tokens = seq.tokens
             b = next(i for i, p in enumerate(prompts) if list(tokens[: len(p)]) == p)
             truth = plain[b][len(tokens) - len(prompts[b]) :][:k]
             return [truth, [(truth[0] + 1) % 256] + truth[1:], []][b]
+
+        def finish(self, seq):
+            pass
 
     engine = SpeculativeEngine(ModelRunner(target, max_rows=3, max_context=512), Oracle(),
                                EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False))

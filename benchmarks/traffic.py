@@ -1,0 +1,323 @@
+"""Repeated and agentic traffic: plain decoding, n-gram and suffix speculation side by side, and predicted outputs
+(today's tracker against the re-aligning one) on an edit loop.
+
+    .venv/bin/python benchmarks/traffic.py                       # SmolLM2, every workload, 1 and 8 clients
+    .venv/bin/python benchmarks/traffic.py --workload edit-loop --concurrency 1
+
+Workloads (greedy, chat template applied, ``--max-tokens`` each):
+
+- ``grounded-twice``: the grounded prompts (edits of code and text given in the prompt), then the same prompts again,
+  as users re-ask and agents retry;
+- ``multi-turn``: three-turn conversations whose later turns quote and rework the model's earlier answers; each
+  script is run by two users, as an agent runs the same flow for different tickets;
+- ``edit-loop``: a file revised by a chain of edit requests, each sending the current file in the prompt and as the
+  prediction (OpenAI's predicted outputs) and taking the answer as the next file;
+- ``chat``: open-ended chat, where nothing repeats: speculation must not cost anything here.
+
+Every configuration runs the same engine code in this process, through the scheduler (continuous batching), with
+N clients in a closed loop: a client sends its next request when the previous one ends (a conversation or edit
+chain stays with its client, so its turns stay in order). Plain rows are requests with speculation off on the
+n-gram engine; each suffix run starts from an empty index, so nothing is learned from another configuration.
+Outputs are compared across configurations (they must be identical: greedy speculation is exact), then one table
+per workload: tokens/s, the ratio to plain at the same concurrency, and acceptance.
+
+The "prediction (before re-alignment)" rows run the tracker as it was before issue 15 (``LegacyTracker`` below, kept
+here as the reference): after a mismatch it looked up the last 4 generated tokens, falling back to 3, 2, then 1, in
+the prediction and drafted from the first match at or after the furthest point reached, ahead of the deployment's
+proposer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import runtime.engine.sequence as sequence_module  # noqa: E402
+from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
+from runtime.engine import EngineConfig, GenerationParams, Scheduler, SpeculativeEngine, SuffixProposer  # noqa: E402
+from runtime.engine.proposers import PredictionTracker  # noqa: E402
+
+PROMPTS = ROOT / "benchmarks" / "prompts"
+
+MULTI_TURN = [
+    ["Explain in four sentences how a hash table works.",
+     "Rewrite your previous answer as a bulleted list, keeping your wording.",
+     "Repeat the second bullet exactly, then give a one-line example in Python."],
+    ["Write a Python function that checks whether a string is a palindrome.",
+     "Now add a docstring and type hints to that function, and return the whole function.",
+     "Rename the function to `is_palindrome_text` and return the whole function again."],
+    ["Give me a three-item checklist for reviewing a pull request.",
+     "Expand each item of your checklist with one sentence of explanation, keeping the items as they are.",
+     "Turn the expanded checklist into a Markdown table with columns Item and Why."],
+    ["Describe the water cycle in three short paragraphs.",
+     "Quote your first paragraph exactly, then summarise the other two in one sentence.",
+     "Repeat your previous answer, but in the second person."],
+]
+
+EDIT_FILE = '''def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / len(values)
+
+
+def describe(values):
+    return {"mean": mean(values), "variance": variance(values)}
+'''
+
+EDITS = [
+    "Rename the parameter `values` to `samples` everywhere.",
+    "Add a one-line docstring to each function.",
+    "Make `variance` raise ValueError when the list is empty.",
+    "Add a `count` key to the dictionary returned by `describe`.",
+    "Rename the loop variable `v` to `x` in every function.",
+    "Add type hints (list[float] and float) to every function.",
+]
+
+
+def edit_prompt(code: str, instruction: str) -> str:
+    return f"{instruction} Return the whole file and nothing else.\n\n```python\n{code}```"
+
+
+def strip_fence(text: str) -> str:
+    """The next file: the answer's code block when it has one."""
+    if "```" in text:
+        body = text.split("```", 2)[1]
+        return body.split("\n", 1)[1] if body.startswith("python") else body
+    return text
+
+
+@dataclass
+class Request:
+    messages: list[dict]
+    prediction: str | None = None
+
+
+# A client is a generator of requests: it receives each answer's text and yields the next request (or stops).
+Client = Callable[[], Iterator[Request]]
+
+
+def single(prompts: list[str]) -> list[Client]:
+    def client(p):
+        def run():
+            yield Request([{"role": "user", "content": p}])
+        return run
+    return [client(p) for p in prompts]
+
+
+def conversation(turns: list[str]) -> Client:
+    def run():
+        messages = []
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            answer = yield Request(list(messages))
+            messages.append({"role": "assistant", "content": answer})
+    return run
+
+
+def edit_chain(with_prediction: bool) -> Client:
+    def run():
+        code = EDIT_FILE
+        for instruction in EDITS:
+            answer = yield Request([{"role": "user", "content": edit_prompt(code, instruction)}],
+                                   prediction=code if with_prediction else None)
+            code = strip_fence(answer) or code
+    return run
+
+
+def workload(name: str) -> list[Client]:
+    if name == "grounded-twice":
+        prompts = [json.loads(line)["prompt"] for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()]
+        return single(prompts + prompts)
+    if name == "chat":
+        return single([json.loads(line)["prompt"] for line in (PROMPTS / "chat.jsonl").read_text().splitlines()])
+    if name == "multi-turn":
+        return [conversation(script) for script in MULTI_TURN for _ in range(2)]
+    if name == "edit-loop":
+        return [edit_chain(True)]
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+@dataclass
+class Result:
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    outputs: list = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run(engine, tokenizer, clients: list[Client], concurrency: int, max_tokens: int, speculate: bool,
+        use_prediction: bool = True) -> Result:
+    """Clients in a closed loop over one scheduler: at most ``concurrency`` run at once, each sending its next
+    request when its previous one ends. Every answer is fed back to its client (multi-turn, edit chains)."""
+    scheduler = Scheduler(engine, max_batch_size=concurrency)
+    pending = list(range(len(clients)))
+    gens: dict[int, Iterator[Request]] = {}
+    active: dict[int, tuple] = {}  # seq id -> (client, seq, tokens)
+    result = Result()
+
+    def submit(c: int, request: Request | None) -> None:
+        if request is None:
+            return
+        text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prediction = ()
+        if request.prediction and use_prediction:
+            prediction = tuple(tokenizer(request.prediction, add_special_tokens=False)["input_ids"])
+        params = GenerationParams(max_tokens=max_tokens, speculate=speculate, prediction=prediction)
+        seq = engine.new_sequence(ids, params)
+        active[seq.id] = (c, seq, [])
+        scheduler.add(seq)
+
+    def start_next() -> None:
+        while pending and len(active) < concurrency:
+            c = pending.pop(0)
+            gens[c] = clients[c]()
+            submit(c, next(gens[c], None))
+
+    t0 = time.perf_counter()
+    start_next()
+    while scheduler.has_work():
+        for seq, out in scheduler.step():
+            c, _, tokens = active[seq.id]
+            tokens += out.token_ids
+            result.drafted += out.drafted
+            result.accepted += out.accepted
+            if out.finish_reason:
+                del active[seq.id]
+                result.tokens += len(tokens)
+                result.outputs.append(tokens)
+                answer = tokenizer.decode(tokens, skip_special_tokens=True)
+                try:
+                    submit(c, gens[c].send(answer))
+                except StopIteration:
+                    start_next()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+class LegacyTracker(PredictionTracker):
+    """The predicted-output tracker before issue 15 (the reference for the re-alignment rows)."""
+
+    NGRAM = 4
+
+    def __init__(self, prediction):
+        super().__init__(prediction)
+        self.last = 0
+
+    def propose(self, generated, k):
+        start = self.expected
+        if start < 0 or start >= len(self.prediction):
+            start = self._lookup(generated) if generated else -1
+        self._start = start
+        return self.prediction[start : start + k] if k > 0 and start >= 0 else []
+
+    def _lookup(self, generated) -> int:
+        length, reference = len(generated), self.prediction
+        for size in range(min(self.NGRAM, length), 0, -1):
+            suffix = list(generated[length - size :])
+            ends = [i + size for i in range(len(reference) - size) if list(reference[i : i + size]) == suffix]
+            if ends:
+                later = [e for e in ends if e >= self.last]
+                return later[0] if later else ends[-1]
+        return -1
+
+    def observe(self, accepted, next_token):
+        pos = self._start + accepted if self._start >= 0 else -1
+        if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
+            self.expected = pos + 1
+            self.last = max(self.last, self.expected)
+            self.matched += accepted + 1
+            return accepted + 1
+        self.expected = -1
+        self.matched += accepted
+        return accepted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--workload", default="grounded-twice,multi-turn,edit-loop,chat")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=8, help="--draft-token-count for n-gram and suffix")
+    parser.add_argument("--ngram", type=int, default=3)
+    args = parser.parse_args()
+
+    from runtime.loader import load_deployment
+
+    rows = max(int(c) for c in args.concurrency.split(","))
+    spec = DeploymentSpec(id="traffic", model=args.model, dtype=args.dtype, max_batch_size=rows,
+                          speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
+    loaded = load_deployment(spec)
+    ngram_engine, tok = loaded.engine, loaded.tokenizer
+
+    def fresh(proposer) -> SpeculativeEngine:
+        """An engine over the same target (and its calibration) with another proposer: a new suffix index."""
+        e = SpeculativeEngine(ngram_engine.target, proposer, EngineConfig(**vars(ngram_engine.config)))
+        e.policy.verify_cost.samples = dict(ngram_engine.policy.verify_cost.samples)
+        return e
+
+    print(f"# {args.model} ({loaded.target.precision}), greedy, {args.max_tokens} tokens a request, K={args.k}, "
+          f"n-gram n={args.ngram}", file=sys.stderr)
+    tables = []
+    for name in args.workload.split(","):
+        for c in (int(x) for x in args.concurrency.split(",")):
+            if name == "edit-loop" and c > 1:
+                continue  # one chain: each request waits for the previous answer
+            configs = [("plain", ngram_engine, False, True), (f"n-gram (n={args.ngram})", ngram_engine, True, True),
+                       ("suffix", None, True, True)]
+            if name == "edit-loop":
+                configs = [("plain (no prediction)", ngram_engine, False, False),
+                           ("prediction, before re-alignment", None, "legacy", True),
+                           ("prediction, re-aligning", None, "prediction", True),
+                           (f"n-gram (n={args.ngram}), no prediction", ngram_engine, True, False),
+                           ("suffix, no prediction", None, True, False),
+                           ("suffix + prediction, re-aligning", None, "suffix+prediction", True)]
+            results = []
+            for label, engine, mode, use_prediction in configs:
+                if engine is None:
+                    proposer = SuffixProposer(1 << 20) if mode in (True, "suffix+prediction") else None
+                    engine = fresh(proposer)
+                sequence_module.PredictionTracker = LegacyTracker if mode == "legacy" else PredictionTracker
+                r = run(engine, tok, workload(name), c, args.max_tokens, speculate=mode is not False,
+                        use_prediction=use_prediction)
+                sequence_module.PredictionTracker = PredictionTracker
+                results.append((label, r))
+                print(f"  [{name} c={c} {label}] {r.rate:.1f} tok/s", file=sys.stderr)
+            base = results[0][1]
+            same = all(sorted(map(tuple, r.outputs)) == sorted(map(tuple, base.outputs)) for _, r in results)
+            lines = [f"### {name}, {c} client{'s' if c > 1 else ''}"
+                     + ("" if same else "  (OUTPUTS DIFFER ACROSS CONFIGURATIONS)"), "",
+                     "| configuration | tok/s | vs plain | acceptance | tokens |", "|---|---|---|---|---|"]
+            for label, r in results:
+                acc = f"{r.accepted / r.drafted:.0%} of {r.drafted}" if r.drafted else "-"
+                lines.append(f"| {label} | {r.rate:.1f} | {r.rate / base.rate:.2f}x | {acc} | {r.tokens} |")
+            tables.append("\n".join(lines))
+            print(tables[-1] + "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
