@@ -10,18 +10,26 @@ Workloads (greedy, chat template applied, ``--max-tokens`` each):
   as users re-ask and agents retry;
 - ``multi-turn``: three-turn conversations whose later turns quote and rework the model's earlier answers; each
   script is run by two users, as an agent runs the same flow for different tickets;
-- ``edit-loop``: a file revised by a chain of edit requests, each sending the current file in the prompt and as the
-  prediction (OpenAI's predicted outputs) and taking the answer as the next file;
+- ``edit-loop``: a file revised by a chain of edit requests, each sending the current file in the prompt and taking
+  the answer as the next file (SmolLM2-135M rewrites the file once and then returns the same answer to every later
+  edit: an agent loop that keeps retrying);
+- ``predicted-edits``: the grounded prompts with OpenAI's predicted outputs, where the prediction is the answer
+  with three small edits (two tokens replaced at a quarter of the way, three inserted at half, three deleted at
+  three quarters): the client's expected file differs from what comes back in a few places. SmolLM2-135M does
+  not make faithful edits of the prompts' code (it rewrites and comments), so the prediction is built from its
+  own plain answer, fixed per prompt; the plain row runs first to get it. Rows compare the prediction tracker
+  before and after re-alignment, alone and over n-gram lookup;
 - ``chat``: open-ended chat, where nothing repeats: speculation must not cost anything here.
 
 Every configuration runs the same engine code in this process, through the scheduler (continuous batching), with
 N clients in a closed loop: a client sends its next request when the previous one ends (a conversation or edit
-chain stays with its client, so its turns stay in order). Plain rows are requests with speculation off on the
-n-gram engine; each suffix run starts from an empty index, so nothing is learned from another configuration.
+chain stays with its client, so its turns stay in order). Every row gets a fresh engine over the same loaded target
+and its calibration: plain rows are requests with speculation off, and each suffix row starts from an empty index,
+so nothing is learned from another row.
 Outputs are compared across configurations (they must be identical: greedy speculation is exact), then one table
 per workload: tokens/s, the ratio to plain at the same concurrency, and acceptance.
 
-The "prediction (before re-alignment)" rows run the tracker as it was before issue 15 (``LegacyTracker`` below, kept
+The "before re-alignment" rows run the tracker as it was before issue 15 (``LegacyTracker`` below, kept
 here as the reference): after a mismatch it looked up the last 4 generated tokens, falling back to 3, 2, then 1, in
 the prediction and drafted from the first match at or after the furthest point reached, ahead of the deployment's
 proposer.
@@ -42,7 +50,9 @@ sys.path.insert(0, str(ROOT))
 
 import runtime.engine.sequence as sequence_module  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
-from runtime.engine import EngineConfig, GenerationParams, Scheduler, SpeculativeEngine, SuffixProposer  # noqa: E402
+from runtime.engine import (  # noqa: E402
+    EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, SuffixProposer,
+)
 from runtime.engine.proposers import PredictionTracker  # noqa: E402
 
 PROMPTS = ROOT / "benchmarks" / "prompts"
@@ -131,13 +141,28 @@ def conversation(turns: list[str]) -> Client:
     return run
 
 
-def edit_chain(with_prediction: bool) -> Client:
+def edit_chain() -> Client:
     def run():
         code = EDIT_FILE
         for instruction in EDITS:
-            answer = yield Request([{"role": "user", "content": edit_prompt(code, instruction)}],
-                                   prediction=code if with_prediction else None)
+            answer = yield Request([{"role": "user", "content": edit_prompt(code, instruction)}], prediction=code)
             code = strip_fence(answer) or code
+    return run
+
+
+def edited(tokens: list[int]) -> list[int]:
+    """``tokens`` with three small edits: 2 replaced (at 1/4), 3 inserted (at 1/2), 3 deleted (at 3/4)."""
+    n = len(tokens)
+    if n < 16:
+        return list(tokens)
+    a, b, c = n // 4, n // 2, 3 * n // 4
+    filler = tokens[:3]  # tokens from elsewhere in the text, so the edit is plausible text, not noise
+    return tokens[:a] + filler[:2] + tokens[a + 2 : b] + filler + tokens[b:c] + tokens[c + 3 :]
+
+
+def predicted(prompt: str, prediction: str) -> Client:
+    def run():
+        yield Request([{"role": "user", "content": prompt}], prediction=prediction)
     return run
 
 
@@ -150,7 +175,9 @@ def workload(name: str) -> list[Client]:
     if name == "multi-turn":
         return [conversation(script) for script in MULTI_TURN for _ in range(2)]
     if name == "edit-loop":
-        return [edit_chain(True)]
+        return [edit_chain()]
+    if name == "predicted-edits":  # the plain pass (predictions not used); see predicted_edits for the rest
+        return single([json.loads(line)["prompt"] for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()])
     raise SystemExit(f"unknown workload {name!r}")
 
 
@@ -161,6 +188,7 @@ class Result:
     drafted: int = 0
     accepted: int = 0
     outputs: list = field(default_factory=list)
+    by_client: dict = field(default_factory=dict)  # client -> its last answer's tokens
 
     @property
     def rate(self) -> float:
@@ -208,6 +236,7 @@ def run(engine, tokenizer, clients: list[Client], concurrency: int, max_tokens: 
                 del active[seq.id]
                 result.tokens += len(tokens)
                 result.outputs.append(tokens)
+                result.by_client[c] = tokens
                 answer = tokenizer.decode(tokens, skip_special_tokens=True)
                 try:
                     submit(c, gens[c].send(answer))
@@ -259,7 +288,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--workload", default="grounded-twice,multi-turn,edit-loop,chat")
+    parser.add_argument("--workload", default="grounded-twice,multi-turn,edit-loop,predicted-edits,chat")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=8, help="--draft-token-count for n-gram and suffix")
@@ -283,27 +312,35 @@ def main() -> None:
     print(f"# {args.model} ({loaded.target.precision}), greedy, {args.max_tokens} tokens a request, K={args.k}, "
           f"n-gram n={args.ngram}", file=sys.stderr)
     tables = []
+    ngram_label = f"n-gram (n={args.ngram})"
     for name in args.workload.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
-            if name == "edit-loop" and c > 1:
-                continue  # one chain: each request waits for the previous answer
-            configs = [("plain", ngram_engine, False, True), (f"n-gram (n={args.ngram})", ngram_engine, True, True),
-                       ("suffix", None, True, True)]
-            if name == "edit-loop":
-                configs = [("plain (no prediction)", ngram_engine, False, False),
-                           ("prediction, before re-alignment", None, "legacy", True),
-                           ("prediction, re-aligning", None, "prediction", True),
-                           (f"n-gram (n={args.ngram}), no prediction", ngram_engine, True, False),
-                           ("suffix, no prediction", None, True, False),
-                           ("suffix + prediction, re-aligning", None, "suffix+prediction", True)]
+            if name in ("edit-loop", "predicted-edits") and c > 1:
+                continue  # one chain (each request waits for the previous answer); predictions are measured alone
+            # (label, proposer: "ngram" | "suffix" | None, speculate, prediction: None | "legacy" | "realign")
+            configs = [("plain", "ngram", False, None), (ngram_label, "ngram", True, None), ("suffix", "suffix", True, None)]
+            if name == "predicted-edits":
+                configs = [("plain", "ngram", False, None),
+                           ("prediction, before re-alignment", None, True, "legacy"),
+                           ("prediction, re-aligning", None, True, "realign"),
+                           (ngram_label, "ngram", True, None),
+                           (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
+                           (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
+                           ("suffix + prediction, re-aligning", "suffix", True, "realign")]
             results = []
-            for label, engine, mode, use_prediction in configs:
-                if engine is None:
-                    proposer = SuffixProposer(1 << 20) if mode in (True, "suffix+prediction") else None
-                    engine = fresh(proposer)
-                sequence_module.PredictionTracker = LegacyTracker if mode == "legacy" else PredictionTracker
-                r = run(engine, tok, workload(name), c, args.max_tokens, speculate=mode is not False,
-                        use_prediction=use_prediction)
+            clients = workload(name)
+            for label, proposer, speculate, prediction in configs:
+                # a fresh engine for every row (the same target and calibration): no row inherits another's learned
+                # acceptance, and each suffix row starts from an empty index
+                engine = fresh({"ngram": lambda: NgramProposer(args.ngram), "suffix": lambda: SuffixProposer(1 << 20),
+                                None: lambda: None}[proposer]())
+                sequence_module.PredictionTracker = LegacyTracker if prediction == "legacy" else PredictionTracker
+                r = run(engine, tok, clients, c, args.max_tokens, speculate=speculate,
+                        use_prediction=prediction is not None)
+                if name == "predicted-edits" and not results:  # the plain pass: predictions from its answers
+                    prompts = [json.loads(line)["prompt"] for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()]
+                    clients = [predicted(p, tok.decode(edited(r.by_client[i]), skip_special_tokens=True))
+                               for i, p in enumerate(prompts)]
                 sequence_module.PredictionTracker = PredictionTracker
                 results.append((label, r))
                 print(f"  [{name} c={c} {label}] {r.rate:.1f} tok/s", file=sys.stderr)

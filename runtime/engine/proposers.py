@@ -59,8 +59,8 @@ def ngram_propose(tokens: Sequence[int], n: int, k: int) -> list[int]:
     return list(tokens[end + 1 : end + 1 + k])
 
 
-REJOIN_NEAR = 16  # tokens either side of the divergence searched with a two-token agreement
-REJOIN_FAR = 4  # agreement needed to rejoin anywhere else in the prediction
+REJOIN_NEAR = 16  # tokens either side of the divergence where one agreeing token rejoins
+REJOIN_FAR = 3  # agreement needed to rejoin anywhere else in the prediction (as n-gram lookup's n)
 
 
 def rejoin(generated: Sequence[int], reference: Sequence[int], last: int) -> int:
@@ -69,10 +69,12 @@ def rejoin(generated: Sequence[int], reference: Sequence[int], last: int) -> int
 
     An edit inserts, deletes or replaces a few tokens, so the output comes back close to where it left. Every
     occurrence in ``reference`` of the output's last token is scored by how many output tokens before it agree
-    (up to ``CONTEXT_LOOKBACK``); the agreement an occurrence needs grows with its distance ``d`` from ``last``:
-    one token right at the divergence (``1 <= d <= 2``: the output wrote its own tokens and came back to the
-    reference's next one, or replaced one token), two within ``REJOIN_NEAR`` tokens, ``REJOIN_FAR`` anywhere else. The
-    longest agreement wins, then forward before backward (edits move on through the text), then the nearest.
+    (up to ``CONTEXT_LOOKBACK``); the agreement an occurrence needs grows with its distance ``d`` from ``last``: one
+    token within ``REJOIN_NEAR`` tokens (the output wrote its own tokens and came back, or skipped a few), and
+    ``REJOIN_FAR`` anywhere else (an edit that dropped or moved a block). The longest agreement wins, then forward
+    before backward (edits move on through the text), then the nearest. A wrong guess costs one verify pass, which
+    on a CPU costs little more than a plain step; a right one saves up to K steps, so near the divergence one
+    agreeing token is enough.
     """
     if not generated or not reference:
         return -1
@@ -87,7 +89,7 @@ def rejoin(generated: Sequence[int], reference: Sequence[int], last: int) -> int
     agree = np.cumprod(same, axis=1).sum(axis=1)  # [C]
     starts = ends + 1
     d = starts - last
-    need = np.where((d >= 1) & (d <= 2), 1, np.where(np.abs(d) <= REJOIN_NEAR, 2, REJOIN_FAR))
+    need = np.where(np.abs(d) <= REJOIN_NEAR, 1, REJOIN_FAR)
     ok = (agree >= need) & (starts < len(ref))
     if not ok.any():
         return -1

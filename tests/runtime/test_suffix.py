@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from runtime.engine.suffix import KEY_LENGTHS, MIN_PROB, SuffixIndex
+from runtime.engine.suffix import ALPHA, KEY_LENGTHS, MIN_PROB, SuffixIndex
 
 
 def index_of(*requests, budget=10_000):
@@ -23,10 +23,11 @@ def test_a_later_request_drafts_what_followed_in_an_earlier_one():
 
 
 def test_the_draft_length_follows_the_match_length():
-    index = index_of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
-    # a 3-token match drafts at most 3 tokens; an 8-token match up to 8 (SuffixDecoding's max_spec_factor = 1)
-    assert index.propose([70, 2, 3, 4], k=16) == ([5, 6, 7], 3)
-    assert index.propose([1, 2, 3, 4, 5, 6, 7, 8], k=16) == ([9, 10, 11, 12, 13, 14, 15, 16], 8)
+    index = index_of(list(range(1, 41)))
+    # a 3-token match drafts at most 9 tokens; an 8-token match up to 24 (ALPHA = 3 draft tokens a matched token)
+    assert ALPHA == 3
+    assert index.propose([70, 2, 3, 4], k=32) == (list(range(5, 14)), 3)
+    assert index.propose(list(range(1, 9)), k=32) == (list(range(9, 33)), 8)
 
 
 def test_a_match_shorter_than_the_shortest_key_drafts_nothing():
@@ -59,7 +60,7 @@ def test_drafting_stops_when_the_continuation_is_contested():
     # three ways, then agreement: the first token is a 1/3 guess, the walk follows its own branch
     index = index_of([1, 2, 3, 8, 30], [1, 2, 3, 9, 31], [1, 2, 3, 8, 30], [1, 2, 3, 8, 32], [1, 2, 3, 10, 33])
     drafts, _ = index.propose([0, 1, 2, 3], k=3)
-    assert drafts == [8, 30]  # 8: 3/5; then 30: 2/3 of those (0.4 overall); 3 tokens would need a third
+    assert drafts == [8, 30]  # 8: 3/5; then 30: 2/3 of those (0.4 overall); then the answers end
 
 
 def test_the_current_request_is_indexed_as_it_runs():
@@ -74,7 +75,7 @@ def test_the_current_request_is_indexed_as_it_runs():
 def test_concurrent_requests_draft_from_each_other():
     index = SuffixIndex(1000)
     index.sync(1, [10, 11, 12, 13, 14, 15, 16])  # still running
-    assert index.propose([99, 10, 11, 12], k=4) == ([13, 14, 15], 3)
+    assert index.propose([99, 10, 11, 12], k=4) == ([13, 14, 15, 16], 3)
 
 
 def test_least_recently_used_requests_are_evicted_past_the_budget():
