@@ -3,8 +3,8 @@
 Two kinds, told apart by ``cost_per_token``:
 
 - a **free** proposer (n-gram lookup; suffix speculation over recent traffic; a request's predicted output, see
-  ``PredictionTracker``) looks at a row's tokens and returns up to ``k`` guesses: ``propose(seq, k) -> list[int]``. Computing its guess costs nothing
-  next to a forward pass, so the engine asks before it decides how long this step's drafts are.
+  ``PredictionTracker``) looks at a row's tokens and returns up to ``k`` guesses: ``propose(seq, k) -> list[int]``.
+  Computing its guess costs nothing next to a forward pass, so the engine asks before it decides how long this step's drafts are.
 - a **draft model** costs a forward per drafted token, batched over the running rows:
   ``propose(batch, width) -> (drafts, draft_probs)``; it owns a KV cache with the same rows as the target's
   (``prefill``, ``set_length`` and ``move_row`` keep them in step).
@@ -27,6 +27,16 @@ from runtime.engine.suffix import SuffixIndex
 CONTEXT_LOOKBACK = 64  # how far back a candidate match's agreement with the current suffix is measured
 
 
+def _agreement(ref: np.ndarray, ends: np.ndarray, context: np.ndarray, lookback: int) -> np.ndarray:
+    """For each candidate end ``ends[c]`` in ``ref``, how many tokens counting back from it equal the end of
+    ``context`` (up to ``lookback``), in one [candidates, lookback] pass: this runs for every row of every step,
+    drafting or not, and a Python loop over the lookback cost ~2 ms a row."""
+    back = np.arange(lookback)  # [L]
+    positions = ends[:, None] - back[None, :]  # [C, L]
+    same = (positions >= 0) & (ref[np.maximum(positions, 0)] == context[len(context) - 1 - back][None, :])
+    return np.cumprod(same, axis=1).sum(axis=1)  # [C]: leading run of agreement
+
+
 def ngram_propose(tokens: Sequence[int], n: int, k: int) -> list[int]:
     """Prompt-lookup decoding (Saxena 2023): find an earlier occurrence of the last ``n`` tokens and propose the
     (up to ``k``) tokens that followed it; with no occurrence, nothing (the engine then runs a plain step).
@@ -46,12 +56,7 @@ def ngram_propose(tokens: Sequence[int], n: int, k: int) -> list[int]:
     ends = np.flatnonzero(arr[:-1] == arr[-1])  # candidate matches end before the last token
     if ends.size == 0:
         return []
-    # agreement of every candidate with the suffix, counting back from its end, in one [candidates, lookback] pass
-    # (this runs for every row of every step, drafting or not: a Python loop over the lookback cost ~2 ms a row)
-    back = np.arange(min(CONTEXT_LOOKBACK, length - 1))  # [L]
-    positions = ends[:, None] - back[None, :]  # [C, L]
-    same = (positions >= 0) & (arr[np.maximum(positions, 0)] == arr[length - 1 - back][None, :])
-    agree = np.cumprod(same, axis=1).sum(axis=1)  # [C]: leading run of agreement
+    agree = _agreement(arr, ends, arr, min(CONTEXT_LOOKBACK, length - 1))
     if agree.max() < n:  # no earlier occurrence of the last n tokens
         return []
     best = int(np.flatnonzero(agree == agree.max())[-1])
@@ -83,10 +88,7 @@ def rejoin(generated: Sequence[int], reference: Sequence[int], last: int) -> int
     ends = np.flatnonzero(ref == gen[-1])  # the last output token's occurrences in the reference
     if ends.size == 0:
         return -1
-    back = np.arange(min(CONTEXT_LOOKBACK, len(gen)))
-    positions = ends[:, None] - back[None, :]  # [C, L]
-    same = (positions >= 0) & (ref[np.maximum(positions, 0)] == gen[len(gen) - 1 - back][None, :])
-    agree = np.cumprod(same, axis=1).sum(axis=1)  # [C]
+    agree = _agreement(ref, ends, gen, min(CONTEXT_LOOKBACK, len(gen)))
     starts = ends + 1
     d = starts - last
     need = np.where(np.abs(d) <= REJOIN_NEAR, 1, REJOIN_FAR)
@@ -113,13 +115,11 @@ class PredictionTracker:
         self.left_at = 0  # where the output last left the prediction (the token it did not follow)
         self._start = -1
         self.matched = 0  # output tokens that followed the prediction: accepted drafts and agreeing target tokens
-        self.rejoins = 0
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
         start = self.expected
         if start < 0:
             start = rejoin(generated, self.prediction, self.left_at)
-            self.rejoins += start >= 0
         self._start = start if 0 <= start < len(self.prediction) else -1
         return self.prediction[start : start + k] if k > 0 and self._start >= 0 else []
 
