@@ -32,7 +32,8 @@ per workload: tokens/s, the ratio to plain at the same concurrency, and acceptan
 The "before re-alignment" rows run the tracker as it was before issue 15 (``LegacyTracker`` below, kept
 here as the reference): after a mismatch it looked up the last 4 generated tokens, falling back to 3, 2, then 1, in
 the prediction and drafted from the first match at or after the furthest point reached, ahead of the deployment's
-proposer.
+proposer. The "stops at the first mismatch" row is what issue 15 describes as today's behaviour
+(``FirstMismatchTracker``): the tracker this code had already re-synced, so both are shown.
 """
 
 from __future__ import annotations
@@ -246,6 +247,24 @@ def run(engine, tokenizer, clients: list[Client], concurrency: int, max_tokens: 
     return result
 
 
+class FirstMismatchTracker(PredictionTracker):
+    """A prediction that stops helping at its first mismatch (what issue 15 calls today's behaviour)."""
+
+    def propose(self, generated, k):
+        self._start = self.expected
+        return self.prediction[self.expected : self.expected + k] if k > 0 and self.expected >= 0 else []
+
+    def observe(self, accepted, next_token):
+        pos = self._start + accepted if self._start >= 0 else -1
+        if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
+            self.expected = pos + 1
+            self.matched += accepted + 1
+            return accepted + 1
+        self.expected = -1
+        self.matched += accepted
+        return accepted
+
+
 class LegacyTracker(PredictionTracker):
     """The predicted-output tracker before issue 15 (the reference for the re-alignment rows)."""
 
@@ -317,10 +336,11 @@ def main() -> None:
         for c in (int(x) for x in args.concurrency.split(",")):
             if name in ("edit-loop", "predicted-edits") and c > 1:
                 continue  # one chain (each request waits for the previous answer); predictions are measured alone
-            # (label, proposer: "ngram" | "suffix" | None, speculate, prediction: None | "legacy" | "realign")
+            # (label, proposer: "ngram" | "suffix" | None, speculate, prediction: None | "first" | "legacy" | "realign")
             configs = [("plain", "ngram", False, None), (ngram_label, "ngram", True, None), ("suffix", "suffix", True, None)]
             if name == "predicted-edits":
                 configs = [("plain", "ngram", False, None),
+                           ("prediction, stops at the first mismatch", None, True, "first"),
                            ("prediction, before re-alignment", None, True, "legacy"),
                            ("prediction, re-aligning", None, True, "realign"),
                            (ngram_label, "ngram", True, None),
@@ -329,12 +349,13 @@ def main() -> None:
                            ("suffix + prediction, re-aligning", "suffix", True, "realign")]
             results = []
             clients = workload(name)
+            trackers = {"first": FirstMismatchTracker, "legacy": LegacyTracker}
             for label, proposer, speculate, prediction in configs:
                 # a fresh engine for every row (the same target and calibration): no row inherits another's learned
                 # acceptance, and each suffix row starts from an empty index
                 engine = fresh({"ngram": lambda: NgramProposer(args.ngram), "suffix": lambda: SuffixProposer(1 << 20),
                                 None: lambda: None}[proposer]())
-                sequence_module.PredictionTracker = LegacyTracker if prediction == "legacy" else PredictionTracker
+                sequence_module.PredictionTracker = trackers.get(prediction, PredictionTracker)
                 r = run(engine, tok, clients, c, args.max_tokens, speculate=speculate,
                         use_prediction=prediction is not None)
                 if name == "predicted-edits" and not results:  # the plain pass: predictions from its answers

@@ -5,9 +5,12 @@
   iteration, before the running batch's step: running streams keep producing while a long prompt is read, at the
   cost of one chunk's time per step. A separate pass rather than the chunk mixed into the batch's stream: a batch
   whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a call per
-  row (``runtime.engine.attention``), and a 128-token chunk would make every step ragged. With nothing running, the prompt is
-  read in one go. The last chunk's logits give the request its first token (time to first token is one prefill),
-  and the request joins the batch in the same iteration's step.
+  row (``runtime.engine.attention``), and a 128-token chunk would make every step ragged. With nothing running, every
+  chunk is read in the same iteration. A prompt is cut in the same places whatever the load: the cache a chunk leaves
+  depends on where it was cut (a 140-token prompt read in one go and in chunks of 128 differed by 0.5 in SmolLM2's
+  bf16 logits, and one of 21 benchmark prompts decoded differently when it arrived at a busy deployment), so a
+  request's output cannot depend on when it arrived. The last chunk's logits give the request its first token, and
+  the request joins the batch in the same iteration's step.
 - A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
   always rows 0..B-1 of every cache and a pass never touches an idle row.
 
@@ -66,8 +69,9 @@ class Scheduler:
             self.prefilling.row = len(self.running)
         if self.prefilling is not None:  # before the step: a short prompt's first token does not wait a step
             seq = self.prefilling
-            budget = self.prefill_chunk if self.running else seq.prompt_len
-            o = self.engine.prefill(seq, budget)
+            o = self.engine.prefill(seq, self.prefill_chunk)
+            while o is None and not self.running:  # idle: every chunk now, cut where a busy deployment cuts
+                o = self.engine.prefill(seq, self.prefill_chunk)
             if o is not None:
                 self.prefilling = None
                 out.append((seq, o))

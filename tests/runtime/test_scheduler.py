@@ -191,3 +191,49 @@ def test_half_precision_rows_are_the_same_alone_and_in_a_batch(target, speculate
     params = GenerationParams(max_tokens=40, ignore_eos=True)
     solo = [Scheduler(engine(1), 1).run_all([p], params)[0] for p in prompts]
     assert Scheduler(engine(8), 8).run_all(prompts, params) == solo
+
+
+def _prefill_chunks(engine):
+    """Record every prefill pass's (sequence id, first prompt position, tokens) on ``engine``."""
+    calls, prefill = [], engine.prefill
+
+    def spy(seq, budget):
+        before = seq.prefilled
+        out = prefill(seq, budget)
+        calls.append((seq.id, before, seq.prefilled - before))
+        return out
+
+    engine.prefill = spy
+    return calls
+
+
+def test_a_prompt_is_cut_into_the_same_chunks_alone_and_under_load(target):
+    # a prompt read in one go when the deployment is idle and in 128-token chunks when it is busy had different
+    # bits in its cache (bf16, SmolLM2: one of 21 benchmark prompts decoded differently in a batch of 8)
+    long_prompt = list(range(20, 90))  # 70 tokens: 4 chunks of 16 and one of 6
+    alone = engine_for(target, "plain", 4)
+    alone_calls = _prefill_chunks(alone)
+    Scheduler(alone, 4, prefill_chunk=16).run_all([long_prompt], GREEDY)
+    busy = engine_for(target, "plain", 4)
+    busy_calls = _prefill_chunks(busy)
+    drive(Scheduler(busy, 4, prefill_chunk=16), [(0, [5, 6, 7], GREEDY), (2, long_prompt, GREEDY)])
+    cut = [(start, n) for _, start, n in alone_calls]
+    assert cut == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
+    assert [(start, n) for _, start, n in busy_calls if n > 3 or start] == cut
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_half_precision_long_prompts_are_the_same_alone_and_arriving_under_load(target, speculate):
+    from runtime.loader import surgery_for
+
+    model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
+    prompts = [list((f"a longer prompt, number {i}, read in chunks; " * (i % 3 + 2)).encode()) for i in range(6)]
+
+    def engine(rows):
+        return SpeculativeEngine(ModelRunner(model, max_rows=rows), NgramProposer(2) if speculate else None,
+                                 EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False))
+
+    params = GenerationParams(max_tokens=40, ignore_eos=True)
+    solo = [Scheduler(engine(1), 1, prefill_chunk=32).run_all([p], params)[0] for p in prompts]
+    got, _ = drive(Scheduler(engine(4), 4, prefill_chunk=32), [(3 * i, p, params) for i, p in enumerate(prompts)])
+    assert [got[i] for i in range(len(prompts))] == solo
