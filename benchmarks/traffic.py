@@ -10,9 +10,9 @@ Workloads (greedy, chat template applied, ``--max-tokens`` each):
   as users re-ask and agents retry;
 - ``multi-turn``: three-turn conversations whose later turns quote and rework the model's earlier answers; each
   script is run by two users, as an agent runs the same flow for different tickets;
-- ``edit-loop``: a file revised by a chain of edit requests, each sending the current file in the prompt and taking
-  the answer as the next file (SmolLM2-135M rewrites the file once and then returns the same answer to every later
-  edit: an agent loop that keeps retrying);
+- ``edit-loop``: a file revised by a chain of edit requests, each sending the current file in the prompt (and as the
+  predicted output, in the rows that use predictions) and taking the answer as the next file (SmolLM2-135M rewrites
+  the file once and then returns the same answer to every later edit: an agent loop that keeps retrying);
 - ``predicted-edits``: the grounded prompts with OpenAI's predicted outputs, where the prediction is the answer
   with three small edits (two tokens replaced at a quarter of the way, three inserted at half, three deleted at
   three quarters): the client's expected file differs from what comes back in a few places. SmolLM2-135M does
@@ -347,6 +347,13 @@ def main() -> None:
                            (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
                            (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
                            ("suffix + prediction, re-aligning", "suffix", True, "realign")]
+            if name == "edit-loop":  # each request sends the file it edits as the prediction: rows that use it
+                configs += [("prediction, stops at the first mismatch", None, True, "first"),
+                            ("prediction, before re-alignment", None, True, "legacy"),
+                            ("prediction, re-aligning", None, True, "realign"),
+                            (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
+                            (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
+                            ("suffix + prediction, re-aligning", "suffix", True, "realign")]
             results = []
             clients = workload(name)
             trackers = {"first": FirstMismatchTracker, "legacy": LegacyTracker}

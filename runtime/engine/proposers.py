@@ -104,24 +104,36 @@ class PredictionTracker:
     """Predicted outputs: draft from text the client expects the answer to contain (an edited file, say).
 
     ``expected`` is the index in the prediction of the next token while the output follows it; the first step
-    proposes the prediction's start. When the output leaves the prediction (the edit), ``rejoin`` finds where
-    it comes back (tokens inserted, deleted or replaced) and drafting resumes from there; until then the
-    tracker proposes nothing and the deployment's own proposer drafts.
+    proposes the prediction's start. When the output leaves the prediction (the edit), ``rejoin`` guesses where
+    it comes back (tokens inserted, deleted or replaced); the engine drafts that guess when the deployment's own
+    proposer has nothing (``following`` tells a guess from a continuation), and once the output agrees with the
+    prediction again drafting continues from there.
     """
 
     def __init__(self, prediction: Sequence[int]):
         self.prediction = list(prediction)
         self.expected = 0
         self.left_at = 0  # where the output last left the prediction (the token it did not follow)
+        self._following = True  # the last proposal continued the prediction (not a guess at where it rejoins)
         self._start = -1
         self.matched = 0  # output tokens that followed the prediction: accepted drafts and agreeing target tokens
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
         start = self.expected
+        self._following = start >= 0
         if start < 0:
             start = rejoin(generated, self.prediction, self.left_at)
         self._start = start if 0 <= start < len(self.prediction) else -1
         return self.prediction[start : start + k] if k > 0 and self._start >= 0 else []
+
+    @property
+    def following(self) -> bool:
+        """The last ``propose`` continued the prediction (rather than guessing where the output rejoins it)."""
+        return self._following
+
+    def unused(self) -> None:
+        """This step drafts from something else: its output is not checked against the last proposal."""
+        self._start = -1
 
     def observe_first(self, token: int) -> int:
         """The prefill's token (no drafts): 1 when it is the prediction's start."""

@@ -188,6 +188,22 @@ def test_prediction_drafts_and_stays_exact(target):
     assert [t for o in outs for t in o.token_ids] == plain
 
 
+def test_off_the_prediction_the_deployments_proposer_drafts_before_a_rejoin_guess(target):
+    # where the output has left its prediction, n-gram lookup (a 2-token match against the text just written) drafts
+    # before the tracker's guess at where the output rejoins (one agreeing token); with no n-gram match, the guess
+    engine = make(target, NgramProposer(2), 4, adaptive=False)
+    prompt, prediction = [1, 2, 3, 4, 5, 6, 10, 11, 12, 13], (20, 21, 22, 5, 30, 31, 32, 33)
+    seq = engine.new_sequence(prompt, GenerationParams(max_tokens=30, prediction=prediction))
+    seq.prediction.expected, seq.prediction.left_at = -1, 3  # it left the prediction at index 3
+    seq.tokens += [4, 5]  # "4 5" is in the prompt; "5" is the prediction's index 3
+    guess = engine._guess(seq)
+    assert (guess.source, guess.tokens) == ("ngram", [6, 10, 11, 12])
+    assert seq.prediction.observe(0, 6) == 0 and seq.prediction.expected == -1  # the unused guess is not judged
+    seq.tokens[-2:] = [99, 5]  # no n-gram match: the output rejoins the prediction after its "5"
+    guess = engine._guess(seq)
+    assert (guess.source, guess.tokens) == ("prediction", [30, 31, 32, 33])
+
+
 def test_suffix_drafts_a_repeated_request_from_the_first(target):
     engine = make(target, SuffixProposer(4096), 8, adaptive=False)
     first, _ = run(engine, PROMPTS[1], max_tokens=41, ignore_eos=True)
