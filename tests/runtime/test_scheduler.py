@@ -175,19 +175,25 @@ def test_a_row_in_a_batch_samples_from_the_target(target):
     assert tv < 0.02
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_half_precision_rows_are_the_same_alone_and_in_a_batch(target, speculate):
-    # bf16 on a CPU: a batched decode step once gave a row other bits than the same row alone (one of eight prompts
-    # diverged); rows are now attended each as in a batch of one, and linears are row-invariant (split-K)
+def bf16_engines(target, speculate):
+    """A factory of engines (``rows`` -> engine) over one bf16 copy of ``target`` with the loader's exact surgery."""
     from runtime.loader import surgery_for
 
     model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
-    prompts = [list((f"prompt number {i} " * (i % 3 + 1)).encode()) for i in range(8)]
 
     def engine(rows):
         return SpeculativeEngine(ModelRunner(model, max_rows=rows), NgramProposer(2) if speculate else None,
                                  EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False))
 
+    return engine
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_half_precision_rows_are_the_same_alone_and_in_a_batch(target, speculate):
+    # bf16 on a CPU: a batched decode step once gave a row other bits than the same row alone (one of eight prompts
+    # diverged); rows are now attended each as in a batch of one, and linears are row-invariant (split-K)
+    engine = bf16_engines(target, speculate)
+    prompts = [list((f"prompt number {i} " * (i % 3 + 1)).encode()) for i in range(8)]
     params = GenerationParams(max_tokens=40, ignore_eos=True)
     solo = [Scheduler(engine(1), 1).run_all([p], params)[0] for p in prompts]
     assert Scheduler(engine(8), 8).run_all(prompts, params) == solo
@@ -224,15 +230,9 @@ def test_a_prompt_is_cut_into_the_same_chunks_alone_and_under_load(target):
 
 @pytest.mark.parametrize("speculate", [False, True])
 def test_half_precision_long_prompts_are_the_same_alone_and_arriving_under_load(target, speculate):
-    from runtime.loader import surgery_for
-
-    model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
+    # prompts longer than a chunk, arriving while others decode, decode as they do alone (see the test above)
+    engine = bf16_engines(target, speculate)
     prompts = [list((f"a longer prompt, number {i}, read in chunks; " * (i % 3 + 2)).encode()) for i in range(6)]
-
-    def engine(rows):
-        return SpeculativeEngine(ModelRunner(model, max_rows=rows), NgramProposer(2) if speculate else None,
-                                 EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False))
-
     params = GenerationParams(max_tokens=40, ignore_eos=True)
     solo = [Scheduler(engine(1), 1, prefill_chunk=32).run_all([p], params)[0] for p in prompts]
     got, _ = drive(Scheduler(engine(4), 4, prefill_chunk=32), [(3 * i, p, params) for i, p in enumerate(prompts)])
