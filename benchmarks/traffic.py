@@ -276,6 +276,8 @@ class LegacyTracker(PredictionTracker):
         super().__init__(prediction)
         self.last = 0
 
+    following = True  # its guesses drafted ahead of the deployment's proposer, on the prediction or off it
+
     def propose(self, generated, k):
         start = self.expected
         if start < 0 or start >= len(self.prediction):

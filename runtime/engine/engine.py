@@ -142,14 +142,14 @@ class SpeculativeEngine:
         if not params.speculate:
             return Guess([], seq.acceptance, None)
         room = seq.room if params.max_draft_tokens is None else min(seq.room, params.max_draft_tokens)
-        rejoining = None
+        rejoin_guess: list[int] = []
         if seq.prediction is not None:
             tokens = seq.prediction.propose(seq.tokens[seq.prompt_len :], min(room, self.config.prediction_draft_tokens))
             if tokens and (seq.prediction.following or self.proposer is None):
                 return Guess(tokens, seq.prediction_acceptance, "prediction", len(tokens))
             # off the prediction: a guess at where the output rejoins it comes after the deployment's own proposer,
             # whose match is measured against the text just written
-            rejoining = Guess(tokens, seq.prediction_acceptance, "prediction", len(tokens)) if tokens else None
+            rejoin_guess = tokens
         if self.proposer is None:
             return Guess([], seq.acceptance, None)
         k = min(room, self.policy.max_k)
@@ -157,10 +157,10 @@ class SpeculativeEngine:
             guess = Guess([], seq.acceptance, "model", max(k, 0))
         else:
             tokens = self.proposer.propose(seq, k) if k > 0 else []
+            if rejoin_guess and not tokens:
+                return Guess(rejoin_guess, seq.prediction_acceptance, "prediction", len(rejoin_guess))
             guess = Guess(tokens, seq.acceptance, self.proposer.name, len(tokens))
-        if rejoining is not None and not guess.tokens and guess.source != "model":
-            return rejoining
-        if rejoining is not None:
+        if rejoin_guess:
             seq.prediction.unused()
         return guess
 

@@ -114,13 +114,11 @@ class PredictionTracker:
         self.prediction = list(prediction)
         self.expected = 0
         self.left_at = 0  # where the output last left the prediction (the token it did not follow)
-        self._following = True  # the last proposal continued the prediction (not a guess at where it rejoins)
         self._start = -1
         self.matched = 0  # output tokens that followed the prediction: accepted drafts and agreeing target tokens
 
     def propose(self, generated: Sequence[int], k: int) -> list[int]:
         start = self.expected
-        self._following = start >= 0
         if start < 0:
             start = rejoin(generated, self.prediction, self.left_at)
         self._start = start if 0 <= start < len(self.prediction) else -1
@@ -128,8 +126,8 @@ class PredictionTracker:
 
     @property
     def following(self) -> bool:
-        """The last ``propose`` continued the prediction (rather than guessing where the output rejoins it)."""
-        return self._following
+        """The output is on the prediction: ``propose`` continues it (rather than guessing where it rejoins)."""
+        return self.expected >= 0
 
     def unused(self) -> None:
         """This step drafts from something else: its output is not checked against the last proposal."""
