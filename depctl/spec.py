@@ -12,6 +12,7 @@ max_batch_size: 8
 device: auto
 dtype: auto
 quantization: none
+compile: true             # decode and verify passes compiled where that is faster (int8 weights on a CPU)
 engine: depctl            # or vllm: the daemon runs a vLLM server for it (see depctl.vllm)
 max_context_length: null  # tokens a request may span (prompt + output); null: the model's, up to 32768
 tensor_parallel_size: 1   # vLLM only, like pipeline_parallel_size and ray_address
@@ -114,6 +115,9 @@ class DeploymentSpec(_Strict):
     device: Device = "auto"
     dtype: Dtype = "auto"
     quantization: Quantization = "none"
+    # decode and verify passes compiled at load where that is faster and exact (runtime.loader.compile_passes);
+    # with --engine vllm, false is vLLM's --enforce-eager
+    compile: bool = True
     engine: Engine = "depctl"
     max_context_length: int | None = Field(None, ge=MIN_CONTEXT_LENGTH)
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)

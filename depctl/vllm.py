@@ -64,6 +64,8 @@ def engine_kwargs(spec: DeploymentSpec, *, draft_source: str | None = None, dtyp
         kwargs["pipeline_parallel_size"] = spec.pipeline_parallel_size
     if spec.ray_address:
         kwargs["distributed_executor_backend"] = "ray"
+    if not spec.compile:  # vLLM compiles its passes (and captures CUDA graphs) unless told to run eagerly
+        kwargs["enforce_eager"] = True
     # sampling defaults as OpenAI's (and depctl's): not the ones a checkpoint's generation_config.json carries
     kwargs["generation_config"] = "vllm"
     config = speculative_config(spec, draft_source)
@@ -77,6 +79,9 @@ def engine_args(spec: DeploymentSpec, **overrides) -> list[str]:
     ``--max-num-seqs 8``, a dict as JSON. Takes ``engine_kwargs``' keyword arguments."""
     args = ["--served-model-name", spec.id]
     for key, value in engine_kwargs(spec, **overrides).items():
+        if value is True:  # a switch: --enforce-eager
+            args.append(f"--{key.replace('_', '-')}")
+            continue
         text = json.dumps(value, separators=(",", ":")) if isinstance(value, dict) else str(value)
         args += [f"--{key.replace('_', '-')}", text]
     return args

@@ -29,7 +29,7 @@ from typing import Callable
 from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, describe_engine, describe_speculation
 from depctl.store import SpecStore
-from runtime.loader import LoadedDeployment, LoadError, load_deployment
+from runtime.loader import LoadedDeployment, LoadError, load_deployment, reporting
 from runtime.vllm_server import VLLMServer, reap_orphans, stats_from_metrics
 from runtime.worker import EngineWorker
 
@@ -132,6 +132,7 @@ class Deployment:
             out["device"] = str(loaded.target.device)
             out["dtype"] = str(loaded.target.dtype).removeprefix("torch.")
             out["weights"] = loaded.target.precision  # the dtype's name, or "int8 weights"
+            out["compiled"] = loaded.compiled
             if loaded.draft is not None:
                 out["draft_precision"] = loaded.draft.precision
             out["max_context"] = loaded.max_context
@@ -303,13 +304,19 @@ class DeploymentManager:
             self._start_server(dep, spec, generation, current, t0)
             return
 
+        def progress(message: str) -> None:  # a long step of the load (a first compile), shown by `deployment get`
+            with self._lock:
+                if current() and dep.state in (State.CREATING, State.UPDATING):
+                    dep.reason = message
+
         def load() -> LoadedDeployment:
             turn = _Turn(dep, generation)
             self._take_turn(turn)
             try:
                 if not current():
                     raise _Superseded()
-                return self.loader(spec)
+                with reporting(progress):
+                    return self.loader(spec)
             finally:
                 self._end_turn(turn)
 

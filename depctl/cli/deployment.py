@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 import typing
 from typing import Optional
 
@@ -73,6 +74,10 @@ DRAFT_PRECISION = typer.Option(
 )
 QUANTIZATION_HELP = ("none, or int8: weight-only int8 for the target (bfloat16 activations, CPU only), about 2x faster a "
                      "step than bfloat16; outputs change slightly, speculation stays exact against the int8 model.")
+
+COMPILE_HELP = ("Compile the decode and verify passes at load where that is faster and exact (int8 weights on a CPU: "
+                "~1.3x a step; the first load takes a minute or more, later loads reuse it). --no-compile: always eager, "
+                "and vLLM's --enforce-eager with --engine vllm.")
 
 
 ENGINE_HELP = ("depctl (default): our engine, one device; vllm: a vLLM server the daemon starts and supervises, "
@@ -186,7 +191,9 @@ def _vllm_note(info: dict | None) -> str:
 
 def _state_cell(status: dict) -> Text:
     colour = {"READY": "green", "FAILED": "red", "UNKNOWN": "yellow"}.get(status["state"], "cyan")
-    return Text(status["state"], style=colour)
+    since = status.get("state_since")
+    elapsed = f" for {time.time() - since:.0f}s" if since and status["state"] in ("CREATING", "UPDATING") else ""
+    return Text(status["state"] + elapsed, style=colour)
 
 
 def _detail_table(r: dict) -> Table:
@@ -202,6 +209,8 @@ def _detail_table(r: dict) -> Table:
         *([("Quantization", r["quantization"] + (
             f" (running: {status['weights']})" if status.get("weights") else ""))] if r.get("quantization", "none") != "none" else []),
         *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
+        ("Compiled passes", ("on" if r.get("compile", True) else "off") + (
+            f" (running: {status['compiled']})" if status.get("compiled") else "")),
         ("Max batch size", str(r.get("max_batch_size", "-"))),
         ("Context", f"{r.get('max_context_length') or 'the model’s'}" + (
             f" (running: {status['max_context']} tokens)" if status.get("max_context") else "")),
@@ -283,6 +292,7 @@ def create(
     dtype: Dtype = typer.Option(Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA and on CPUs with bf16 "
                                 "instructions, else float32."),
     quantization: Quantization = typer.Option(Quantization.none, "--quantization", help=QUANTIZATION_HELP),
+    compile_passes: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
     engine: Engine = typer.Option(Engine.depctl, "--engine", help=ENGINE_HELP),
     max_context_length: Optional[int] = CONTEXT,
     tensor_parallel_size: int = _parallel_option("--tensor-parallel-size", 1, TP_WHAT),
@@ -311,7 +321,7 @@ def create(
     spec = _checked(lambda: DeploymentSpec(
         id=dep_id, display_name=display_name, model=target.ref, speculation=speculation,
         max_batch_size=max_batch_size, device=device.value, dtype=dtype.value, quantization=quantization.value,
-        engine=engine.value, max_context_length=max_context_length, tensor_parallel_size=tensor_parallel_size,
+        compile=compile_passes, engine=engine.value, max_context_length=max_context_length, tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size, ray_address=ray_address or None,
     ))
     store = SpecStore()
@@ -363,6 +373,7 @@ def update(
     device: Optional[Device] = typer.Option(None, "--device"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype"),
     quantization: Optional[Quantization] = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
+    compile_passes: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=COMPILE_HELP),
     engine: Optional[Engine] = typer.Option(None, "--engine", help=ENGINE_HELP),
     max_context_length: Optional[int] = CONTEXT,
     tensor_parallel_size: Optional[int] = _parallel_option("--tensor-parallel-size", None, TP_WHAT),
@@ -384,7 +395,7 @@ def update(
     )
     others = {"display_name": display_name, "max_batch_size": max_batch_size, "device": device and device.value,
               "dtype": dtype and dtype.value, "quantization": quantization and quantization.value,
-              "engine": engine and engine.value, "max_context_length": max_context_length,
+              "compile": compile_passes, "engine": engine and engine.value, "max_context_length": max_context_length,
               "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
               "ray_address": ray_address}
     others = {k: v for k, v in others.items() if v is not None}
@@ -395,7 +406,7 @@ def update(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length/--suffix-speculation with --draft-token-count, "
             "--draft-token-count, --suffix-cache-tokens, --draft-precision, --disable-speculative-decoding, "
-            "--max-batch-size, --display-name, --device, --dtype, --quantization, --engine, --max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
+            "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
             "--ray-address",
         )
     _checked(lambda: DeploymentSpec.model_validate(

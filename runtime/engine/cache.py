@@ -115,6 +115,11 @@ class SlotCache(Cache):
                     new[:, :, : old.shape[2]] = old
                     setattr(layer, name, new)
 
+    @property
+    def allocated(self) -> bool:
+        """Whether every layer's tensors exist (they are made by the first forward, at its keys' shape)."""
+        return all(layer.is_initialized for layer in self.layers)
+
     def advance(self, first: int, widths: list[int]) -> None:
         """After the forward: each row's length grows by its real (unpadded) tokens."""
         for b, w in enumerate(widths):

@@ -118,24 +118,37 @@ def is_fused(model: nn.Module) -> bool:
     return bool(layers) and all(isinstance(layer.self_attn, FusedAttention) for layer in layers)
 
 
-def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, cache, layout: RowLayout,
-            keep: torch.Tensor | None) -> torch.Tensor:
+def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attend,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
     """One pass of a fused model over the flat token stream: input_ids and positions [T]; returns logits [T, vocab],
-    or [len(keep), vocab] for the stream indices in ``keep``."""
+    or [len(keep), vocab] for the stream indices in ``keep``.
+
+    attend(i, attn, q, k, v) -> [1, T, heads, dim]: writes layer i's new keys and values into the cache and attends
+    over it. Its owner decides how: ``cache_attention`` (eager, the ``SlotCache``'s own update) or the compiled pass
+    (``runtime.engine.compiled``); the rest of the layer is this one body either way."""
     inner = model.model
     x = inner.embed_tokens(input_ids)[None]  # [1, T, hidden]
     cos, sin = inner.rotary_emb(x, positions[None])  # [1, T, dim] each
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         q, k, v = attn.project(_rms_norm(x, layer.input_layernorm), cos, sin)
-        keys, values = cache.layers[i].update(k, v)
-        out, _ = rows_attention(attn, q, keys, values, None, scaling=attn.scaling, sliding_window=attn.sliding_window,
-                                depctl_rows=layout)
+        out = attend(i, attn, q, k, v)
         x = x + attn.o_proj(out.reshape(1, x.shape[1], -1))
         x = x + layer.mlp(_rms_norm(x, layer.post_attention_layernorm))
     if keep is not None:
         x = x[:, keep]
     return model.lm_head(_rms_norm(x, inner.norm))[0]
+
+
+def cache_attention(cache, layout: RowLayout):
+    """``forward``'s eager ``attend``: the cache layer's update, then our attention over the rows it returns."""
+
+    def attend(i, attn, q, k, v):
+        keys, values = cache.layers[i].update(k, v)
+        return rows_attention(attn, q, keys, values, None, scaling=attn.scaling, sliding_window=attn.sliding_window,
+                              depctl_rows=layout)[0]
+
+    return attend
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -41,6 +41,8 @@ class ModelRunner:
         model.set_attn_implementation(ROWS_ATTENTION)
         # a model the loader fused (runtime.engine.decoder) is stepped through our own forward, not transformers'
         self.fused = decoder.is_fused(model)
+        # decode and verify passes through a compiled library (runtime.engine.compiled), when the loader attached one
+        self.compiled = None
 
     def length(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -72,8 +74,11 @@ class ModelRunner:
         position_ids = self.cache.step.positions[None]  # [1, T]
         keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else None
         try:
-            with prefill_pass() if prefill else contextlib.nullcontext():
-                logits = self._forward(input_ids, position_ids, layout, keep)
+            if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
+                logits = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache, layout)
+            else:
+                with prefill_pass() if prefill else contextlib.nullcontext():
+                    logits = self._forward(input_ids, position_ids, layout, keep)
         finally:
             self.cache.advance(first, widths)
         # logits: [T or B, vocab]
@@ -84,7 +89,7 @@ class ModelRunner:
     def _forward(self, input_ids, position_ids, layout, keep) -> torch.Tensor:
         """keep: None, or the stream indices whose logits are wanted. Returns [T or len(keep), vocab]."""
         if self.fused:
-            return decoder.forward(self.model, input_ids[0], position_ids[0], self.cache, layout, keep)
+            return decoder.forward(self.model, input_ids[0], position_ids[0], decoder.cache_attention(self.cache, layout), keep)
         return self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
                           logits_to_keep=0 if keep is None else keep, depctl_rows=layout).logits[0]
 

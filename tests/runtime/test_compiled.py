@@ -1,0 +1,136 @@
+"""Compiled decode and verify passes (runtime.engine.compiled): exact, shared weights, one graph, cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
+from runtime.engine import compiled
+from runtime.engine.decoder import fuse_projections
+from runtime.engine.runner import ModelRunner
+from runtime.engine.surgery import int8_row_invariant, int8_weight_linears
+from tests.tiny import tiny_llama
+
+pytestmark = pytest.mark.skipif(not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant")
+
+
+def int8_model():
+    """What the loader makes of a Llama with --quantization int8: fused projections, int8 weights, bf16 activations."""
+    model = tiny_llama().to(torch.bfloat16)
+    fuse_projections(model)
+    int8_weight_linears(model, torch.bfloat16)
+    return model
+
+
+def runner_for(model, rows: int = 3) -> ModelRunner:
+    runner = ModelRunner(model, max_rows=rows)
+    runner.forward(0, [[0]], prefill=True)  # allocates the cache (as the loader does before it compiles)
+    runner.set_length(0, 0)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    """One build for the module: a minute or less on two cores for the tiny model."""
+    model = int8_model()
+    path = compiled.package_path(model, "int8 weights", tmp_path_factory.mktemp("compiled"))
+    compiled.build(model, runner_for(model).cache, path)
+    return path
+
+
+def compiled_runner(package, rows: int = 3, model=None) -> ModelRunner:
+    model = model or int8_model()
+    runner = runner_for(model, rows)
+    runner.compiled = compiled.CompiledPass(package, model)
+    return runner
+
+
+def test_the_package_is_keyed_by_what_the_code_depends_on_not_by_where_the_weights_are(tmp_path):
+    a, b = int8_model(), int8_model()
+    assert compiled.package_path(a, "int8 weights", tmp_path) == compiled.package_path(b, "int8 weights", tmp_path)
+    wider = tiny_llama(hidden=128).to(torch.bfloat16)
+    fuse_projections(wider)
+    int8_weight_linears(wider, torch.bfloat16)
+    assert compiled.package_path(wider, "int8 weights", tmp_path) != compiled.package_path(a, "int8 weights", tmp_path)
+
+
+def test_the_compiled_pass_computes_what_the_eager_pass_computes(package):
+    model = int8_model()
+    eager, fast = runner_for(model), compiled_runner(package, model=model)
+    prompt = [5, 9, 14, 3, 7, 7, 2]
+    for runner in (eager, fast):
+        runner.forward(0, [prompt], prefill=True)
+    a = eager.forward(0, [[4, 8, 15]]).float()
+    b = fast.forward(0, [[4, 8, 15]]).float()
+    # fused kernels round differently from eager ops, so not bit for bit: the same function
+    assert torch.allclose(a, b, atol=0.1, rtol=0.05), (a - b).abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_it_borrows_the_models_weights_and_the_package_holds_none(package):
+    model = int8_model()
+    runner = compiled_runner(package, model=model)
+    runner.forward(0, [[1, 2, 3]], prefill=True)
+    before = runner.forward(0, [[4]])
+    with torch.no_grad():  # a change to the model's own tensor is seen by the compiled pass: it reads that tensor
+        model.lm_head.scales.mul_(2)
+    runner.set_length(0, 3)
+    after = runner.forward(0, [[4]])
+    assert torch.allclose(after.float(), before.float() * 2, rtol=0.02, atol=0.02)
+    assert package.stat().st_size < 2_000_000  # code only: the weights are not in it
+
+
+def test_a_verify_pass_is_bit_identical_to_one_token_steps_alone_batched_and_ragged(package):
+    runner = compiled_runner(package)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    for row, p in enumerate(prompts):
+        runner.forward(row, [p], prefill=True)
+    drafts = [[2, 7, 1, 8], [2], [8, 1, 8]]
+
+    def reset():
+        for row, p in enumerate(prompts):
+            runner.set_length(row, len(p))
+
+    steps = []
+    for row, d in enumerate(drafts):
+        reset()
+        steps.append(torch.cat([runner.forward(row, [[t]]) for t in d]))
+    reset()
+    ragged = runner.forward(0, drafts)  # every row's drafts in one pass
+    offsets = [0, 4, 5, 8]
+    for row in range(3):
+        assert torch.equal(ragged[offsets[row]:offsets[row + 1]], steps[row]), f"row {row}"
+    reset()
+    alone = runner.forward(0, [drafts[0]])
+    assert torch.equal(alone, steps[0])
+    assert compiled.check(runner)
+
+
+def test_speculation_through_the_compiled_pass_is_exact_against_plain_decoding_through_it(package):
+    model = int8_model()
+    runner = compiled_runner(package, model=model)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
+    params = GenerationParams(max_tokens=24)
+
+    def engine(proposer=None, k=0):
+        for row in range(runner.max_rows):
+            runner.set_length(row, 0)
+        return SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, adaptive=False))
+
+    plain = [[t for o in engine().generate(p, params) for t in o.token_ids] for p in prompts]
+    spec = engine(NgramProposer(2), 4)
+    assert [[t for o in spec.generate(p, params) for t in o.token_ids] for p in prompts] == plain
+    assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
+    assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
+
+
+def test_the_cache_may_grow_under_it(package):
+    """Capacity is symbolic: a row that outgrows the cache's first allocation keeps running the same library."""
+    runner = compiled_runner(package, rows=1)
+    capacity = runner.cache.capacity
+    runner.forward(0, [list(range(1, capacity - 2))], prefill=True)
+    before = runner.cache.layers[0].keys.shape[2]
+    for t in range(8):
+        runner.forward(0, [[t + 1, t + 2]])
+    assert runner.cache.layers[0].keys.shape[2] > before
