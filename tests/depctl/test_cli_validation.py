@@ -374,3 +374,22 @@ def _engine_flags_round_trip():
     assert '"engine": "depctl"' in result.stdout
     result = run("deployment", "list")
     assert "ENGINE" in result.stdout and "depctl" in result.stdout
+
+
+def test_compile_is_on_by_default_and_no_compile_is_kept_and_updatable(depctl_home, monkeypatch):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
+    result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "-o", "json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["compile"] is True
+    result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "--no-compile", "-o", "json")
+    assert json.loads(result.stdout)["compile"] is False
+    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct"))
+    run("deployment", "update", "dep", "--no-wait", "--no-compile")  # written; applying it needs a daemon
+    assert SpecStore().get("dep").compile is False
+    assert "compile: false" in (depctl_home / "deployments" / "dep.yaml").read_text()

@@ -48,6 +48,10 @@ def test_engine_args_carry_every_setting_in_vllms_spelling():
     args = engine_args(_spec(), dtype="float32", max_model_len=8192)
     assert _flag(args, "--dtype") == "float32" and _flag(args, "--max-model-len") == "8192"
     assert "--speculative-config" not in args and "--tensor-parallel-size" not in args
+    assert "--enforce-eager" not in args
+    # --no-compile is vLLM's --enforce-eager (a switch: no value follows it)
+    args = engine_args(_spec(compile=False))
+    assert args[args.index("--enforce-eager") + 1].startswith("--") and engine_kwargs(_spec(compile=False))["enforce_eager"]
     kwargs = engine_kwargs(spec)
     assert kwargs["speculative_config"]["method"] == "ngram" and kwargs["tensor_parallel_size"] == 2
     assert kwargs["max_num_seqs"] == 16 and kwargs["distributed_executor_backend"] == "ray"

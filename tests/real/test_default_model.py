@@ -120,21 +120,23 @@ def test_gil_free_encode_equals_the_tokenizer(loaded):
             assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8 weights"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8 weights", "int8 weights, compiled"])
 def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surgery(smollm2, precision):
     """What the loader makes of SmolLM2 on this CPU: float32 (oneDNN linears, fused projections), bfloat16 (what
     `--dtype auto` loads with bf16 instructions: split-K linears) and `--quantization int8` (weight-only int8, bf16
-    activations). n-gram speculation must give exactly what the same model gives decoding plainly, one request at a
-    time and in a batch (a verify pass over k + 1 tokens, or over several rows, must round each row as a one-token
-    step does)."""
+    activations), eager and through the compiled pass the loader attaches to it (built once into the model cache:
+    a minute or two on two cores the first time). n-gram speculation must give exactly what the same model gives
+    decoding plainly, one request at a time and in a batch (a verify pass over k + 1 tokens, or over several rows,
+    must round each row as a one-token step does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from runtime.engine import Scheduler
     from runtime.engine.decoder import is_fused
     from runtime.engine.surgery import int8_row_invariant
-    from runtime.loader import INT8_WEIGHTS, cpu_has_bf16, surgery_for
+    from runtime.loader import INT8_WEIGHTS, compile_passes, cpu_has_bf16, surgery_for
 
+    precision, _, compiled = precision.partition(", ")
     if precision == "bfloat16" and not cpu_has_bf16():
         pytest.skip("this CPU has no bf16 instructions (AVX-512 BF16 or AMX): --dtype auto keeps float32 here")
     if precision == INT8_WEIGHTS and not int8_row_invariant(torch.bfloat16):
@@ -151,15 +153,26 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
                                                    tokenize=False), add_special_tokens=False)["input_ids"]
            for p in prompts]
 
+    compiled_pass = None
+    if compiled:
+        scratch = ModelRunner(model, vocab, max_rows=2)
+        assert compile_passes(scratch, precision, True).startswith("yes"), "the loader would have kept the eager pass"
+        compiled_pass = scratch.compiled
+
+    def make_runner(rows=1):
+        runner = ModelRunner(model, vocab, max_rows=rows)
+        runner.compiled = compiled_pass
+        return runner
+
     def engine(proposer, k=0):
-        return SpeculativeEngine(ModelRunner(model, vocab, max_rows=len(ids)), proposer,
+        return SpeculativeEngine(make_runner(len(ids)), proposer,
                                  EngineConfig(num_draft_tokens=k, eos_token_ids=eos, adaptive=False))
 
     # the property speculation rests on, bit for bit: a verify pass over 9 tokens gives each position the logits
     # that 9 one-token steps give it (fp32 rounding differences rarely flip a greedy token, so tokens alone would
     # not show a kernel that breaks it)
-    runner = ModelRunner(model, vocab)
-    runner.forward(0, [ids[0]])
+    runner = make_runner()
+    runner.forward(0, [ids[0]], prefill=True)
     start, probe = runner.length(0), ids[1][:9]
     wide = runner.forward(0, [probe])
     runner.set_length(0, start)

@@ -71,3 +71,48 @@ def test_int8_target_is_refused_on_cuda_with_what_to_change():
     with pytest.raises(LoadError, match="--quantization int8 runs on a CPU.*--device cpu, or --quantization none"):
         loader.pick_dtype("auto", torch.device("cuda"), "int8")
     assert loader.pick_dtype("auto", torch.device("cpu"), "int8") == torch.bfloat16
+
+
+def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny_model_dir, tmp_path, monkeypatch):
+    from runtime.engine.surgery import int8_row_invariant
+
+    if not int8_row_invariant():
+        pytest.skip("this CPU's int8 weight kernel is not row-invariant: int8 targets are refused")
+    monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
+    spec = DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8")
+    first = load_deployment(spec, calibrate=False)
+    assert first.engine.target.compiled is not None and first.compiled.startswith("yes (AOTInductor") and "built in" in first.compiled
+    (package,) = (tmp_path / "compiled").glob("*.pt2")
+    built = package.stat().st_mtime_ns
+    second = load_deployment(spec, calibrate=False)  # a restart: the package is opened, not rebuilt
+    assert second.engine.target.compiled is not None and "built in" not in second.compiled
+    assert package.stat().st_mtime_ns == built
+    off = load_deployment(spec.model_copy(update={"compile": False}), calibrate=False)
+    assert off.engine.target.compiled is None and off.compiled == "no (the spec says compile: false)"
+
+
+def test_other_precisions_stay_eager_and_say_why(tiny_model_dir):
+    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="float32"),
+                             calibrate=False)
+    assert loaded.engine.target.compiled is None and loaded.compiled.startswith("no (float32 passes ran slower")
+
+
+def test_a_compile_that_fails_leaves_the_eager_pass_and_the_deployment_serves(tiny_model_dir, tmp_path, monkeypatch):
+    from runtime.engine import compiled
+    from runtime.engine.surgery import int8_row_invariant
+
+    if not int8_row_invariant():
+        pytest.skip("this CPU's int8 weight kernel is not row-invariant: int8 targets are refused")
+    monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("g++: command not found\nmore lines")
+
+    monkeypatch.setattr(compiled, "build", no_compiler)
+    reported = []
+    with loader.reporting(reported.append):
+        loaded = load_deployment(DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8"))
+    assert loaded.engine.target.compiled is None
+    assert loaded.compiled == "no (compiling failed: RuntimeError: g++: command not found)"
+    assert reported and "compiling the decode and verify passes" in reported[0]
+    assert loaded.calibration  # it went on to calibrate, and serves eagerly

@@ -125,3 +125,31 @@ def test_a_hung_load_fails_after_the_load_timeout_and_others_still_load(depctl_h
     finally:
         release.set()
         manager.stop()
+
+
+def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_home, tiny_model_dir):
+    from runtime.loader import report
+
+    release = threading.Event()
+
+    def loader(spec):
+        report("compiling the decode and verify passes")
+        release.wait(60)
+        return load_deployment(spec, calibrate=False)
+
+    manager = DeploymentManager(SpecStore(), loader=loader)
+    try:
+        manager.store.create(_spec("slow", tiny_model_dir))
+        manager.reconcile(force=True)
+        deadline = time.monotonic() + 10
+        while manager.get("slow").reason != "compiling the decode and verify passes":
+            assert time.monotonic() < deadline, manager.get("slow").reason
+            time.sleep(0.02)
+        assert manager.get("slow").state == State.CREATING
+        assert manager.get("slow").status()["reason"] == "compiling the decode and verify passes"
+        release.set()
+        dep = _wait(manager, "slow", ("READY",), timeout=30)
+        assert dep.reason is None and dep.status()["compiled"]  # the message goes; how the passes run stays
+    finally:
+        release.set()
+        manager.stop()
