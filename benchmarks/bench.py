@@ -9,7 +9,8 @@ own ``generate`` (plain, ``prompt_lookup_num_tokens``, ``assistant_model``) with
 Batch 1, greedy, chat template applied. Prompts run round-robin over the configurations (each prompt through every
 configuration before the next prompt), so drift in machine speed hits all of them alike. Ratios are the numbers
 to read; absolute tokens/s on shared machines are not stable. Every output is compared with our plain greedy
-decoding ("exact").
+decoding ("exact"; with ``--compile both``, an eager row with our eager plain row: compiled and eager kernels round
+differently, so each mode is exact against itself).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from runtime.engine import (  # noqa: E402
 )
 from runtime.engine.runner import ModelRunner  # noqa: E402
 from runtime.loader import (  # noqa: E402
-    INT8_WEIGHTS, load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
+    INT8_WEIGHTS, compile_passes, load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
 )
 
 
@@ -105,6 +106,9 @@ def main() -> int:
                         help="run our engine on the models as transformers loads them (no weight-major or split-K linears)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep transformers' forward for our engine (no fused projections, runtime.engine.decoder)")
+    parser.add_argument("--compile", default="auto", choices=["auto", "off", "both"],
+                        help="our passes: auto = compiled where the loader would compile them (int8 weights on a CPU), "
+                        "off = eager, both = auto plus eager rows of plain and n-gram decoding in the same run")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -140,15 +144,28 @@ def main() -> int:
     eos = sorted({tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id)))
     config = dict(eos_token_ids=tuple(eos), max_context=8192)
 
-    def engine(proposer, k):
-        e = SpeculativeEngine(ModelRunner(model, vocab), proposer, EngineConfig(num_draft_tokens=k, **config))
+    weights = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
+
+    def engine(proposer, k, compiled=args.compile != "off"):
+        runner = ModelRunner(model, vocab)
+        how = compile_passes(runner, weights, compiled)  # what the loader does: compiled where it is faster
+        e = SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, **config))
         e.calibrate()
+        print(f"ours K={k}: compiled passes {how}", file=sys.stderr)
         return e
 
     plain_engine = engine(None, 0)
     configs: list[tuple[Result, callable]] = [
         (Result("ours plain", "plain", True, engine=plain_engine), lambda ids: run_ours(plain_engine, ids, args.max_tokens)),
     ]
+    if args.compile == "both":  # the same rows through the eager pass, in the same run
+        eager_plain = engine(None, 0, compiled=False)
+        configs.append((Result("ours plain, eager", "plain", True, engine=eager_plain),
+                        lambda ids: run_ours(eager_plain, ids, args.max_tokens)))
+        if not args.no_ngram:
+            eager_ngram = engine(NgramProposer(args.ngram), args.k, compiled=False)
+            configs.append((Result(f"ours ngram n={args.ngram} K={args.k}, eager", "ngram", True, engine=eager_ngram),
+                            lambda ids: run_ours(eager_ngram, ids, args.max_tokens)))
     if not args.no_hf:
         configs.append((Result("transformers plain", "plain", False), lambda ids: run_hf(hf_model, ids, args.max_tokens, eos)))
     if not args.no_ngram:
@@ -206,8 +223,10 @@ def main() -> int:
                     res.accepted += after[2] - before[2]
             print(f"  [{workload} {i + 1}/{len(prompts)}] " + ", ".join(
                 f"{r.name}: {len(r.outputs[-1])} tok" for r in results), file=sys.stderr)
-        baseline = results[0].outputs
+        # "exact": the same tokens as our plain decoding through the same pass (eager rows: the eager plain row)
+        baselines = {r.name.endswith(", eager"): r.outputs for r in reversed(results) if r.method == "plain" and r.ours}
         for r in results:
+            baseline = baselines.get(r.name.endswith(", eager"), results[0].outputs) if r.ours else results[0].outputs
             r.exact = all(o == b for o, b in zip(r.outputs, baseline))
         tables[workload] = results
         print_table(workload, results, args)

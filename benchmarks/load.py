@@ -218,9 +218,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto", help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 "
                         "instructions, else float32)")
     parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
-    parser.add_argument("--depctl", action="append", default=[], metavar="DTYPE[+int8]",
-                        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8 (repeatable; default: "
-                        "--dtype with --quantization). Each gets a daemon of its own, one after another")
+    parser.add_argument("--depctl", action="append", default=[], metavar="DTYPE[+int8][+eager]",
+                        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8, auto+int8+eager "
+                        "(--no-compile) (repeatable; default: --dtype with --quantization). Each gets a daemon of its "
+                        "own, one after another")
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--no-depctl", action="store_true", help="only the peers")
     parser.add_argument("--llama-server", type=Path, default=None,
@@ -242,10 +243,10 @@ def main() -> int:
     configs = args.depctl or [args.dtype + ("+int8" if args.quantization == "int8" else "")]
     specs = {}
     for config in configs:
-        dtype, _, quantization = config.partition("+")
+        dtype, *modifiers = config.split("+")
         specs[f"depctl {config}"] = DeploymentSpec(
             id="bench", model=args.model, max_batch_size=max(levels), dtype=dtype or "auto",
-            quantization=quantization or "none",
+            quantization="int8" if "int8" in modifiers else "none", compile="eager" not in modifiers,
             speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
     ours = next(iter(specs))  # the others' "vs depctl plain" column compares with this one
 
