@@ -134,3 +134,23 @@ def test_the_cache_may_grow_under_it(package):
     for t in range(8):
         runner.forward(0, [[t + 1, t + 2]])
     assert runner.cache.layers[0].keys.shape[2] > before
+
+
+def test_a_qwen2_with_biases_and_tied_embeddings_compiles_and_checks_exact(tmp_path):
+    """The architecture of the real draft/target pair: q, k and v biases in the fused projection, the output layer
+    tied to the embeddings (two tensors once the output layer is int8)."""
+    from tests.runtime.test_decoder import tiny_qwen2
+
+    model = tiny_qwen2().to(torch.bfloat16)
+    fuse_projections(model)
+    int8_weight_linears(model, torch.bfloat16)
+    eager = runner_for(model)
+    package = compiled.package_path(model, "int8 weights", tmp_path)
+    compiled.build(model, eager.cache, package)
+    fast = runner_for(model)
+    fast.compiled = compiled.CompiledPass(package, model)
+    assert compiled.check(fast)
+    for runner in (eager, fast):
+        runner.forward(0, [[7, 3, 9, 1]], prefill=True)
+    a, b = eager.forward(0, [[2, 5]]).float(), fast.forward(0, [[2, 5]]).float()
+    assert torch.allclose(a, b, atol=0.1, rtol=0.05) and torch.equal(a.argmax(-1), b.argmax(-1))
