@@ -23,7 +23,7 @@ def test_round_trip_keeps_only_intent(depctl_home):
     store.create(spec)
     assert store.get("a") == spec
     raw = yaml.safe_load((store.root / "a.yaml").read_text())
-    assert set(raw) == {"id", "display_name", "model", "speculation", "max_batch_size", "device", "dtype", "quantization",
+    assert set(raw) == {"id", "display_name", "model", "speculation", "max_batch_size", "device", "dtype", "quantization", "compile",
                         "engine", "max_context_length", "tensor_parallel_size", "pipeline_parallel_size",
                         "ray_address", "created_at", "updated_at"}
     assert "state" not in raw  # status belongs to the daemon

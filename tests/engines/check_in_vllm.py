@@ -26,7 +26,7 @@ def describe(engine_args, build):
            "max_model_len": engine_args.max_model_len, "tensor_parallel_size": engine_args.tensor_parallel_size,
            "pipeline_parallel_size": engine_args.pipeline_parallel_size,
            "distributed_executor_backend": engine_args.distributed_executor_backend,
-           "speculative_config": engine_args.speculative_config}
+           "speculative_config": engine_args.speculative_config, "enforce_eager": engine_args.enforce_eager}
     if build:
         config = engine_args.create_engine_config()
         spec = config.speculative_config

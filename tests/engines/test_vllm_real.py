@@ -59,9 +59,12 @@ def _check(python: str, *args: str) -> dict:
 @pytest.mark.parametrize("speculation", [NgramSpeculation(ngram_length=3, num_draft_tokens=4),
                                          DraftModelSpeculation(draft_model="smollm2-135m-instruct", num_draft_tokens=3)])
 def test_export_is_what_vllm_builds(vllm_python, model_dir, speculation):
+    eager = isinstance(speculation, DraftModelSpeculation)  # --no-compile is vLLM's --enforce-eager
     spec = DeploymentSpec(id="v", model="smollm2-135m-instruct", engine="vllm", speculation=speculation,
-                          max_context_length=2048, max_batch_size=4)
-    built = _check(vllm_python, "argv", json.dumps(vllm_argv(spec, model_dir, model_dir)), "--build")["built"]
+                          max_context_length=2048, max_batch_size=4, compile=not eager)
+    described = _check(vllm_python, "argv", json.dumps(vllm_argv(spec, model_dir, model_dir)), "--build")
+    assert described["enforce_eager"] is eager
+    built = described["built"]
     assert built["method"] == speculation.method
     assert built["num_speculative_tokens"] == speculation.num_draft_tokens
     assert (built["max_model_len"], built["max_num_seqs"]) == (2048, 4)
