@@ -21,7 +21,7 @@ from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
 from runtime.engine import compiled
-from runtime.engine.decoder import fuse_projections, is_fused
+from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
     int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears, onednn_row_invariant, row_invariant_chunk,
@@ -108,15 +108,16 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
                    "small CPU; later loads reuse it)")
             built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
         runner.compiled = compiled.CompiledPass(package, runner.model)
+        exact = compiled.check(runner)
     except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
         log.warning("compiling the passes failed; they run eagerly", exc_info=exc)
         runner.compiled = None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         return f"no (compiling failed: {type(exc).__name__}: {first})"
-    if not compiled.check(runner):
+    if not exact:
         runner.compiled = None
         return "no (the compiled pass rounded a verify pass differently from single steps on this CPU)"
-    return f"yes (AOTInductor, {package.name}{built})"
+    return f"yes (AOTInductor library {package.name}{built})"
 
 
 def pick_device(requested: str) -> torch.device:

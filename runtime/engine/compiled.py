@@ -154,7 +154,9 @@ def build(model: nn.Module, cache, package: Path) -> float:
         os.replace(partial, package)
     finally:
         partial.unlink(missing_ok=True)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    log.info("built %s in %.0fs", package, seconds)
+    return seconds
 
 
 def check(runner) -> bool:
