@@ -311,6 +311,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
     parser.add_argument("--workload", default="grounded-twice,multi-turn,edit-loop,predicted-edits,chat")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -322,7 +323,8 @@ def main() -> None:
     from runtime.loader import load_deployment
 
     rows = max(int(c) for c in args.concurrency.split(","))
-    spec = DeploymentSpec(id="traffic", model=args.model, dtype=args.dtype, max_batch_size=rows,
+    spec = DeploymentSpec(id="traffic", model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          max_batch_size=rows,
                           speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
     loaded = load_deployment(spec)
     ngram_engine, tok = loaded.engine, loaded.tokenizer
