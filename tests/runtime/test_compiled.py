@@ -7,9 +7,9 @@ import torch
 
 from runtime.engine import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
 from runtime.engine import compiled
-from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
-from runtime.engine.surgery import int8_row_invariant, int8_weight_linears
+from runtime.engine.surgery import int8_row_invariant
+from runtime.loader import INT8_WEIGHTS, surgery_for
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant")
@@ -17,10 +17,7 @@ pytestmark = pytest.mark.skipif(not int8_row_invariant(), reason="this CPU's int
 
 def int8_model():
     """What the loader makes of a Llama with --quantization int8: fused projections, int8 weights, bf16 activations."""
-    model = tiny_llama().to(torch.bfloat16)
-    fuse_projections(model)
-    int8_weight_linears(model, torch.bfloat16)
-    return model
+    return surgery_for(tiny_llama().to(torch.bfloat16), INT8_WEIGHTS, exact=True)
 
 
 def runner_for(model, rows: int = 3) -> ModelRunner:
@@ -34,7 +31,7 @@ def runner_for(model, rows: int = 3) -> ModelRunner:
 def package(tmp_path_factory):
     """One build for the module: a minute or less on two cores for the tiny model."""
     model = int8_model()
-    path = compiled.package_path(model, "int8 weights", tmp_path_factory.mktemp("compiled"))
+    path = compiled.package_path(model, INT8_WEIGHTS, tmp_path_factory.mktemp("compiled"))
     compiled.build(model, runner_for(model).cache, path)
     return path
 
@@ -48,11 +45,9 @@ def compiled_runner(package, rows: int = 3, model=None) -> ModelRunner:
 
 def test_the_package_is_keyed_by_what_the_code_depends_on_not_by_where_the_weights_are(tmp_path):
     a, b = int8_model(), int8_model()
-    assert compiled.package_path(a, "int8 weights", tmp_path) == compiled.package_path(b, "int8 weights", tmp_path)
-    wider = tiny_llama(hidden=128).to(torch.bfloat16)
-    fuse_projections(wider)
-    int8_weight_linears(wider, torch.bfloat16)
-    assert compiled.package_path(wider, "int8 weights", tmp_path) != compiled.package_path(a, "int8 weights", tmp_path)
+    assert compiled.package_path(a, INT8_WEIGHTS, tmp_path) == compiled.package_path(b, INT8_WEIGHTS, tmp_path)
+    wider = surgery_for(tiny_llama(hidden=128).to(torch.bfloat16), INT8_WEIGHTS, exact=True)
+    assert compiled.package_path(wider, INT8_WEIGHTS, tmp_path) != compiled.package_path(a, INT8_WEIGHTS, tmp_path)
 
 
 def test_the_compiled_pass_computes_what_the_eager_pass_computes(package):
@@ -141,11 +136,9 @@ def test_a_qwen2_with_biases_and_tied_embeddings_compiles_and_checks_exact(tmp_p
     tied to the embeddings (two tensors once the output layer is int8)."""
     from tests.runtime.test_decoder import tiny_qwen2
 
-    model = tiny_qwen2().to(torch.bfloat16)
-    fuse_projections(model)
-    int8_weight_linears(model, torch.bfloat16)
+    model = surgery_for(tiny_qwen2().to(torch.bfloat16), INT8_WEIGHTS, exact=True)
     eager = runner_for(model)
-    package = compiled.package_path(model, "int8 weights", tmp_path)
+    package = compiled.package_path(model, INT8_WEIGHTS, tmp_path)
     compiled.build(model, eager.cache, package)
     fast = runner_for(model)
     fast.compiled = compiled.CompiledPass(package, model)
