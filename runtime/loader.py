@@ -24,14 +24,15 @@ from runtime.engine import compiled
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
-    int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears, onednn_row_invariant, row_invariant_chunk,
-    split_k_linears, weight_major_linears,
+    SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
+    onednn_row_invariant, row_invariant_chunk, split_k_linears, weight_major_linears,
 )
 
 log = logging.getLogger("depctl.loader")
 
 MAX_CONTEXT_CAP = 32768
-INT8_WEIGHTS = "int8 weights"  # a target's --quantization int8: weight-only int8, bfloat16 activations  # a KV budget for models that advertise 128k positions on a laptop
+INT8_WEIGHTS = "int8 weights"  # a target's --quantization int8: weight-only int8, bfloat16 activations
+COMPILED_PRECISIONS = (INT8_WEIGHTS, "float32", "bfloat16")  # compiled where faster: see compile_passes
 
 
 class LoadError(Exception):
@@ -85,16 +86,21 @@ def report(message: str) -> None:
 
 def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
     """Attach a compiled decode/verify pass (``runtime.engine.compiled``) where it is faster and exact, and say how
-    the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step): int8 weights 11.4 -> 7.9 ms; bf16 22 -> 37 ms
-    (inductor's own bf16 products are slower than the split-K ones), so only int8 targets on a CPU compile. A compile
-    that fails (no C++ compiler, an op AOTInductor cannot take) leaves the eager pass and says why; it never fails
-    the deployment."""
+    the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step, ``benchmarks/passes.py``): int8 weights 10.5
+    -> 7.1 ms, bf16 18.4 -> 13.9 ms, float32 32.9 -> 28.1 ms, each with products the library calls directly
+    (``torch._weight_int8pack_mm``, oneDNN's linear). Split-K and weight-major linears (the fallbacks where oneDNN is
+    not row-invariant) would become inductor's own products, which ran slower (bf16: 22 -> 37 ms): those stay eager.
+    A compile that fails (no C++ compiler, an op AOTInductor cannot take) leaves the eager pass and says why; it
+    never fails the deployment."""
     if not wanted:
         return "no (the spec says compile: false)"
     if runner.device.type != "cpu":
         return "no (compiled passes on CUDA, with CUDA graphs, are not in this version)"
-    if precision != INT8_WEIGHTS:
-        return f"no ({precision} passes ran slower compiled on a CPU; int8 weights compile)"
+    if precision not in COMPILED_PRECISIONS:
+        return f"no ({precision} passes ran slower compiled on a CPU; int8 weights, bfloat16 and float32 compile)"
+    if any(isinstance(m, (SplitKLinear, WeightMajorLinear)) for m in runner.model.modules()):
+        return ("no (this CPU's oneDNN linear is not row-invariant, so the products are split-K or weight-major ones, "
+                "which ran slower compiled)")
     if not runner.fused:
         return "no (this architecture keeps transformers' forward, which does not compile)"
     runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
@@ -150,9 +156,15 @@ def pick_dtype(requested: str, device: torch.device, quantization: str = "none")
     # GEMM is flat in the row count (SmolLM2's lm_head: 7.2 ms fp32, 2.0 ms bf16 for one row, 2.3 ms for nine), so
     # decoding is ~1.7x faster and verification nearly free. Without them bf16 is emulated (verifying 8 tokens cost
     # 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (surgery).
-    if cpu_has_bf16() and row_invariant_chunk(torch.bfloat16) is not None:
+    if cpu_has_bf16() and cpu_bf16_exact():
         return torch.bfloat16
     return torch.float32
+
+
+def cpu_bf16_exact() -> bool:
+    """Whether this CPU can run a bf16 target exactly under speculation: oneDNN's linear is row-invariant from two
+    rows (``OneDNNLinear``), or ``F.linear`` is once its inner dimension is cut (``SplitKLinear``)."""
+    return onednn_row_invariant(torch.bfloat16) or row_invariant_chunk(torch.bfloat16) is not None
 
 
 def cpu_has_bf16() -> bool:
@@ -205,10 +217,10 @@ def surgery(loaded: LoadedModel, exact: bool = True) -> None:
 def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool = True) -> torch.nn.Module:
     """A CPU's surgery: fused projections where the architecture allows (then the swaps below apply to the fused
     linears); weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8
-    draft; for bf16/fp16, split inner dimensions where the CPU's GEMM would round a row
-    differently with more rows beside it (a target only: a half-precision draft needs nothing); for float32, oneDNN
-    linears with at least two rows a product where that is row-invariant here, else weight-major linears (a handful
-    of rows cost close to one)."""
+    draft; for a bf16/fp16 target, oneDNN linears with at least two rows a product where that is row-invariant here
+    (bf16 on AVX-512 machines), else split inner dimensions where the CPU's GEMM would round a row differently with
+    more rows beside it (a half-precision draft needs neither); for float32, oneDNN linears where row-invariant, else
+    weight-major linears (a handful of rows cost close to one)."""
     if fuse:
         fuse_projections(model)
     if precision == INT8_WEIGHTS:
@@ -219,6 +231,9 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     if precision in ("bfloat16", "float16"):
         if exact:
             dtype = getattr(torch, precision)
+            if onednn_row_invariant(dtype):
+                onednn_linears(model, dtype)
+                return model
             chunk = row_invariant_chunk(dtype)
             if chunk is None:
                 raise LoadError(

@@ -86,8 +86,8 @@ class CompiledPass:
     def __init__(self, package: Path, model: nn.Module):
         self.package = package
         self.runner = torch._inductor.aoti_load_package(str(package))
-        named = dict(model.named_parameters())
-        named.update(model.named_buffers())
+        named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
+        named.update(model.named_buffers(remove_duplicate=False))
         prefix = "model."
         self.runner.load_constants({fqn: named[fqn.removeprefix(prefix)] for fqn in self.runner.get_constant_fqns()},
                                    check_full_update=True, user_managed=True)

@@ -1,14 +1,15 @@
 """Model surgery for CPU inference, applied by the loader explicitly, as module swaps a benchmark can leave out.
 
-- ``onednn_linears(model)``: float32 linears through oneDNN, never fewer than two rows a product: 1.4-1.6x faster
-  steps than MKL and verify passes nearly flat in their width, exact under speculation (``OneDNNLinear``).
+- ``onednn_linears(model, dtype)``: float32 or bfloat16 linears through oneDNN, never fewer than two rows a product:
+  in float32 1.4-1.6x faster steps than MKL and verify passes nearly flat in their width; exact under speculation in
+  both (``OneDNNLinear``), and they compile (``runtime.engine.compiled``).
 - ``weight_major_linears(model)``: the float32 fallback where oneDNN is missing or not row-invariant: every
   ``nn.Linear`` becomes a ``WeightMajorLinear`` (same weights, shared, not copied) that computes ``(W @ x^T)^T`` for a
   few rows, so that verifying k drafts costs close to one step.
 - ``int8_linears(model)``: dynamic int8 linears (a draft model only: its numerics never reach the output).
 - ``int8_weight_linears(model)``: weight-only int8 (one scale per output channel, bf16 activations) for a target
   that asked for ``--quantization int8``: half the bytes of bf16, and exact under speculation (see the class).
-- ``split_k_linears(model, chunk)``: for bfloat16/float16 on a CPU, every ``nn.Linear`` whose inner dimension is
+- ``split_k_linears(model, chunk)``: for bfloat16/float16 on a CPU where oneDNN's linear is not row-invariant, every ``nn.Linear`` whose inner dimension is
   longer than ``chunk`` becomes a ``SplitKLinear``, so that a row's product does not depend on how many rows share
   the pass (``row_invariant_chunk`` measures ``chunk`` on this CPU). Without it a bf16 target verifying k drafts
   does not reproduce the same target decoding one token at a time, and speculation would not be exact.
@@ -55,15 +56,17 @@ class WeightMajorLinear(nn.Linear):
 
 
 class OneDNNLinear(nn.Module):
-    """A float32 ``nn.Linear`` through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, what inductor calls),
-    with at least two rows in every product.
+    """An ``nn.Linear`` through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, what inductor calls), float32
+    or bfloat16, with at least two rows in every product.
 
-    Why: on an AVX-512 EPYC MKL's single-row product reads weights at ~16 GB/s, oneDNN's at ~40 (SmolLM2's 49152 x 576
-    output layer: 10.4 ms against 4.0 for one row, 21 against 5.7 for nine). oneDNN rounds one row differently from
-    two or more (a separate single-row kernel), but gives a row the same bits for any row count from two on
-    (``onednn_row_invariant`` checks this on the machine). So a one-row product is computed as two rows, the row
-    and a copy of it, and the second result is dropped: every pass, a plain step or a verify, then rounds a row the
-    same way, and speculation stays exact.
+    Why: on an AVX-512 EPYC MKL's single-row float32 product reads weights at ~16 GB/s, oneDNN's at ~25-40 (SmolLM2's
+    49152 x 576 output layer: 10.4 ms against 4.0 for one row, 21 against 5.7 for nine). oneDNN rounds one row
+    differently from two or more (a separate single-row kernel), but gives a row the same bits for any row count from
+    two on (``onednn_row_invariant`` checks this on the machine, per dtype; in bf16 it holds where ``F.linear``'s
+    matmul does not, so no split-K is needed). So every product gets one more row, a copy of the first, whose result
+    is dropped: every pass, a plain step or a verify, then rounds a row the same way, and speculation stays exact.
+    The extra row is added unconditionally rather than only for one-row products, so the forward has no branch on
+    the row count and traces into one graph (``runtime.engine.compiled``) that calls oneDNN directly.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -75,38 +78,38 @@ class OneDNNLinear(nn.Module):
         # x: [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0]
-        if rows == 1:
-            flat = flat.expand(2, -1)
-        y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), self.weight, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(torch.cat([flat, flat[:1]]), self.weight, self.bias, "none", [], "")
         return y[:rows].reshape(*x.shape[:-1], self.out_features)
 
 
-_onednn_invariant: list = []
+_onednn_invariant: dict = {}
 
 
-def onednn_row_invariant(max_rows: int = 40) -> bool:
-    """Whether this torch build has oneDNN's float32 linear and it gives a row the same result with 2 to ``max_rows``
-    rows in the product (a row computed beside a copy of itself being the reference). Measured once per process."""
-    if not _onednn_invariant:
+def onednn_row_invariant(dtype: torch.dtype = torch.float32, max_rows: int = 96) -> bool:
+    """Whether this torch build has oneDNN's linear for ``dtype`` and it gives a row the same result with 2 to
+    ``max_rows`` rows in the product (a row computed beside a copy of itself being the reference), for the inner
+    dimensions of small and large models. Measured once per process and dtype (~1 s)."""
+    if dtype not in _onednn_invariant:
         ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         try:
             g = torch.Generator().manual_seed(0)
             for n, k in ((256, 576), (256, 1536), (128, 8960)) if ok else ():
-                w = torch.randn(n, k, generator=g)
-                x = torch.randn(max_rows, k, generator=g)
-                lin = OneDNNLinear(nn.Linear(k, n, bias=False))
-                lin.weight = nn.Parameter(w, requires_grad=False)
+                lin = nn.Linear(k, n, bias=False, dtype=dtype)
+                lin.weight = nn.Parameter(torch.randn(n, k, generator=g).to(dtype), requires_grad=False)
+                lin = OneDNNLinear(lin)
+                x = torch.randn(max_rows, k, generator=g).to(dtype)
                 alone = torch.cat([lin(x[i : i + 1]) for i in range(max_rows)])
                 ok = ok and all(torch.equal(lin(x[:m]), alone[:m]) for m in range(2, max_rows + 1))
-        except RuntimeError:  # the op exists but refuses this build's tensors
+        except RuntimeError:  # the op exists but refuses this build's tensors or this dtype
             ok = False
-        _onednn_invariant.append(bool(ok))
-    return _onednn_invariant[0]
+        _onednn_invariant[dtype] = bool(ok)
+    return _onednn_invariant[dtype]
 
 
-def onednn_linears(model: nn.Module) -> int:
-    """Swap every plain float32 ``nn.Linear`` of ``model`` for a ``OneDNNLinear`` over the same weights."""
-    return _swap(model, lambda m: type(m) is nn.Linear and m.weight.dtype == torch.float32, OneDNNLinear)
+def onednn_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Swap every plain ``nn.Linear`` of ``model`` whose weight is ``dtype`` for a ``OneDNNLinear`` over the same
+    weights."""
+    return _swap(model, lambda m: type(m) is nn.Linear and m.weight.dtype == dtype, OneDNNLinear)
 
 
 class SplitKLinear(nn.Module):

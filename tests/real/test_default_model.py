@@ -120,11 +120,12 @@ def test_gil_free_encode_equals_the_tokenizer(loaded):
             assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8 weights", "int8 weights, compiled"])
+@pytest.mark.parametrize("precision", ["float32", "float32, compiled", "bfloat16", "bfloat16, compiled",
+                                       "int8 weights", "int8 weights, compiled"])
 def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surgery(smollm2, precision):
     """What the loader makes of SmolLM2 on this CPU: float32 (oneDNN linears, fused projections), bfloat16 (what
-    `--dtype auto` loads with bf16 instructions: split-K linears) and `--quantization int8` (weight-only int8, bf16
-    activations), eager and through the compiled pass the loader attaches to it (built once into the model cache:
+    `--dtype auto` loads with bf16 instructions: oneDNN linears, or split-K ones where those are not row-invariant) and `--quantization int8` (weight-only int8, bf16
+    activations), eager and through the compiled pass the loader attaches to float32 and int8 targets (built once into the model cache:
     a minute or two on two cores the first time). n-gram speculation must give exactly what the same model gives
     decoding plainly, one request at a time and in a batch (a verify pass over k + 1 tokens, or over several rows,
     must round each row as a one-token step does)."""
@@ -133,7 +134,7 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
 
     from runtime.engine import Scheduler
     from runtime.engine.decoder import is_fused
-    from runtime.engine.surgery import int8_row_invariant
+    from runtime.engine.surgery import int8_row_invariant, onednn_row_invariant
     from runtime.loader import INT8_WEIGHTS, compile_passes, cpu_has_bf16, surgery_for
 
     precision, _, compiled = precision.partition(", ")
@@ -141,6 +142,9 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
         pytest.skip("this CPU has no bf16 instructions (AVX-512 BF16 or AMX): --dtype auto keeps float32 here")
     if precision == INT8_WEIGHTS and not int8_row_invariant(torch.bfloat16):
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: the loader refuses --quantization int8 here")
+    if precision in ("float32", "bfloat16") and compiled and not onednn_row_invariant(getattr(torch, precision)):
+        pytest.skip(f"no row-invariant oneDNN {precision} linear here: {precision} passes stay eager (the fallback "
+                    "linears run slower compiled)")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=dtype).eval()

@@ -9,8 +9,7 @@ from runtime.engine import (
     DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine,
 )
 from runtime.engine.runner import ModelRunner
-from runtime.engine.surgery import row_invariant_chunk
-from runtime.loader import LoadError, cpu_has_bf16, pick_device, pick_dtype
+from runtime.loader import LoadError, cpu_bf16_exact, cpu_has_bf16, pick_device, pick_dtype
 from tests.tiny import tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -20,7 +19,7 @@ def test_auto_device_and_dtype_rules():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert pick_device("auto").type == expected
     assert pick_device("cpu").type == "cpu"
-    fast_bf16 = cpu_has_bf16() and row_invariant_chunk(torch.bfloat16) is not None
+    fast_bf16 = cpu_has_bf16() and cpu_bf16_exact()
     assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if fast_bf16 else torch.float32)
     assert pick_dtype("float16", torch.device("cpu")) == torch.float16
     if not torch.cuda.is_available():

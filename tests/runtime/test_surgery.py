@@ -83,33 +83,40 @@ def test_int8_weight_linears_swaps_every_linear():
     assert model(torch.randn(3, 64).bfloat16()).shape == (3, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bias):
+def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bias, dtype):
     from runtime.engine.surgery import OneDNNLinear, onednn_row_invariant
 
     torch.manual_seed(0)
-    linear = nn.Linear(576, 320, bias=bias)
+    linear = nn.Linear(1536, 320, bias=bias).to(dtype)
     fast = OneDNNLinear(linear)
     assert fast.weight is linear.weight  # no copy
-    x = torch.randn(40, 576)
+    x = torch.randn(40, 1536).to(dtype)
     if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN: the loader keeps weight-major linears")
-    torch.testing.assert_close(fast(x), linear(x), rtol=1e-4, atol=1e-4)
-    assert fast(x[:1]).shape == (1, 320) and fast(x.view(5, 8, 576)).shape == (5, 8, 320)
-    if onednn_row_invariant():  # what the loader requires before it uses it for a float32 model
+        pytest.skip("this torch build has no oneDNN: the loader keeps weight-major or split-K linears")
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast(x).float(), linear(x).float(), rtol=tol, atol=tol)
+    assert fast(x[:1]).shape == (1, 320) and fast(x.view(5, 8, 1536)).shape == (5, 8, 320)
+    if onednn_row_invariant(dtype):  # what the loader requires before it uses it for a target
         alone = torch.cat([fast(x[i : i + 1]) for i in range(40)])
         for m in range(1, 41):
             assert torch.equal(fast(x[:m]), alone[:m]), m
 
 
-def test_the_float32_surgery_is_picked_by_what_the_machine_does():
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_float_surgery_is_picked_by_what_the_machine_does(precision):
     from runtime.engine.surgery import OneDNNLinear, onednn_row_invariant
     from runtime.loader import surgery_for
 
-    model = nn.Sequential(nn.Linear(64, 32))
+    dtype = getattr(torch, precision)
+    if dtype == torch.bfloat16 and not onednn_row_invariant(dtype) and row_invariant_chunk(dtype) is None:
+        pytest.skip("neither bf16 product is row-invariant on this CPU: the loader refuses a bf16 target here")
+    model = nn.Sequential(nn.Linear(4096, 32)).to(dtype)  # longer than any split-K chunk
     model.config = None
-    surgery_for(model, "float32", exact=True)
-    assert isinstance(model[0], OneDNNLinear if onednn_row_invariant() else WeightMajorLinear)
+    surgery_for(model, precision, exact=True)
+    fallback = WeightMajorLinear if dtype == torch.float32 else SplitKLinear
+    assert isinstance(model[0], OneDNNLinear if onednn_row_invariant(dtype) else fallback)
 
 
 def test_int8_prompt_chunks_take_the_dequantized_path_only_inside_a_prefill_pass():

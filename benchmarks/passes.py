@@ -1,0 +1,89 @@
+"""What one target pass costs, eager and through the compiled library, for the shapes a step takes.
+
+    .venv/bin/python benchmarks/passes.py                                  # SmolLM2, int8 weights and float32
+    .venv/bin/python benchmarks/passes.py --precision float32 --shapes 1x1,1x9 --context 200
+
+A pass is ``rows x tokens``: 1x1 a plain step of one request, 1x9 a verify pass of 8 drafts, 8x1 a plain step of a
+batch of 8, 8x5 that batch verifying 4 drafts a row. Each precision loads the deployment as the daemon would (the
+loader's surgery, fused forward, its compile where it compiles), then times every shape with the compiled library
+attached and detached, the two interleaved run by run so a slow minute on a shared machine hits both; the table
+shows medians. The eager column is what a deployment with ``--no-compile`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from depctl.spec import DeploymentSpec  # noqa: E402
+
+
+def time_pass(runner, rows: int, tokens: int, context: int) -> float:
+    """Seconds for one pass of ``rows`` x ``tokens`` at ``context`` cached positions a row (logits to the host)."""
+    for r in range(rows):
+        runner.set_length(r, context)
+    ids = [[(r * 31 + j * 7) % 1000 + 1 for j in range(tokens)] for r in range(rows)]
+    t0 = time.perf_counter()
+    runner.forward(0, ids).argmax(-1).tolist()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--precision", default="int8,float32",
+                        help="comma-separated: int8 (weights; bf16 activations), float32, bfloat16")
+    parser.add_argument("--shapes", default="1x1,1x9,8x1,8x5", help="rows x tokens, comma-separated")
+    parser.add_argument("--context", type=int, default=40, help="cached positions per row before the pass")
+    parser.add_argument("--runs", type=int, default=30)
+    args = parser.parse_args()
+
+    from runtime.loader import load_deployment
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = max(r for r, _ in shapes)
+    lines = [f"SmolLM2-class passes: {args.model}, context {args.context}, median of {args.runs} interleaved runs, "
+             f"ms, {torch.get_num_threads()} threads", "",
+             "| precision | pass (rows x tokens) | eager | compiled | eager / compiled |", "|---|---|---|---|---|"]
+    for precision in args.precision.split(","):
+        quantization = "int8" if precision == "int8" else "none"
+        dtype = "auto" if precision == "int8" else precision
+        spec = DeploymentSpec(id="passes", model=args.model, dtype=dtype, quantization=quantization,
+                              max_batch_size=rows)
+        loaded = load_deployment(spec, calibrate=False)
+        runner = loaded.engine.target
+        library = runner.compiled
+        print(f"# {precision}: compiled {loaded.compiled}", file=sys.stderr)
+        for r in range(rows):  # every row holds ``context`` positions; each pass is then rolled back to them
+            runner.forward(r, [[(r * 13 + j) % 1000 + 1 for j in range(args.context)]], last_only=True, prefill=True)
+        modes = {"eager": None, "compiled": library} if library is not None else {"eager": None}
+        for r, t in shapes:
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            for i in range(args.runs + 2):
+                for mode, lib in modes.items():
+                    runner.compiled = lib
+                    seconds = time_pass(runner, r, t, args.context)
+                    if i >= 2:  # two warm-up runs of a new shape
+                        times[mode].append(seconds)
+            med = {m: statistics.median(v) * 1000 for m, v in times.items()}
+            comp = med.get("compiled")
+            lines.append(f"| {precision} | {r} x {t} | {med['eager']:.2f} | "
+                         + (f"{comp:.2f} | {med['eager'] / comp:.2f}x |" if comp else "- | - |"))
+            print(lines[-1], file=sys.stderr, flush=True)
+        runner.compiled = library
+        for r in range(rows):
+            runner.set_length(r, 0)
+        del loaded, runner, library
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
