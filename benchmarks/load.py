@@ -135,7 +135,9 @@ def start_daemon(home: Path) -> tuple[subprocess.Popen, str]:
         try:
             info = json.loads((home / "daemon.json").read_text())
             url = f"http://{info['host']}:{info['port']}"
-            if httpx.get(url + "/depctl/v1/deployments/bench", timeout=5).json().get("state") == "READY":
+            status = httpx.get(url + "/depctl/v1/deployments/bench", timeout=5).json()
+            if status.get("state") == "READY":
+                print(f"# {home.name}: compiled passes {status.get('compiled', '?')}", file=sys.stderr)
                 return proc, url
         except Exception:  # not up yet
             pass
