@@ -14,7 +14,8 @@ as much, so the same drafts that pay at batch 1 do not at batch 8: at high load 
 all.
 
 - costs: an EMA per measured token count (a sample under half the estimate replaces it at once, so a calibration
-  taken on a busy machine recovers); counts never measured are interpolated, and extrapolated past the largest.
+  taken on a busy machine recovers), kept non-decreasing in the count (a fresh estimate corrects older entries that
+  contradict it); counts never measured are interpolated, and extrapolated past the largest.
 - ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
   separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). The
   extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
@@ -98,7 +99,14 @@ class CostModel:
         self.samples: dict[int, float] = {}
 
     def observe(self, n: int, seconds: float) -> None:
-        self.samples[n] = _track(self.samples.get(n), seconds)
+        value = self.samples[n] = _track(self.samples.get(n), seconds)
+        # More tokens never cost less. An entry that says otherwise is older than this one (a calibration at a short
+        # context, a count the policy has not picked since): the fresh estimate corrects it, upwards for larger
+        # counts and downwards for smaller ones. Without this, a stale 16-token entry under a measured 15 made
+        # drafts at batch 8 look nearly free. (The value is the tracked one, so one slow sample moves little.)
+        for m, old in self.samples.items():
+            if (m > n and old < value) or (m < n and old > value):
+                self.samples[m] = value
 
     def __call__(self, n: int) -> float:
         known = self.samples

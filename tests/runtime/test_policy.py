@@ -121,3 +121,20 @@ def test_cost_tracking_averages_noise_and_recovers_from_contention():
     cost = _track(cost, 5.0)  # one slow sample (a busy machine) moves it only part of the way
     assert cost < 1.1
     assert _track(5.0, 0.060) == 0.060  # a calibration taken under contention is replaced at once
+
+
+def test_a_fresh_cost_corrects_stale_neighbours_that_contradict_it():
+    """Calibration measures a few token counts once, on uniform passes at a short context; real passes are measured
+    at whatever counts the policy picks. A stale entry that says 16 tokens cost less than 15 made a one-row draft of 8
+    at batch 8 look nearly free (SmolLM2, 2 cores: 38.5 ms calibrated for 16 tokens against 58 measured for 15)."""
+    cost = CostModel()
+    for n, ms in ((1, 8), (8, 23), (16, 38), (32, 68)):  # a calibration
+        cost.samples[n] = ms / 1000
+    for _ in range(10):  # the machine is slower now and contexts longer: 15 tokens take 58 ms, again and again
+        cost.observe(15, 0.058)
+    assert cost(16) >= cost(15) >= 0.057  # more tokens never cost less
+    assert cost(32) == pytest.approx(0.068)  # still above: left alone
+    for _ in range(10):  # and a measured pass over fewer tokens caps the stale larger counts' neighbours below it
+        cost.observe(20, 0.040)
+    assert cost(16) <= cost(20) + 1e-9 and cost(15) <= cost(20) + 1e-9
+    assert cost(8) == pytest.approx(0.023)  # below it and not contradicting it: left alone
