@@ -25,8 +25,11 @@ LIMITS = {"DEPCTL_API_KEY": KEY, "DEPCTL_MAX_BODY_BYTES": "3000000", "DEPCTL_DEF
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, tiny_model_dir):
     home = tmp_path_factory.mktemp("guard-home")
+    # compile=False: the cancellation tests need a generation still running after 0.3 s, and the compiled tiny model
+    # writes 450 tokens faster than that
     SpecStore(home / "deployments").create(DeploymentSpec(
-        id="tiny", model=str(tiny_model_dir), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
+        id="tiny", model=str(tiny_model_dir), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),
+        compile=False))
     d = DaemonProcess(home, env=LIMITS).start()
     d.wait_state("tiny")
     yield d

@@ -208,7 +208,8 @@ def test_stop_drains_then_cuts_streams_with_an_error_and_done(depctl_home, tiny_
     from depctl.spec import DeploymentSpec
     from depctl.store import SpecStore
 
-    SpecStore().create(DeploymentSpec(id="d", model=str(tiny_model_dir)))
+    # compile=False: the stream must outlast the 0.3 s drain; the compiled tiny model writes 500 tokens faster
+    SpecStore().create(DeploymentSpec(id="d", model=str(tiny_model_dir), compile=False))
     daemon = DaemonProcess(depctl_home, env={"DEPCTL_DRAIN_TIMEOUT": "0.3"}).start()
     try:
         _stop_mid_stream(daemon)

@@ -48,7 +48,7 @@ def test_recreate_while_the_old_engine_drains_loads_a_new_one(manager, tiny_mode
     # the bug: delete (the old engine drains its streams), re-create the same id at once: the re-create was applied
     # in place to the draining engine, which then exited, leaving READY with no model (503 for every request)
     store = manager.store
-    store.create(_spec("d", tiny_model_dir))
+    store.create(_spec("d", tiny_model_dir, compile=False))  # eager: the 400 tokens must still be draining
     dep = _wait(manager, "d", ("READY",))
     done = threading.Event()
     dep.worker.submit(list(b"abcabcabc"), GenerationParams(max_tokens=400, ignore_eos=True),

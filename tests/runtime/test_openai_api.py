@@ -24,7 +24,8 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     store = SpecStore(home / "deployments")
     store.create(DeploymentSpec(id="ngram", model=str(tiny_model_dir),
                                 speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
-    store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir)))
+    store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir), compile=False))  # eager: a disconnect must
+    # land while its 400 tokens are still being written (the compiled tiny model is many times faster)
     store.create(DeploymentSpec(id="suffix", model=str(tiny_model_dir),
                                 speculation=SuffixSpeculation(num_draft_tokens=8)))
     store.create(DeploymentSpec(id="drafted", model=str(tiny_model_dir),
