@@ -9,10 +9,11 @@
 - ``int8_linears(model)``: dynamic int8 linears (a draft model only: its numerics never reach the output).
 - ``int8_weight_linears(model)``: weight-only int8 (one scale per output channel, bf16 activations) for a target
   that asked for ``--quantization int8``: half the bytes of bf16, and exact under speculation (see the class).
-- ``split_k_linears(model, chunk)``: for bfloat16/float16 on a CPU where oneDNN's linear is not row-invariant, every ``nn.Linear`` whose inner dimension is
-  longer than ``chunk`` becomes a ``SplitKLinear``, so that a row's product does not depend on how many rows share
-  the pass (``row_invariant_chunk`` measures ``chunk`` on this CPU). Without it a bf16 target verifying k drafts
-  does not reproduce the same target decoding one token at a time, and speculation would not be exact.
+- ``split_k_linears(model, chunk)``: for bfloat16/float16 on a CPU where oneDNN's linear is not row-invariant,
+  every ``nn.Linear`` whose inner dimension is longer than ``chunk`` becomes a ``SplitKLinear``, so that a row's
+  product does not depend on how many rows share the pass (``row_invariant_chunk`` measures ``chunk`` on this CPU).
+  Without it a bf16 target verifying k drafts does not reproduce the same target decoding one token at a time, and
+  speculation would not be exact.
 
 None changes what a model *is* (its config, its weights); each returns how many modules it swapped.
 """
