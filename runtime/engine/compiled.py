@@ -46,6 +46,7 @@ from torch import nn
 
 from runtime.engine import decoder
 from runtime.engine.attention import RowLayout, rows_attention
+from runtime.engine.surgery import plain_stand_ins
 
 log = logging.getLogger("depctl.compiled")
 
@@ -143,18 +144,18 @@ def build(model: nn.Module, cache, package: Path) -> float:
     r = torch.export.Dim("rows", min=1, max=1 << 12)
     c = torch.export.Dim("capacity", min=2, max=1 << 22)
     cache_dims = [{0: r, 2: c}] * n
-    try:
-        exported = torch.export.export(_Pass(model), (tokens, positions, rows, keys, values),
-                                       dynamic_shapes=({0: t}, {0: t}, {0: t}, cache_dims, cache_dims), strict=False)
-    finally:
-        _step.layout = None
     package.parent.mkdir(parents=True, exist_ok=True)
     partial = package.with_name(f".{package.stem}.{os.getpid()}.partial.pt2")
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        with plain_stand_ins(model):  # oneDNN's reordered weights do not trace; the library borrows them at load
+            exported = torch.export.export(_Pass(model), (tokens, positions, rows, keys, values),
+                                           dynamic_shapes=({0: t}, {0: t}, {0: t}, cache_dims, cache_dims),
+                                           strict=False)
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
+                                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
         os.replace(partial, package)
     finally:
+        _step.layout = None
         partial.unlink(missing_ok=True)
     seconds = time.perf_counter() - t0
     log.info("built %s in %.0fs", package, seconds)

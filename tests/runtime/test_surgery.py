@@ -90,11 +90,14 @@ def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bi
 
     torch.manual_seed(0)
     linear = nn.Linear(1536, 320, bias=bias).to(dtype)
-    fast = OneDNNLinear(linear)
-    assert fast.weight is linear.weight  # no copy
     x = torch.randn(40, 1536).to(dtype)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN: the loader keeps weight-major or split-K linears")
+    fast = OneDNNLinear(linear)
+    assert fast.weight.is_mkldnn and fast.bias is linear.bias  # the weight reordered once; the bias shared
+    # the reordered weight gives the plain weight's bits
+    plain = torch.ops.mkldnn._linear_pointwise(x[:7], linear.weight.detach(), linear.bias, "none", [], "")
+    assert torch.equal(fast(x[:7]), plain)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast(x).float(), linear(x).float(), rtol=tol, atol=tol)
     assert fast(x[:1]).shape == (1, 320) and fast(x.view(5, 8, 1536)).shape == (5, 8, 320)
