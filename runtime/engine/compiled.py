@@ -3,8 +3,8 @@
 Why: on a CPU, a decode step of SmolLM2 with int8 weights spends ~5.5 ms in its 121 matrix products and as long again
 in the ~20 small ops per layer between them (norms, RoPE, the cache write, residuals) and the Python that calls them.
 Compiled, those ops become a few fused C++ loops called from C++, and the products are called directly (the int8
-kernel, oneDNN's linear in bf16 and float32): a one-token step went from 10.5 to 7.1 ms in int8, 18.4 to 13.9 in
-bf16, 32.9 to 28.1 in float32 (``benchmarks/passes.py``).
+kernel, oneDNN's linear in bf16 and float32): a one-token step went from 10.5 to 7.1 ms in int8, 14.8 to 10.6 in
+bf16, 21.4 to 17.0 in float32 (``benchmarks/passes.py``).
 
 How (the choices, and what each one avoids):
 - **AOTInductor, not ``torch.compile``.** ``torch.export`` traces the pass once and AOTInductor builds a shared
@@ -17,7 +17,9 @@ How (the choices, and what each one avoids):
   differently from the rest: 0.5 in SmolLM2's logits).
 - **The weights stay the model's.** The package is built without its constants and borrows the model's tensors
   (``load_constants(user_managed=True)``): no second copy in memory, a 4 MB file instead of 200 MB, and the eager
-  model (prefill, ``model.generate``) and the compiled pass read the same bytes.
+  model (prefill, ``model.generate``) and the compiled pass read the same bytes. oneDNN's reordered weights
+  (``surgery.OneDNNLinear``) do not trace, so the trace sees plain stand-ins of their shape
+  (``surgery.plain_stand_ins``) and the library is handed the reordered ones at load: oneDNN's linear takes either.
 - **Attention stays ours.** Writing the step's keys and values into the cache is in the graph (an in-place
   ``index_put_`` on the cache tensors, which are inputs: no copies). Reading them is one opaque op per layer
   (``depctl::rows_attention``) that runs ``runtime.engine.attention`` on the step's ``RowLayout``: its per-row,
