@@ -24,7 +24,7 @@ from runtime.engine import compiled
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
-    SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
+    OneDNNLinear, SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
     onednn_row_invariant, row_invariant_chunk, split_k_linears, weight_major_linears,
 )
 
@@ -106,6 +106,15 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
     runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
     runner.set_length(0, 0)
     package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
+    if not package.exists():
+        # the build traces over plain stand-ins of oneDNN's reordered weights (``surgery.plain_stand_ins``): the float
+        # weights' size again, for as long as it compiles. Better to run eagerly than to meet the OOM killer.
+        stand_ins = sum(m.out_features * m.in_features * m.dtype.itemsize
+                        for m in runner.model.modules() if isinstance(m, OneDNNLinear))
+        free = free_bytes(runner.device)
+        if stand_ins and free is not None and stand_ins > 0.8 * free:
+            return (f"no (building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
+                    f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile)")
     try:
         if package.exists():
             built = ""

@@ -118,3 +118,25 @@ def test_a_compile_that_fails_leaves_the_eager_pass_and_the_deployment_serves(ti
     assert loaded.compiled == "no (compiling failed: RuntimeError: g++: command not found)"
     assert reported and "compiling the decode and verify passes" in reported[0]
     assert loaded.calibration  # it went on to calibrate, and serves eagerly
+
+
+def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_dir, tmp_path, monkeypatch):
+    """The build traces over plain stand-ins of oneDNN's reordered weights, the weights' size again: with less memory
+    free than that, the deployment runs eagerly and says why, rather than meeting the OOM killer mid-build."""
+    from runtime.engine import compiled
+    from runtime.engine.surgery import onednn_row_invariant
+
+    if not onednn_row_invariant():
+        pytest.skip("no row-invariant oneDNN float32 linear here: float32 passes stay eager anyway")
+    monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader, "check_memory", lambda needs, device: None)  # the load itself fits: not tested here
+    monkeypatch.setattr(loader, "free_bytes", lambda device: 1000)  # bytes
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the build started")
+
+    monkeypatch.setattr(compiled, "build", unexpected)
+    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="float32"),
+                             calibrate=False)
+    assert loaded.engine.target.compiled is None
+    assert loaded.compiled.startswith("no (building the library needs about 0.00 GiB free while it compiles")
