@@ -24,8 +24,8 @@ from runtime.engine import compiled
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
-    OneDNNLinear, SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
-    onednn_row_invariant, row_invariant_chunk, split_k_linears, weight_major_linears,
+    SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
+    onednn_row_invariant, plain_stand_in_bytes, row_invariant_chunk, split_k_linears, weight_major_linears,
 )
 
 log = logging.getLogger("depctl.loader")
@@ -109,8 +109,7 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
     if not package.exists():
         # the build traces over plain stand-ins of oneDNN's reordered weights (``surgery.plain_stand_ins``): the float
         # weights' size again, for as long as it compiles. Better to run eagerly than to meet the OOM killer.
-        stand_ins = sum(m.out_features * m.in_features * m.dtype.itemsize
-                        for m in runner.model.modules() if isinstance(m, OneDNNLinear))
+        stand_ins = plain_stand_in_bytes(runner.model)
         free = free_bytes(runner.device)
         if stand_ins and free is not None and stand_ins > 0.8 * free:
             return (f"no (building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "

@@ -79,7 +79,6 @@ class OneDNNLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_size=2)
         self.register_buffer("weight", packed, persistent=False)  # [out, in], oneDNN's opaque layout
         self.bias = linear.bias  # the same Parameter: no copy
@@ -103,12 +102,17 @@ def plain_stand_ins(model: nn.Module):
     linears = [m for m in model.modules() if isinstance(m, OneDNNLinear)]
     packed = [m.weight for m in linears]
     try:
-        for m in linears:
-            m.weight = torch.empty(m.out_features, m.in_features, dtype=m.dtype)
+        for m, w in zip(linears, packed):
+            m.weight = torch.empty(w.shape, dtype=w.dtype)
         yield
     finally:
         for m, w in zip(linears, packed):
             m.weight = w
+
+
+def plain_stand_in_bytes(model: nn.Module) -> int:
+    """What ``plain_stand_ins`` allocates for ``model``: its oneDNN linears' weights, in their dtype."""
+    return sum(m.weight.shape.numel() * m.weight.dtype.itemsize for m in model.modules() if isinstance(m, OneDNNLinear))
 
 
 _onednn_invariant: dict = {}
