@@ -20,11 +20,11 @@ How (the choices, and what each one avoids):
   model (prefill, ``model.generate``) and the compiled pass read the same bytes. oneDNN's reordered weights
   (``surgery.OneDNNLinear``) do not trace, so the trace sees plain stand-ins of their shape
   (``surgery.plain_stand_ins``) and the library is handed the reordered ones at load: oneDNN's linear takes either.
-- **Attention stays ours.** Writing the step's keys and values into the cache is in the graph (an in-place
-  ``index_put_`` on the cache tensors, which are inputs: no copies). Reading them is one opaque op per layer
-  (``depctl::rows_attention``) that runs ``runtime.engine.attention`` on the step's ``RowLayout``: its per-row,
-  per-position calls are what make a verify pass round like the one-token steps it checks, and they depend on Python
-  lists no graph could take as constants.
+- **Attention is one C++ op a layer** (``depctl_native::token_attention``, ``runtime.engine.native``). Writing the
+  step's keys and values into the cache is in the graph (an in-place ``index_put_`` on the cache tensors, which are
+  inputs: no copies). Reading them is the op: every token attends its own row up to its own position, alone, through
+  ATen's SDPA, so a verify pass rounds like the one-token steps it checks. It used to be a Python op over the step's
+  ``RowLayout``; the library then called back into Python 30 times a step (~26 us a layer against ~8 of SDPA).
 
 Prompts are still read eagerly (a prefill chunk's products want another kernel, see ``surgery.prefill_pass``); plain
 and speculative decoding prefill alike, so both see the same cache. ``check`` proves at load, on this CPU, that a
@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import platform
-import threading
 import time
 from pathlib import Path
 
@@ -47,25 +46,10 @@ import torch
 from torch import nn
 
 from runtime.engine import decoder
-from runtime.engine.attention import RowLayout, rows_attention
+from runtime.engine import native
 from runtime.engine.surgery import plain_stand_ins
 
 log = logging.getLogger("depctl.compiled")
-
-_step = threading.local()  # the RowLayout of the pass the calling thread is running
-
-
-@torch.library.custom_op("depctl::rows_attention", mutates_args=())
-def _rows_attention_op(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """query [1, heads, T, dim] over one layer's cache rows [rows, kv_heads, capacity, dim] -> [1, T, heads, dim]."""
-    out, _ = rows_attention(None, query, keys, values, None, scaling=scaling, depctl_rows=_step.layout)
-    return out.contiguous()  # the library reads it with the strides of the fake below (a one-row pass returns a view)
-
-
-@_rows_attention_op.register_fake
-def _(query, keys, values, scaling):
-    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-
 
 class _Pass(nn.Module):
     """What is exported: ``decoder.forward`` over cache tensors given as inputs, one [rows, kv_heads, capacity, dim]
@@ -80,7 +64,7 @@ class _Pass(nn.Module):
             # k, v: [1, kv_heads, T, dim]; token t goes to cache row rows[t] at positions[t]
             keys[i][rows, :, positions] = k[0].transpose(0, 1)
             values[i][rows, :, positions] = v[0].transpose(0, 1)
-            return torch.ops.depctl.rows_attention(q, keys[i], values[i], attn.scaling)
+            return torch.ops.depctl_native.token_attention(q, keys[i], values[i], rows, positions, attn.scaling)
 
         return decoder.forward(self.model, input_ids, positions, attend)
 
@@ -90,6 +74,7 @@ class CompiledPass:
 
     def __init__(self, package: Path, model: nn.Module):
         self.package = package
+        native.load()  # the library calls depctl_native::token_attention
         self.runner = torch._inductor.aoti_load_package(str(package))
         named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
         named.update(model.named_buffers(remove_duplicate=False))
@@ -97,15 +82,10 @@ class CompiledPass:
         self.runner.load_constants({fqn: named[fqn.removeprefix(prefix)] for fqn in self.runner.get_constant_fqns()},
                                    check_full_update=True, user_managed=True)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cache,
-                 layout: RowLayout) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cache) -> torch.Tensor:
         """input_ids, positions, rows: [T]; returns logits [T, vocab]."""
-        _step.layout = layout
-        try:
-            return self.runner(input_ids, positions, rows, [layer.keys for layer in cache.layers],
-                               [layer.values for layer in cache.layers])
-        finally:
-            _step.layout = None
+        return self.runner(input_ids, positions, rows, [layer.keys for layer in cache.layers],
+                           [layer.values for layer in cache.layers])
 
 
 def package_path(model: nn.Module, precision: str, root: Path) -> Path:
@@ -113,7 +93,7 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
     generated code depends on, and the source of the files it was traced from; not the weights, which it borrows."""
     here = Path(__file__).resolve().parent
     sources = hashlib.sha256()
-    for name in ("compiled.py", "decoder.py", "attention.py", "surgery.py"):
+    for name in ("compiled.py", "decoder.py", "attention.py", "surgery.py", native.SOURCE.name):
         sources.update((here / name).read_bytes())
     key = json.dumps({
         "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
@@ -132,6 +112,7 @@ def build(model: nn.Module, cache, package: Path) -> float:
     """Export and compile the pass into ``package`` (written atomically); returns the seconds it took. The example
     inputs are fresh tensors of the cache's shapes (two rows, 64 positions): every size is symbolic."""
     t0 = time.perf_counter()
+    native.load()
     layer0 = cache.layers[0]
     kv_heads, dim, dtype = layer0.keys.shape[1], layer0.keys.shape[3], layer0.keys.dtype
     device = layer0.keys.device
@@ -141,7 +122,6 @@ def build(model: nn.Module, cache, package: Path) -> float:
     tokens = torch.tensor([1, 2], device=device)
     positions = torch.tensor([0, 0], device=device)
     rows = torch.tensor([0, 1], device=device)
-    _step.layout = RowLayout(0, [0, 0], [1, 1], [0, 1, 2], device, per_position=device.type == "cpu")
     t = torch.export.Dim("tokens", min=1, max=1 << 20)
     r = torch.export.Dim("rows", min=1, max=1 << 12)
     c = torch.export.Dim("capacity", min=2, max=1 << 22)
@@ -157,7 +137,6 @@ def build(model: nn.Module, cache, package: Path) -> float:
                                                      inductor_configs={"aot_inductor.package_constants_in_so": False})
         os.replace(partial, package)
     finally:
-        _step.layout = None
         partial.unlink(missing_ok=True)
     seconds = time.perf_counter() - t0
     log.info("built %s in %.0fs", package, seconds)

@@ -75,7 +75,7 @@ class ModelRunner:
         keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else None
         try:
             if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
-                logits = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache, layout)
+                logits = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache)
             else:
                 with prefill_pass() if prefill else contextlib.nullcontext():
                     logits = self._forward(input_ids, position_ids, layout, keep)
