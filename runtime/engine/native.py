@@ -59,8 +59,9 @@ def load(root: Path | None = None) -> None:
             cpp_extension.load(name="depctl_native", sources=[str(SOURCE)], build_directory=str(directory),
                                extra_cflags=["-O3"], is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
-            raise NativeUnavailable(f"could not build depctl's C++ attention op ({type(e).__name__}: "
-                                    f"{str(e).strip().splitlines()[-1] if str(e).strip() else e})") from e
+            last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise NativeUnavailable(f"could not build depctl's C++ attention op ({last}); install a C++ compiler "
+                                    "(g++ or clang++) and update the deployment to retry, or use --no-compile") from e
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
         _loaded = True
 

@@ -1,0 +1,96 @@
+"""depctl's C++ ops (runtime.engine.native): built with torch's extension builder, the same bits as the Python
+attention they stand in for in a compiled pass, and a clear reason where they cannot be built."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from runtime.engine import native
+from runtime.engine.attention import RowLayout, rows_attention
+
+
+@pytest.fixture(scope="module")
+def op():
+    try:
+        native.load()
+    except native.NativeUnavailable as e:  # the same condition under which the loader runs passes eagerly
+        pytest.skip(f"depctl's C++ ops cannot be built here: {e}")
+    return torch.ops.depctl_native.token_attention
+
+
+def cache(rows=3, kv_heads=2, capacity=40, dim=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype),
+            torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype))
+
+
+def reference(query, keys, values, starts, widths):
+    """The eager attention of the same pass: every row alone, a verify pass position by position."""
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    layout = RowLayout(0, starts, widths, offsets, torch.device("cpu"), per_position=True)
+    out, _ = rows_attention(None, query, keys, values, None, scaling=0.25, depctl_rows=layout)
+    return out
+
+
+def stream(starts, widths):
+    """rows and positions [T] of a pass where row b adds widths[b] tokens from position starts[b]."""
+    rows = [b for b, w in enumerate(widths) for _ in range(w)]
+    positions = [s + j for s, w in zip(starts, widths) for j in range(w)]
+    return torch.tensor(rows), torch.tensor(positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("starts,widths", [([7], [1]), ([12], [9]), ([3, 20, 0], [1, 1, 1]), ([5, 30, 2], [4, 1, 6])],
+                         ids=["one-step", "verify-of-8", "batch-of-3", "ragged"])
+def test_it_is_bit_identical_to_the_eager_attention_it_replaces(op, dtype, starts, widths):
+    keys, values = cache(dtype=dtype)
+    query = torch.randn(1, 4, sum(widths), 16).to(dtype)  # 4 heads over 2 kv heads: grouped-query
+    rows, positions = stream(starts, widths)
+    with torch.inference_mode():
+        got = op(query, keys, values, rows, positions, 0.25)
+        want = reference(query, keys, values, starts, widths)
+    assert got.shape == (1, sum(widths), 4, 16) and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
+def test_a_tokens_result_does_not_depend_on_the_rest_of_the_pass(op):
+    """Tokens of a wider pass are spread over threads; each must round as it does alone (a plain step)."""
+    keys, values = cache()
+    query = torch.randn(1, 4, 9, 16)
+    rows, positions = stream([12], [9])
+    with torch.inference_mode():
+        wide = op(query, keys, values, rows, positions, 0.25)
+        alone = torch.cat([op(query[:, :, t : t + 1].contiguous(), keys, values, rows[t : t + 1], positions[t : t + 1],
+                              0.25) for t in range(9)], 1)
+    assert torch.equal(wide, alone)
+
+
+def test_a_position_outside_the_cache_is_refused_with_the_token_named(op):
+    keys, values = cache(capacity=8)
+    with pytest.raises(RuntimeError, match="token 1 at row 0, position 8 is outside the cache"):
+        op(torch.randn(1, 4, 2, 16), keys, values, torch.tensor([0, 0]), torch.tensor([7, 8]), 0.25)
+
+
+def test_a_build_that_fails_says_why_and_what_to_do(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension 'depctl_native'\nc++: command not found")
+
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.raises(native.NativeUnavailable, match=r"c\+\+: command not found.*--no-compile"):
+        native.load(tmp_path)
+
+
+def test_ninja_from_the_virtualenv_is_found_without_an_activated_path(monkeypatch):
+    """A daemon started as .venv/bin/depctl has no virtualenv on PATH; torch's builder looks for ninja there."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    native._ninja_on_path()
+    assert ninja.BIN_DIR in os.environ["PATH"].split(os.pathsep)
