@@ -7,8 +7,11 @@ on, through one deployment (a request can ask to decode plainly, so both modes u
         --llama-server $LLAMA/build/bin/llama-server --gguf F32=smol-f32.gguf --gguf Q8_0=smol-q8_0.gguf
 
 Peers (``--llama-server`` with ``--gguf``, ``--vllm-python``; ../shared/PEERS.md says how to build and install them)
-run after the daemon, one server process at a time, through the same client code, prompts and settings; their n-gram
-rows come from their own prompt-lookup speculation (llama.cpp ``ngram-simple``, vLLM ``ngram``) with the same n and K.
+go through the same client code, prompts and settings; their n-gram rows come from their own prompt-lookup
+speculation (llama.cpp ``ngram-simple``, vLLM ``ngram``) with the same n and K. Every server is started first and the
+cells go round them, level by level, the order rotating (an idle server takes no CPU): a slow minute on a shared
+machine then hits every server alike, where one server after another put minutes of drift into the ratios.
+``--sequential`` runs one server at a time (less memory).
 
 Each concurrency level runs N clients in a closed loop (a client sends its next request when the previous one
 ends) over the workload's prompts, streaming, greedy, chat template applied by the server. One table per workload:
@@ -186,26 +189,31 @@ def free_port() -> int:
 
 def llama_servers(binary: Path, label: str, gguf: Path, args, parallel: int):
     """(name, mode, argv, url, env) for llama.cpp's server on one GGUF, plain and with its n-gram speculation."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    base = [str(binary), "-m", str(gguf), "-t", str(args.threads), "-c", str(4096 * parallel), "-np", str(parallel),
-            "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
+    def argv(port: int) -> list[str]:
+        return [str(binary), "-m", str(gguf), "-t", str(args.threads), "-c", str(4096 * parallel), "-np",
+                str(parallel), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
+
     ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.ngram),
              "--spec-ngram-simple-size-m", str(args.k), "--spec-draft-n-max", str(args.k)]
     env = {"LD_LIBRARY_PATH": str(binary.parent)}
-    return [(f"llama.cpp {label}", "plain", base, url, env), (f"llama.cpp {label}", "n-gram", base + ngram, url, env)]
+    plain, spec = free_port(), free_port()
+    return [(f"llama.cpp {label}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
+            (f"llama.cpp {label}", "n-gram", argv(spec) + ngram, f"http://127.0.0.1:{spec}", env)]
 
 
 def vllm_servers(python: Path, model_dir: str, args):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     dtype = "float32" if args.dtype == "float32" else "bfloat16"
-    base = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-            "bench", "--dtype", dtype, "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]
+
+    def argv(port: int) -> list[str]:
+        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+                "bench", "--dtype", dtype, "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]
+
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram,
                        "prompt_lookup_max": args.ngram})
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(args.threads)}
-    return [(f"vLLM {dtype}", "plain", base, url, env), (f"vLLM {dtype}", "n-gram", base + ["--speculative-config", spec], url, env)]
+    plain, ngram = free_port(), free_port()
+    return [(f"vLLM {dtype}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
+            (f"vLLM {dtype}", "n-gram", argv(ngram) + ["--speculative-config", spec], f"http://127.0.0.1:{ngram}", env)]
 
 
 def main() -> int:
@@ -223,7 +231,7 @@ def main() -> int:
     parser.add_argument("--depctl", action="append", default=[], metavar="DTYPE[+int8][+eager]",
                         help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8, auto+int8+eager "
                         "(--no-compile) (repeatable; default: --dtype with --quantization). Each gets a daemon of its "
-                        "own, one after another")
+                        "own, running beside the others")
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--no-depctl", action="store_true", help="only the peers")
     parser.add_argument("--llama-server", type=Path, default=None,
@@ -236,6 +244,8 @@ def main() -> int:
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="the python of a virtualenv with vLLM's CPU build: its rows join the tables")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for the peers")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the servers one after another instead of side by side (less memory)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -252,72 +262,99 @@ def main() -> int:
             speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
     ours = next(iter(specs))  # the others' "vs depctl plain" column compares with this one
 
-    def cells(name: str, url: str, modes: dict[str, dict]) -> None:
-        """Every workload and level through one server; modes alternate who goes first at each level."""
-        run_cell(url, prompts[workloads[0]][:1], 1, 1, 8, next(iter(modes.values())))  # warm-up
+    results: dict = {}
+    reference = {}
+
+    def in_process_reference() -> None:
+        """The first deployment in this process, before the servers start and after they stop (the machine's speed
+        drifts; the tables use the mean of both runs)."""
+        for w in workloads:
+            now = in_process(specs[ours], prompts[w], args.max_tokens)
+            print(f"in-process {w}: {now[0]:.1f} tok/s", file=sys.stderr)
+            reference[w] = now if w not in reference else ((reference[w][0] + now[0]) / 2, now[1], reference[w][0], now[0])
+        import gc
+
+        gc.collect()
+
+    # Every server is started first and the cells then go round them: each level runs every (server, mode) in turn,
+    # the order rotating from level to level, so a slow minute on a shared machine hits them alike. An idle server
+    # takes no CPU (our engine thread and llama.cpp's workers wait on a queue). --sequential runs one server at a
+    # time instead (what a machine with too little memory for all of them needs).
+    def launchers() -> list:
+        """One function per server process that starts it and returns (name, modes, url, process)."""
+        out = []
+
+        def ours_(name: str, spec: DeploymentSpec, modes: dict[str, dict], prefix: str):
+            def launch():
+                home = Path(tempfile.mkdtemp(prefix=prefix))
+                SpecStore(home / "deployments").create(spec)
+                proc, url = start_daemon(home)
+                return name, modes, url, proc
+            return launch
+
+        for name, spec in ({} if args.no_depctl else specs).items():
+            # one deployment serves both modes: a request may ask to decode plainly
+            out.append(ours_(name, spec, {"plain": {"speculate": False}, "n-gram": {"speculate": True}}, "depctl-load-"))
+        if args.depctl_vllm:  # vLLM behind our daemon: its speculation is a start-up flag, so a deployment per mode
+            dtype = "float32" if args.dtype == "float32" else "bfloat16"
+            for mode, speculation in (("plain", NoSpeculation()),
+                                      ("n-gram", NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))):
+                spec = DeploymentSpec(id="bench", model=args.model, speculation=speculation, dtype=dtype, engine="vllm",
+                                      max_context_length=4096, max_batch_size=max(levels))
+                out.append(ours_(f"depctl->vLLM {dtype}", spec, {mode: {}}, "depctl-load-vllm-"))
+        peers = []
+        if args.llama_server:
+            for item in args.gguf:
+                label, _, path = item.partition("=")
+                peers += llama_servers(args.llama_server.resolve(), label, Path(path).resolve(), args, max(levels))
+        if args.vllm_python:
+            peers += vllm_servers(args.vllm_python, models.materialize(models.resolve(args.model, "--model")), args)
+        logs = Path(tempfile.mkdtemp(prefix="depctl-peers-"))
+        for name, mode, argv, url, env in peers:  # one process per mode: their speculation is a start-up flag
+            log = logs / f"{name.replace(' ', '-')}-{mode}.log"
+            out.append(lambda name=name, mode=mode, argv=argv, url=url, env=env, log=log:
+                       (name, {mode: {}}, url, start_server(argv, url, log, env)))
+        return out
+
+    def run_round(group: list) -> None:
+        for name, modes, url, _ in group:  # warm-up
+            run_cell(url, prompts[workloads[0]][:1], 1, 1, 8, next(iter(modes.values())))
         for w in workloads:
             for i, c in enumerate(levels):
                 n = args.requests or max(6, 2 * c)
-                names = list(modes) if i % 2 == 0 else list(reversed(modes))
-                for mode in names:
-                    cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
-                    results[(name, mode, w, c)] = cell
-                    print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
+                order = group[i % len(group):] + group[: i % len(group)]
+                for name, modes, url, _ in order:
+                    for mode in (list(modes) if i % 2 == 0 else list(reversed(modes))):
+                        cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
+                        results[(name, mode, w, c)] = cell
+                        print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
 
-    results: dict = {}
-    reference = {}
-    for name, spec in ({} if args.no_depctl else specs).items():
-        check = not args.no_in_process and name == ours  # the in-process reference: for the first one only
-        if check:
-            for w in workloads:
-                reference[w] = in_process(spec, prompts[w], args.max_tokens)
-                print(f"in-process {w}: {reference[w][0]:.1f} tok/s", file=sys.stderr)
-            import gc
-
-            gc.collect()
-        home = Path(tempfile.mkdtemp(prefix="depctl-load-"))
-        SpecStore(home / "deployments").create(spec)
-        proc, url = start_daemon(home)
-        try:  # one deployment serves both modes: a request may ask to decode plainly
-            cells(name, url, {"plain": {"speculate": False}, "n-gram": {"speculate": True}})
-        finally:
+    def stop(group: list) -> None:
+        for *_, proc in group:
             proc.terminate()
-            proc.wait(30)
-        if check:  # again after the daemon: the machine's speed drifts; the tables use both runs
-            for w in workloads:
-                again = in_process(spec, prompts[w], args.max_tokens)
-                reference[w] = ((reference[w][0] + again[0]) / 2, reference[w][1], reference[w][0], again[0])
-
-    if args.depctl_vllm:  # vLLM behind our daemon: its speculation is a start-up flag, so a deployment per mode
-        dtype = "float32" if args.dtype == "float32" else "bfloat16"
-        for mode, speculation in (("plain", NoSpeculation()),
-                                  ("n-gram", NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))):
-            home = Path(tempfile.mkdtemp(prefix="depctl-load-vllm-"))
-            SpecStore(home / "deployments").create(DeploymentSpec(
-                id="bench", model=args.model, speculation=speculation, dtype=dtype, engine="vllm",
-                max_context_length=4096, max_batch_size=max(levels)))
-            proc, url = start_daemon(home)
+        for *_, proc in group:
             try:
-                cells(f"depctl->vLLM {dtype}", url, {mode: {}})
-            finally:
-                proc.terminate()
                 proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
-    peers = []
-    if args.llama_server:
-        for item in args.gguf:
-            label, _, path = item.partition("=")
-            peers += llama_servers(args.llama_server.resolve(), label, Path(path).resolve(), args, max(levels))
-    if args.vllm_python:
-        peers += vllm_servers(args.vllm_python, models.materialize(models.resolve(args.model, "--model")), args)
-    logs = Path(tempfile.mkdtemp(prefix="depctl-peers-"))
-    for name, mode, argv, url, env in peers:  # one process per mode: their speculation is a start-up flag
-        proc = start_server(argv, url, logs / f"{name.replace(' ', '-')}-{mode}.log", env)
-        try:
-            cells(name, url, {mode: {}})
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    check = not args.no_in_process and not args.no_depctl
+    if check:
+        in_process_reference()
+    servers: list = []
+    try:
+        for launch in launchers():
+            servers.append(launch())
+            if args.sequential:  # one at a time: run it, stop it, start the next
+                run_round(servers)
+                stop(servers)
+                servers.clear()
+        if servers:
+            run_round(servers)
+    finally:
+        stop(servers)
+    if check:
+        in_process_reference()
 
     for w in workloads:
         print_table(w, levels, results, reference.get(w), args, ours)
