@@ -86,8 +86,8 @@ def report(message: str) -> None:
 
 def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
     """Attach a compiled decode/verify pass (``runtime.engine.compiled``) where it is faster and exact, and say how
-    the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step, ``benchmarks/passes.py``): int8 weights 10.5
-    -> 7.1 ms, bf16 14.8 -> 10.6 ms, float32 21.4 -> 17.0 ms, each with products the library calls directly
+    the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step, ``benchmarks/passes.py``): int8 weights 11.2
+    -> 7.3 ms, bf16 14.6 -> 10.0 ms, float32 17.8 -> 13.4 ms, each with products the library calls directly
     (``torch._weight_int8pack_mm``, oneDNN's linear on its reordered weights). Split-K and weight-major linears (the fallbacks where oneDNN is
     not row-invariant) would become inductor's own products, which ran slower (bf16: 22 -> 37 ms): those stay eager.
     A compile that fails (no C++ compiler, an op AOTInductor cannot take) leaves the eager pass and says why; it

@@ -3,8 +3,9 @@
 Why: on a CPU, a decode step of SmolLM2 with int8 weights spends ~5.5 ms in its 121 matrix products and as long again
 in the ~20 small ops per layer between them (norms, RoPE, the cache write, residuals) and the Python that calls them.
 Compiled, those ops become a few fused C++ loops called from C++, and the products are called directly (the int8
-kernel, oneDNN's linear in bf16 and float32): a one-token step went from 10.5 to 7.1 ms in int8, 14.8 to 10.6 in
-bf16, 21.4 to 17.0 in float32 (``benchmarks/passes.py``).
+kernel, oneDNN's linear in bf16 and float32): eager -> compiled, a one-token step 11.2 -> 7.3 ms in int8, 14.6 ->
+10.0 in bf16, 17.8 -> 13.4 in float32; a 9-token verify pass 1.3-1.4x, a batch of 8 1.4-1.5x (``benchmarks/passes.py``,
+one run; this machine's absolute speed drifts by 20%).
 
 How (the choices, and what each one avoids):
 - **AOTInductor, not ``torch.compile``.** ``torch.export`` traces the pass once and AOTInductor builds a shared
