@@ -243,6 +243,15 @@ def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):
     assert min(v for n, v in samples.items() if n > 1) < 1000.0
 
 
+def test_calibration_measures_every_pass_width_a_request_can_verify(target):
+    """int8 weights are multiplied four rows at a time: SmolLM2's passes over 1-4 tokens cost ~8 ms, 5-8 ~12-15, 9
+    ~20. Interpolating between powers of two hid those steps (5 tokens looked like 9.8 ms, 9 like 16), so the policy
+    started out drafting widths dearer than it thought; every width up to K + 1 is measured instead."""
+    engine = make(target, NgramProposer(2), 8)
+    engine.calibrate()
+    assert set(range(1, 10)) <= set(engine.policy.verify_cost.samples)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_exact(target, dtype):
     # what --dtype bfloat16 (auto on CPUs with bf16 instructions) runs: the loader's split-K surgery, and the runner
