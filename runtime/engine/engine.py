@@ -234,13 +234,14 @@ class SpeculativeEngine:
         runners = [self.target] + ([self.draft_model.runner] if self.draft_model is not None else [])
         for runner in runners:
             runner.forward(0, [prompt] * rows, last_only=True)
-        # every width one request can verify (kernels take rows in blocks, so costs step: int8 weights four rows at a
-        # time, SmolLM2's 5 tokens ~1.5x 4 of them), then powers of two up to the widest batch pass
-        counts = sorted(set(range(1, min(widest, 33) + 1)) | {n for n in (2 ** i for i in range(10)) if n <= rows * widest}
-                        | {rows, rows * widest})
-        for n in counts:
-            b = min(rows, n)
-            s = max(1, n // b)
+        # (rows, tokens a row): every width one request can verify (kernels take rows in blocks, so costs step: int8
+        # weights four rows at a time, SmolLM2's 5 tokens ~1.5x 4 of them), then batch passes of up to the widest
+        shapes = {(1, n) for n in range(1, widest + 1)}
+        for n in {2 ** i for i in range(10)} | {rows, rows * widest}:
+            if widest < n <= rows * widest:
+                b = min(rows, n)
+                shapes.add((b, n // b))
+        for b, s in sorted(shapes, key=lambda shape: shape[0] * shape[1]):
             best = float("inf")
             for _ in range(repeats + 1):  # the first run of a new shape warms it up
                 t0 = time.perf_counter()

@@ -247,9 +247,11 @@ def test_calibration_measures_every_pass_width_a_request_can_verify(target):
     """int8 weights are multiplied four rows at a time: SmolLM2's passes over 1-4 tokens cost ~8 ms, 5-8 ~12-15, 9
     ~20. Interpolating between powers of two hid those steps (5 tokens looked like 9.8 ms, 9 like 16), so the policy
     started out drafting widths dearer than it thought; every width up to K + 1 is measured instead."""
-    engine = make(target, NgramProposer(2), 8)
-    engine.calibrate()
-    assert set(range(1, 10)) <= set(engine.policy.verify_cost.samples)
+    for rows in (1, 4):  # in a deployment that batches too: widths were once folded into the batch's rows
+        engine = SpeculativeEngine(ModelRunner(target, max_rows=rows), NgramProposer(2),
+                                   EngineConfig(num_draft_tokens=8, max_context=512))
+        engine.calibrate()
+        assert set(range(1, 10)) <= set(engine.policy.verify_cost.samples), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
