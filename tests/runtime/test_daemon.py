@@ -202,14 +202,17 @@ def test_cli_uses_the_daemons_api_key(depctl_home, tiny_model_dir, monkeypatch):
         assert cli("daemon", "stop").exit_code == 0
 
 
-def test_stop_drains_then_cuts_streams_with_an_error_and_done(depctl_home, tiny_model_dir):
+def test_stop_drains_then_cuts_streams_with_an_error_and_done(depctl_home, tmp_path):
     # graceful stop: a stream still running after the drain time is cut with an error event and [DONE] (it used to
     # end mid-stream with neither), the daemon exits 0, and the next start restores the deployment
     from depctl.spec import DeploymentSpec
     from depctl.store import SpecStore
+    from tests.tiny import save_tiny
 
-    # compile=False: the stream must outlast the 0.3 s drain; the compiled tiny model writes 500 tokens faster
-    SpecStore().create(DeploymentSpec(id="d", model=str(tiny_model_dir), compile=False))
+    # the stream must outlast the 0.3 s drain: 4000 tokens (a tiny model with room for them) and compile=False. On a
+    # quiet machine the eager tiny model wrote 500 tokens, the old request, within the drain, and the test failed.
+    model = save_tiny(tmp_path / "long-context", seed=0, max_positions=4096)
+    SpecStore().create(DeploymentSpec(id="d", model=str(model), compile=False))
     daemon = DaemonProcess(depctl_home, env={"DEPCTL_DRAIN_TIMEOUT": "0.3"}).start()
     try:
         _stop_mid_stream(daemon)
@@ -226,7 +229,8 @@ def _stop_mid_stream(daemon) -> None:
     lines = []
 
     def long_stream():
-        body = {"model": "d", "prompt": "go", "max_tokens": 500, "ignore_eos": True, "stream": True, "speculate": False}
+        body = {"model": "d", "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+                "speculate": False}
         with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
@@ -244,7 +248,7 @@ def _stop_mid_stream(daemon) -> None:
     assert lines[-1] == "[DONE]"
     error = json.loads(lines[-2])["error"]
     assert error["code"] == "daemon_stopping" and "DEPCTL_DRAIN_TIMEOUT" in error["message"]
-    assert 3 < len(lines) < 500  # it streamed for the drain time, then was cut
+    assert 3 < len(lines) < 4000  # it streamed for the drain time, then was cut
     daemon.log.close()
     daemon.start()
     assert daemon.wait_state("d")["state"] == "READY"
