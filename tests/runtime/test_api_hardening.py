@@ -24,14 +24,19 @@ LIMITS = {"DEPCTL_API_KEY": KEY, "DEPCTL_MAX_BODY_BYTES": "3000000", "DEPCTL_DEF
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, tiny_model_dir):
+    from tests.tiny import save_tiny
+
     home = tmp_path_factory.mktemp("guard-home")
-    # compile=False: the cancellation tests need a generation still running after 0.3 s, and the compiled tiny model
-    # writes 450 tokens faster than that
-    SpecStore(home / "deployments").create(DeploymentSpec(
-        id="tiny", model=str(tiny_model_dir), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),
-        compile=False))
+    store = SpecStore(home / "deployments")
+    store.create(DeploymentSpec(id="tiny", model=str(tiny_model_dir),
+                                speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
+    # the cancellation test needs a generation still running after 0.3 s: 4000 eager tokens of a tiny model with room
+    # for them (the 512-position one, eager, once wrote all 450 tokens it had room for in under 0.3 s)
+    long_context = save_tiny(tmp_path_factory.mktemp("long-context"), seed=0, max_positions=4096)
+    store.create(DeploymentSpec(id="long", model=str(long_context), compile=False))
     d = DaemonProcess(home, env=LIMITS).start()
     d.wait_state("tiny")
+    d.wait_state("long")
     yield d
     d.stop()
 
@@ -54,7 +59,7 @@ def test_api_key_on_every_route_but_health(daemon):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=daemon.url + "/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert sorted(m.id for m in client.models.list()) == ["long", "tiny"]
 
 
 def test_foreign_host_headers_are_refused(daemon):
@@ -136,15 +141,15 @@ def test_chat_without_max_tokens_uses_the_default(daemon):
 
 
 def test_a_non_streaming_client_that_leaves_cancels_its_generation(daemon):
-    stats = lambda: daemon.get("/depctl/v1/deployments/tiny").json()["stats"]["generated_tokens"]  # noqa: E731
+    stats = lambda: daemon.get("/depctl/v1/deployments/long").json()["stats"]["generated_tokens"]  # noqa: E731
     before = stats()
     with pytest.raises(httpx.ReadTimeout):
-        daemon.post("/v1/completions", {"model": "tiny", "prompt": "go", "max_tokens": 450, "ignore_eos": True,
+        daemon.post("/v1/completions", {"model": "long", "prompt": "go", "max_tokens": 4000, "ignore_eos": True,
                                         "speculate": False}, timeout=0.3)
     time.sleep(2.0)
     generated = stats() - before
-    assert generated < 450, generated  # without the cancel it ran to its 450 tokens
-    assert daemon.get("/depctl/v1/deployments/tiny").json()["num_requests_running"] == 0
+    assert generated < 4000, generated  # without the cancel it ran to its 4000 tokens
+    assert daemon.get("/depctl/v1/deployments/long").json()["num_requests_running"] == 0
 
 
 def test_a_big_prompt_does_not_freeze_health(daemon):
