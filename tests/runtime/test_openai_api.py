@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
+from tests.tiny import save_tiny
 
 GREEDY = {"temperature": 0}
 
@@ -24,8 +25,11 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     store = SpecStore(home / "deployments")
     store.create(DeploymentSpec(id="ngram", model=str(tiny_model_dir),
                                 speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
-    store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir), compile=False))  # eager: a disconnect must
-    # land while its 400 tokens are still being written (the compiled tiny model is many times faster)
+    store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir), compile=False))
+    # a disconnect must land while the generation is still being written: 4000 eager tokens of a tiny model with room
+    # for them (400 of the 512-position one can finish before the client hangs up on a quiet machine)
+    long_context = save_tiny(tmp_path_factory.mktemp("long-context"), seed=0, max_positions=4096)
+    store.create(DeploymentSpec(id="long", model=str(long_context), compile=False))
     store.create(DeploymentSpec(id="suffix", model=str(tiny_model_dir),
                                 speculation=SuffixSpeculation(num_draft_tokens=8)))
     store.create(DeploymentSpec(id="drafted", model=str(tiny_model_dir),
@@ -34,7 +38,7 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     store.create(DeploymentSpec(id="small", model=str(tiny_model_dir), max_batch_size=2,
                                 speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small"):
+    for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small", "long"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -46,7 +50,7 @@ def client(daemon):
 
 
 def test_models_lists_ready_deployments(client):
-    assert sorted(m.id for m in client.models.list()) == ["drafted", "ngram", "plain", "small", "suffix"]
+    assert sorted(m.id for m in client.models.list()) == ["drafted", "long", "ngram", "plain", "small", "suffix"]
 
 
 def test_completion_shape_and_usage(client):
@@ -225,15 +229,16 @@ def test_requests_beyond_the_batch_size_wait_and_are_reported(client, daemon):
 
 
 def test_disconnect_stops_generation(daemon):
-    before = daemon.get("/depctl/v1/deployments/plain").json()["stats"]["generated_tokens"]
+    before = daemon.get("/depctl/v1/deployments/long").json()["stats"]["generated_tokens"]
     with httpx.stream("POST", daemon.url + "/v1/completions", timeout=30,
-                      json={"model": "plain", "prompt": "go", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+                      json={"model": "long", "prompt": "go", "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
     time.sleep(1.5)
-    after = daemon.get("/depctl/v1/deployments/plain").json()["stats"]["generated_tokens"]
-    assert after - before < 400
+    status = daemon.get("/depctl/v1/deployments/long").json()
+    # without the cancel it would still be running, or have run to its 4000 tokens
+    assert status["num_requests_running"] == 0 and status["stats"]["generated_tokens"] - before < 4000
 
 
 def test_metrics(client, daemon):
