@@ -23,9 +23,12 @@ How (the choices, and what each one avoids):
   (``surgery.plain_stand_ins``) and the library is handed the reordered ones at load: oneDNN's linear takes either.
 - **Attention is one C++ op a layer** (``depctl_native::token_attention``, ``runtime.engine.native``). Writing the
   step's keys and values into the cache is in the graph (an in-place ``index_put_`` on the cache tensors, which are
-  inputs: no copies). Reading them is the op: every token attends its own row up to its own position, alone, through
-  ATen's SDPA, so a verify pass rounds like the one-token steps it checks. It used to be a Python op over the step's
-  ``RowLayout``; the library then called back into Python 30 times a step (~26 us a layer against ~8 of SDPA).
+  inputs: no copies). Reading them is the op: every token attends its own row up to its own position, alone, with
+  the same loops whatever else is in the pass, so a verify pass rounds like the one-token steps it checks. It used to
+  be a Python op over the step's ``RowLayout`` (the library called back into Python 30 times a step, ~26 us a layer),
+  then ATen's SDPA once per token (its flash kernel's set-up, ~18 us a call for ~2 of arithmetic, cost a 9-token
+  verify pass at 500 positions a fifth of its time in int8). It rounds differently from the eager pass's SDPA (~1e-6
+  in float32); exactness only needs a verify pass and the steps it checks to take the same path, and they do.
 
 Prompts are still read eagerly (a prefill chunk's products want another kernel, see ``surgery.prefill_pass``); plain
 and speculative decoding prefill alike, so both see the same cache. ``check`` proves at load, on this CPU, that a

@@ -1,21 +1,125 @@
 // depctl_native::token_attention: the attention of a compiled decode or verify pass (runtime/engine/native.py).
 //
-// Every token of the pass's flat stream attends its own cache row, from position 0 up to its own position, alone:
-// one call of ATen's scaled_dot_product_attention per token, shaped exactly as a one-token step's call (grouped-query
-// heads folded into the query length, no mask). So a token rounds the same in a plain step, in a verify pass of nine,
-// and beside other rows, which is what speculation's exactness rests on; and the kernel is ATen's, not ours.
+// Every token of the pass's flat stream attends its own cache row, from position 0 up to its own position, alone.
+// A token's attention is one work item per kv head: its grouped query heads against the row's keys (one read of each
+// key for the whole group), a softmax in float, the weighted sum of the row's values. The same code computes a token
+// whatever else is in the pass, on whichever thread, so a token rounds the same in a plain step, in a verify pass of
+// nine and beside other rows: what speculation's exactness rests on.
 //
-// It replaces a Python custom op that the compiled library called back once per layer: the callback itself (the GIL,
-// boxing, a Python loop over tokens) cost more than the attention it ran. Tokens of a wider pass are spread over the
-// intra-op threads, each token's call then running on one thread: the flash kernel computes a head's query block on
-// one thread either way, so the bits do not depend on it.
+// Why not ATen's scaled_dot_product_attention, which an earlier version called once per token: its CPU flash kernel
+// is built for long query blocks. For one query token it allocates its buffers and calls MKL's sgemm on 3 x 64
+// matrices, ~18 us a call where the arithmetic is ~2 (SmolLM2, 200 cached positions); a 9-token verify pass at 1000
+// positions spent 16 ms of its 21 ms in it. The loops here use ATen's vector types (at::vec, built for this CPU's
+// instruction set as inductor builds its own kernels) and its exp.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+template <typename T>
+inline Vec load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec v;
+    at::vec::load_to_float<T>(p, v);
+    return v;
+  }
+}
+
+// One token's attention for `G` query heads of one kv head (the first at `query`, the next `query_stride` on) against
+// keys 0..length-1 of one cache row's head; out: G x dim, `out_stride` apart. G is a template parameter so that the
+// group's running sums live in registers: each key and value vector is read once for the whole group.
+template <typename T, int G>
+void attend(const T* query, int64_t query_stride, float scale, const T* keys, const T* values, int64_t key_stride,
+            int64_t length, int64_t dim, T* out, int64_t out_stride) {
+  thread_local std::vector<float> buffer;  // no allocation a call once a thread has seen its longest row
+  const int64_t lanes = Vec::size(), full = dim - dim % lanes;
+  buffer.resize(G * (dim + length));
+  float* q = buffer.data();     // [G, dim], scaled, in float
+  float* scores = q + G * dim;  // [G, length]
+  for (int g = 0; g < G; ++g)
+    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = static_cast<float>(query[g * query_stride + d]) * scale;
+  // scores[g, j] = q_g . k_j
+  for (int64_t j = 0; j < length; ++j) {
+    const T* k = keys + j * key_stride;
+    Vec sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = Vec(0.f);
+    for (int64_t d = 0; d < full; d += lanes) {
+      const Vec kd = load_float(k + d);
+      for (int g = 0; g < G; ++g) sum[g] = at::vec::fmadd(Vec::loadu(q + g * dim + d), kd, sum[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum[g]);
+      for (int64_t d = full; d < dim; ++d) total += q[g * dim + d] * static_cast<float>(k[d]);
+      scores[g * length + j] = total;
+    }
+  }
+  // softmax over each head's scores, in place
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * length;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < length; ++j) max = std::max(max, s[j]);
+    at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, s, s, length);
+    const float inverse = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, length);
+    at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, s, s, length);
+  }
+  // out_g = sum_j p[g, j] v_j, a vector of dimensions at a time
+  for (int64_t d = 0; d < full; d += lanes) {
+    Vec acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+    for (int64_t j = 0; j < length; ++j) {
+      const Vec vd = load_float(values + j * key_stride + d);
+      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(scores[g * length + j]), vd, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      float lane[Vec::size()];
+      acc[g].store(lane);
+      for (int64_t i = 0; i < lanes; ++i) out[g * out_stride + d + i] = static_cast<T>(lane[i]);
+    }
+  }
+  for (int64_t d = full; d < dim; ++d) {
+    for (int g = 0; g < G; ++g) {
+      float total = 0.f;
+      for (int64_t j = 0; j < length; ++j) total += scores[g * length + j] * static_cast<float>(values[j * key_stride + d]);
+      out[g * out_stride + d] = static_cast<T>(total);
+    }
+  }
+}
+
+// `groups` query heads of one kv head, in blocks of up to 8 (a block's sums in registers)
+template <typename T>
+void attend_group(const T* query, int64_t query_stride, float scale, const T* keys, const T* values,
+                  int64_t key_stride, int64_t length, int64_t groups, int64_t dim, T* out, int64_t out_stride) {
+  for (int64_t first = 0; first < groups; first += 8) {
+    const T* q = query + first * query_stride;
+    T* o = out + first * out_stride;
+    const auto call = [&](auto block) {
+      attend<T, decltype(block)::value>(q, query_stride, scale, keys, values, key_stride, length, dim, o, out_stride);
+    };
+    switch (std::min<int64_t>(groups - first, 8)) {
+      case 1: call(std::integral_constant<int, 1>{}); break;
+      case 2: call(std::integral_constant<int, 2>{}); break;
+      case 3: call(std::integral_constant<int, 3>{}); break;
+      case 4: call(std::integral_constant<int, 4>{}); break;
+      case 5: call(std::integral_constant<int, 5>{}); break;
+      case 6: call(std::integral_constant<int, 6>{}); break;
+      case 7: call(std::integral_constant<int, 7>{}); break;
+      default: call(std::integral_constant<int, 8>{}); break;
+    }
+  }
+}
 
 // query [1, heads, T, dim]; keys, values [rows, kv_heads, capacity, dim] (the cache layer, after this pass's keys
 // were written); rows, positions [T] int64 (token t sits in cache row rows[t] at position positions[t]).
@@ -23,38 +127,54 @@ namespace {
 at::Tensor token_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& rows, const at::Tensor& positions, double scale) {
   TORCH_CHECK(query.dim() == 4 && query.size(0) == 1, "token_attention: query must be [1, heads, T, dim]");
-  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes(), "token_attention: keys and values must be "
-              "[rows, kv_heads, capacity, dim] alike");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.strides() == values.strides(),
+              "token_attention: keys and values must be [rows, kv_heads, capacity, dim] alike");
+  TORCH_CHECK(keys.stride(3) == 1 && keys.scalar_type() == query.scalar_type() &&
+              values.scalar_type() == query.scalar_type(),
+              "token_attention: the cache must be contiguous in its last dimension and of the query's dtype");
   TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.is_cpu() &&
               positions.is_cpu(), "token_attention: rows and positions must be int64 CPU tensors");
   const int64_t heads = query.size(1), tokens = query.size(2), dim = query.size(3);
-  const int64_t kv_heads = keys.size(1);
+  const int64_t kv_heads = keys.size(1), groups = heads / kv_heads;
   TORCH_CHECK(heads % kv_heads == 0 && keys.size(3) == dim, "token_attention: query heads do not match the cache");
   TORCH_CHECK(rows.numel() == tokens && positions.numel() == tokens, "token_attention: one row and position a token");
   const auto row_of = rows.contiguous(), position_of = positions.contiguous();
   const int64_t* row = row_of.data_ptr<int64_t>();
   const int64_t* position = position_of.data_ptr<int64_t>();
+  int64_t work = 0;
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(row[t] >= 0 && row[t] < keys.size(0) && position[t] >= 0 && position[t] < keys.size(2),
                 "token_attention: token ", t, " at row ", row[t], ", position ", position[t], " is outside the cache");
+    work += (position[t] + 1) * heads * dim;
   }
 
+  const auto q = query.stride(3) == 1 ? query : query.contiguous();
   auto out = at::empty({1, tokens, heads, dim}, query.options());
-  auto attend = [&](int64_t t) {
-    auto q = query.select(2, t).reshape({1, kv_heads, heads / kv_heads, dim});  // groups folded into the length
-    auto k = keys.select(0, row[t]).slice(1, 0, position[t] + 1).unsqueeze(0);  // [1, kv_heads, keys, dim]
-    auto v = values.select(0, row[t]).slice(1, 0, position[t] + 1).unsqueeze(0);
-    auto o = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/false,
-                                              scale);
-    out.select(1, t).copy_(o.reshape({1, heads, dim}));
-  };
-  if (tokens == 1) {
-    attend(0);  // the kernel spreads the heads over the threads itself
-  } else {
-    at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-      c10::InferenceMode guard;  // the caller's inference mode does not follow it onto the pool's threads
-      for (int64_t t = begin; t < end; ++t) attend(t);
+  const auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* qs = q.data_ptr<scalar_t>();
+    const int64_t head_step = q.stride(1), token_step = q.stride(2);
+    const scalar_t* ks = keys.data_ptr<scalar_t>();
+    const scalar_t* vs = values.data_ptr<scalar_t>();
+    scalar_t* os = out.data_ptr<scalar_t>();
+    const int64_t row_stride = keys.stride(0), head_stride = keys.stride(1), key_stride = keys.stride(2);
+    // one item per (token, kv head); a pass too small to be worth a second thread runs on this one
+    const int64_t items = tokens * kv_heads, grain = work < (1 << 17) ? items : 1;
+    at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / kv_heads, h = i % kv_heads;
+        const int64_t offset = row[t] * row_stride + h * head_stride;
+        attend_group<scalar_t>(qs + t * token_step + h * groups * head_step, head_step, static_cast<float>(scale),
+                         ks + offset, vs + offset, key_stride, position[t] + 1, groups, dim,
+                         os + (t * heads + h * groups) * dim, dim);
+      }
     });
+  };
+  switch (query.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(at::BFloat16{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: TORCH_CHECK(false, "token_attention: float32, bfloat16 or float16 only, not ", query.scalar_type());
   }
   return out;
 }
