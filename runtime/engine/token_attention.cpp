@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Unroll.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -51,45 +52,65 @@ void attend(const T* query, int64_t query_stride, float scale, const T* keys, co
   float* scores = q + G * dim;  // [G, length]
   for (int g = 0; g < G; ++g)
     for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = static_cast<float>(query[g * query_stride + d]) * scale;
+  const auto each_head = [](const auto& f) { c10::ForcedUnroll<G>{}(f); };  // unrolled: the sums stay in registers
   // scores[g, j] = q_g . k_j
   for (int64_t j = 0; j < length; ++j) {
     const T* k = keys + j * key_stride;
     Vec sum[G];
-    for (int g = 0; g < G; ++g) sum[g] = Vec(0.f);
+    each_head([&](auto g) { sum[g] = Vec(0.f); });
     for (int64_t d = 0; d < full; d += lanes) {
       const Vec kd = load_float(k + d);
-      for (int g = 0; g < G; ++g) sum[g] = at::vec::fmadd(Vec::loadu(q + g * dim + d), kd, sum[g]);
+      each_head([&](auto g) { sum[g] = at::vec::fmadd(Vec::loadu(q + g * dim + d), kd, sum[g]); });
     }
-    for (int g = 0; g < G; ++g) {
+    each_head([&](auto g) {
       float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum[g]);
       for (int64_t d = full; d < dim; ++d) total += q[g * dim + d] * static_cast<float>(k[d]);
       scores[g * length + j] = total;
-    }
+    });
   }
   // softmax over each head's scores, in place
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * length;
-    float max = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < length; ++j) max = std::max(max, s[j]);
+    const float max = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, length);
     at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, s, s, length);
     const float inverse = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, length);
     at::vec::map([inverse](Vec x) { return x * Vec(inverse); }, s, s, length);
   }
-  // out_g = sum_j p[g, j] v_j, a vector of dimensions at a time
-  for (int64_t d = 0; d < full; d += lanes) {
-    Vec acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
+  // out_g = sum_j p[g, j] v_j, two vectors of dimensions at a time where there are two; each lane sums over j in
+  // order either way
+  const auto store = [&](const Vec& sum, int g, int64_t d) {
+    float lane[Vec::size()];
+    sum.store(lane);
+    for (int64_t i = 0; i < lanes; ++i) out[g * out_stride + d + i] = static_cast<T>(lane[i]);
+  };
+  int64_t d = 0;
+  for (; d + 2 * lanes <= full; d += 2 * lanes) {
+    Vec low[G], high[G];
+    each_head([&](auto g) { low[g] = high[g] = Vec(0.f); });
+    for (int64_t j = 0; j < length; ++j) {
+      const T* v = values + j * key_stride + d;
+      const Vec v0 = load_float(v), v1 = load_float(v + lanes);
+      each_head([&](auto g) {
+        const Vec p(scores[g * length + j]);
+        low[g] = at::vec::fmadd(p, v0, low[g]);
+        high[g] = at::vec::fmadd(p, v1, high[g]);
+      });
+    }
+    each_head([&](auto g) {
+      store(low[g], g, d);
+      store(high[g], g, d + lanes);
+    });
+  }
+  for (; d < full; d += lanes) {
+    Vec sum[G];
+    each_head([&](auto g) { sum[g] = Vec(0.f); });
     for (int64_t j = 0; j < length; ++j) {
       const Vec vd = load_float(values + j * key_stride + d);
-      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec(scores[g * length + j]), vd, acc[g]);
+      each_head([&](auto g) { sum[g] = at::vec::fmadd(Vec(scores[g * length + j]), vd, sum[g]); });
     }
-    for (int g = 0; g < G; ++g) {
-      float lane[Vec::size()];
-      acc[g].store(lane);
-      for (int64_t i = 0; i < lanes; ++i) out[g * out_stride + d + i] = static_cast<T>(lane[i]);
-    }
+    each_head([&](auto g) { store(sum[g], g, d); });
   }
-  for (int64_t d = full; d < dim; ++d) {
+  for (d = full; d < dim; ++d) {
     for (int g = 0; g < G; ++g) {
       float total = 0.f;
       for (int64_t j = 0; j < length; ++j) total += scores[g * length + j] * static_cast<float>(values[j * key_stride + d]);
