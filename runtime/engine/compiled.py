@@ -27,8 +27,8 @@ How (the choices, and what each one avoids):
   the same loops whatever else is in the pass, so a verify pass rounds like the one-token steps it checks. It used to
   be a Python op over the step's ``RowLayout`` (the library called back into Python 30 times a step, ~26 us a layer),
   then ATen's SDPA once per token (its flash kernel's set-up, ~18 us a call for ~2 of arithmetic, cost a 9-token
-  verify pass at 500 positions a fifth of its time in int8). It rounds differently from the eager pass's SDPA (~1e-6
-  in float32); exactness only needs a verify pass and the steps it checks to take the same path, and they do.
+  verify pass at 500 positions a fifth of its time in int8). It rounds differently from the eager pass's SDPA
+  (within 1e-5 in float32, tested); exactness only needs a verify pass and the steps it checks to take the same path, and they do.
 
 Prompts are still read eagerly (a prefill chunk's products want another kernel, see ``surgery.prefill_pass``); plain
 and speculative decoding prefill alike, so both see the same cache. ``check`` proves at load, on this CPU, that a
