@@ -78,18 +78,23 @@ class CompiledPass:
 
     def __init__(self, package: Path, model: nn.Module):
         self.package = package
-        native.load()  # the library calls depctl_native::token_attention
-        self.runner = torch._inductor.aoti_load_package(str(package))
+        native.load()  # the library calls depctl_native::token_attention; run_pass calls the library
+        device = next(model.parameters()).device
+        # torch's Python loader (torch._inductor.aoti_load_package) keeps the GIL for the whole pass: in the daemon
+        # the event loop then waited out every pass (see compiled_pass.cpp). Ours releases it, as an op does.
+        self.runner = torch.classes.depctl_native.CompiledPass(str(package), -1 if device.index is None else device.index)
         named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
         named.update(model.named_buffers(remove_duplicate=False))
         prefix = "model."
-        self.runner.load_constants({fqn: named[fqn.removeprefix(prefix)] for fqn in self.runner.get_constant_fqns()},
-                                   check_full_update=True, user_managed=True)
+        names = self.runner.constant_names()
+        self.runner.borrow_constants(names, [named[fqn.removeprefix(prefix)] for fqn in names])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cache) -> torch.Tensor:
-        """input_ids, positions, rows: [T]; returns logits [T, vocab]."""
-        return self.runner(input_ids, positions, rows, [layer.keys for layer in cache.layers],
-                           [layer.values for layer in cache.layers])
+        """input_ids, positions, rows: [T]; returns logits [T, vocab]. The inputs in the order the export flattened
+        ``_Pass.forward``'s arguments: the three [T] tensors, every layer's keys, every layer's values."""
+        inputs = [input_ids, positions, rows, *(layer.keys for layer in cache.layers),
+                  *(layer.values for layer in cache.layers)]
+        return torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
 
 
 def package_path(model: nn.Module, precision: str, root: Path) -> Path:

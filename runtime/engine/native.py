@@ -6,6 +6,9 @@ demand.
   once per layer. A Python op there cost more than the attention it ran (SmolLM2 in float32: ~26 us a layer against
   ~8 for the SDPA call inside it, 30 layers a step); ATen's SDPA called per token from C++ then cost ~18 us a call
   where the arithmetic is ~2 (see the source's header).
+- ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
+  inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
+  GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).
 
 It is built for this CPU's vector instruction set, with the flags inductor uses for its own kernels
 (``torch._inductor.cpu_vec_isa``): AVX-512 or AVX2 on x86, NEON on ARM, plain C++ where none is found.
@@ -27,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("token_attention.cpp")
+SOURCE = Path(__file__).with_name("token_attention.cpp")  # what a compiled package calls (part of its key)
+SOURCES = (SOURCE, Path(__file__).with_name("compiled_pass.cpp"))
 
 _lock = threading.Lock()
 _loaded = False
@@ -50,7 +54,8 @@ def build_flags() -> list[str]:
 
 def build_directory(root: Path, flags: list[str]) -> Path:
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{sys.version}|{platform.machine()}|{' '.join(flags)}".encode())
     return root / f"native-{key.hexdigest()[:16]}"
 
@@ -72,7 +77,7 @@ def load(root: Path | None = None) -> None:
         try:
             from torch.utils import cpp_extension
 
-            cpp_extension.load(name="depctl_native", sources=[str(SOURCE)], build_directory=str(directory),
+            cpp_extension.load(name="depctl_native", sources=[str(s) for s in SOURCES], build_directory=str(directory),
                                extra_cflags=flags, is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]

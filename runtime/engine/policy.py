@@ -13,9 +13,10 @@ every step. On a CPU a pass over 8 tokens costs little more than over 1 while a 
 as much, so the same drafts that pay at batch 1 do not at batch 8: at high load the policy drafts less, or not at
 all.
 
-- costs: an EMA per measured token count (a sample under half the estimate replaces it at once, so a calibration
-  taken on a busy machine recovers), kept non-decreasing in the count (a fresh estimate corrects older entries that
-  contradict it); counts never measured are interpolated, and extrapolated past the largest.
+- costs: the median of the last few passes per measured token count (a lone slow pass moves nothing; a sample
+  under half the estimate replaces it at once, so a calibration taken on a busy machine recovers), kept
+  non-decreasing in the count (a fresh estimate corrects older entries that contradict it); counts never measured
+  are interpolated, and extrapolated past the largest.
 - ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
   separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). The
   extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
@@ -28,10 +29,12 @@ all.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 
-EMA = 0.2  # weight of a new cost measurement
+WINDOW = 5  # a cost is the median of this many recent measurements
 REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
 PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
 PROBE_EVERY = 8
@@ -42,14 +45,20 @@ MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decod
 MIN_GAIN_BATCH = 1.10
 
 
-def _track(old: float | None, sample: float) -> float:
-    """Follow a cost with an EMA, except that a sample under half the estimate replaces it at once: a calibration
-    taken on a busy machine (contention can make a pass 10x slower) must not switch speculation off for good.
-    Small drops are averaged, not taken: a running minimum would favour whichever length is measured most often
-    (its luckiest sample) over lengths measured rarely."""
+def _estimate(recent: deque, old: float | None, sample: float) -> float:
+    """Follow a cost with the median of its last ``WINDOW`` samples (the lower one of an even count), seeded with the
+    previous estimate. One slow pass (a page fault, the event loop holding the GIL: 44 ms against 7 in a daemon) is
+    outvoted, where an average of 0.2 moved the estimate 2x and left a width that is rarely drafted, and so rarely
+    re-measured, priced out for good; a lasting change wins within a few passes. A sample under half the estimate
+    replaces it at once: a calibration taken on a busy machine (contention can make a pass 10x slower) must not
+    switch speculation off for good. Not a running minimum, which would favour whichever count is measured most
+    often (its luckiest sample) over counts measured rarely."""
     if old is None or sample < 0.5 * old:
-        return sample
-    return (1 - EMA) * old + EMA * sample
+        recent.clear()
+    elif not recent:
+        recent.append(old)
+    recent.append(sample)
+    return statistics.median_low(recent)
 
 
 class RequestAcceptance:
@@ -93,20 +102,23 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class CostModel:
-    """Seconds for a forward over ``n`` token rows, from measurements (an EMA per n), interpolated between them."""
+    """Seconds for a forward over ``n`` token rows, from measurements (an median of recent passes per n), interpolated between them."""
 
     def __init__(self):
-        self.samples: dict[int, float] = {}
+        self.samples: dict[int, float] = {}  # the estimate per token count (calibration writes it directly)
+        self._recent: dict[int, deque] = {}
 
     def observe(self, n: int, seconds: float) -> None:
-        value = self.samples[n] = _track(self.samples.get(n), seconds)
+        recent = self._recent.setdefault(n, deque(maxlen=WINDOW))
+        value = self.samples[n] = _estimate(recent, self.samples.get(n), seconds)
         # More tokens never cost less. An entry that says otherwise is older than this one (a calibration at a short
         # context, a count the policy has not picked since): the fresh estimate corrects it, upwards for larger
         # counts and downwards for smaller ones. Without this, a stale 16-token entry under a measured 15 made
-        # drafts at batch 8 look nearly free. (The value is the tracked one, so one slow sample moves little.)
+        # drafts at batch 8 look nearly free. (The value is the median, so one slow pass moves nothing.)
         for m, old in self.samples.items():
             if (m > n and old < value) or (m < n and old > value):
                 self.samples[m] = value
+                self._recent.pop(m, None)
 
     def __call__(self, n: int) -> float:
         known = self.samples
