@@ -22,6 +22,7 @@ from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation,
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
 from runtime.engine import compiled
 from runtime.engine.decoder import fuse_projections
+from runtime.engine.head import ScreenedHead, screen_output_layer
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
     SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
@@ -131,7 +132,11 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
     if not exact:
         runner.compiled = None
         return "no (the compiled pass rounded a verify pass differently from single steps on this CPU)"
-    return f"yes (AOTInductor library {package.name}{built})"
+    screened = ""
+    if isinstance(runner.model.lm_head, ScreenedHead):  # the native ops are loaded now: switch the screen on
+        runner.model.lm_head.screen(runner.vocab_size)
+        screened = "; greedy tokens screened in bf16 before the float32 output layer"
+    return f"yes (AOTInductor library {package.name}{built}{screened})"
 
 
 def pick_device(requested: str) -> torch.device:
@@ -228,7 +233,9 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     draft; for a bf16/fp16 target, oneDNN linears with at least two rows a product where that is row-invariant here
     (bf16 on AVX-512 machines), else split inner dimensions where the CPU's GEMM would round a row differently with
     more rows beside it (a half-precision draft needs neither); for float32, oneDNN linears where row-invariant, else
-    weight-major linears (a handful of rows cost close to one)."""
+    weight-major linears (a handful of rows cost close to one), and on a CPU with bf16 instructions a target's output
+    layer tied to its embeddings becomes a ``ScreenedHead`` (greedy choices without the full float32 product, once
+    the compiled passes switch it on: ``runtime.engine.head``)."""
     if fuse:
         fuse_projections(model)
     if precision == INT8_WEIGHTS:
@@ -250,6 +257,8 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
             split_k_linears(model, chunk)
         return model
     if onednn_row_invariant():
+        if exact and cpu_has_bf16():  # greedy choices from a bf16 screen of the output layer (runtime.engine.head)
+            screen_output_layer(model)
         onednn_linears(model)
     else:
         weight_major_linears(model)

@@ -57,7 +57,8 @@ log = logging.getLogger("depctl.compiled")
 
 class _Pass(nn.Module):
     """What is exported: ``decoder.forward`` over cache tensors given as inputs, one [rows, kv_heads, capacity, dim]
-    pair per layer."""
+    pair per layer, up to the final norm: the output layer runs outside the library, where a greedy pass can screen
+    it (``runtime.engine.head``) and a sampling row computes it in full."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -70,7 +71,7 @@ class _Pass(nn.Module):
             values[i][rows, :, positions] = v[0].transpose(0, 1)
             return torch.ops.depctl_native.token_attention(q, keys[i], values[i], rows, positions, attn.scaling)
 
-        return decoder.forward(self.model, input_ids, positions, attend)
+        return decoder.forward(self.model, input_ids, positions, attend, head=False)  # [T, hidden]
 
 
 class CompiledPass:
@@ -90,7 +91,8 @@ class CompiledPass:
         self.runner.borrow_constants(names, [named[fqn.removeprefix(prefix)] for fqn in names])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cache) -> torch.Tensor:
-        """input_ids, positions, rows: [T]; returns logits [T, vocab]. The inputs in the order the export flattened
+        """input_ids, positions, rows: [T]; returns the final norm's output [T, hidden] (the output layer is the
+        runner's: ``runner.Scores``). The inputs in the order the export flattened
         ``_Pass.forward``'s arguments: the three [T] tensors, every layer's keys, every layer's values."""
         inputs = [input_ids, positions, rows, *(layer.keys for layer in cache.layers),
                   *(layer.values for layer in cache.layers)]

@@ -119,9 +119,10 @@ def is_fused(model: nn.Module) -> bool:
 
 
 def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attend,
-            keep: torch.Tensor | None = None) -> torch.Tensor:
+            keep: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
     """One pass of a fused model over the flat token stream: input_ids and positions [T]; returns logits [T, vocab],
-    or [len(keep), vocab] for the stream indices in ``keep``.
+    or [len(keep), vocab] for the stream indices in ``keep``; with ``head=False`` the final norm's output [T, hidden]
+    instead, for the caller to apply the output layer (``runner.Scores``: a greedy token may not need all of it).
 
     attend(i, attn, q, k, v) -> [1, T, heads, dim]: writes layer i's new keys and values into the cache and attends
     over it. Its owner decides how: ``cache_attention`` (eager, the ``SlotCache``'s own update) or the compiled pass
@@ -137,7 +138,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
         x = x + layer.mlp(_rms_norm(x, layer.post_attention_layernorm))
     if keep is not None:
         x = x[:, keep]
-    return model.lm_head(_rms_norm(x, inner.norm))[0]
+    x = _rms_norm(x, inner.norm)[0]  # [T, hidden]
+    return model.lm_head(x) if head else x
 
 
 def cache_attention(cache, layout: RowLayout):

@@ -86,7 +86,7 @@ class SpeculativeEngine:
         if seq.prefilled < seq.prompt_len:
             return None
         # the first output token, chosen as a step with no drafts would choose it
-        _, token = self._accept(seq, [], None, logits, logits.argmax(-1).tolist())
+        _, token = self._accept(seq, [], None, lambda rows: logits[rows], slice(0, 1), logits.argmax(-1).tolist())
         seq.tokens.append(token)
         pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
         return self._emit(seq, [token], pa=pa)
@@ -101,15 +101,15 @@ class SpeculativeEngine:
         drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
         t1 = time.perf_counter()
         # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
-        logits = self.target.forward(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # [T, vocab]
-        argmax = logits.argmax(-1).tolist()  # [T]: the step's one host sync for greedy rows
+        scores = self.target.score(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # T tokens
+        argmax = scores.argmax()  # [T]: the step's one host sync for greedy rows
         t2 = time.perf_counter()
         outputs, at = [], 0
         for b, seq in enumerate(batch):
             rows = slice(at, at + len(drafts[b]) + 1)  # this row's k_b + 1 positions of the stream
             at = rows.stop
             # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
-            n, token = self._accept(seq, drafts[b], draft_probs[b], logits[rows], argmax[rows])
+            n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b]))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
@@ -181,12 +181,13 @@ class SpeculativeEngine:
                 probs.append(None)
         return drafts, probs, model_tokens
 
-    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits: torch.Tensor, argmax: list[int]):
-        """(accepted, the target's token after them). logits: [k + 1, vocab]; argmax: the greedy choices."""
+    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int]):
+        """(accepted, the target's token after them). rows: this row's k + 1 tokens in the pass; argmax: the pass's
+        greedy choices; logits(rows) -> [k + 1, vocab], asked for only when the row samples."""
         sampling = seq.sampling
         if sampling.greedy:
-            return verify_greedy(drafts, argmax)
-        target_probs = probs_from_logits(logits, sampling)  # [k + 1, vocab]
+            return verify_greedy(drafts, argmax[rows])
+        target_probs = probs_from_logits(logits(rows), sampling)  # [k + 1, vocab]
         if sampling.seed is not None:
             return verify_seeded(drafts, target_probs, sampling.seed, seq.produced)
         return verify_sampled(drafts, draft_probs, target_probs, seq.generator)

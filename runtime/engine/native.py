@@ -1,4 +1,4 @@
-"""depctl's C++ ops (``token_attention.cpp``), built once per machine with torch's extension builder and loaded on
+"""depctl's C++ ops, built once per machine with torch's extension builder and loaded on
 demand.
 
 - ``torch.ops.depctl_native.token_attention(query, keys, values, rows, positions, scale)``: every token of a pass
@@ -9,6 +9,9 @@ demand.
 - ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
   inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
   GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).
+- ``torch.ops.depctl_native.screened_argmax(approx, hidden, weight, norms, errors)`` (``screened_argmax.cpp``): a
+  float32 output layer's greedy choices from its bf16 logits, with the few tokens that could win recomputed in float32
+  (``runtime.engine.head``).
 
 It is built for this CPU's vector instruction set, with the flags inductor uses for its own kernels
 (``torch._inductor.cpu_vec_isa``): AVX-512 or AVX2 on x86, NEON on ARM, plain C++ where none is found.
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("token_attention.cpp")  # what a compiled package calls (part of its key)
-SOURCES = (SOURCE, Path(__file__).with_name("compiled_pass.cpp"))
+SOURCES = (SOURCE, Path(__file__).with_name("compiled_pass.cpp"), Path(__file__).with_name("screened_argmax.cpp"))
 
 _lock = threading.Lock()
 _loaded = False
@@ -43,13 +46,17 @@ class NativeUnavailable(RuntimeError):
 
 def build_flags() -> list[str]:
     """Compiler flags for this CPU's vector ISA, as inductor picks it: ``-D CPU_CAPABILITY_AVX512`` and ``-mavx512f
-    ...`` on an AVX-512 machine, and nothing where it finds no ISA it can build for (at::vec then runs plain C++)."""
+    ...`` on an AVX-512 machine, and nothing where it finds no ISA it can build for (at::vec then runs plain C++).
+    And ``-fopenmp`` on Linux: ``at::parallel_for`` is a header template whose OpenMP pragma is compiled into the op
+    itself, so without the flag the ops ran on the calling thread alone (the other core waited out the attention of
+    every layer). The library links to the libgomp torch has already loaded (the same soname)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = pick_vec_isa()
+    threads = ["-fopenmp"] if platform.system() == "Linux" else []
     if not isa:
-        return ["-O3"]
-    return ["-O3", *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
+        return ["-O3", *threads]
+    return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
 
 
 def build_directory(root: Path, flags: list[str]) -> Path:
@@ -78,7 +85,8 @@ def load(root: Path | None = None) -> None:
             from torch.utils import cpp_extension
 
             cpp_extension.load(name="depctl_native", sources=[str(s) for s in SOURCES], build_directory=str(directory),
-                               extra_cflags=flags, is_python_module=False, verbose=False)
+                               extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                               is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise NativeUnavailable(f"could not build depctl's C++ attention op ({last}); install a C++ compiler "

@@ -16,6 +16,7 @@ import torch
 from runtime.engine import decoder
 from runtime.engine.attention import NAME as ROWS_ATTENTION
 from runtime.engine.cache import SlotCache
+from runtime.engine.head import ScreenedHead
 from runtime.engine.surgery import prefill_pass
 
 
@@ -64,6 +65,12 @@ class ModelRunner:
         prefill: the inputs are a prompt chunk, which plain and speculative decoding read alike: linears may use a
         kernel that is faster for many rows (``surgery.prefill_pass``)
         """
+        return self.score(first, inputs, last_only, prefill).logits()
+
+    @torch.inference_mode()
+    def score(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
+              prefill: bool = False) -> "Scores":
+        """``forward``, returning the pass's ``Scores``: its greedy choices, and its logits only where asked for."""
         if isinstance(inputs, torch.Tensor):
             widths = [inputs.shape[1]] * inputs.shape[0]
             input_ids = inputs.reshape(1, -1)  # [1, T]
@@ -75,23 +82,59 @@ class ModelRunner:
         keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else None
         try:
             if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
-                logits = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache)
-            else:
-                with prefill_pass() if prefill else contextlib.nullcontext():
-                    logits = self._forward(input_ids, position_ids, layout, keep)
+                hidden = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache)
+                return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
+            with prefill_pass() if prefill else contextlib.nullcontext():
+                return self._forward(input_ids, position_ids, layout, keep)
         finally:
             self.cache.advance(first, widths)
-        # logits: [T or B, vocab]
-        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
-            logits = _fit_vocab(logits, self.vocab_size)
-        return logits
 
-    def _forward(self, input_ids, position_ids, layout, keep) -> torch.Tensor:
-        """keep: None, or the stream indices whose logits are wanted. Returns [T or len(keep), vocab]."""
+    def _forward(self, input_ids, position_ids, layout, keep) -> "Scores":
+        """keep: None, or the stream indices whose logits are wanted (Scores of [T or len(keep)] tokens)."""
         if self.fused:
-            return decoder.forward(self.model, input_ids[0], position_ids[0], decoder.cache_attention(self.cache, layout), keep)
-        return self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-                          logits_to_keep=0 if keep is None else keep, depctl_rows=layout).logits[0]
+            attend = decoder.cache_attention(self.cache, layout)
+            hidden = decoder.forward(self.model, input_ids[0], position_ids[0], attend, keep, head=False)
+            return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=0 if keep is None else keep, depctl_rows=layout).logits[0]
+        return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+
+
+class Scores:
+    """What a pass gives the engine: each token's greedy choice (``argmax``, the step's host sync) and, for the rows
+    that sample, logits (``logits``). The output layer is applied here, not in the pass: a float32 target's
+    ``ScreenedHead`` chooses greedy tokens without the full float32 product (``runtime.engine.head``), so a greedy
+    step never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
+    whatever rows are beside it: ``surgery.OneDNNLinear``)."""
+
+    def __init__(self, head: torch.nn.Module, vocab_size: int | None, hidden: torch.Tensor | None = None,
+                 logits: torch.Tensor | None = None):
+        self.head, self.vocab_size = head, vocab_size
+        self.hidden = hidden  # [T, hidden], the final norm's output; None where the model's own forward ran
+        self._logits = logits if logits is None else self._fit(logits)  # [T, vocab] once computed
+
+    @property
+    def screened(self) -> bool:
+        return self._logits is None and isinstance(self.head, ScreenedHead) and self.head.screening
+
+    def argmax(self) -> list[int]:
+        """[T] every token's greedy choice."""
+        if self.screened:
+            return self.head.argmax(self.hidden)[0].tolist()
+        return self.logits().argmax(-1).tolist()
+
+    def logits(self, rows: slice = slice(None)) -> torch.Tensor:
+        """[len(rows), vocab]: the logits of the stream's tokens ``rows``."""
+        if self._logits is None:
+            if rows != slice(None) and self.screened:  # a screened pass: only the sampling rows pay for the product
+                return self._fit(self.head(self.hidden[rows]))
+            self._logits = self._fit(self.head(self.hidden))
+        return self._logits[rows]
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            return _fit_vocab(logits, self.vocab_size)
+        return logits
 
 
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -134,6 +134,7 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
 
     from runtime.engine import Scheduler
     from runtime.engine.decoder import is_fused
+    from runtime.engine.head import ScreenedHead
     from runtime.engine.surgery import int8_row_invariant, onednn_row_invariant
     from runtime.loader import INT8_WEIGHTS, compile_passes, cpu_has_bf16, surgery_for
 
@@ -182,6 +183,15 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     runner.set_length(0, start)
     steps = torch.cat([runner.forward(0, [[t]]) for t in probe])
     assert torch.equal(wide, steps)
+    if precision == "float32":  # on a CPU with bf16 instructions, greedy tokens come through the bf16 screen
+        head = model.lm_head
+        assert isinstance(head, ScreenedHead) == cpu_has_bf16()
+        assert not isinstance(head, ScreenedHead) or head.screening == bool(compiled)  # switched on with the library
+        if isinstance(head, ScreenedHead) and head.screening:
+            runner.set_length(0, start)
+            choice, computed = head.argmax(runner.score(0, [probe]).hidden)
+            assert choice.tolist() == wide.argmax(-1).tolist()  # the full product's choices, from a handful of rows
+            assert computed.float().median() <= 8, computed
     plain = [_generate(engine(None), p, 48) for p in ids]
     spec = engine(NgramProposer(3), 6)
     assert [_generate(spec, p, 48) for p in ids] == plain

@@ -162,14 +162,15 @@ def test_a_row_in_a_batch_samples_from_the_target(target):
     engine = engine_for(target, "plain", 3)
     target_p = torch.tensor([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
     neighbour = torch.tensor([0.40, 0.05, 0.30, 0.05, 0.10, 0.10])
-    logits = torch.stack([neighbour.log().expand(2, -1), target_p.log().expand(2, -1), neighbour.log().expand(2, -1)])
+    # the pass's stream: a neighbour's 2 tokens, this row's 2 (rows 2:4), another neighbour's 2
+    stream = torch.cat([neighbour.log().expand(2, -1), target_p.log().expand(2, -1), neighbour.log().expand(2, -1)])
     draft_q = neighbour  # the draft proposes from the neighbour's distribution
     seq = engine.new_sequence([1, 2], GenerationParams(sampling=SamplingParams(temperature=1.0)))
     seq.generator.manual_seed(3)
     counts = torch.zeros(vocab)
     for _ in range(trials):
         d = int(torch.multinomial(draft_q, 1, generator=seq.generator))
-        n, token = engine._accept(seq, [d], draft_q[None], logits[1], [])
+        n, token = engine._accept(seq, [d], draft_q[None], lambda rows: stream[rows], slice(2, 4), [])
         counts[d if n else token] += 1
     tv = 0.5 * float((counts / trials - target_p).abs().sum())
     assert tv < 0.02
