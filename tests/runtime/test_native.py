@@ -5,6 +5,7 @@ built."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -94,6 +95,23 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_pass(op, dtype, capa
         alone = torch.cat([op(query[:, :, t : t + 1].contiguous(), keys, values, rows[t : t + 1],
                               positions[t : t + 1], 0.125) for t in range(sum(widths))], 1)
     assert torch.equal(wide, alone)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one thread here: nothing to share the work with")
+def test_a_large_pass_keeps_torchs_threads_busy(op):
+    """``at::parallel_for`` is a header template: its OpenMP pragma is compiled into the op, so an op built without
+    ``-fopenmp`` ran every token on the calling thread while torch's other threads idled. A pass of 64 tokens over
+    4096 cached positions is split into work items: the process's CPU time must exceed its wall time (1.0x on the
+    build without the flag, ~1.9x with it, on two cores)."""
+    keys, values = cache(rows=1, kv_heads=2, capacity=4096, dim=64)
+    query = torch.randn(1, 4, 64, 64)
+    rows, positions = torch.zeros(64, dtype=torch.long), torch.full((64,), 4095, dtype=torch.long)
+    op(query, keys, values, rows, positions, 0.125)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < 0.5:
+        op(query, keys, values, rows, positions, 0.125)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert cpu / wall > 1.3, f"{cpu / wall:.2f}x: the op ran on one thread"
 
 
 def test_a_position_outside_the_cache_is_refused_with_the_token_named(op):
