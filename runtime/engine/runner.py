@@ -65,7 +65,9 @@ class ModelRunner:
         prefill: the inputs are a prompt chunk, which plain and speculative decoding read alike: linears may use a
         kernel that is faster for many rows (``surgery.prefill_pass``)
         """
-        return self.score(first, inputs, last_only, prefill).logits()
+        scores = self.score(first, inputs, last_only, prefill)
+        with prefill_pass() if prefill else contextlib.nullcontext():  # the output layer is part of the pass
+            return scores.logits()
 
     @torch.inference_mode()
     def score(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
