@@ -55,6 +55,7 @@ class ScreenedHead(nn.Module):
             errors.append((b - w).norm(dim=1))
         self.norms = (torch.cat(norms) * (1 + 1e-6)).float()
         self.errors = (torch.cat(errors) * (1 + 1e-6)).float()
+        self.max_norm, self.max_error = float(self.norms.max()), float(self.errors.max())
         self.approx = OneDNNLinear.of(low)
 
     def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,7 @@ class ScreenedHead(nn.Module):
         [T] how many tokens each recomputed in float32). Only once ``screen`` ran."""
         approx = self.approx(hidden.to(torch.bfloat16))  # [T, vocab] bf16
         return torch.ops.depctl_native.screened_argmax(approx, hidden, self.table[: approx.shape[-1]], self.norms,
-                                                       self.errors)
+                                                       self.errors, self.max_norm, self.max_error)
 
 
 def screen_output_layer(model: nn.Module) -> bool:

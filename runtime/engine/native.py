@@ -24,6 +24,7 @@ dependency). The build takes ~10 s and is kept under the cache directory, keyed 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -36,6 +37,7 @@ import torch
 SOURCE = Path(__file__).with_name("token_attention.cpp")  # what a compiled package calls (part of its key)
 SOURCES = (SOURCE, Path(__file__).with_name("compiled_pass.cpp"), Path(__file__).with_name("screened_argmax.cpp"))
 
+log = logging.getLogger("depctl.native")
 _lock = threading.Lock()
 _loaded = False
 
@@ -55,6 +57,9 @@ def build_flags() -> list[str]:
     isa = pick_vec_isa()
     threads = ["-fopenmp"] if platform.system() == "Linux" else []
     if not isa:
+        if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):  # every such CPU has one; its check failed
+            log.warning("torch found no vector instruction set to build for (its probe failed); depctl's C++ ops "
+                        "build as plain C++, several times slower")
         return ["-O3", *threads]
     return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
 

@@ -13,6 +13,11 @@
 //      below that of the token attaining the max, so it cannot be the argmax, nor tie with it;
 //   3. computes the candidates' float32 logits from the plain weight rows and returns the first largest.
 //
+// Read in that order, every step reads each row's bounds (8 bytes) beside its 2-byte logit, and a 9-token verify pass
+// spent 0.5 ms on it. So the bounds are read only where they can matter: the largest bf16 logit a_j gives a floor
+// (a_j - B_j <= the floor of step 2); a row whose a_i + (the largest possible B_i) is below it cannot be a candidate,
+// so one scan of the bf16 logits against that cut keeps a few dozen rows, and steps 1-3 run exactly over those.
+//
 // On SmolLM2 a token has 1 to 20 candidates (median 1). The result is the argmax of float32 logits computed by step
 // 3's dot product, which is the same code for every token on any thread and whatever else is in the pass: a verify
 // pass and the one-token steps it checks choose alike. (It may differ from the argmax of the full float32 product
@@ -50,7 +55,7 @@ float dot(const float* h, const float* w, int64_t n) {
 }
 
 // A token's screen: its hidden state's norms give the bound's coefficients, B_i = c_norm |w_i| + c_err |bf16(w_i) -
-// w_i| + c_out |a_i| + 1e-6 (|w_i| the larger of the float32 and bf16 rows' norms, precomputed with the errors).
+// w_i| + c_out |a_i| + c_abs (|w_i| the larger of the float32 and bf16 rows' norms, precomputed with the errors).
 struct Screen {
   float c_norm, c_err, c_out, c_abs;
   bool finite;
@@ -72,48 +77,24 @@ struct Screen {
     c_abs = 1e-6f;
   }
 
-  Vec bound(const Vec& a, const float* norms, const float* errors) const {
-    return Vec(c_norm) * Vec::loadu(norms) + Vec(c_err) * Vec::loadu(errors) + Vec(c_out) * a.abs() + Vec(c_abs);
-  }
+  float bound(float a, float norm, float error) const { return c_norm * norm + c_err * error + c_out * std::fabs(a) + c_abs; }
 
-  // max over rows [begin, end) of a_i - B_i
-  float floor(const c10::BFloat16* approx, const float* norms, const float* errors, int64_t begin, int64_t end) const {
-    const int64_t lanes = Vec::size();
-    Vec low(-std::numeric_limits<float>::infinity());
-    int64_t i = begin;
-    for (; i + lanes <= end; i += lanes) {
-      Vec a;
-      at::vec::load_to_float<c10::BFloat16>(approx + i, a);
-      low = at::vec::maximum(low, a - bound(a, norms + i, errors + i));  // a NaN stays NaN: the caller then skips the screen
-    }
-    float lane[Vec::size()];
-    low.store(lane);
-    float out = lane[0];
-    for (int64_t l = 1; l < lanes; ++l) out = std::isnan(out) || std::isnan(lane[l]) ? NAN : std::max(out, lane[l]);
-    for (; i < end; ++i) {
-      const float a = static_cast<float>(approx[i]);
-      const float v = a - (c_norm * norms[i] + c_err * errors[i] + c_out * std::fabs(a) + c_abs);
-      out = std::isnan(out) || std::isnan(v) ? NAN : std::max(out, v);
-    }
-    return out;
-  }
-
-  bool candidate(float a, float norm, float error, float floor) const {
-    return a + (c_norm * norm + c_err * error + c_out * std::fabs(a) + c_abs) >= floor;
+  // The least bf16 logit a row can have and still reach `floor` (a_i + B_i >= floor), whatever its norms (at most
+  // `max_norm`, `max_error`): rows below it are dropped from their bf16 logit alone, without reading their bounds.
+  float cut(float floor, float max_norm, float max_error) const {
+    const double rest = static_cast<double>(floor) - (double(c_norm) * max_norm + double(c_err) * max_error + c_abs);
+    const double at = rest < 0 ? rest / (1 - double(c_out)) : rest / (1 + double(c_out));
+    return std::nextafter(static_cast<float>(at - std::fabs(at) * 1e-6), -std::numeric_limits<float>::infinity());
   }
 };
 
-// The best of some rows: the largest float32 logit, the first index among equals; a NaN logit beats any number.
+// The best of some rows: the largest value, the first index among equals; a NaN beats any number.
 struct Best {
   float value = 0.f;
-  int64_t index = -1, computed = 0;
+  int64_t index = -1;
 
   void offer(float f, int64_t i) {
     if (index < 0 || better(f, i, value, index)) value = f, index = i;
-  }
-  void merge(const Best& other) {
-    computed += other.computed;
-    if (other.index >= 0) offer(other.value, other.index);
   }
   static bool better(float f, int64_t i, float g, int64_t j) {
     if (std::isnan(f) != std::isnan(g)) return std::isnan(f);
@@ -122,12 +103,53 @@ struct Best {
   }
 };
 
-constexpr int64_t kChunk = 4096;  // rows of the output layer a work item screens
+constexpr int64_t kChunk = 4096;  // rows of the output layer a work item scans
+
+// The largest bf16 logit of rows [lo, hi) (first index among equals; a NaN wins).
+Best largest(const c10::BFloat16* approx, int64_t lo, int64_t hi) {
+  const int64_t lanes = Vec::size();
+  Best best;
+  int64_t i = lo;
+  if (hi - lo >= lanes) {
+    Vec top(-std::numeric_limits<float>::infinity()), nan(0.f);
+    for (; i + lanes <= hi; i += lanes) {
+      Vec a;
+      at::vec::load_to_float<c10::BFloat16>(approx + i, a);
+      top = at::vec::maximum(top, a);
+    }
+    float lane[Vec::size()];
+    top.store(lane);
+    float value = lane[0];
+    for (int64_t l = 1; l < lanes; ++l) value = std::isnan(value) || std::isnan(lane[l]) ? NAN : std::max(value, lane[l]);
+    for (int64_t j = lo; j < i && best.index < 0; j += lanes) {  // its first row (the vectors held the value only)
+      Vec a;
+      at::vec::load_to_float<c10::BFloat16>(approx + j, a);
+      const int other = (std::isnan(value) ? a.isnan() == Vec(0.f) : a != Vec(value)).zero_mask();  // lanes equal
+      if (other) best.offer(value, j + __builtin_ctz(other));
+    }
+  }
+  for (; i < hi; ++i) best.offer(static_cast<float>(approx[i]), i);
+  return best;
+}
+
+// Rows of [lo, hi) whose bf16 logit is at least `cut`.
+void above(const c10::BFloat16* approx, int64_t lo, int64_t hi, float cut, std::vector<int64_t>& out) {
+  const int64_t lanes = Vec::size();
+  int64_t i = lo;
+  for (; i + lanes <= hi; i += lanes) {
+    Vec a;
+    at::vec::load_to_float<c10::BFloat16>(approx + i, a);
+    for (int keep = (a < Vec(cut)).zero_mask(); keep; keep &= keep - 1) out.push_back(i + __builtin_ctz(keep));
+  }
+  for (; i < hi; ++i)
+    if (static_cast<float>(approx[i]) >= cut) out.push_back(i);
+}
 
 std::tuple<at::Tensor, at::Tensor> screened_argmax(const at::Tensor& approx, const at::Tensor& hidden,
                                                    const at::Tensor& weight, const at::Tensor& norms,
-                                                   const at::Tensor& errors) {
-  // approx: [T, V] bf16 logits; hidden: [T, dim] float32; weight: [V, dim] float32; norms, errors: [V] float32
+                                                   const at::Tensor& errors, double max_norm, double max_error) {
+  // approx: [T, V] bf16 logits; hidden: [T, dim] float32; weight: [V, dim] float32; norms, errors: [V] float32 and
+  // their maxima
   TORCH_CHECK(approx.dim() == 2 && hidden.dim() == 2 && weight.dim() == 2, "screened_argmax: 2-d inputs");
   TORCH_CHECK(approx.scalar_type() == at::kBFloat16, "screened_argmax: bf16 logits, not ", approx.scalar_type());
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
@@ -143,68 +165,81 @@ std::tuple<at::Tensor, at::Tensor> screened_argmax(const at::Tensor& approx, con
   const c10::BFloat16* as = a.data_ptr<c10::BFloat16>();
   const float *hs = h.data_ptr<float>(), *ws = w.data_ptr<float>(), *ns = n.data_ptr<float>(), *es = e.data_ptr<float>();
 
-  // work items are (token, chunk of rows), so that one token's screen uses every thread; the chunks' results
-  // combine exactly (a max; the best logit, first index), so a token's choice does not depend on the split
+  // Work items are (token, chunk of rows), so that one token's scans use every thread; chunks combine exactly, so
+  // a token's choice does not depend on how its rows were split.
   const int64_t chunks = std::max<int64_t>(1, (vocab + kChunk - 1) / kChunk), items = tokens * chunks;
+  const auto chunk_of = [&](int64_t item) { return std::pair(item % chunks * kChunk, std::min(vocab, (item % chunks + 1) * kChunk)); };
   std::vector<Screen> screens;
   screens.reserve(tokens);
   for (int64_t t = 0; t < tokens; ++t) screens.emplace_back(hs + t * dim, dim);
-  std::vector<float> floors(items);
+
+  // 1. each token's largest bf16 logit a_j: a_j - B_j is a floor that the best float32 logit reaches
+  std::vector<Best> tops(items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / chunks, lo = item % chunks * kChunk, hi = std::min(vocab, lo + kChunk);
-      floors[item] = screens[t].floor(as + t * vocab, ns, es, lo, hi);
+      const auto [lo, hi] = chunk_of(item);
+      tops[item] = largest(as + item / chunks * vocab, lo, hi);
     }
   });
-  std::vector<float> floor(tokens);
+  std::vector<float> cuts(tokens);
   for (int64_t t = 0; t < tokens; ++t) {
-    float f = floors[t * chunks];
-    for (int64_t c = 1; c < chunks; ++c) f = std::isnan(f) || std::isnan(floors[t * chunks + c]) ? NAN : std::max(f, floors[t * chunks + c]);
-    floor[t] = f;
-    screens[t].finite = screens[t].finite && std::isfinite(f);  // a non-finite logit or state: every row a candidate
+    Best top;
+    for (int64_t c = 0; c < chunks; ++c) top.offer(tops[t * chunks + c].value, tops[t * chunks + c].index);
+    Screen& screen = screens[t];
+    const int64_t j = top.index;
+    screen.finite = screen.finite && std::isfinite(top.value);  // a NaN or infinite logit: every row a candidate
+    cuts[t] = screen.finite ? screen.cut(top.value - screen.bound(top.value, ns[j], es[j]), max_norm, max_error)
+                            : -std::numeric_limits<float>::infinity();
   }
-  std::vector<Best> bests(items);
+  // 2. the rows that can reach that floor, from their bf16 logits alone
+  std::vector<std::vector<int64_t>> near(items);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / chunks, lo = item % chunks * kChunk, hi = std::min(vocab, lo + kChunk);
-      const Screen& screen = screens[t];
-      const c10::BFloat16* row = as + t * vocab;
-      Best& best = bests[item];
-      const auto compute = [&](int64_t i) {
-        best.offer(dot(hs + t * dim, ws + i * dim, dim), i);
-        ++best.computed;
-      };
-      int64_t i = lo;
-      if (screen.finite) {  // a vector of rows at a time; most have no candidate
-        const int64_t lanes = Vec::size();
-        for (; i + lanes <= hi; i += lanes) {
-          Vec a;
-          at::vec::load_to_float<c10::BFloat16>(row + i, a);
-          int keep = ((a + screen.bound(a, ns + i, es + i)) < Vec(floor[t])).zero_mask();  // lanes not below
-          for (; keep; keep &= keep - 1) compute(i + __builtin_ctz(keep));
-        }
-      }
-      for (; i < hi; ++i) {
-        if (!screen.finite || screen.candidate(static_cast<float>(row[i]), ns[i], es[i], floor[t])) compute(i);
+      const auto [lo, hi] = chunk_of(item);
+      const int64_t t = item / chunks;
+      if (screens[t].finite) {
+        above(as + t * vocab, lo, hi, cuts[t], near[item]);
+      } else {
+        for (int64_t i = lo; i < hi; ++i) near[item].push_back(i);
       }
     }
   });
+  // 3. among them, the exact floor max (a_i - B_i), the candidates a_i + B_i >= floor, their float32 logits
   auto choice = at::empty({tokens}, hidden.options().dtype(at::kLong));
   auto count = at::empty({tokens}, hidden.options().dtype(at::kLong));
-  for (int64_t t = 0; t < tokens; ++t) {
-    Best best;
-    for (int64_t c = 0; c < chunks; ++c) best.merge(bests[t * chunks + c]);
-    choice.data_ptr<int64_t>()[t] = best.index;
-    count.data_ptr<int64_t>()[t] = best.computed;
-  }
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const Screen& screen = screens[t];
+      const c10::BFloat16* row = as + t * vocab;
+      float floor = -std::numeric_limits<float>::infinity();
+      if (screen.finite) {
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int64_t i : near[t * chunks + c]) {
+            const float a = static_cast<float>(row[i]);
+            floor = std::max(floor, a - screen.bound(a, ns[i], es[i]));
+          }
+      }
+      Best best;
+      int64_t computed = 0;
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t i : near[t * chunks + c]) {
+          const float a = static_cast<float>(row[i]);
+          if (screen.finite && a + screen.bound(a, ns[i], es[i]) < floor) continue;
+          best.offer(dot(hs + t * dim, ws + i * dim, dim), i);
+          ++computed;
+        }
+      choice.data_ptr<int64_t>()[t] = best.index;
+      count.data_ptr<int64_t>()[t] = computed;
+    }
+  });
   return {choice, count};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(depctl_native, m) {
-  m.def("screened_argmax(Tensor approx, Tensor hidden, Tensor weight, Tensor norms, Tensor errors) "
-        "-> (Tensor, Tensor)");
+  m.def("screened_argmax(Tensor approx, Tensor hidden, Tensor weight, Tensor norms, Tensor errors, float max_norm, "
+        "float max_error) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(depctl_native, CPU, m) { m.impl("screened_argmax", screened_argmax); }
