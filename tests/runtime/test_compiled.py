@@ -123,7 +123,12 @@ def test_a_verify_pass_is_bit_identical_to_one_token_steps_alone_batched_and_rag
 
 def test_speculation_through_the_compiled_pass_is_exact_against_plain_decoding_through_it(package):
     model = package[1]()
-    runner = compiled_runner(package, model=model)
+    assert_speculation_is_exact(compiled_runner(package, model=model))
+
+
+def assert_speculation_is_exact(runner: ModelRunner) -> None:
+    """n-gram speculation through ``runner`` (3 rows) gives what plain decoding through it gives, one request at a
+    time and batched, with drafts verified and accepted."""
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
     params = GenerationParams(max_tokens=24)
 

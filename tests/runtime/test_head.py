@@ -8,13 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.engine import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
+from runtime.engine import EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
 from runtime.engine import native
 from runtime.engine.head import ScreenedHead, screen_output_layer
 from runtime.engine.runner import ModelRunner
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.surgery import onednn_row_invariant
 from runtime.loader import cpu_has_bf16, surgery_for
+from tests.runtime.test_compiled import assert_speculation_is_exact
 from tests.runtime.test_decoder import tiny_qwen2
 from tests.tiny import tiny_llama
 
@@ -111,19 +112,7 @@ def screened_runner(rows: int = 3) -> tuple[ModelRunner, ScreenedHead]:
 
 def test_speculation_through_the_screen_is_exact_against_plain_decoding():
     runner, head = screened_runner()
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
-    params = GenerationParams(max_tokens=24)
-
-    def engine(proposer=None, k=0):
-        for row in range(runner.max_rows):
-            runner.set_length(row, 0)
-        return SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, adaptive=False))
-
-    plain = [[t for o in engine().generate(p, params) for t in o.token_ids] for p in prompts]
-    spec = engine(NgramProposer(2), 4)
-    assert [[t for o in spec.generate(p, params) for t in o.token_ids] for p in prompts] == plain
-    assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
-    assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
+    assert_speculation_is_exact(runner)
 
 
 def test_a_greedy_step_never_computes_the_full_layer_and_a_sampling_row_computes_its_own(monkeypatch):
