@@ -9,9 +9,9 @@ demand.
 - ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
   inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
   GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).
-- ``torch.ops.depctl_native.screened_argmax(approx, hidden, weight, norms, errors)`` (``screened_argmax.cpp``): a
-  float32 output layer's greedy choices from its bf16 logits, with the few tokens that could win recomputed in float32
-  (``runtime.engine.head``).
+- ``torch.ops.depctl_native.screened_argmax(approx, hidden, weight, norms, errors, max_norm, max_error)``
+  (``screened_argmax.cpp``): a float32 output layer's greedy choices from its bf16 logits, with the few tokens that
+  could win recomputed in float32 (``runtime.engine.head``).
 
 It is built for this CPU's vector instruction set, with the flags inductor uses for its own kernels
 (``torch._inductor.cpu_vec_isa``): AVX-512 or AVX2 on x86, NEON on ARM, plain C++ where none is found.
@@ -94,7 +94,7 @@ def load(root: Path | None = None) -> None:
                                is_python_module=False, verbose=False)
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise NativeUnavailable(f"could not build depctl's C++ attention op ({last}); install a C++ compiler "
+            raise NativeUnavailable(f"could not build depctl's C++ ops ({last}); install a C++ compiler "
                                     "(g++ or clang++) and update the deployment to retry, or use --no-compile") from e
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
         _loaded = True
