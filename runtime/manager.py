@@ -350,6 +350,7 @@ class DeploymentManager:
             dep.load_seconds = round(time.time() - t0, 2)
             dep.ready_at = time.time()
             dep.set_state(State.READY)
+        _freeze_heap()
         for p in previous:
             p.stop(drain=True, then=_free_memory)  # the old engine finishes what it was serving
         return True
@@ -445,11 +446,25 @@ class _Superseded(Exception):
     """A newer spec (or a delete) arrived while this load waited its turn."""
 
 
+def _freeze_heap() -> None:
+    """Collect, then move every object alive out of the collector's reach (``gc.freeze``): a loaded model is hundreds
+    of thousands of objects, and a full collection walks them all on whichever thread triggers it, the GIL held (with
+    SmolLM2 loaded: 200 ms on the event loop's thread, once in a minute of serving one client, every stream stalled
+    meanwhile; frozen, the same collection took 0.5 ms). Frozen objects are still freed when their last reference
+    goes; ``_free_memory`` unfreezes to reclaim cycles."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _free_memory() -> None:
+    """After an engine let go of its model: collect everything, its reference cycles included, then freeze again."""
     import gc
 
     import torch
 
-    gc.collect()
+    gc.unfreeze()
+    _freeze_heap()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -153,3 +153,30 @@ def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_h
     finally:
         release.set()
         manager.stop()
+
+
+def test_a_loaded_model_is_out_of_the_collectors_reach_and_a_deleted_one_is_still_freed(manager, tiny_model_dir):
+    """A full collection walks every object in the process; with SmolLM2 loaded, one took 200 ms on the daemon's
+    event loop while it served, holding the GIL and so stalling every stream. Once a load serves, the heap it leaves
+    is frozen (``gc.freeze``): collections walk only what came after. A deleted deployment's model must still be
+    freed (its reference cycles too)."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    store = manager.store
+    store.create(_spec("g", tiny_model_dir, compile=False))
+    dep = _wait(manager, "g", ("READY",))
+    model = weakref.ref(dep.worker.loaded.engine.target.model)
+    deadline = time.monotonic() + 10
+    while gc.get_freeze_count() == 0:
+        assert time.monotonic() < deadline, "nothing was frozen after the load"
+        time.sleep(0.05)
+    del dep
+    store.delete("g")
+    manager.reconcile(force=True)
+    _wait_gone(manager, "g")
+    deadline = time.monotonic() + 10
+    while model() is not None:
+        assert time.monotonic() < deadline, "the deleted deployment's model is still alive"
+        time.sleep(0.05)
