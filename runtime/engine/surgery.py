@@ -210,13 +210,6 @@ class Int8WeightLinear(nn.Module):
         self.register_buffer("scales", scales)  # [out] act_dtype
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(act_dtype), requires_grad=False)
 
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> "OneDNNLinear":
-        """Over ``weight`` [out, in], with no bias (and no ``nn.Linear`` to initialise first)."""
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        return cls(linear)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
