@@ -20,13 +20,13 @@ from depctl import config, models
 from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
-from runtime.engine import compiled
+from runtime.engine import compiled, native
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.head import ScreenedHead, screen_output_layer
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
-    SplitKLinear, WeightMajorLinear, int8_linears, int8_row_invariant, int8_weight_linears, onednn_linears,
-    onednn_row_invariant, plain_stand_in_bytes, row_invariant_chunk, split_k_linears, weight_major_linears,
+    SplitKLinear, WeightMajorLinear, blocked_linears, int8_linears, int8_row_invariant, int8_weight_linears,
+    onednn_linears, onednn_row_invariant, plain_stand_in_bytes, row_invariant_chunk, split_k_linears, weight_major_linears,
 )
 
 log = logging.getLogger("depctl.loader")
@@ -165,19 +165,21 @@ def pick_dtype(requested: str, device: torch.device, quantization: str = "none")
         return getattr(torch, requested)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads and its
-    # GEMM is flat in the row count (SmolLM2's lm_head: 7.2 ms fp32, 2.0 ms bf16 for one row, 2.3 ms for nine), so
-    # decoding is ~1.7x faster and verification nearly free. Without them bf16 is emulated (verifying 8 tokens cost
-    # 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (surgery).
+    # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads (a compiled
+    # one-token SmolLM2 pass: 5.2 ms against float32's 10.8, both through our blocked products) and a product of a
+    # few rows costs little more than one, so decoding is ~2x faster and verification cheap. Without them bf16 is
+    # emulated (verifying 8 tokens cost 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (surgery).
     if cpu_has_bf16() and cpu_bf16_exact():
         return torch.bfloat16
     return torch.float32
 
 
 def cpu_bf16_exact() -> bool:
-    """Whether this CPU can run a bf16 target exactly under speculation: oneDNN's linear is row-invariant from two
-    rows (``OneDNNLinear``), or ``F.linear`` is once its inner dimension is cut (``SplitKLinear``)."""
-    return onednn_row_invariant(torch.bfloat16) or row_invariant_chunk(torch.bfloat16) is not None
+    """Whether this CPU can run a bf16 target exactly under speculation: our blocked product runs here (AVX-512 BF16:
+    ``BlockedLinear``), oneDNN's linear is row-invariant from two rows (``OneDNNLinear``), or ``F.linear`` is once its
+    inner dimension is cut (``SplitKLinear``)."""
+    return (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)
+            or row_invariant_chunk(torch.bfloat16) is not None)
 
 
 def cpu_has_bf16() -> bool:
@@ -232,9 +234,10 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     linears); weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8
     draft; for a bf16/fp16 target, oneDNN linears with at least two rows a product where that is row-invariant here
     (bf16 on AVX-512 machines), else split inner dimensions where the CPU's GEMM would round a row differently with
-    more rows beside it (a half-precision draft needs neither); for float32, oneDNN linears where row-invariant, else
-    weight-major linears (a handful of rows cost close to one), and on a CPU with bf16 instructions a target's output
-    layer tied to its embeddings becomes a ``ScreenedHead`` (greedy choices without the full float32 product, once
+    more rows beside it (a half-precision draft needs neither); for float32, our own blocked linears where depctl's
+    C++ ops build (else oneDNN linears where row-invariant, else weight-major linears: a handful of rows cost close
+    to one), and with them, on a CPU with bf16 instructions, a target's output layer tied to its embeddings becomes a
+    ``ScreenedHead`` (greedy choices without the full float32 product, once
     the compiled passes switch it on: ``runtime.engine.head``)."""
     if fuse:
         fuse_projections(model)
@@ -244,8 +247,11 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     if precision == "int8":
         return quantize_int8(model)
     if precision in ("bfloat16", "float16"):
+        dtype = getattr(torch, precision)
+        if native.blocked_supports(dtype):  # our own product: row-invariant, and faster than oneDNN's here
+            blocked_linears(model, dtype)
+            return model
         if exact:
-            dtype = getattr(torch, precision)
             if onednn_row_invariant(dtype):
                 onednn_linears(model, dtype)
                 return model
@@ -256,9 +262,11 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
                     "rows share the pass, so speculation would not be exact: update the deployment with --dtype float32")
             split_k_linears(model, chunk)
         return model
-    if onednn_row_invariant():
+    if native.available():  # our own row-invariant product (surgery.BlockedLinear), faster than oneDNN's here
         if exact and cpu_has_bf16():  # greedy choices from a bf16 screen of the output layer (runtime.engine.head)
             screen_output_layer(model)
+        blocked_linears(model)
+    elif onednn_row_invariant():
         onednn_linears(model)
     else:
         weight_major_linears(model)

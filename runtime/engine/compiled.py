@@ -3,7 +3,7 @@
 Why: on a CPU, a decode step of SmolLM2 with int8 weights spends ~5.5 ms in its 121 matrix products and as long again
 in the ~20 small ops per layer between them (norms, RoPE, the cache write, residuals) and the Python that calls them.
 Compiled, those ops become a few fused C++ loops called from C++, and the products are called directly (the int8
-kernel, oneDNN's linear in bf16 and float32): eager -> compiled, a one-token step 11.2 -> 7.3 ms in int8, 14.6 ->
+kernel, oneDNN's linear in bf16, ours in float32): eager -> compiled, a one-token step 11.2 -> 7.3 ms in int8, 14.6 ->
 10.0 in bf16, 17.8 -> 13.4 in float32; a 9-token verify pass 1.3-1.4x, a batch of 8 1.4-1.5x (``benchmarks/passes.py``,
 one run; this machine's absolute speed drifts by 20%).
 
@@ -18,7 +18,7 @@ How (the choices, and what each one avoids):
   differently from the rest: 0.5 in SmolLM2's logits).
 - **The weights stay the model's.** The package is built without its constants and borrows the model's tensors
   (``load_constants(user_managed=True)``): no second copy in memory, a 4 MB file instead of 200 MB, and the eager
-  model (prefill, ``model.generate``) and the compiled pass read the same bytes. oneDNN's reordered weights
+  model (prefill, ``model.generate``) and the compiled pass read the same bytes. oneDNN's reordered (bf16) weights
   (``surgery.OneDNNLinear``) do not trace, so the trace sees plain stand-ins of their shape
   (``surgery.plain_stand_ins``) and the library is handed the reordered ones at load: oneDNN's linear takes either.
 - **Attention is one C++ op a layer** (``depctl_native::token_attention``, ``runtime.engine.native``). Writing the
@@ -104,8 +104,10 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
     generated code depends on, and the source of the files it was traced from; not the weights, which it borrows."""
     here = Path(__file__).resolve().parent
     sources = hashlib.sha256()
-    for name in ("compiled.py", "decoder.py", "attention.py", "surgery.py", native.SOURCE.name):
+    for name in ("compiled.py", "decoder.py", "attention.py", "surgery.py"):
         sources.update((here / name).read_bytes())
+    for source in (native.SOURCE, native.LINEAR_SOURCE):  # the ops the library calls
+        sources.update(source.read_bytes())
     key = json.dumps({
         "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
         "precision": precision,

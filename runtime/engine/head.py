@@ -7,15 +7,15 @@ tokens can win. ``ScreenedHead.argmax`` computes every logit in bf16, bounds how
 value, and recomputes in float32 only the tokens whose bound reaches the best (``depctl_native::screened_argmax``,
 whose header has the bound): 1 to 20 of 49152 on SmolLM2, median 1.
 
-What stays as it was: ``forward`` is the full float32 product (a ``OneDNNLinear``), which transformers' calling
+What stays as it was: ``forward`` is the full float32 product (a ``BlockedLinear``), which transformers' calling
 convention, a prompt's first token, a draft and every sampling row read. The greedy choice of a decode or verify
 pass is the argmax of float32 logits computed by the op's dot product, the same code for a token in a plain step,
 in a verify pass and beside other rows, so speculation stays exact; where two logits are within float32 rounding of
 each other it may pick the other one than the full product would, as two GEMM libraries may.
 
 Where: the loader's surgery swaps a float32 target's output layer for one when the CPU has bf16 dot products
-(AVX-512 BF16, AMX) and the layer is tied to the embeddings (their table is the plain copy the op reads, so nothing
-is duplicated but the bf16 copy: 57 MB for SmolLM2). The screen is switched on with the compiled passes, which
+(AVX-512 BF16, AMX), depctl's C++ ops build, and the layer is tied to the embeddings (their table is the plain copy
+the op reads, so nothing is duplicated but the bf16 copy: 57 MB for SmolLM2). The screen is switched on with the compiled passes, which
 load the native ops (``screen``); until then greedy choices come from the full product (``runner.Scores``).
 """
 
@@ -24,13 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.engine.surgery import OneDNNLinear
+from runtime.engine.surgery import BlockedLinear, OneDNNLinear
 
 
 class ScreenedHead(nn.Module):
     def __init__(self, linear: nn.Linear, table: torch.Tensor):
         super().__init__()
-        self.full = OneDNNLinear(linear)
+        self.full = BlockedLinear(linear)
         self.register_buffer("table", table.detach(), persistent=False)  # [vocab, hidden] float32, the embeddings'
         self.approx: OneDNNLinear | None = None  # the bf16 copy, once ``screen`` ran
         self.norms = self.errors = None  # [vocab] float32 each, per row: max(|w|, |bf16(w)|), |bf16(w) - w|

@@ -6,6 +6,10 @@ demand.
   once per layer. A Python op there cost more than the attention it ran (SmolLM2 in float32: ~26 us a layer against
   ~8 for the SDPA call inside it, 30 layers a step); ATen's SDPA called per token from C++ then cost ~18 us a call
   where the arithmetic is ~2 (see the source's header).
+- ``torch.ops.depctl_native.blocked_linear(x, packed, out_features)`` and ``pack_blocked(weight)``
+  (``blocked_linear.cpp``): float32 and bf16 (AVX-512 BF16) matrix products whose result for a row does not depend
+  on the other rows in the pass, faster than oneDNN's here at every row count (``surgery.BlockedLinear``; the
+  source's header has the numbers).
 - ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
   inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
   GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).
@@ -16,9 +20,9 @@ demand.
 It is built for this CPU's vector instruction set, with the flags inductor uses for its own kernels
 (``torch._inductor.cpu_vec_isa``): AVX-512 or AVX2 on x86, NEON on ARM, plain C++ where none is found.
 
-Only a compiled pass needs it, and it needs what a compiled pass needs anyway: a C++ compiler (and ninja, a
-dependency). The build takes ~10 s and is kept under the cache directory, keyed by the source and the torch build;
-``load`` raises ``NativeUnavailable`` with the reason where it cannot be built, and the loader then runs eagerly.
+A compiled pass needs it, and so do a float32 or bf16 model's products (the loader's surgery falls back to oneDNN's
+where the ops cannot be built): a C++ compiler (and ninja, a dependency). The build takes ~20 s and is kept under the
+cache directory, keyed by the source and the torch build; ``load`` raises ``NativeUnavailable`` with the reason where it cannot be built, and the loader then runs eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("token_attention.cpp")  # what a compiled package calls (part of its key)
-SOURCES = (SOURCE, Path(__file__).with_name("compiled_pass.cpp"), Path(__file__).with_name("screened_argmax.cpp"))
+LINEAR_SOURCE = Path(__file__).with_name("blocked_linear.cpp")  # also called by a compiled package
+SOURCES = (SOURCE, LINEAR_SOURCE, Path(__file__).with_name("compiled_pass.cpp"),
+           Path(__file__).with_name("screened_argmax.cpp"))
 
 log = logging.getLogger("depctl.native")
 _lock = threading.Lock()
@@ -97,12 +103,34 @@ def load(root: Path | None = None) -> None:
             raise NativeUnavailable(f"could not build depctl's C++ ops ({last}); install a C++ compiler "
                                     "(g++ or clang++) and update the deployment to retry, or use --no-compile") from e
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
+        torch.library.register_fake("depctl_native::blocked_linear")(_blocked_linear_shape)
         _loaded = True
+
+
+def available() -> bool:
+    """Whether the ops load here (built once, cached); False, with the reason logged, where they cannot."""
+    try:
+        load()
+        return True
+    except NativeUnavailable as exc:
+        log.warning("%s", exc)
+        return False
 
 
 def _token_attention_shape(query, keys, values, rows, positions, scale):
     """What the op returns, for tracing: [1, T, heads, dim] from query [1, heads, T, dim]."""
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def blocked_supports(dtype: torch.dtype) -> bool:
+    """Whether ``surgery.BlockedLinear`` takes ``dtype`` here: float32 wherever the ops build, bfloat16 where the CPU
+    has AVX-512 BF16 (and the ops were built for AVX-512)."""
+    return available() and bool(torch.ops.depctl_native.blocked_supports(dtype))
+
+
+def _blocked_linear_shape(x, packed, out_features):
+    """[rows, out_features] from x [rows, in]."""
+    return x.new_empty(x.shape[0], out_features)
 
 
 def _ninja_on_path() -> None:

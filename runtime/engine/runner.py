@@ -107,7 +107,7 @@ class Scores:
     that sample, logits (``logits``). The output layer is applied here, not in the pass: a float32 target's
     ``ScreenedHead`` chooses greedy tokens without the full float32 product (``runtime.engine.head``), so a greedy
     step never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
-    whatever rows are beside it: ``surgery.OneDNNLinear``)."""
+    whatever rows are beside it: ``surgery.BlockedLinear``)."""
 
     def __init__(self, head: torch.nn.Module, vocab_size: int | None, hidden: torch.Tensor | None = None,
                  logits: torch.Tensor | None = None):

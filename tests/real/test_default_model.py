@@ -132,7 +132,7 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.engine import Scheduler
+    from runtime.engine import Scheduler, native
     from runtime.engine.decoder import is_fused
     from runtime.engine.head import ScreenedHead
     from runtime.engine.surgery import int8_row_invariant, onednn_row_invariant
@@ -143,9 +143,11 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
         pytest.skip("this CPU has no bf16 instructions (AVX-512 BF16 or AMX): --dtype auto keeps float32 here")
     if precision == INT8_WEIGHTS and not int8_row_invariant(torch.bfloat16):
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: the loader refuses --quantization int8 here")
-    if precision in ("float32", "bfloat16") and compiled and not onednn_row_invariant(getattr(torch, precision)):
-        pytest.skip(f"no row-invariant oneDNN {precision} linear here: {precision} passes stay eager (the fallback "
-                    "linears run slower compiled)")
+    float_dtype = getattr(torch, precision, None)
+    if (precision in ("float32", "bfloat16") and compiled and not native.blocked_supports(float_dtype)
+            and not onednn_row_invariant(float_dtype)):
+        pytest.skip(f"neither depctl's blocked {precision} product nor a row-invariant oneDNN one here: {precision} "
+                    "passes stay eager (the fallback linears run slower compiled)")
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=dtype).eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.engine import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
-from runtime.engine import compiled
+from runtime.engine import compiled, native
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import int8_row_invariant, onednn_row_invariant
 from runtime.loader import COMPILED_PRECISIONS, INT8_WEIGHTS, surgery_for
@@ -17,16 +17,18 @@ from tests.tiny import tiny_llama
 
 RUNS = {  # the precisions the loader compiles, and what each needs of this CPU
     INT8_WEIGHTS: pytest.mark.skipif(not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant"),
-    "float32": pytest.mark.skipif(not onednn_row_invariant(), reason="no row-invariant oneDNN float32 linear here"),
-    "bfloat16": pytest.mark.skipif(not onednn_row_invariant(torch.bfloat16),
-                                   reason="no row-invariant oneDNN bf16 linear here: bf16 takes split-K linears, eager"),
+    "float32": (),  # depctl's blocked product (surgery.BlockedLinear): row-invariant on any CPU, by construction
+    "bfloat16": pytest.mark.skipif(
+        not (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)),
+        reason="no blocked bf16 product (AVX-512 BF16) and no row-invariant oneDNN bf16 linear here: bf16 takes "
+               "split-K linears, eager"),
 }
 PRECISIONS = [pytest.param(p, marks=RUNS[p], id=p.replace(" ", "-")) for p in COMPILED_PRECISIONS]
 
 
 def prepared(model, precision: str):
     """What the loader makes of a model at ``precision``: fused projections, then int8 weights with bf16 activations,
-    or float32 / bf16 through oneDNN's linears."""
+    float32 and bf16 through depctl's blocked product (bf16 where the CPU has AVX-512 BF16, else oneDNN's)."""
     dtype = torch.bfloat16 if precision in (INT8_WEIGHTS, "bfloat16") else torch.float32
     return surgery_for(model.to(dtype), precision, exact=True)
 

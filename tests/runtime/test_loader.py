@@ -121,13 +121,15 @@ def test_a_compile_that_fails_leaves_the_eager_pass_and_the_deployment_serves(ti
 
 
 def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_dir, tmp_path, monkeypatch):
-    """The build traces over plain stand-ins of oneDNN's reordered weights, the weights' size again: with less memory
-    free than that, the deployment runs eagerly and says why, rather than meeting the OOM killer mid-build."""
-    from runtime.engine import compiled
+    """The build traces over plain stand-ins of oneDNN's reordered weights (a bf16 target's on a CPU without AVX-512
+    BF16, made so here), the weights' size again: with less memory free than that, the deployment runs eagerly and
+    says why, rather than meeting the OOM killer mid-build."""
+    from runtime.engine import compiled, native
     from runtime.engine.surgery import onednn_row_invariant
 
-    if not onednn_row_invariant():
-        pytest.skip("no row-invariant oneDNN float32 linear here: float32 passes stay eager anyway")
+    if not onednn_row_invariant(torch.bfloat16):
+        pytest.skip("no row-invariant oneDNN bf16 linear here: no product is traced over stand-ins")
+    monkeypatch.setattr(native, "blocked_supports", lambda dtype: dtype == torch.float32)  # bf16 takes oneDNN's
     monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
     monkeypatch.setattr(loader, "check_memory", lambda needs, device: None)  # the load itself fits: not tested here
     monkeypatch.setattr(loader, "free_bytes", lambda device: 1000)  # bytes
@@ -136,7 +138,7 @@ def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_di
         raise AssertionError("the build started")
 
     monkeypatch.setattr(compiled, "build", unexpected)
-    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="float32"),
+    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="bfloat16"),
                              calibrate=False)
     assert loaded.engine.target.compiled is None
     assert loaded.compiled.startswith("no (building the library needs about 0.00 GiB free while it compiles")

@@ -107,17 +107,103 @@ def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bi
             assert torch.equal(fast(x[:m]), alone[:m]), m
 
 
+@pytest.fixture(scope="module")
+def native_ops():
+    from runtime.engine import native
+
+    try:
+        native.load()
+    except native.NativeUnavailable as e:  # the loader then takes oneDNN's product (the test below checks that)
+        pytest.skip(f"depctl's C++ ops cannot be built here: {e}")
+
+
+def blocked(dtype):
+    from runtime.engine import native
+
+    if not native.blocked_supports(dtype):
+        pytest.skip(f"no blocked {dtype} product here (bf16 needs AVX-512 BF16): the loader takes oneDNN's")
+
+
+@pytest.mark.parametrize("out_features, in_features", [(320, 1536), (37, 19), (5, 3), (1, 64), (48, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(native_ops, out_features, in_features,
+                                                                              bias, dtype):
+    from runtime.engine.surgery import BlockedLinear
+
+    blocked(dtype)
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    fast = BlockedLinear(linear)
+    assert fast.bias is linear.bias  # shared, not copied
+    x = torch.randn(40, in_features).to(dtype)
+    y = fast(x)
+    assert y.dtype == dtype
+    # every output one float32 chain over the inner dimension: float64's product to rounding (bf16: of the result)
+    product = x.double() @ linear.weight.double().T
+    exact = product + (linear.bias.double() if bias else 0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, exact.float(), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+    else:  # rounded to bf16 at the end, and again adding the bias: within a bf16 unit of each term
+        scale = product.abs() + (linear.bias.double().abs() if bias else 0)
+        assert ((y.double() - exact).abs() <= scale * 2 ** -7 + 1e-6 * in_features ** 0.5).all()
+    assert fast(x.view(5, 8, in_features)).shape == (5, 8, out_features) and fast(x[:0]).shape == (0, out_features)
+    alone = torch.cat([fast(x[i : i + 1]) for i in range(40)])
+    for m in range(1, 41):  # tiles of 1 to 6 rows and every remainder; the same bits for a row in each
+        assert torch.equal(fast(x[:m]), alone[:m]), m
+    assert torch.equal(fast(x[7:19]), alone[7:19])  # and wherever it sits in the pass
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_linear_spreads_a_product_over_torchs_threads_with_the_same_bits(native_ops, dtype):
+    from runtime.engine.surgery import BlockedLinear
+
+    blocked(dtype)
+    torch.manual_seed(0)
+    fast = BlockedLinear(nn.Linear(576, 3072, bias=False).to(dtype))
+    x = torch.randn(9, 576).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fast(x)
+        torch.set_num_threads(max(threads, 2))
+        assert torch.equal(fast(x), one)  # a thread takes whole blocks of outputs: no sum is split between threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_blocked_linear_refuses_a_weight_it_did_not_pack(native_ops):
+    from runtime.engine.surgery import BlockedLinear
+
+    fast = BlockedLinear(nn.Linear(64, 32))
+    with pytest.raises(RuntimeError, match="pack_blocked"):
+        torch.ops.depctl_native.blocked_linear(torch.randn(2, 64), torch.randn(32, 64), 32)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.depctl_native.blocked_linear(torch.randn(2, 63), fast.weight, 32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.depctl_native.blocked_linear(torch.randn(2, 64).bfloat16(), fast.weight, 32)
+
+
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_the_float_surgery_is_picked_by_what_the_machine_does(precision):
-    from runtime.engine.surgery import OneDNNLinear, onednn_row_invariant
+@pytest.mark.parametrize("ops_build", [True, False])
+def test_the_float_surgery_is_picked_by_what_the_machine_does(monkeypatch, precision, ops_build):
+    from runtime.engine import native
+    from runtime.engine.surgery import BlockedLinear, OneDNNLinear, onednn_row_invariant
     from runtime.loader import surgery_for
 
     dtype = getattr(torch, precision)
     if dtype == torch.bfloat16 and not onednn_row_invariant(dtype) and row_invariant_chunk(dtype) is None:
         pytest.skip("neither bf16 product is row-invariant on this CPU: the loader refuses a bf16 target here")
+    if ops_build and not native.available():
+        pytest.skip("depctl's C++ ops cannot be built here: the case without them is the other parameter")
+    if not ops_build:
+        monkeypatch.setattr(native, "available", lambda: False)
     model = nn.Sequential(nn.Linear(4096, 32)).to(dtype)  # longer than any split-K chunk
     model.config = None
     surgery_for(model, precision, exact=True)
+    if ops_build and native.blocked_supports(dtype):
+        assert isinstance(model[0], BlockedLinear)
+        return
     fallback = WeightMajorLinear if dtype == torch.float32 else SplitKLinear
     assert isinstance(model[0], OneDNNLinear if onednn_row_invariant(dtype) else fallback)
 

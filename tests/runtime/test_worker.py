@@ -8,7 +8,7 @@ import threading
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from runtime.engine import GenerationParams
-from runtime.engine.surgery import OneDNNLinear, WeightMajorLinear
+from runtime.engine.surgery import BlockedLinear, OneDNNLinear, WeightMajorLinear
 from runtime.loader import load_deployment
 from runtime.worker import EngineHost, EngineWorker
 
@@ -39,7 +39,7 @@ def test_one_thread_does_all_torch_work_and_requests_batch(tiny_model_dir):
     worker, loaded_on = _start(spec, torch_threads, ready)
     assert ready.wait(60) and worker.loaded is not None
     # the loader's surgery is a module swap, visible on the model the engine runs
-    assert any(isinstance(m, (OneDNNLinear, WeightMajorLinear)) for m in worker.loaded.engine.target.model.modules())
+    assert any(isinstance(m, (BlockedLinear, OneDNNLinear, WeightMajorLinear)) for m in worker.loaded.engine.target.model.modules())
     outputs = [queue.SimpleQueue() for _ in range(6)]
     params = GenerationParams(max_tokens=20, ignore_eos=True)
     for i, q in enumerate(outputs):  # submitted from this (another) thread

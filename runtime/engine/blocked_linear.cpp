@@ -1,0 +1,257 @@
+// depctl_native::blocked_linear: a float32 target's matrix products, the same bits for a row whatever else is in the
+// pass (runtime/engine/surgery.py: BlockedLinear).
+//
+// Why our own: a decode step reads every weight once, so on a CPU its cost is the weights' bytes over memory
+// bandwidth. oneDNN's float32 linear, the fastest library product that is row-invariant here (from two rows on),
+// read SmolLM2's 120 per-layer weights at 31-34 GB/s for one token on this project's 2-core EPYC, where llama.cpp's
+// F32 decoding reaches ~55; these loops read them at ~44 with Python calling each product, and are faster than
+// oneDNN's at every row count measured (1 to 512: ~520 GFLOP/s for a prompt chunk against ~480).
+//
+// The layout: the weight [N, K] is stored in blocks of L output features (L = the vector width: 16 floats with
+// AVX-512, 8 with AVX2), each block [K, L], so that one vector load reads weight k of L consecutive outputs
+// (`pack_blocked`; the last block zero-padded). A tile of MB rows by NB blocks keeps its MB x NB sums in registers:
+// each weight vector is read once for the tile's rows, each row's input broadcast once for the tile's blocks.
+//
+// Exactness: output n of row m is sum_k x[m, k] * w[n, k] accumulated in k order from zero, one fused multiply-add a
+// term, in one vector lane: the same instructions whatever the tile, the thread, or the number of rows in the pass.
+// So a row rounds the same alone, in a verify pass of nine and beside other rows, by construction (tested on every
+// row count), which is what speculation's exactness rests on.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Unroll.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define DEPCTL_BF16_KERNEL 1
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();
+constexpr int MAX_ROWS = 6;    // rows a tile: 6 x 4 sums + 4 weight vectors fit AVX-512's 32 registers
+constexpr int MAX_BLOCKS = 4;  // blocks a tile
+
+// MB rows (x, `x_stride` apart) by NB blocks (starting at `w`, K * L floats apart) into y (`y_stride` apart); the
+// last of the NB blocks holds `last` valid outputs (L for a full one).
+template <int MB, int NB>
+void tile(const float* x, int64_t x_stride, const float* w, int64_t K, float* y, int64_t y_stride, int64_t last) {
+  Vec sum[MB][NB];
+  c10::ForcedUnroll<MB>{}([&](auto m) { c10::ForcedUnroll<NB>{}([&](auto b) { sum[m][b] = Vec(0.f); }); });
+  for (int64_t k = 0; k < K; ++k) {
+    Vec wk[NB];
+    c10::ForcedUnroll<NB>{}([&](auto b) { wk[b] = Vec::loadu(w + (b * K + k) * L); });
+    c10::ForcedUnroll<MB>{}([&](auto m) {
+      const Vec xk(x[m * x_stride + k]);
+      c10::ForcedUnroll<NB>{}([&](auto b) { sum[m][b] = at::vec::fmadd(xk, wk[b], sum[m][b]); });
+    });
+  }
+  c10::ForcedUnroll<MB>{}([&](auto m) {
+    c10::ForcedUnroll<NB>{}([&](auto b) {
+      float* out = y + m * y_stride + b * L;
+      if (b + 1 < NB || last == L) {
+        sum[m][b].store(out);
+      } else {
+        sum[m][b].store(out, static_cast<int>(last));
+      }
+    });
+  });
+}
+
+// Rows 0..M-1 in tiles of MAX_ROWS, then one tile of the remainder: run(rows as a constant, first row)
+template <typename Run>
+void over_rows(int64_t M, const Run& run) {
+  int64_t m = 0;
+  for (; m + MAX_ROWS <= M; m += MAX_ROWS) run(std::integral_constant<int, MAX_ROWS>{}, m);
+  switch (M - m) {
+    case 1: run(std::integral_constant<int, 1>{}, m); break;
+    case 2: run(std::integral_constant<int, 2>{}, m); break;
+    case 3: run(std::integral_constant<int, 3>{}, m); break;
+    case 4: run(std::integral_constant<int, 4>{}, m); break;
+    case 5: run(std::integral_constant<int, 5>{}, m); break;
+    default: break;
+  }
+  static_assert(MAX_ROWS == 6, "the switch above covers remainders up to MAX_ROWS - 1");
+}
+
+// Blocks 0..count-1 of `width` outputs (N in all) over torch's threads, each thread's share in tiles of up to
+// MAX_BLOCKS: run(blocks as a constant, first block, valid outputs of the tile's last block)
+template <typename Run>
+void over_blocks(int64_t count, int64_t width, int64_t N, int64_t grain, const Run& run) {
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += MAX_BLOCKS) {
+      const int64_t nb = std::min<int64_t>(MAX_BLOCKS, end - b);
+      const int64_t last = std::min<int64_t>(width, N - (b + nb - 1) * width);
+      switch (nb) {
+        case 1: run(std::integral_constant<int, 1>{}, b, last); break;
+        case 2: run(std::integral_constant<int, 2>{}, b, last); break;
+        case 3: run(std::integral_constant<int, 3>{}, b, last); break;
+        default: run(std::integral_constant<int, MAX_BLOCKS>{}, b, last); break;
+      }
+    }
+  });
+  static_assert(MAX_BLOCKS == 4, "the switch above covers tiles of 1 to MAX_BLOCKS blocks");
+}
+
+// All M rows against NB blocks
+template <int NB>
+void blocks(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N, int64_t last) {
+  over_rows(M, [&](auto rows, int64_t m) { tile<decltype(rows)::value, NB>(x + m * K, K, w, K, y + m * N, N, last); });
+}
+
+
+#ifdef DEPCTL_BF16_KERNEL
+// bfloat16: weights and inputs in pairs along the inner dimension, through AVX-512 BF16's dot product of pairs
+// (vdpbf16ps: sum += x[2k] * w[2k] + x[2k+1] * w[2k+1], in float32), so the weights are read as bf16 (half float32's
+// bytes) and never converted. The layout: blocks of 16 outputs, each [K / 2, 16, 2]: one 64-byte load reads the pair
+// of weights k, k+1 of 16 outputs. Output n of row m is that pair-wise chain in k order from zero, rounded once to
+// bf16 at the end: again the same instructions whatever the tile, thread or row count. Compiled for AVX-512 BF16
+// (target attribute) and called only where the CPU has it (`blocked_supports`). Loops, not ForcedUnroll's lambdas:
+// a lambda would not inherit the target.
+#define DEPCTL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+constexpr int64_t BL = 16;
+
+template <int MB, int NB>
+DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, uint16_t* y,
+                                  int64_t y_stride, int64_t last) {
+  __m512 sum[MB][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) sum[m][b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    __m512bh wk[NB];
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) wk[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + k) * 2 * BL);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * x_stride + 2 * k, sizeof(pair));
+      const __m512bh xk = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) sum[m][b] = _mm512_dpbf16_ps(sum[m][b], xk, wk[b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(sum[m][b]);
+      uint16_t* to = y + m * y_stride + b * BL;
+      if (b + 1 < NB || last == BL) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), out);
+      } else {
+        _mm256_mask_storeu_epi16(to, static_cast<__mmask16>((1u << last) - 1), out);
+      }
+    }
+}
+
+template <int NB>
+void blocks_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t pairs, uint16_t* y,
+                 int64_t N, int64_t last) {
+  over_rows(M, [&](auto rows, int64_t m) {
+    tile_bf16<decltype(rows)::value, NB>(x + m * x_stride, x_stride, w, pairs, y + m * N, N, last);
+  });
+}
+
+bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+at::Tensor blocked_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  const int64_t M = x.size(0), pairs = packed.size(1), count = packed.size(0);
+  TORCH_CHECK(x.size(1) == 2 * pairs || x.size(1) + 1 == 2 * pairs, "blocked_linear: x has ", x.size(1),
+              " features, the weight ", 2 * pairs);
+  // an odd inner dimension: the input gets the zero its weights were padded with
+  const auto xc = x.size(1) == 2 * pairs ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (2 * pairs * BL * M));
+  over_blocks(count, BL, N, grain, [&](auto nb, int64_t b, int64_t last) {
+    blocks_bf16<decltype(nb)::value>(xs, 2 * pairs, M, ws + b * pairs * 2 * BL, pairs, ys + b * BL, N, last);
+  });
+  return y;
+}
+#else
+bool cpu_has_bf16_dot() { return false; }
+#endif
+
+// Whether this build and CPU have the blocked product for `dtype` (float32: always; bfloat16: AVX-512 BF16)
+bool blocked_supports(c10::ScalarType dtype) {
+  return dtype == at::kFloat || (dtype == at::kBFloat16 && cpu_has_bf16_dot());
+}
+
+// weight [N, K] -> float32: [ceil(N / L), K, L]; bfloat16: [ceil(N / 16), ceil(K / 2), 16, 2]; zero-padded
+at::Tensor pack_blocked(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_blocked: an [out, in] weight");
+  TORCH_CHECK(blocked_supports(weight.scalar_type()), "pack_blocked: no blocked product for ", weight.scalar_type(),
+              " on this CPU (float32 everywhere; bfloat16 with AVX-512 BF16)");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (weight.scalar_type() == at::kFloat) {
+    const int64_t count = (N + L - 1) / L;
+    auto padded = at::zeros({count * L, K}, weight.options());
+    padded.narrow(0, 0, N).copy_(weight);
+    return padded.view({count, L, K}).transpose(1, 2).contiguous();
+  }
+  const int64_t count = (N + 15) / 16, pairs = (K + 1) / 2;
+  auto padded = at::zeros({count * 16, 2 * pairs}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({count, 16, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] and packed (pack_blocked) of one dtype -> [M, N]
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == packed.scalar_type(), "blocked_linear: x must be [rows, in], of the ",
+              "weight's dtype (", packed.scalar_type(), "), not ", x.scalar_type());
+#ifdef DEPCTL_BF16_KERNEL
+  if (packed.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(cpu_has_bf16_dot() && packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == BL &&
+                    packed.size(3) == 2 && N > (packed.size(0) - 1) * BL && N <= packed.size(0) * BL,
+                "blocked_linear: the weight must come from pack_blocked");
+    return blocked_linear_bf16(x, packed, N);
+  }
+#endif
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == L,
+              "blocked_linear: the weight must come from pack_blocked (this build's vector width is ", L, ")");
+  const int64_t M = x.size(0), K = x.size(1), count = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "blocked_linear: x has ", K, " features, the weight ", packed.size(1));
+  TORCH_CHECK(N > (count - 1) * L && N <= count * L, "blocked_linear: ", N, " outputs do not fit ", count, " blocks");
+  const auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xs = xc.data_ptr<float>();
+  const float* ws = packed.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  // a thread's share of blocks worth at least ~64k multiply-adds: tiny products stay on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (K * L * M));
+  over_blocks(count, L, N, grain, [&](auto nb, int64_t b, int64_t last) {
+    blocks<decltype(nb)::value>(xs, M, ws + b * K * L, K, ys + b * L, N, last);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(depctl_native, m) {
+  m.def("pack_blocked(Tensor weight) -> Tensor");
+  m.def("blocked_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("blocked_supports(ScalarType dtype) -> bool", blocked_supports);
+}
+
+TORCH_LIBRARY_IMPL(depctl_native, CPU, m) {
+  m.impl("pack_blocked", pack_blocked);
+  m.impl("blocked_linear", blocked_linear);
+}
