@@ -82,16 +82,16 @@ class Service:
 
     # ---- looking up the deployment ----
     def deployment(self, model: str) -> Deployment:
-        if self.stopping:
-            raise APIError(503, "the daemon is stopping; retry once it is back (`depctl daemon start`)",
-                           code="daemon_stopping")
         dep_id = model.split("#", 1)[1] if "#" in model else model  # firectl's MODEL#DEPLOYMENT_ID form
         dep = self.manager.get(dep_id)
-        if dep is None:
+        if dep is None:  # before the stopping check: a retry after the restart would not find it either
             raise APIError(
                 404, f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
                 param="model", code="model_not_found",
             )
+        if self.stopping:
+            raise APIError(503, "the daemon is stopping; retry once it is back (`depctl daemon start`)",
+                           code="daemon_stopping")
         if dep.state not in SERVING_STATES or not dep.serving:
             why = f": {dep.reason}" if dep.reason else ""
             raise APIError(

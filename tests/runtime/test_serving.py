@@ -39,3 +39,30 @@ def test_encode_lets_other_threads_run():
     ticker.join()
     assert took > 0.3  # long enough for the check to mean something
     assert max(gaps) < took / 2, (max(gaps), took)
+
+
+def test_a_stopping_daemon_still_says_which_deployments_do_not_exist():
+    # while the daemon drained, a request naming a deployment that does not exist got 503 "retry once it is back":
+    # a client with retries would retry a request that can never succeed (the chaos run caught it). It is a 404, as it
+    # is at any other time; a request for a deployment that does exist gets the 503.
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from runtime.api.errors import APIError
+    from runtime.api.serving import Service
+
+    deps = {"real": SimpleNamespace(id="real")}
+    service = Service(SimpleNamespace(get=deps.get), metrics=None)
+
+    async def drain():
+        service.begin_drain(timeout=60)
+
+    asyncio.run(drain())
+    with pytest.raises(APIError) as missing:
+        service.deployment("ghost")
+    assert missing.value.status == 404 and "does not exist" in str(missing.value)
+    with pytest.raises(APIError) as stopping:
+        service.deployment("real")
+    assert stopping.value.status == 503 and stopping.value.code == "daemon_stopping"
