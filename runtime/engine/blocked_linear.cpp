@@ -24,12 +24,16 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define DEPCTL_BF16_KERNEL 1
 #endif
 
@@ -119,9 +123,10 @@ void blocks(const float* x, int64_t M, const float* w, int64_t K, float* y, int6
 #define DEPCTL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 constexpr int64_t BL = 16;
 
+// MB rows by NB blocks (block b's pair k at w + (b * stride + k) * 32) over the first `pairs` pairs
 template <int MB, int NB>
-DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, uint16_t* y,
-                                  int64_t y_stride, int64_t last) {
+DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs,
+                                  int64_t stride, uint16_t* y, int64_t y_stride, int64_t last) {
   __m512 sum[MB][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
@@ -130,7 +135,7 @@ DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uin
   for (int64_t k = 0; k < pairs; ++k) {
     __m512bh wk[NB];
 #pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) wk[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + k) * 2 * BL);
+    for (int b = 0; b < NB; ++b) wk[b] = (__m512bh)_mm512_loadu_si512(w + (b * stride + k) * 2 * BL);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       int32_t pair;
@@ -155,10 +160,10 @@ DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uin
 }
 
 template <int NB>
-void blocks_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t pairs, uint16_t* y,
-                 int64_t N, int64_t last) {
+void blocks_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t pairs, int64_t stride,
+                 uint16_t* y, int64_t N, int64_t last) {
   over_rows(M, [&](auto rows, int64_t m) {
-    tile_bf16<decltype(rows)::value, NB>(x + m * x_stride, x_stride, w, pairs, y + m * N, N, last);
+    tile_bf16<decltype(rows)::value, NB>(x + m * x_stride, x_stride, w, pairs, stride, y + m * N, N, last);
   });
 }
 
@@ -167,25 +172,154 @@ bool cpu_has_bf16_dot() {
   return has;
 }
 
+// ---- AMX ----
+// Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), the same pairs go through its tile unit instead:
+// TDPBF16PS multiplies a tile of up to 16 rows by 32 inputs with a tile of 16 pairs by 16 outputs (16 consecutive
+// pairs of one packed block: 1 KB, contiguous, which is why a bf16 block's pairs are padded to a multiple of 16) into
+// 16 x 16 float32 sums: 8192 multiply-adds an instruction where vdpbf16ps does 32, so a verify pass or a batch of
+// rows costs little more than one row's read of the weights. Every sum is still one chain over the pairs in k order
+// from zero (16 pairs an instruction, the tile unit treating each row of the tile alike), rounded to bf16 once: a
+// row's bits do not depend on the rows beside it in the tile, the tile's height or the pass. The tile unit rounds
+// its chain differently from vdpbf16ps, so a process takes one of the two for every bf16 product (`amx_enabled`),
+// whatever the row count.
+#define DEPCTL_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes a row
+  uint8_t rows[16] = {};
+};
+
+bool amx_usable() {
+  static const bool usable = [] {
+    if (!cpu_has_bf16_dot() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+#ifdef __linux__
+    // Linux hands a process the tile registers' state only on request (arch_prctl, XTILEDATA = feature 18)
+    constexpr int get_permission = 0x1022, request_permission = 0x1023, xtiledata = 18;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, get_permission, &granted) == 0 && ((granted >> xtiledata) & 1)) return true;
+    return syscall(SYS_arch_prctl, request_permission, xtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
+
+std::atomic<bool> amx_refused{false};  // set only by tests, to run the vdpbf16ps loops on a CPU with AMX
+
+bool amx_enabled() { return amx_usable() && !amx_refused.load(std::memory_order_relaxed); }
+
+// Tiles 0..NB-1: the sums of NB blocks for the tile's rows; 4: the rows' inputs; 5-7: weights, three loads in
+// flight. Rows m..: `height` rows of x (`x_stride` elements apart) against NB blocks (`stride` pairs each, from w);
+// the sums of the first `valid` rows, rounded to bf16, into y (`N` apart), the last block's first `last` outputs.
+template <int NB>
+DEPCTL_AMX_TARGET void amx_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t stride, uint16_t* y,
+                                int64_t N, int64_t valid, int64_t last) {
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  const int64_t x_bytes = x_stride * 2;
+  for (int64_t k = 0; k < stride; k += 16) {
+    _tile_loadd(4, x + 2 * k, x_bytes);
+    _tile_loadd(5, w + k * 2 * BL, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB > 1) {
+      _tile_loadd(6, w + (stride + k) * 2 * BL, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(7, w + (2 * stride + k) * 2 * BL, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(5, w + (3 * stride + k) * 2 * BL, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  alignas(64) float sums[NB][16 * 16];
+  _tile_stored(0, sums[0], 64);
+  if constexpr (NB > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (NB > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (NB > 3) _tile_stored(3, sums[3], 64);
+  for (int64_t m = 0; m < valid; ++m)
+    for (int b = 0; b < NB; ++b) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(sums[b] + m * 16));
+      uint16_t* to = y + m * N + b * BL;
+      if (b + 1 < NB || last == BL) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), out);
+      } else {
+        _mm256_mask_storeu_epi16(to, static_cast<__mmask16>((1u << last) - 1), out);
+      }
+    }
+}
+
+// One thread's blocks [begin, end), for every row: x holds `rows` rows (a multiple of 16, or fewer than 16: one tile
+// that high), of which the first M are real
+DEPCTL_AMX_TARGET void amx_blocks(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t M, const uint16_t* w,
+                                  int64_t stride, uint16_t* y, int64_t N, int64_t begin, int64_t end) {
+  const int64_t height = std::min<int64_t>(rows, 16);
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t < 5 ? height : 16;  // sums and inputs: the tile's rows; weights: 16 pairs
+    config.colsb[t] = 64;                  // 16 floats, 32 bf16 inputs, 16 pairs of bf16
+  }
+  _tile_loadconfig(&config);
+  for (int64_t b = begin; b < end; b += MAX_BLOCKS) {
+    const int64_t nb = std::min<int64_t>(MAX_BLOCKS, end - b);
+    const int64_t last = std::min<int64_t>(BL, N - (b + nb - 1) * BL);
+    for (int64_t m = 0; m < rows; m += 16) {  // the blocks' weights stay in cache for the next 16 rows
+      const uint16_t* xm = x + m * x_stride;
+      const uint16_t* wb = w + b * stride * 2 * BL;
+      uint16_t* ym = y + m * N + b * BL;
+      const int64_t valid = std::min<int64_t>(16, M - m);
+      switch (nb) {
+        case 1: amx_tile<1>(xm, x_stride, wb, stride, ym, N, valid, last); break;
+        case 2: amx_tile<2>(xm, x_stride, wb, stride, ym, N, valid, last); break;
+        case 3: amx_tile<3>(xm, x_stride, wb, stride, ym, N, valid, last); break;
+        default: amx_tile<4>(xm, x_stride, wb, stride, ym, N, valid, last); break;
+      }
+    }
+  }
+  _tile_release();
+}
+
 at::Tensor blocked_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  const int64_t M = x.size(0), pairs = packed.size(1), count = packed.size(0);
-  TORCH_CHECK(x.size(1) == 2 * pairs || x.size(1) + 1 == 2 * pairs, "blocked_linear: x has ", x.size(1),
-              " features, the weight ", 2 * pairs);
-  // an odd inner dimension: the input gets the zero its weights were padded with
-  const auto xc = x.size(1) == 2 * pairs ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), pairs = (K + 1) / 2, stride = packed.size(1), count = packed.size(0);
+  TORCH_CHECK(stride == (pairs + 15) / 16 * 16, "blocked_linear: x has ", K, " features, the weight was packed for ",
+              2 * stride - 31, " to ", 2 * stride);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (2 * pairs * BL * M));
+  if (amx_enabled()) {
+    // the tiles read 16 pairs at a time and, past 16 rows, 16 rows at a time: pad with zeros where x is shorter
+    const bool pad = K != 2 * stride || (M > 16 && M % 16 != 0);
+    const int64_t rows = pad && M > 16 ? (M + 15) / 16 * 16 : M;
+    const auto xc = pad ? at::constant_pad_nd(x, {0, 2 * stride - K, 0, rows - M}).contiguous() : x.contiguous();
+    const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+      amx_blocks(xs, 2 * stride, rows, M, ws, stride, ys, N, begin, end);
+    });
+    return y;
+  }
+  // an odd inner dimension: the input gets the zero its weights were padded with
+  const auto xc = K == 2 * pairs ? x.contiguous() : at::constant_pad_nd(x, {0, 1}).contiguous();
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   over_blocks(count, BL, N, grain, [&](auto nb, int64_t b, int64_t last) {
-    blocks_bf16<decltype(nb)::value>(xs, 2 * pairs, M, ws + b * pairs * 2 * BL, pairs, ys + b * BL, N, last);
+    blocks_bf16<decltype(nb)::value>(xs, 2 * pairs, M, ws + b * stride * 2 * BL, pairs, stride, ys + b * BL, N, last);
   });
   return y;
 }
 #else
 bool cpu_has_bf16_dot() { return false; }
+bool amx_usable() { return false; }
+bool amx_enabled() { return false; }
+std::atomic<bool> amx_refused{false};
 #endif
 
 // Whether this build and CPU have the blocked product for `dtype` (float32: always; bfloat16: AVX-512 BF16)
@@ -193,7 +327,22 @@ bool blocked_supports(c10::ScalarType dtype) {
   return dtype == at::kFloat || (dtype == at::kBFloat16 && cpu_has_bf16_dot());
 }
 
-// weight [N, K] -> float32: [ceil(N / L), K, L]; bfloat16: [ceil(N / 16), ceil(K / 2), 16, 2]; zero-padded
+// Which loops run the blocked product for `dtype` here, for logs and `deployment get`
+std::string blocked_kernel(c10::ScalarType dtype) {
+  if (dtype == at::kFloat) return "fma";
+  if (dtype == at::kBFloat16 && cpu_has_bf16_dot()) return amx_enabled() ? "amx-bf16" : "avx512-bf16";
+  return "none";
+}
+
+// Tests only: refuse (true) or allow AMX for the bf16 product, to run both kernels on one CPU; returns the kernel now
+// in use. A deployment never calls it: its products must all take one kernel.
+std::string blocked_refuse_amx(bool refuse) {
+  amx_refused.store(refuse);
+  return blocked_kernel(at::kBFloat16);
+}
+
+// weight [N, K] -> float32: [ceil(N / L), K, L]; bfloat16: [ceil(N / 16), P, 16, 2], P = ceil(K / 2) rounded up to
+// a multiple of 16; zero-padded
 at::Tensor pack_blocked(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_blocked: an [out, in] weight");
   TORCH_CHECK(blocked_supports(weight.scalar_type()), "pack_blocked: no blocked product for ", weight.scalar_type(),
@@ -205,7 +354,7 @@ at::Tensor pack_blocked(const at::Tensor& weight) {
     padded.narrow(0, 0, N).copy_(weight);
     return padded.view({count, L, K}).transpose(1, 2).contiguous();
   }
-  const int64_t count = (N + 15) / 16, pairs = (K + 1) / 2;
+  const int64_t count = (N + 15) / 16, pairs = ((K + 1) / 2 + 15) / 16 * 16;  // whole AMX tiles of pairs
   auto padded = at::zeros({count * 16, 2 * pairs}, weight.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
   return padded.view({count, 16, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -217,8 +366,9 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
               "weight's dtype (", packed.scalar_type(), "), not ", x.scalar_type());
 #ifdef DEPCTL_BF16_KERNEL
   if (packed.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(cpu_has_bf16_dot() && packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == BL &&
-                    packed.size(3) == 2 && N > (packed.size(0) - 1) * BL && N <= packed.size(0) * BL,
+    TORCH_CHECK(cpu_has_bf16_dot() && packed.dim() == 4 && packed.is_contiguous() && packed.size(1) % 16 == 0 &&
+                    packed.size(2) == BL && packed.size(3) == 2 && N > (packed.size(0) - 1) * BL &&
+                    N <= packed.size(0) * BL,
                 "blocked_linear: the weight must come from pack_blocked");
     return blocked_linear_bf16(x, packed, N);
   }
@@ -249,6 +399,8 @@ TORCH_LIBRARY_FRAGMENT(depctl_native, m) {
   m.def("pack_blocked(Tensor weight) -> Tensor");
   m.def("blocked_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
   m.def("blocked_supports(ScalarType dtype) -> bool", blocked_supports);
+  m.def("blocked_kernel(ScalarType dtype) -> str", blocked_kernel);
+  m.def("blocked_refuse_amx(bool refuse) -> str", blocked_refuse_amx);
 }
 
 TORCH_LIBRARY_IMPL(depctl_native, CPU, m) {

@@ -12,9 +12,14 @@ from runtime.engine.surgery import SplitKLinear, WeightMajorLinear, row_invarian
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_split_k_linear_is_a_linear_whose_rows_do_not_depend_on_their_neighbours(dtype, bias):
+    # the chunk is what this CPU's library keeps row-invariant (512 on an AVX-512-bf16 EPYC; on a Xeon with AMX no bf16
+    # chunk is, and the loader never splits there): a fixed 512 failed on such a Xeon
+    chunk = row_invariant_chunk(dtype)
+    if chunk is None:
+        pytest.skip(f"no inner dimension keeps this CPU's {dtype} linear row-invariant: the loader does not split-K here")
     torch.manual_seed(0)
     linear = nn.Linear(1536, 320, bias=bias).to(dtype)
-    split = SplitKLinear(linear, 512)
+    split = SplitKLinear(linear, chunk)
     x = torch.randn(72, 1536).to(dtype)
     ref = (x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)).to(dtype)
     y = split(x)
@@ -117,21 +122,34 @@ def native_ops():
         pytest.skip(f"depctl's C++ ops cannot be built here: {e}")
 
 
-def blocked(dtype):
+KERNELS = [(torch.float32, "fma"), (torch.bfloat16, "avx512-bf16"), (torch.bfloat16, "amx-bf16")]
+
+
+@pytest.fixture
+def kernel(native_ops):
+    """use(dtype, name): run the blocked product for ``dtype`` through kernel ``name`` for the rest of the test (a CPU
+    with AMX runs both bf16 kernels, one at a time), or skip where this CPU does not have it."""
     from runtime.engine import native
 
-    if not native.blocked_supports(dtype):
-        pytest.skip(f"no blocked {dtype} product here (bf16 needs AVX-512 BF16): the loader takes oneDNN's")
+    def use(dtype, name):
+        if not native.blocked_supports(dtype):
+            pytest.skip(f"no blocked {dtype} product here (bf16 needs AVX-512 BF16): the loader takes oneDNN's")
+        if dtype == torch.bfloat16 and torch.ops.depctl_native.blocked_refuse_amx(name != "amx-bf16") != name:
+            pytest.skip("this CPU has no AMX (or Linux refused its tile registers): its bf16 product is vdpbf16ps")
+        assert torch.ops.depctl_native.blocked_kernel(dtype) == name
+
+    yield use
+    torch.ops.depctl_native.blocked_refuse_amx(False)
 
 
 @pytest.mark.parametrize("out_features, in_features", [(320, 1536), (37, 19), (5, 3), (1, 64), (48, 576)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(native_ops, out_features, in_features,
-                                                                              bias, dtype):
+@pytest.mark.parametrize("dtype, name", KERNELS)
+def test_blocked_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(kernel, out_features, in_features,
+                                                                              bias, dtype, name):
     from runtime.engine.surgery import BlockedLinear
 
-    blocked(dtype)
+    kernel(dtype, name)
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
     fast = BlockedLinear(linear)
@@ -149,16 +167,17 @@ def test_blocked_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(n
         assert ((y.double() - exact).abs() <= scale * 2 ** -7 + 1e-6 * in_features ** 0.5).all()
     assert fast(x.view(5, 8, in_features)).shape == (5, 8, out_features) and fast(x[:0]).shape == (0, out_features)
     alone = torch.cat([fast(x[i : i + 1]) for i in range(40)])
-    for m in range(1, 41):  # tiles of 1 to 6 rows and every remainder; the same bits for a row in each
-        assert torch.equal(fast(x[:m]), alone[:m]), m
+    # the vector loops' tiles of 1 to 6 rows and every remainder, AMX's tiles of up to 16 and a zero-padded last one
+    for m in range(1, 41):
+        assert torch.equal(fast(x[:m]), alone[:m]), m  # the same bits for a row in each
     assert torch.equal(fast(x[7:19]), alone[7:19])  # and wherever it sits in the pass
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_linear_spreads_a_product_over_torchs_threads_with_the_same_bits(native_ops, dtype):
+@pytest.mark.parametrize("dtype, name", KERNELS)
+def test_blocked_linear_spreads_a_product_over_torchs_threads_with_the_same_bits(kernel, dtype, name):
     from runtime.engine.surgery import BlockedLinear
 
-    blocked(dtype)
+    kernel(dtype, name)
     torch.manual_seed(0)
     fast = BlockedLinear(nn.Linear(576, 3072, bias=False).to(dtype))
     x = torch.randn(9, 576).to(dtype)
