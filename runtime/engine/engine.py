@@ -17,7 +17,7 @@ from runtime.engine.metrics import SpecDecodeStats
 from runtime.engine.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
 from runtime.engine.proposers import Proposer
 from runtime.engine.runner import ModelRunner
-from runtime.engine.sampling import probs_from_logits
+from runtime.engine.sampling import greedy, probs_from_logits
 from runtime.engine.sequence import GenerationParams, Sequence, StepOutput
 from runtime.engine.verify import verify_greedy, verify_sampled, verify_seeded
 
@@ -86,7 +86,7 @@ class SpeculativeEngine:
         if seq.prefilled < seq.prompt_len:
             return None
         # the first output token, chosen as a step with no drafts would choose it
-        _, token = self._accept(seq, [], None, lambda rows: logits[rows], slice(0, 1), logits.argmax(-1).tolist())
+        _, token = self._accept(seq, [], None, lambda rows: logits[rows], slice(0, 1), greedy(logits).tolist())
         seq.tokens.append(token)
         pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
         return self._emit(seq, [token], pa=pa)
@@ -257,7 +257,7 @@ class SpeculativeEngine:
                 best = float("inf")
                 for _ in range(repeats + 1):
                     t0 = time.perf_counter()
-                    draft.forward(0, [prompt[:1]] * b).argmax(-1).tolist()
+                    greedy(draft.forward(0, [prompt[:1]] * b)).tolist()
                     best = min(best, time.perf_counter() - t0)
                     for r in range(b):
                         draft.set_length(r, context)

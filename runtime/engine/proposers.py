@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from runtime.engine.runner import ModelRunner
-from runtime.engine.sampling import probs_from_logits
+from runtime.engine.sampling import greedy, probs_from_logits
 from runtime.engine.suffix import SuffixIndex
 
 
@@ -232,7 +232,7 @@ class DraftModelProposer:
         drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
         probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
         for i in range(width):
-            token = logits.argmax(-1)  # [B]
+            token = greedy(logits)  # [B]
             for b, seq in enumerate(batch):
                 if not seq.sampling.greedy:
                     q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]

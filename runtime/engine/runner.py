@@ -17,6 +17,7 @@ from runtime.engine import decoder
 from runtime.engine.attention import NAME as ROWS_ATTENTION
 from runtime.engine.cache import SlotCache
 from runtime.engine.head import ScreenedHead
+from runtime.engine.sampling import greedy
 from runtime.engine.surgery import prefill_pass
 
 
@@ -123,7 +124,7 @@ class Scores:
         """[T] every token's greedy choice."""
         if self.screened:
             return self.head.argmax(self.hidden)[0].tolist()
-        return self.logits().argmax(-1).tolist()
+        return greedy(self.logits()).tolist()
 
     def logits(self, rows: slice = slice(None)) -> torch.Tensor:
         """[len(rows), vocab]: the logits of the stream's tokens ``rows``."""
