@@ -26,7 +26,8 @@ from runtime.engine.head import ScreenedHead, screen_output_layer
 from runtime.engine.runner import ModelRunner
 from runtime.engine.surgery import (
     SplitKLinear, WeightMajorLinear, blocked_linears, int8_linears, int8_row_invariant, int8_weight_linears,
-    onednn_linears, onednn_row_invariant, plain_stand_in_bytes, row_invariant_chunk, split_k_linears, weight_major_linears,
+    onednn_linears, onednn_row_invariant, plain_stand_in_bytes, products, row_invariant_chunk, split_k_linears,
+    weight_major_linears,
 )
 
 log = logging.getLogger("depctl.loader")
@@ -63,6 +64,7 @@ class LoadedDeployment:
     max_context: int
     calibration: dict
     compiled: str = "no"  # what ``deployment get`` shows: how decode and verify passes run, and why
+    products: str = ""  # and what computes the target's matrix products (``surgery.products``)
 
 
 _progress = threading.local()
@@ -432,6 +434,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
     )
     compiled_status = compile_passes(engine.target, target.precision, spec.compile)
     calibration = engine.calibrate() if calibrate else {}
-    log.info("loaded %s on %s/%s%s: calibration %s", spec.id, device, dtype,
-             f" (draft {draft.precision})" if draft else "", calibration)
-    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration, compiled_status)
+    kernels = products(target.model)
+    log.info("loaded %s on %s/%s%s, products: %s; calibration %s", spec.id, device, dtype,
+             f" (draft {draft.precision})" if draft else "", kernels, calibration)
+    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration, compiled_status,
+                            kernels)

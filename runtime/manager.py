@@ -133,6 +133,7 @@ class Deployment:
             out["dtype"] = str(loaded.target.dtype).removeprefix("torch.")
             out["weights"] = loaded.target.precision  # the dtype's name, or "int8 weights"
             out["compiled"] = loaded.compiled
+            out["products"] = loaded.products
             if loaded.draft is not None:
                 out["draft_precision"] = loaded.draft.precision
             out["max_context"] = loaded.max_context

@@ -206,6 +206,7 @@ def _detail_table(r: dict) -> Table:
         ("Engine", _engine_cell(r) + _vllm_note(status.get("vllm"))),
         ("Device / dtype", f"{r.get('device')} / {r.get('dtype')}" + (
             f" (running on {status['device']} / {status['dtype']})" if status.get("device") else "")),
+        *([("Matrix products", status["products"])] if status.get("products") else []),
         *([("Quantization", r["quantization"] + (
             f" (running: {status['weights']})" if status.get("weights") else ""))] if r.get("quantization", "none") != "none" else []),
         *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),

@@ -342,6 +342,38 @@ def _row_invariant(k: int, dtype: torch.dtype, max_rows: int, n: int = 1024) -> 
     return all(torch.equal(nn.functional.linear(x[:m], w), alone[:m]) for m in range(2, max_rows + 1))
 
 
+def products(model: nn.Module) -> str:
+    """What computes ``model``'s matrix products after the surgery, for ``deployment get`` and the load log: e.g.
+    "depctl blocked bf16 on AMX tiles x121" (a count per kernel, most used first)."""
+    from collections import Counter
+
+    names = Counter()
+    skip: set[int] = set()
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        if isinstance(module, BlockedLinear):
+            kernel = torch.ops.depctl_native.blocked_kernel(module.weight.dtype)
+            names[f"depctl blocked {_KERNELS.get(kernel, kernel)}"] += 1
+        elif isinstance(module, OneDNNLinear):
+            names["oneDNN"] += 1
+        elif isinstance(module, SplitKLinear):
+            names["oneDNN, split inner dimension"] += 1
+        elif isinstance(module, Int8WeightLinear):
+            names["torch int8 weight-packed"] += 1
+        elif isinstance(module, nn.Linear):  # WeightMajorLinear too
+            names["weight-major" if isinstance(module, WeightMajorLinear) else "torch linear"] += 1
+        elif "dynamic" in type(module).__module__ and type(module).__name__ == "Linear":
+            names["torch dynamic int8"] += 1
+        else:
+            continue
+        skip.update(id(m) for m in module.modules())
+    return ", ".join(f"{name} x{count}" for name, count in names.most_common()) or "none"
+
+
+_KERNELS = {"fma": "float32 (FMA)", "avx512-bf16": "bf16 (AVX-512 BF16)", "amx-bf16": "bf16 on AMX tiles"}
+
+
 def _swap(model: nn.Module, pick, make) -> int:
     swapped = 0
     for parent in list(model.modules()):

@@ -393,3 +393,18 @@ def test_compile_is_on_by_default_and_no_compile_is_kept_and_updatable(depctl_ho
     run("deployment", "update", "dep", "--no-wait", "--no-compile")  # written; applying it needs a daemon
     assert SpecStore().get("dep").compile is False
     assert "compile: false" in (depctl_home / "deployments" / "dep.yaml").read_text()
+
+
+def test_get_shows_what_runs_the_matrix_products():
+    from rich.console import Console
+
+    from depctl.cli.deployment import _detail_table
+
+    status = {"state": "READY", "device": "cpu", "dtype": "bfloat16", "products": "depctl blocked bf16 on AMX tiles x121"}
+    console = Console(width=200, record=True)
+    console.print(_detail_table({"id": "dep", "model": "smollm2-135m-instruct", "device": "auto", "dtype": "auto",
+                                 "status": status}))
+    text = console.export_text()
+    assert "Matrix products" in text and "depctl blocked bf16 on AMX tiles x121" in text
+    console.print(_detail_table({"id": "dep", "model": "m", "status": {"state": "STOPPED"}}))
+    assert console.export_text().count("Matrix products") == 0  # nothing loaded: no row

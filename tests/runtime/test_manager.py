@@ -150,6 +150,8 @@ def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_h
         release.set()
         dep = _wait(manager, "slow", ("READY",), timeout=30)
         assert dep.reason is None and dep.status()["compiled"]  # the message goes; how the passes run stays
+        # and what runs the target's products (ours where the C++ ops build; oneDNN's or weight-major loops without)
+        assert dep.status()["products"].startswith(("depctl blocked ", "oneDNN", "weight-major")), dep.status()
     finally:
         release.set()
         manager.stop()

@@ -207,7 +207,7 @@ def test_blocked_linear_refuses_a_weight_it_did_not_pack(native_ops):
 @pytest.mark.parametrize("ops_build", [True, False])
 def test_the_float_surgery_is_picked_by_what_the_machine_does(monkeypatch, precision, ops_build):
     from runtime.engine import native
-    from runtime.engine.surgery import BlockedLinear, OneDNNLinear, onednn_row_invariant
+    from runtime.engine.surgery import BlockedLinear, OneDNNLinear, onednn_row_invariant, products
     from runtime.loader import surgery_for
 
     dtype = getattr(torch, precision)
@@ -222,9 +222,23 @@ def test_the_float_surgery_is_picked_by_what_the_machine_does(monkeypatch, preci
     surgery_for(model, precision, exact=True)
     if ops_build and native.blocked_supports(dtype):
         assert isinstance(model[0], BlockedLinear)
+        kernel = torch.ops.depctl_native.blocked_kernel(dtype)  # and `deployment get` says which loops run it
+        assert products(model) == {"fma": "depctl blocked float32 (FMA) x1", "amx-bf16": "depctl blocked bf16 on AMX "
+                                   "tiles x1", "avx512-bf16": "depctl blocked bf16 (AVX-512 BF16) x1"}[kernel]
         return
     fallback = WeightMajorLinear if dtype == torch.float32 else SplitKLinear
     assert isinstance(model[0], OneDNNLinear if onednn_row_invariant(dtype) else fallback)
+    assert products(model) == {OneDNNLinear: "oneDNN x1", WeightMajorLinear: "weight-major x1",
+                               SplitKLinear: "oneDNN, split inner dimension x1"}[type(model[0])]
+
+
+def test_products_names_each_kernel_once_per_product():
+    from runtime.engine.surgery import Int8WeightLinear, products
+
+    model = nn.Sequential(nn.Linear(64, 64), Int8WeightLinear(nn.Linear(64, 32), torch.bfloat16), nn.ReLU(),
+                          nn.Linear(32, 8))
+    assert products(model) == "torch linear x2, torch int8 weight-packed x1"
+    assert products(nn.ReLU()) == "none"
 
 
 def test_int8_prompt_chunks_take_the_dequantized_path_only_inside_a_prefill_pass():
