@@ -67,18 +67,21 @@ def test_it_computes_the_eager_attention_it_replaces(op, dtype, starts, widths):
     assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(18, 1, 20), (6, 6, 64), (14, 2, 64), (1, 1, 3)],
-                         ids=["18-heads-a-group-dim-20", "no-grouping", "7-a-group", "dim-3"])
-def test_any_grouping_and_head_size(op, heads, kv_heads, dim):
-    """Query heads go through in blocks of up to 8 a kv head, head dimensions in vectors plus a scalar tail."""
-    keys, values = cache(kv_heads=kv_heads, dim=dim)
-    query = torch.randn(1, heads, 6, dim)
-    starts, widths = [5, 30], [4, 2]
+@DTYPES
+@pytest.mark.parametrize("heads,kv_heads,dim", [(18, 1, 20), (6, 6, 64), (14, 2, 64), (1, 1, 3), (2, 1, 72),
+                                                (2, 2, 264)],
+                         ids=["18-heads-a-group-dim-20", "no-grouping", "7-a-group", "dim-3", "dim-72", "dim-264"])
+def test_any_grouping_and_head_size(op, heads, kv_heads, dim, dtype):
+    """Query heads go through in blocks of up to 8 a kv head, head dimensions in vectors plus a masked or scalar tail
+    (heads over 256 wide by the loops without the 16-key blocks); rows long enough for several blocks of keys."""
+    keys, values = cache(kv_heads=kv_heads, dim=dim, capacity=70, dtype=dtype)
+    query = torch.randn(1, heads, 6, dim).to(dtype)
+    starts, widths = [5, 50], [4, 2]
     rows, positions = stream(starts, widths)
     with torch.inference_mode():
         got = op(query, keys, values, rows, positions, dim ** -0.5)
         want = reference(query, keys, values, starts, widths, scale=dim ** -0.5)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @DTYPES
