@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/passes.py                                  # SmolLM2, int8 weights and float32
     .venv/bin/python benchmarks/passes.py --precision float32 --shapes 1x1,1x9 --context 200
+    .venv/bin/python benchmarks/passes.py --precision bfloat16 --bf16-kernels   # AMX against vdpbf16ps, where AMX is
 
 A pass is ``rows x tokens``: 1x1 a plain step of one request, 1x9 a verify pass of 8 drafts, 8x1 a plain step of a
 batch of 8, 8x5 that batch verifying 4 drafts a row. Each precision loads the deployment as the daemon would (the
@@ -45,6 +46,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x1,1x9,8x1,8x5", help="rows x tokens, comma-separated")
     parser.add_argument("--context", type=int, default=40, help="cached positions per row before the pass")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--bf16-kernels", action="store_true",
+                        help="bfloat16 on a CPU with AMX: time the compiled passes with the AMX product and with the "
+                             "vdpbf16ps loops, interleaved (a second table)")
     args = parser.parse_args()
 
     from runtime.loader import load_deployment
@@ -54,6 +58,7 @@ def main() -> None:
     lines = [f"SmolLM2-class passes: {args.model}, context {args.context}, median of {args.runs} interleaved runs, "
              f"ms, {torch.get_num_threads()} threads", "",
              "| precision | pass (rows x tokens) | eager | compiled | eager / compiled |", "|---|---|---|---|---|"]
+    kernel_lines: list[str] = []
     for precision in args.precision.split(","):
         quantization = "int8" if precision == "int8" else "none"
         dtype = "auto" if precision == "int8" else precision
@@ -65,12 +70,18 @@ def main() -> None:
         print(f"# {precision}: compiled {loaded.compiled}", file=sys.stderr)
         for r in range(rows):  # every row holds ``context`` positions; each pass is then rolled back to them
             runner.forward(r, [[(r * 13 + j) % 1000 + 1 for j in range(args.context)]], last_only=True, prefill=True)
-        modes = {"eager": None, "compiled": library} if library is not None else {"eager": None}
+        modes = {"eager": (None, False), "compiled": (library, False)} if library is not None else {"eager": (None, False)}
+        kernels = args.bf16_kernels and precision == "bfloat16" and library is not None and \
+            torch.ops.depctl_native.blocked_kernel(torch.bfloat16) == "amx-bf16"
+        if kernels:  # the same library; the op takes the vdpbf16ps loops while AMX is refused
+            modes["vdpbf16ps"] = (library, True)
         for r, t in shapes:
             times: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.runs + 2):
-                for mode, lib in modes.items():
+                for mode, (lib, refuse_amx) in modes.items():
                     runner.compiled = lib
+                    if kernels:
+                        torch.ops.depctl_native.blocked_refuse_amx(refuse_amx)
                     seconds = time_pass(runner, r, t, args.context)
                     if i >= 2:  # two warm-up runs of a new shape
                         times[mode].append(seconds)
@@ -79,10 +90,18 @@ def main() -> None:
             lines.append(f"| {precision} | {r} x {t} | {med['eager']:.2f} | "
                          + (f"{comp:.2f} | {med['eager'] / comp:.2f}x |" if comp else "- | - |"))
             print(lines[-1], file=sys.stderr, flush=True)
+            if kernels:
+                kernel_lines.append(f"| {r} x {t} | {comp:.2f} | {med['vdpbf16ps']:.2f} | {med['vdpbf16ps'] / comp:.2f}x |")
+        if kernels:
+            torch.ops.depctl_native.blocked_refuse_amx(False)
         runner.compiled = library
         for r in range(rows):
             runner.set_length(r, 0)
         del loaded, runner, library
+    if kernel_lines:
+        lines += ["", "bfloat16 compiled passes by product kernel (eager passes alike: the eager column above is AMX's):",
+                  "", "| pass (rows x tokens) | AMX tiles | vdpbf16ps loops | vdpbf16ps / AMX |", "|---|---|---|---|",
+                  *kernel_lines]
     print("\n".join(lines))
 
 
