@@ -84,52 +84,52 @@ DEPCTL_BF16_TARGET inline void store_scores(float* to, __m512 sums, float scale,
   }
 }
 
-// float32: 16 floats of q and k a fused multiply-add, chunk by chunk in order
-template <int G>
-DEPCTL_BF16_TARGET void tree_scores_f32(const float* query, int64_t query_stride, float scale, const float* keys,
-                                        int64_t key_stride, int64_t length, int64_t dim, float* scores) {
-  const int64_t chunks = (dim + 15) / 16;
-  const __mmask16 tail = dim % 16 ? static_cast<__mmask16>((1u << (dim % 16)) - 1) : static_cast<__mmask16>(0xFFFF);
-  for (int g = 0; g < G; ++g) {
-    const float* qg = query + g * query_stride;
-    for (int64_t j = 0; j < length; j += 16) {
-      const int64_t n = std::min<int64_t>(16, length - j);
-      __m512 sum[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __mmask16 mask = c + 1 < chunks ? static_cast<__mmask16>(0xFFFF) : tail;
-        const __m512 qc = _mm512_maskz_loadu_ps(mask, qg + 16 * c);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i)
-          if (i < n) sum[i] = _mm512_fmadd_ps(qc, _mm512_maskz_loadu_ps(mask, keys + (j + i) * key_stride + 16 * c), sum[i]);
-      }
-      store_scores(scores + g * length + j, sum_lanes(sum), scale, n);
-    }
+// How a chunk of a query and of a key multiply into 16 float32 lanes: float32, 16 values a fused multiply-add; bf16
+// (AVX-512 BF16), 32 values a dot product of pairs (vdpbf16ps), the key never converted
+struct Float32Chunk {
+  using T = float;
+  static constexpr int64_t width = 16;
+  DEPCTL_BF16_TARGET static __m512i load(const T* p, uint32_t mask) {
+    return _mm512_castps_si512(_mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), p));
   }
-}
+  DEPCTL_BF16_TARGET static __m512 multiply_add(__m512 sum, __m512i q, __m512i k) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(q), _mm512_castsi512_ps(k), sum);
+  }
+};
+struct Bf16Chunk {
+  using T = uint16_t;
+  static constexpr int64_t width = 32;
+  DEPCTL_BF16_TARGET static __m512i load(const T* p, uint32_t mask) {
+    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(mask), p);
+  }
+  DEPCTL_BF16_TARGET static __m512 multiply_add(__m512 sum, __m512i q, __m512i k) {
+    return _mm512_dpbf16_ps(sum, (__m512bh)q, (__m512bh)k);
+  }
+};
 
-// bf16 (AVX-512 BF16): 32 values of q and k a dot product of pairs into float32, chunk by chunk in order
-template <int G>
-DEPCTL_BF16_TARGET void tree_scores_bf16(const uint16_t* query, int64_t query_stride, float scale, const uint16_t* keys,
-                                         int64_t key_stride, int64_t length, int64_t dim, float* scores) {
-  const int64_t chunks = (dim + 31) / 32;
-  const __mmask32 tail = dim % 32 ? static_cast<__mmask32>((1u << (dim % 32)) - 1) : static_cast<__mmask32>(~0u);
+// scores[g, j] = scale * q_g . k_j, 16 keys at a time: each key's lanes accumulate chunk by chunk in order, then
+// `sum_lanes` adds each key's lanes
+template <typename Chunk, int G>
+DEPCTL_BF16_TARGET void tree_scores_of(const typename Chunk::T* query, int64_t query_stride, float scale,
+                                       const typename Chunk::T* keys, int64_t key_stride, int64_t length, int64_t dim,
+                                       float* scores) {
+  constexpr int64_t width = Chunk::width;
+  const int64_t chunks = (dim + width - 1) / width;
+  const uint32_t all = width == 32 ? ~0u : (1u << width) - 1;
+  const uint32_t tail = dim % width ? (1u << (dim % width)) - 1 : all;
   for (int g = 0; g < G; ++g) {
-    const uint16_t* qg = query + g * query_stride;
+    const typename Chunk::T* qg = query + g * query_stride;
     for (int64_t j = 0; j < length; j += 16) {
       const int64_t n = std::min<int64_t>(16, length - j);
       __m512 sum[16];
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {
-        const __mmask32 mask = c + 1 < chunks ? static_cast<__mmask32>(~0u) : tail;
-        const __m512bh qc = (__m512bh)_mm512_maskz_loadu_epi16(mask, qg + 32 * c);
+        const uint32_t mask = c + 1 < chunks ? all : tail;
+        const __m512i qc = Chunk::load(qg + width * c, mask);
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i)
-          if (i < n)
-            sum[i] = _mm512_dpbf16_ps(sum[i], qc,
-                                      (__m512bh)_mm512_maskz_loadu_epi16(mask, keys + (j + i) * key_stride + 32 * c));
+          if (i < n) sum[i] = Chunk::multiply_add(sum[i], qc, Chunk::load(keys + (j + i) * key_stride + width * c, mask));
       }
       store_scores(scores + g * length + j, sum_lanes(sum), scale, n);
     }
@@ -156,13 +156,13 @@ bool tree_scores(const T* query, int64_t query_stride, float scale, const T* key
   if (dim <= TREE_MAX_DIM) {
     if constexpr (std::is_same_v<T, float>) {
       if (cpu_has_avx512()) {
-        tree_scores_f32<G>(query, query_stride, scale, keys, key_stride, length, dim, scores);
+        tree_scores_of<Float32Chunk, G>(query, query_stride, scale, keys, key_stride, length, dim, scores);
         return true;
       }
     } else if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (cpu_has_bf16_dot()) {
-        tree_scores_bf16<G>(reinterpret_cast<const uint16_t*>(query), query_stride, scale,
-                            reinterpret_cast<const uint16_t*>(keys), key_stride, length, dim, scores);
+        tree_scores_of<Bf16Chunk, G>(reinterpret_cast<const uint16_t*>(query), query_stride, scale,
+                                     reinterpret_cast<const uint16_t*>(keys), key_stride, length, dim, scores);
         return true;
       }
     }
