@@ -45,6 +45,9 @@ constexpr int64_t L = Vec::size();
 constexpr int MAX_ROWS = 6;    // rows a tile: 6 x 4 sums + 4 weight vectors fit AVX-512's 32 registers
 constexpr int MAX_BLOCKS = 4;  // blocks a tile
 
+constexpr int64_t FLOAT_PREFETCH = 32;  // inputs ahead, each a block's L weights
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 // MB rows (x, `x_stride` apart) by NB blocks (starting at `w`, K * L floats apart) into y (`y_stride` apart); the
 // last of the NB blocks holds `last` valid outputs (L for a full one).
 template <int MB, int NB>
@@ -53,6 +56,10 @@ void tile(const float* x, int64_t x_stride, const float* w, int64_t K, float* y,
   c10::ForcedUnroll<MB>{}([&](auto m) { c10::ForcedUnroll<NB>{}([&](auto b) { sum[m][b] = Vec(0.f); }); });
   for (int64_t k = 0; k < K; ++k) {
     Vec wk[NB];
+    if constexpr (MB > 1) {  // a tile of one row keeps up with the weights without it (and paid ~2% for it)
+      if (k + FLOAT_PREFETCH < K)
+        c10::ForcedUnroll<NB>{}([&](auto b) { prefetch(w + (b * K + k + FLOAT_PREFETCH) * L); });
+    }
     c10::ForcedUnroll<NB>{}([&](auto b) { wk[b] = Vec::loadu(w + (b * K + k) * L); });
     c10::ForcedUnroll<MB>{}([&](auto m) {
       const Vec xk(x[m * x_stride + k]);
@@ -135,6 +142,10 @@ DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uin
     for (int b = 0; b < NB; ++b) sum[m][b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < pairs; ++k) {
     __m512bh wk[NB];
+    if (MB > 1 && k + FLOAT_PREFETCH < pairs)
+#pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (b * stride + k + FLOAT_PREFETCH) * 2 * BL), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) wk[b] = (__m512bh)_mm512_loadu_si512(w + (b * stride + k) * 2 * BL);
 #pragma GCC unroll 8
@@ -216,6 +227,7 @@ bool amx_enabled() { return amx_usable() && !amx_refused.load(std::memory_order_
 // Tiles 0..NB-1: the sums of NB blocks for the tile's rows; 4: the rows' inputs; 5-7: weights, three loads in
 // flight. Rows m..: `height` rows of x (`x_stride` elements apart) against NB blocks (`stride` pairs each, from w);
 // the sums of the first `valid` rows, rounded to bf16, into y (`N` apart), the last block's first `last` outputs.
+constexpr int64_t PREFETCH = 32;  // pairs ahead
 template <int NB>
 DEPCTL_AMX_TARGET void amx_tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t stride, uint16_t* y,
                                 int64_t N, int64_t valid, int64_t last) {
@@ -225,6 +237,13 @@ DEPCTL_AMX_TARGET void amx_tile(const uint16_t* x, int64_t x_stride, const uint1
   if constexpr (NB > 3) _tile_zero(3);
   const int64_t x_bytes = x_stride * 2;
   for (int64_t k = 0; k < stride; k += 16) {
+    if (k + PREFETCH < stride) {
+      for (int b = 0; b < NB; ++b) {
+        const char* ahead = reinterpret_cast<const char*>(w + (b * stride + k + PREFETCH) * 2 * BL);
+#pragma GCC unroll 16
+        for (int line = 0; line < 16; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(4, x + 2 * k, x_bytes);
     _tile_loadd(5, w + k * 2 * BL, 64);
     _tile_dpbf16ps(0, 4, 5);
