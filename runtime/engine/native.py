@@ -7,9 +7,11 @@ demand.
   ~8 for the SDPA call inside it, 30 layers a step); ATen's SDPA called per token from C++ then cost ~18 us a call
   where the arithmetic is ~2 (see the source's header).
 - ``torch.ops.depctl_native.blocked_linear(x, packed, out_features)`` and ``pack_blocked(weight)``
-  (``blocked_linear.cpp``): float32 and bf16 (AVX-512 BF16) matrix products whose result for a row does not depend
-  on the other rows in the pass, faster than oneDNN's here at every row count (``surgery.BlockedLinear``; the
-  source's header has the numbers).
+  (``blocked_linear.cpp``): float32 and bf16 (AVX-512 BF16; AMX tiles where the CPU has them) matrix products whose
+  result for a row does not depend on the other rows in the pass, faster than oneDNN's here at every row count
+  (``surgery.BlockedLinear``; the source has the numbers). ``blocked_kernel(dtype)`` names the loops that run them
+  ("fma", "avx512-bf16", "amx-bf16"); ``blocked_refuse_amx(bool)`` is for tests only (a process must keep one bf16
+  kernel: the two round differently).
 - ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
   inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
   GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).

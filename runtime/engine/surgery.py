@@ -1,8 +1,10 @@
 """Model surgery for CPU inference, applied by the loader explicitly, as module swaps a benchmark can leave out.
 
-- ``blocked_linears(model)``: float32 linears through our own product (``BlockedLinear``, ``blocked_linear.cpp``):
-  row-invariant by construction and faster than oneDNN's at every row count here (a one-token step's products
-  1.3-1.4x); where depctl's C++ ops cannot be built, the loader takes ``onednn_linears`` instead.
+- ``blocked_linears(model, dtype)``: float32 linears, and bf16 ones on a CPU with AVX-512 BF16 (AMX tiles where it
+  has them), through our own product (``BlockedLinear``, ``blocked_linear.cpp``): row-invariant by construction and
+  faster than oneDNN's at every row count here (a one-token step's products 1.3-1.4x); where depctl's C++ ops cannot
+  be built, the loader takes ``onednn_linears`` instead.
+- ``products(model)``: what computes a model's products after the surgery, as ``deployment get`` shows it.
 - ``onednn_linears(model, dtype)``: bfloat16 (or, without our C++ ops, float32) linears through oneDNN, never fewer
   than two rows a product: in float32 1.4-1.6x faster steps than MKL and verify passes nearly flat in their width;
   exact under speculation in both (``OneDNNLinear``), and they compile (``runtime.engine.compiled``).
@@ -108,7 +110,7 @@ class BlockedLinear(nn.Module):
     same bits whatever else is in the pass and speculation over the model stays exact. In float32 faster than
     oneDNN's linear here for one row (SmolLM2's 120 per-layer products, Python calling each: 9.7 against 13.0 ms)
     and for a prompt chunk (512 rows of a 3072 x 576 weight: 3.6 against 3.8 ms); bf16 needs AVX-512 BF16
-    (``native.blocked_supports``). A plain tensor, so it traces into a compiled pass as it is. The op needs depctl's
+    (``native.blocked_supports``) and takes AMX tiles where the CPU has them (a 9-row product as cheap as one row). A plain tensor, so it traces into a compiled pass as it is. The op needs depctl's
     C++ ops loaded (``native.load``)."""
 
     def __init__(self, linear: nn.Linear):
