@@ -170,7 +170,8 @@ def pick_dtype(requested: str, device: torch.device, quantization: str = "none")
     # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads (a compiled
     # one-token SmolLM2 pass: 5.2 ms against float32's 10.8, both through our blocked products) and a product of a
     # few rows costs little more than one, so decoding is ~2x faster and verification cheap. Without them bf16 is
-    # emulated (verifying 8 tokens cost 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the result stays exact (surgery).
+    # emulated (verifying 8 tokens cost 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the
+    # result stays exact (surgery).
     if cpu_has_bf16() and cpu_bf16_exact():
         return torch.bfloat16
     return torch.float32

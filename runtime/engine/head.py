@@ -15,8 +15,9 @@ each other it may pick the other one than the full product would, as two GEMM li
 
 Where: the loader's surgery swaps a float32 target's output layer for one when the CPU has bf16 dot products
 (AVX-512 BF16, AMX), depctl's C++ ops build, and the layer is tied to the embeddings (their table is the plain copy
-the op reads, so nothing is duplicated but the bf16 copy: 57 MB for SmolLM2). The screen is switched on with the compiled passes, which
-load the native ops (``screen``); until then greedy choices come from the full product (``runner.Scores``).
+the op reads, so nothing is duplicated but the bf16 copy: 57 MB for SmolLM2). The screen is switched on with the
+compiled passes, which load the native ops (``screen``); until then greedy choices come from the full product
+(``runner.Scores``).
 """
 
 from __future__ import annotations

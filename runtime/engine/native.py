@@ -24,7 +24,8 @@ It is built for this CPU's vector instruction set, with the flags inductor uses 
 
 A compiled pass needs it, and so do a float32 or bf16 model's products (the loader's surgery falls back to oneDNN's
 where the ops cannot be built): a C++ compiler (and ninja, a dependency). The build takes ~20 s and is kept under the
-cache directory, keyed by the source and the torch build; ``load`` raises ``NativeUnavailable`` with the reason where it cannot be built, and the loader then runs eagerly.
+cache directory, keyed by the source and the torch build; ``load`` raises ``NativeUnavailable`` with the reason
+where it cannot be built, and the loader then runs eagerly.
 """
 
 from __future__ import annotations

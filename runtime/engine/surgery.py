@@ -110,8 +110,9 @@ class BlockedLinear(nn.Module):
     same bits whatever else is in the pass and speculation over the model stays exact. In float32 faster than
     oneDNN's linear here for one row (SmolLM2's 120 per-layer products, Python calling each: 9.7 against 13.0 ms)
     and for a prompt chunk (512 rows of a 3072 x 576 weight: 3.6 against 3.8 ms); bf16 needs AVX-512 BF16
-    (``native.blocked_supports``) and takes AMX tiles where the CPU has them (a 9-row product as cheap as one row). A plain tensor, so it traces into a compiled pass as it is. The op needs depctl's
-    C++ ops loaded (``native.load``)."""
+    (``native.blocked_supports``) and takes AMX tiles where the CPU has them (a 9-row product as cheap as one row).
+    A plain tensor, so it traces into a compiled pass as it is. The op needs depctl's C++ ops loaded
+    (``native.load``)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -349,31 +350,21 @@ def products(model: nn.Module) -> str:
     "depctl blocked bf16 on AMX tiles x121" (a count per kernel, most used first)."""
     from collections import Counter
 
-    names = Counter()
-    skip: set[int] = set()
-    for module in model.modules():
-        if id(module) in skip:
-            continue
-        if isinstance(module, BlockedLinear):
-            kernel = torch.ops.depctl_native.blocked_kernel(module.weight.dtype)
-            names[f"depctl blocked {_KERNELS.get(kernel, kernel)}"] += 1
-        elif isinstance(module, OneDNNLinear):
-            names["oneDNN"] += 1
-        elif isinstance(module, SplitKLinear):
-            names["oneDNN, split inner dimension"] += 1
-        elif isinstance(module, Int8WeightLinear):
-            names["torch int8 weight-packed"] += 1
-        elif isinstance(module, nn.Linear):  # WeightMajorLinear too
-            names["weight-major" if isinstance(module, WeightMajorLinear) else "torch linear"] += 1
-        elif "dynamic" in type(module).__module__ and type(module).__name__ == "Linear":
-            names["torch dynamic int8"] += 1
-        else:
-            continue
-        skip.update(id(m) for m in module.modules())
+    names = Counter(name for name in map(_product_name, model.modules()) if name)
     return ", ".join(f"{name} x{count}" for name, count in names.most_common()) or "none"
 
 
-_KERNELS = {"fma": "float32 (FMA)", "avx512-bf16": "bf16 (AVX-512 BF16)", "amx-bf16": "bf16 on AMX tiles"}
+def _product_name(module: nn.Module) -> str | None:
+    if isinstance(module, BlockedLinear):
+        kernel = torch.ops.depctl_native.blocked_kernel(module.weight.dtype)
+        return "depctl blocked " + {"fma": "float32 (FMA)", "avx512-bf16": "bf16 (AVX-512 BF16)",
+                                    "amx-bf16": "bf16 on AMX tiles"}.get(kernel, kernel)
+    if isinstance(module, WeightMajorLinear):  # an nn.Linear too: before it
+        return "weight-major"
+    if type(module).__name__ == "Linear" and "dynamic" in type(module).__module__:  # torch.ao's dynamic int8
+        return "torch dynamic int8"
+    return {OneDNNLinear: "oneDNN", SplitKLinear: "oneDNN, split inner dimension",
+            Int8WeightLinear: "torch int8 weight-packed", nn.Linear: "torch linear"}.get(type(module))
 
 
 def _swap(model: nn.Module, pick, make) -> int:
