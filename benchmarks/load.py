@@ -5,6 +5,8 @@ on, through one deployment (a request can ask to decode plainly, so both modes u
     .venv/bin/python benchmarks/load.py --workload chat --concurrency 1,8 --max-tokens 64
     .venv/bin/python benchmarks/load.py --concurrency 1,8 --quantization int8 \
         --llama-server $LLAMA/build/bin/llama-server --gguf F32=smol-f32.gguf --gguf Q8_0=smol-q8_0.gguf
+    .venv/bin/python benchmarks/load.py --model qwen2.5-coder-1.5b-instruct --device cuda --workload code \
+        --concurrency 1,8 --draft-model qwen2.5-coder-0.5b-instruct --k 4 --depctl auto --depctl auto+eager   # a GPU
 
 Peers (``--llama-server`` with ``--gguf``, ``--vllm-python``; ../shared/PEERS.md says how to build and install them)
 go through the same client code, prompts and settings; their n-gram rows come from their own prompt-lookup
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
-from depctl.spec import DeploymentSpec, NgramSpeculation, NoSpeculation  # noqa: E402
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, NoSpeculation  # noqa: E402
 from depctl.store import SpecStore  # noqa: E402
 
 
@@ -228,6 +230,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--draft-model", default=None, metavar="MODEL",
+                        help="speculate with this draft model instead of n-grams (the mode's rows say 'draft')")
+    parser.add_argument("--device", default="auto", help="the deployments' --device (auto, cpu, cuda)")
     parser.add_argument("--dtype", default="auto", help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 "
                         "instructions, else float32)")
     parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
@@ -256,13 +261,17 @@ def main() -> int:
     prompts = {w: [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{w}.jsonl").open()]
                for w in workloads}
     configs = args.depctl or [args.dtype + ("+int8" if args.quantization == "int8" else "")]
+    if args.draft_model:
+        speculation = DraftModelSpeculation(draft_model=args.draft_model, num_draft_tokens=args.k)
+    else:
+        speculation = NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k)
     specs = {}
     for config in configs:
         dtype, *modifiers = config.split("+")
         specs[f"depctl {config}"] = DeploymentSpec(
-            id="bench", model=args.model, max_batch_size=max(levels), dtype=dtype or "auto",
+            id="bench", model=args.model, max_batch_size=max(levels), dtype=dtype or "auto", device=args.device,
             quantization="int8" if "int8" in modifiers else "none", compile="eager" not in modifiers,
-            speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
+            speculation=speculation)
     ours = next(iter(specs))  # the others' "vs depctl plain" column compares with this one
 
     results: dict = {}
@@ -297,7 +306,8 @@ def main() -> int:
 
         for name, spec in ({} if args.no_depctl else specs).items():
             # one deployment serves both modes: a request may ask to decode plainly
-            out.append(ours_(name, spec, {"plain": {"speculate": False}, "n-gram": {"speculate": True}}, "depctl-load-"))
+            out.append(ours_(name, spec, {"plain": {"speculate": False}, spec_mode(args): {"speculate": True}},
+                             "depctl-load-"))
         if args.depctl_vllm:  # vLLM behind our daemon: its speculation is a start-up flag, so a deployment per mode
             dtype = "float32" if args.dtype == "float32" else "bfloat16"
             for mode, speculation in (("plain", NoSpeculation()),
@@ -368,7 +378,8 @@ def main() -> int:
 
 
 def print_table(workload, levels, results, reference, args, ours) -> None:
-    print(f"\n### {workload}: {args.model}, n-gram n={args.ngram} K={args.k}, max_tokens {args.max_tokens}, greedy, "
+    how = f"draft {args.draft_model}" if args.draft_model else f"n-gram n={args.ngram}"
+    print(f"\n### {workload}: {args.model}, {how} K={args.k}, max_tokens {args.max_tokens}, greedy, "
           f"streaming over HTTP\n")
     if reference is not None:
         plain1 = results[(ours, "plain", workload, levels[0])].aggregate if levels[0] == 1 else None
@@ -382,7 +393,7 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:
         for name in servers:
-            for mode in ("plain", "n-gram"):
+            for mode in ("plain", spec_mode(args)):
                 cell = results.get((name, mode, workload, c))
                 if cell is None:
                     continue
@@ -393,6 +404,10 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
                       f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
                       f"{_ratio(cell, own)} | {_ratio(cell, base)} |")
     sys.stdout.flush()
+
+
+def spec_mode(args) -> str:
+    return "draft" if args.draft_model else "n-gram"
 
 
 def _ratio(cell: Cell, base: Cell | None) -> str:

@@ -20,7 +20,7 @@ from depctl import config, models
 from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from runtime.engine import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
-from runtime.engine import compiled, native
+from runtime.engine import compiled, graphs, native
 from runtime.engine.decoder import fuse_projections
 from runtime.engine.head import ScreenedHead, screen_output_layer
 from runtime.engine.runner import ModelRunner
@@ -87,7 +87,43 @@ def report(message: str) -> None:
         callback(message)
 
 
-def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
+def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> str:
+    """On CUDA: the target's decode and verify passes at one fixed shape, ``max_rows x width`` tokens (width = 1 +
+    the most drafts a row verifies), replayed from CUDA graphs (``runtime.engine.graphs``), once a verify pass through
+    them equals one-token steps through them bit for bit on this GPU; a draft model's one- and two-token forwards
+    likewise (its output only proposes, so no check). Anything that fails leaves the eager pass and says why."""
+    if not runner.fused:
+        return "no (this architecture keeps transformers' forward, which is not recorded into CUDA graphs)"
+    runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
+    runner.set_length(0, 0)
+    try:
+        runner.graphed = graphs.FixedShapePass(runner.model, runner.cache, runner.max_rows, (width,))
+        exact = compiled.check(runner)
+    except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
+        log.warning("recording CUDA graphs failed; the passes run eagerly", exc_info=exc)
+        runner.graphed = None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"no (recording CUDA graphs failed: {type(exc).__name__}: {first})"
+    if not exact:
+        runner.graphed = None
+        return "no (a verify pass through the CUDA graphs rounded differently from single steps on this GPU)"
+    drafts = ""
+    if draft is not None and draft.fused:
+        try:
+            draft.forward(0, [[0]], prefill=True)
+            draft.set_length(0, 0)
+            draft.graphed = graphs.FixedShapePass(draft.model, draft.cache, draft.max_rows, (1, 2))
+            draft.forward(0, [[1]])
+            draft.set_length(0, 0)
+            drafts = "; the draft model's forwards too"
+        except Exception as exc:  # noqa: BLE001
+            log.warning("recording the draft model's CUDA graphs failed; it runs eagerly", exc_info=exc)
+            draft.graphed = None
+    return f"yes ({runner.graphed.describe()}{drafts})"
+
+
+def compile_passes(runner: ModelRunner, precision: str, wanted: bool, width: int = 1,
+                   draft: ModelRunner | None = None) -> str:
     """Attach a compiled decode/verify pass (``runtime.engine.compiled``) where it is faster and exact, and say how
     the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step, ``benchmarks/passes.py``): int8 weights 11.2
     -> 7.3 ms, bf16 14.6 -> 10.0 ms, float32 17.8 -> 13.4 ms, each with products the library calls directly
@@ -97,8 +133,10 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool) -> str:
     never fails the deployment."""
     if not wanted:
         return "no (the spec says compile: false)"
+    if runner.device.type == "cuda":
+        return graph_passes(runner, width, draft)
     if runner.device.type != "cpu":
-        return "no (compiled passes on CUDA, with CUDA graphs, are not in this version)"
+        return f"no (no compiled passes on {runner.device.type})"
     if precision not in COMPILED_PRECISIONS:
         return f"no ({precision} passes ran slower compiled on a CPU; int8 weights, bfloat16 and float32 compile)"
     if any(isinstance(m, (SplitKLinear, WeightMajorLinear)) for m in runner.model.modules()):
@@ -433,7 +471,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True) -> LoadedDeplo
             eos_token_ids=tuple(sorted(eos_ids)),
         ),
     )
-    compiled_status = compile_passes(engine.target, target.precision, spec.compile)
+    compiled_status = compile_passes(engine.target, target.precision, spec.compile, width=1 + engine.policy.max_k,
+                                     draft=proposer.runner if isinstance(proposer, DraftModelProposer) else None)
     calibration = engine.calibrate() if calibrate else {}
     kernels = products(target.model)
     log.info("loaded %s on %s/%s%s, products: %s; calibration %s", spec.id, device, dtype,

@@ -31,7 +31,7 @@ class SlotLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         c = self._cache
-        shape = (c.max_rows, key_states.shape[1], c.capacity, key_states.shape[-1])
+        shape = (c.allocated_rows, key_states.shape[1], c.capacity, key_states.shape[-1])
         self.keys = key_states.new_zeros(shape)
         self.values = value_states.new_zeros((*shape[:3], value_states.shape[-1]))
         self.is_initialized = True
@@ -83,7 +83,25 @@ class SlotCache(Cache):
         self.max_capacity = max_capacity  # the most positions a row may ever need (context + draft slack)
         self.capacity = min(capacity, max_capacity)  # allocated positions per row; doubles on demand
         self.lengths = [0] * max_rows  # valid positions per row
+        self.scratch: int | None = None  # a row past the last, where a fixed-shape pass's padding writes
         self.step: _Step | None = None
+
+    @property
+    def allocated_rows(self) -> int:
+        return self.max_rows + (self.scratch is not None)
+
+    @torch.inference_mode()
+    def reserve_scratch(self) -> int:
+        """Add one row past ``max_rows`` for padding to write into (``runtime.engine.graphs``): no sequence owns it
+        and no token reads it. Returns its index."""
+        if self.scratch is None:
+            self.scratch = self.max_rows
+            for layer in self.layers:
+                if layer.is_initialized:
+                    for name in ("keys", "values"):
+                        old = getattr(layer, name)
+                        setattr(layer, name, torch.cat([old, old.new_zeros((1, *old.shape[1:]))]))
+        return self.scratch
 
     def begin(self, first: int, widths: list[int], device: torch.device, per_position: bool = False) -> RowLayout:
         """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens to the flat

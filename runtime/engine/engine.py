@@ -60,6 +60,8 @@ class SpeculativeEngine:
         """Change K in place (``depctl deployment update --draft-token-count``): no model is reloaded."""
         self.config.num_draft_tokens = k
         self.policy.max_k = k if self.proposer else 0
+        if self.target.graphed is not None:  # every target pass keeps one shape, now this wide
+            self.target.graphed.set_widths((1 + self.policy.max_k,))
 
     # ---- a sequence's life: new -> prefill (in chunks) -> step ... -> finish ----
     def new_sequence(self, prompt_ids: Seq[int], params: GenerationParams) -> Sequence:

@@ -45,6 +45,8 @@ class ModelRunner:
         self.fused = decoder.is_fused(model)
         # decode and verify passes through a compiled library (runtime.engine.compiled), when the loader attached one
         self.compiled = None
+        # or, on a GPU, at a fixed shape replayed from CUDA graphs (runtime.engine.graphs.FixedShapePass)
+        self.graphed = None
 
     def length(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -82,8 +84,13 @@ class ModelRunner:
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
         layout = self.cache.begin(first, widths, self.device, self.per_position)
         position_ids = self.cache.step.positions[None]  # [1, T]
-        keep = torch.tensor(layout.offsets[1:], device=self.device) - 1 if last_only else None
+        keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
         try:
+            if self.graphed is not None and not prefill and self.cache.allocated and self.graphed.fits(first, widths):
+                logits = self.graphed(input_ids[0], layout, keep)
+                return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+            if keep is not None:
+                keep = torch.tensor(keep, device=self.device)
             if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
                 hidden = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache)
                 return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)

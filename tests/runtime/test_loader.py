@@ -142,3 +142,60 @@ def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_di
                              calibrate=False)
     assert loaded.engine.target.compiled is None
     assert loaded.compiled.startswith("no (building the library needs about 0.00 GiB free while it compiles")
+
+
+def _graph_runners(tiny_model_dir, tiny_draft_dir, rows: int = 4):
+    """A target and a draft runner as load_deployment builds them for a GPU, here on the CPU (the fixed-shape passes
+    then run without recording: ``runtime.engine.graphs``)."""
+    from runtime.engine.runner import ModelRunner
+
+    runners = []
+    for path in (tiny_model_dir, tiny_draft_dir):
+        model = loader.load_model(str(path), "MODEL", torch.device("cpu"), torch.float32).model
+        loader.fuse_projections(model)
+        runners.append(ModelRunner(model, max_rows=rows))
+    return runners
+
+
+def test_the_gpu_path_puts_target_and_draft_on_fixed_shapes_once_they_check_exact(tiny_model_dir, tiny_draft_dir):
+    target, draft = _graph_runners(tiny_model_dir, tiny_draft_dir)
+    assert loader.graph_passes(target, 5, draft) == "yes (fixed-shape passes of 4 x 5 tokens; the draft model's forwards too)"
+    assert target.graphed.widths == (5,) and draft.graphed.widths == (1, 2)
+
+
+def test_the_gpu_path_falls_back_to_eager_and_says_why(tiny_model_dir, tiny_draft_dir, monkeypatch):
+    from runtime.engine import compiled, graphs
+
+    target, draft = _graph_runners(tiny_model_dir, tiny_draft_dir)
+    monkeypatch.setattr(compiled, "check", lambda runner: False)
+    assert loader.graph_passes(target, 5, draft) == ("no (a verify pass through the CUDA graphs rounded differently "
+                                                     "from single steps on this GPU)")
+    assert target.graphed is None and draft.graphed is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(graphs, "FixedShapePass", broken)
+    assert loader.graph_passes(target, 5, draft) == ("no (recording CUDA graphs failed: RuntimeError: operation not "
+                                                     "permitted when stream is capturing)")
+    assert target.graphed is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
+def test_a_cuda_deployment_replays_its_passes_from_graphs_and_stays_exact(tiny_model_dir, tiny_draft_dir):
+    from depctl.spec import DraftModelSpeculation
+    from runtime.engine import GenerationParams
+
+    spec = DeploymentSpec(id="g", model=str(tiny_model_dir), device="cuda", max_batch_size=4,
+                          speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=4))
+    loaded = load_deployment(spec)
+    assert loaded.compiled == "yes (CUDA graphs of 4 x 5 tokens; the draft model's forwards too)"
+    prompt = [5, 17, 42, 99, 3, 17, 42, 99, 3, 8]
+
+    def run(speculate: bool) -> list[int]:
+        params = GenerationParams(max_tokens=48, ignore_eos=True, speculate=speculate)
+        return [t for o in loaded.engine.generate(prompt, params) for t in o.token_ids]
+
+    assert run(True) == run(False)
+    assert loaded.engine.target.graphed.recordings == 1
