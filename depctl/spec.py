@@ -115,7 +115,8 @@ class DeploymentSpec(_Strict):
     device: Device = "auto"
     dtype: Dtype = "auto"
     quantization: Quantization = "none"
-    # decode and verify passes compiled at load where that is faster and exact (runtime.loader.compile_passes);
+    # decode and verify passes compiled (a CPU) or recorded as CUDA graphs (a GPU) at load where that is faster and
+    # exact (runtime.loader.compile_passes);
     # with --engine vllm, false is vLLM's --enforce-eager
     compile: bool = True
     engine: Engine = "depctl"

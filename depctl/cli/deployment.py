@@ -75,9 +75,9 @@ DRAFT_PRECISION = typer.Option(
 QUANTIZATION_HELP = ("none, or int8: weight-only int8 for the target (bfloat16 activations, CPU only), about 2x faster a "
                      "step than bfloat16; outputs change slightly, speculation stays exact against the int8 model.")
 
-COMPILE_HELP = ("Compile the decode and verify passes at load where that is faster and exact (int8 weights on a CPU: "
-                "~1.3x a step; the first load takes a minute or more, later loads reuse it). --no-compile: always eager, "
-                "and vLLM's --enforce-eager with --engine vllm.")
+COMPILE_HELP = ("Compile the decode and verify passes at load where that is faster and exact: on a CPU an AOTInductor "
+                "library (~1.3x a step; the first load takes a minute or more, later loads reuse it), on CUDA CUDA "
+                "graphs. --no-compile: always eager, and vLLM's --enforce-eager with --engine vllm.")
 
 
 ENGINE_HELP = ("depctl (default): our engine, one device; vllm: a vLLM server the daemon starts and supervises, "

@@ -152,7 +152,8 @@ class FixedShapePass:
                 self._pass(inputs, width)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another deployment of the daemon may be decoding on this GPU from its own thread meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._pass(inputs, width)
         inputs.copy_(real)
         self.recordings += 1
