@@ -3,12 +3,14 @@
     .venv/bin/python benchmarks/passes.py                                  # SmolLM2, int8 weights and float32
     .venv/bin/python benchmarks/passes.py --precision float32 --shapes 1x1,1x9 --context 200
     .venv/bin/python benchmarks/passes.py --precision bfloat16 --bf16-kernels   # AMX against vdpbf16ps, where AMX is
+    .venv/bin/python benchmarks/passes.py --device cuda --precision bfloat16 --model qwen2.5-coder-1.5b-instruct
 
 A pass is ``rows x tokens``: 1x1 a plain step of one request, 1x9 a verify pass of 8 drafts, 8x1 a plain step of a
 batch of 8, 8x5 that batch verifying 4 drafts a row. Each precision loads the deployment as the daemon would (the
 loader's surgery, fused forward, its compile where it compiles), then times every shape with the compiled library
 attached and detached, the two interleaved run by run so a slow minute on a shared machine hits both; the table
-shows medians. The eager column is what a deployment with ``--no-compile`` runs.
+shows medians. The eager column is what a deployment with ``--no-compile`` runs. On CUDA the compiled column is
+the CUDA graphs' pass (``runtime.engine.graphs``), whose one shape is the widest rows x tokens asked for.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from depctl.spec import DeploymentSpec  # noqa: E402
+from depctl.spec import DeploymentSpec, NgramSpeculation, NoSpeculation  # noqa: E402
 
 
 def time_pass(runner, rows: int, tokens: int, context: int) -> float:
@@ -46,6 +48,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="1x1,1x9,8x1,8x5", help="rows x tokens, comma-separated")
     parser.add_argument("--context", type=int, default=40, help="cached positions per row before the pass")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the compiled column: CUDA graphs)")
     parser.add_argument("--bf16-kernels", action="store_true",
                         help="bfloat16 on a CPU with AMX: time the compiled passes with the AMX product and with the "
                              "vdpbf16ps loops, interleaved (a second table)")
@@ -55,6 +58,8 @@ def main() -> None:
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = max(r for r, _ in shapes)
+    widest = max(t for _, t in shapes)  # a GPU's graphs take every pass at rows x widest (1 + the drafts)
+    speculation = NgramSpeculation(ngram_length=3, num_draft_tokens=widest - 1) if widest > 1 else NoSpeculation()
     lines = [f"SmolLM2-class passes: {args.model}, context {args.context}, median of {args.runs} interleaved runs, "
              f"ms, {torch.get_num_threads()} threads", "",
              "| precision | pass (rows x tokens) | eager | compiled | eager / compiled |", "|---|---|---|---|---|"]
@@ -63,25 +68,25 @@ def main() -> None:
         quantization = "int8" if precision == "int8" else "none"
         dtype = "auto" if precision == "int8" else precision
         spec = DeploymentSpec(id="passes", model=args.model, dtype=dtype, quantization=quantization,
-                              max_batch_size=rows)
+                              max_batch_size=rows, device=args.device, speculation=speculation)
         loaded = load_deployment(spec, calibrate=False)
         runner = loaded.engine.target
-        library = runner.compiled
+        library, graphed = runner.compiled, runner.graphed
         print(f"# {precision}: compiled {loaded.compiled}", file=sys.stderr)
         for r in range(rows):  # every row holds ``context`` positions; each pass is then rolled back to them
             runner.forward(r, [[(r * 13 + j) % 1000 + 1 for j in range(args.context)]], last_only=True, prefill=True)
-        modes = {"eager": (None, False)}  # mode -> (library, AMX refused)
-        if library is not None:
-            modes["compiled"] = (library, False)
+        modes = {"eager": (None, None, False)}  # mode -> (library, graphs, AMX refused)
+        if library is not None or graphed is not None:
+            modes["compiled"] = (library, graphed, False)
         kernels = args.bf16_kernels and precision == "bfloat16" and library is not None and \
             torch.ops.depctl_native.blocked_kernel(torch.bfloat16) == "amx-bf16"
         if kernels:  # the same library; the op takes the vdpbf16ps loops while AMX is refused
-            modes["vdpbf16ps"] = (library, True)
+            modes["vdpbf16ps"] = (library, None, True)
         for r, t in shapes:
             times: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.runs + 2):
-                for mode, (lib, refuse_amx) in modes.items():
-                    runner.compiled = lib
+                for mode, (lib, graphs, refuse_amx) in modes.items():
+                    runner.compiled, runner.graphed = lib, graphs
                     if kernels:
                         torch.ops.depctl_native.blocked_refuse_amx(refuse_amx)
                     seconds = time_pass(runner, r, t, args.context)
@@ -97,10 +102,10 @@ def main() -> None:
                 kernel_lines.append(f"| {r} x {t} | {comp:.2f} | {dot:.2f} | {dot / comp:.2f}x |")
         if kernels:
             torch.ops.depctl_native.blocked_refuse_amx(False)
-        runner.compiled = library
+        runner.compiled, runner.graphed = library, graphed
         for r in range(rows):
             runner.set_length(r, 0)
-        del loaded, runner, library
+        del loaded, runner, library, graphed
     if kernel_lines:
         lines += ["", "bfloat16 compiled passes by product kernel (the eager column above is AMX's):",
                   "", "| pass (rows x tokens) | AMX tiles | vdpbf16ps loops | vdpbf16ps / AMX |", "|---|---|---|---|",
