@@ -87,6 +87,24 @@ def report(message: str) -> None:
         callback(message)
 
 
+def _attach_exact(runner: ModelRunner, attribute: str, make, failed: str, what: str, device: str) -> str | None:
+    """``runner.<attribute> = make()``, kept only if a verify pass through it equals one-token steps through it bit for
+    bit (``compiled.check``). Returns None when kept, else why not (the runner is left eager): an exception in
+    ``make`` or the check is logged and named by its first line."""
+    try:
+        setattr(runner, attribute, make())
+        exact = compiled.check(runner)
+    except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
+        log.warning("%s; the passes run eagerly", failed, exc_info=exc)
+        setattr(runner, attribute, None)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"no ({failed}: {type(exc).__name__}: {first})"
+    if not exact:
+        setattr(runner, attribute, None)
+        return f"no ({what} rounded differently from single steps on this {device})"
+    return None
+
+
 def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> str:
     """On CUDA: the target's decode and verify passes at one fixed shape, ``max_rows x width`` tokens (width = 1 +
     the most drafts a row verifies), replayed from CUDA graphs (``runtime.engine.graphs``), once a verify pass through
@@ -96,17 +114,11 @@ def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = No
         return "no (this architecture keeps transformers' forward, which is not recorded into CUDA graphs)"
     runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
     runner.set_length(0, 0)
-    try:
-        runner.graphed = graphs.FixedShapePass(runner.model, runner.cache, runner.max_rows, (width,))
-        exact = compiled.check(runner)
-    except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
-        log.warning("recording CUDA graphs failed; the passes run eagerly", exc_info=exc)
-        runner.graphed = None
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        return f"no (recording CUDA graphs failed: {type(exc).__name__}: {first})"
-    if not exact:
-        runner.graphed = None
-        return "no (a verify pass through the CUDA graphs rounded differently from single steps on this GPU)"
+    refused = _attach_exact(runner, "graphed", lambda: graphs.FixedShapePass(runner.model, runner.cache,
+                                                                              runner.max_rows, (width,)),
+                            "recording CUDA graphs failed", "a verify pass through the CUDA graphs", "GPU")
+    if refused:
+        return refused
     drafts = ""
     if draft is not None and draft.fused:
         try:
@@ -155,23 +167,20 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool, width: int
         if stand_ins and free is not None and stand_ins > 0.8 * free:
             return (f"no (building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
                     f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile)")
-    try:
-        if package.exists():
-            built = ""
-        else:
+    built = ""
+
+    def library() -> compiled.CompiledPass:
+        nonlocal built
+        if not package.exists():
             report("compiling the decode and verify passes (once per model and precision; a minute or more on a "
                    "small CPU; later loads reuse it)")
             built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
-        runner.compiled = compiled.CompiledPass(package, runner.model)
-        exact = compiled.check(runner)
-    except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
-        log.warning("compiling the passes failed; they run eagerly", exc_info=exc)
-        runner.compiled = None
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        return f"no (compiling failed: {type(exc).__name__}: {first})"
-    if not exact:
-        runner.compiled = None
-        return "no (the compiled pass rounded a verify pass differently from single steps on this CPU)"
+        return compiled.CompiledPass(package, runner.model)
+
+    refused = _attach_exact(runner, "compiled", library, "compiling failed", "a verify pass through the compiled library",
+                            "CPU")
+    if refused:
+        return refused
     screened = ""
     if isinstance(runner.model.lm_head, ScreenedHead):  # the native ops are loaded now: switch the screen on
         runner.model.lm_head.screen(runner.vocab_size)

@@ -84,22 +84,27 @@ def test_a_verify_pass_equals_one_token_steps_through_the_fixed_shape():
     assert compiled.check(fixed)  # what the loader requires before a GPU deployment uses its graphs
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_through_fixed_shapes_equals_plain_decoding_through_them(method):
-    target, draft = fused(0), fused(1, layers=1)
+def assert_speculation_equals_plain_decoding(method: str, device: str, dtype, capture: bool) -> None:
+    """Four prompts batched with 4 drafts a row equal each prompt decoded plainly, alone, through the same shape."""
+    target, draft = fused(0, device=device, dtype=dtype), fused(1, layers=1, device=device, dtype=dtype)
     params = GenerationParams(max_tokens=40, ignore_eos=True)
 
-    def engine(proposer_rows: int, k: int):
+    def engine(k: int):
         proposer = None
         if k and method == "ngram":
             proposer = NgramProposer(2)
         elif k:
-            proposer = DraftModelProposer(runner(draft, proposer_rows, width=2))
-        return SpeculativeEngine(runner(target, proposer_rows, width=5), proposer,
+            proposer = DraftModelProposer(runner(draft, 4, width=2, capture=capture))
+        return SpeculativeEngine(runner(target, 4, width=5, capture=capture), proposer,
                                  EngineConfig(num_draft_tokens=k, adaptive=False))
 
-    plain = [[t for o in engine(4, 0).generate(p, params) for t in o.token_ids] for p in PROMPTS]  # one shape
-    assert Scheduler(engine(4, 4), 4, prefill_chunk=8).run_all(PROMPTS, params) == plain
+    plain = [[t for o in engine(0).generate(p, params) for t in o.token_ids] for p in PROMPTS]
+    assert Scheduler(engine(4), 4, prefill_chunk=8).run_all(PROMPTS, params) == plain
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_through_fixed_shapes_equals_plain_decoding_through_them(method):
+    assert_speculation_equals_plain_decoding(method, "cpu", torch.float32, capture=False)
 
 
 def test_a_new_draft_width_resizes_the_grid():
@@ -140,17 +145,4 @@ def test_graphs_are_recorded_again_when_the_cache_grows():
 @cuda
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_through_cuda_graphs_equals_plain_decoding_through_them(method):
-    target, draft = fused(0, device="cuda", dtype=torch.bfloat16), fused(1, layers=1, device="cuda", dtype=torch.bfloat16)
-    params = GenerationParams(max_tokens=40, ignore_eos=True)
-
-    def engine(rows: int, k: int):
-        proposer = None
-        if k and method == "ngram":
-            proposer = NgramProposer(2)
-        elif k:
-            proposer = DraftModelProposer(runner(draft, rows, width=2, capture=True))
-        return SpeculativeEngine(runner(target, rows, width=5, capture=True), proposer,
-                                 EngineConfig(num_draft_tokens=k, adaptive=False))
-
-    plain = [[t for o in engine(4, 0).generate(p, params) for t in o.token_ids] for p in PROMPTS]
-    assert Scheduler(engine(4, 4), 4, prefill_chunk=8).run_all(PROMPTS, params) == plain
+    assert_speculation_equals_plain_decoding(method, "cuda", torch.bfloat16, capture=True)
