@@ -14,6 +14,8 @@ the step's flat token stream into the rows, explicit ``position_ids``, and an at
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -62,14 +64,21 @@ class SlotLayer(CacheLayerMixin):
 
 
 class _Step:
-    """The forward in progress: its layout, and the cache row and position of every token of the flat stream."""
+    """The forward in progress: its layout, and the cache row and position of every token of the flat stream (made
+    on first use: a CUDA graph's pass, ``runtime.engine.graphs``, lays out its own and skips these copies)."""
 
     def __init__(self, layout: RowLayout):
         self.layout = layout
-        rows = [layout.first + b for b, w in enumerate(layout.widths) for _ in range(w)]
-        positions = [s + j for s, w in zip(layout.starts, layout.widths) for j in range(w)]
-        self.rows = torch.tensor(rows, device=layout.device)  # [T]
-        self.positions = torch.tensor(positions, device=layout.device)  # [T]
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:  # [T]
+        lay = self.layout
+        return torch.tensor([lay.first + b for b, w in enumerate(lay.widths) for _ in range(w)], device=lay.device)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:  # [T]
+        lay = self.layout
+        return torch.tensor([s + j for s, w in zip(lay.starts, lay.widths) for j in range(w)], device=lay.device)
 
 
 class SlotCache(Cache):

@@ -83,12 +83,12 @@ class ModelRunner:
             widths = [len(x) for x in inputs]
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
         layout = self.cache.begin(first, widths, self.device, self.per_position)
-        position_ids = self.cache.step.positions[None]  # [1, T]
         keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
         try:
             if self.graphed is not None and not prefill and self.cache.allocated and self.graphed.fits(first, widths):
                 logits = self.graphed(input_ids[0], layout, keep)
                 return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+            position_ids = self.cache.step.positions[None]  # [1, T]
             if keep is not None:
                 keep = torch.tensor(keep, device=self.device)
             if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
