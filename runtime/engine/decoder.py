@@ -52,8 +52,11 @@ class FusedAttention(nn.Module):
         v = qkv[:, self.num_heads + self.num_kv_heads :].transpose(0, 1)[None]
         return q, k, v
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        """transformers' calling convention (``model.generate`` on a fused model): [B, T, hidden] in and out."""
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
+                **kwargs):
+        """transformers' calling convention (``model.generate`` on a fused model): [B, T, hidden] in and out. The cache
+        comes as ``cache`` from transformers 5.24 on, as ``past_key_values`` before."""
+        cache = cache if cache is not None else past_key_values
         b, t = hidden_states.shape[:2]
         cos, sin = position_embeddings
         q, k, v = [], [], []
@@ -61,8 +64,8 @@ class FusedAttention(nn.Module):
             qi, ki, vi = self.project(hidden_states[i : i + 1], cos[i : i + 1], sin[i : i + 1])
             q.append(qi), k.append(ki), v.append(vi)
         q, k, v = torch.cat(q), torch.cat(k), torch.cat(v)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         out, _ = rows_attention(self, q, k, v, attention_mask, scaling=self.scaling,
                                 sliding_window=self.sliding_window, **kwargs)
         return self.o_proj(out.reshape(b, t, -1)), None

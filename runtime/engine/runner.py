@@ -10,6 +10,7 @@ step, for the target and the draft alike: a row holds a prefix of its accepted s
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -43,6 +44,9 @@ class ModelRunner:
         model.set_attn_implementation(ROWS_ATTENTION)
         # a model the loader fused (runtime.engine.decoder) is stepped through our own forward, not transformers'
         self.fused = decoder.is_fused(model)
+        # transformers 5.24 renamed the forward's cache argument (``past_key_values`` -> ``cache``, the old name
+        # deprecated): pass it under the name this version reads
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # decode and verify passes through a compiled library (runtime.engine.compiled), when the loader attached one
         self.compiled = None
         # or, on a GPU, at a fixed shape replayed from CUDA graphs (runtime.engine.graphs.FixedShapePass)
@@ -105,8 +109,8 @@ class ModelRunner:
             attend = decoder.cache_attention(self.cache, layout)
             hidden = decoder.forward(self.model, input_ids[0], position_ids[0], attend, keep, head=False)
             return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
-        logits = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True,
-                            logits_to_keep=0 if keep is None else keep, depctl_rows=layout).logits[0]
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, depctl_rows=layout,
+                            logits_to_keep=0 if keep is None else keep, **{self.cache_kwarg: self.cache}).logits[0]
         return Scores(self.model.lm_head, self.vocab_size, logits=logits)
 
 

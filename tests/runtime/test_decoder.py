@@ -59,6 +59,23 @@ def test_fused_model_computes_what_transformers_computes(make):
                        fused.generate(ids, max_new_tokens=8, do_sample=False))
 
 
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_fused_attention_takes_the_cache_under_either_name(name):
+    """transformers 5.24 passes a layer's cache as ``cache``, earlier 5.x as ``past_key_values``: both must reach it
+    (a cache the layer does not see makes model.generate on a fused model decode without context)."""
+    from transformers import DynamicCache
+
+    model = tiny_llama()
+    fuse_projections(model)
+    attn, inner = model.model.layers[0].self_attn, model.model
+    x = torch.randn(1, 3, model.config.hidden_size)
+    position_embeddings = inner.rotary_emb(x, torch.arange(3)[None])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        attn(x, position_embeddings, None, **{name: cache})
+    assert cache.get_seq_length(0) == 3
+
+
 def test_fusion_drops_the_separate_projections():
     model = tiny_llama()
     before = sum(p.numel() for p in model.parameters())
