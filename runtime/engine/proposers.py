@@ -165,18 +165,57 @@ class FreeProposer(Protocol):
     def finish(self, seq) -> None: ...
 
 
+class NgramIndex:
+    """``ngram_propose`` over one request's tokens, which only grow, at a cost that does not grow with them.
+
+    Every n-gram of the tokens is kept with the positions where it ends, each added once as the tokens arrive. The
+    candidates ``ngram_propose`` keeps (earlier occurrences of the last n tokens) are then one dictionary lookup; only
+    they are scored, with the same agreement, so the guess is the same. The lookup runs for every row of every step,
+    drafting or not: at batch 8 on chat prompts, where the policy mostly decides against drafting, a scan of the
+    whole request each step was ~2% of the step."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions of its last token, ascending
+        self.next_end = n - 1  # the next position to index as an n-gram's end
+        self.length = 0  # the token count at the last call
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        n, length = self.n, len(tokens)
+        if length < self.length:  # not the tokens this index was built over (they only grow): start again
+            self.ends.clear()
+            self.next_end = n - 1
+        self.length = length
+        for end in range(self.next_end, length - 1):  # an occurrence must end before the last token
+            self.ends.setdefault(tuple(tokens[end - n + 1 : end + 1]), []).append(end)
+        self.next_end = max(self.next_end, length - 1)
+        if k <= 0 or length < n + 1:  # ngram_propose's agreement looks back at most length - 1 tokens
+            return []
+        ends = self.ends.get(tuple(tokens[length - n :]))
+        if not ends:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        agree = _agreement(arr, np.asarray(ends), arr, min(CONTEXT_LOOKBACK, length - 1))
+        end = ends[int(np.flatnonzero(agree == agree.max())[-1])]
+        return list(tokens[end + 1 : end + 1 + k])
+
+
 class NgramProposer:
     name = "ngram"
     cost_per_token = False
 
     def __init__(self, ngram_length: int):
         self.ngram_length = ngram_length
+        self._indexes: dict[int, NgramIndex] = {}  # per running request
 
     def propose(self, seq, k: int) -> list[int]:
-        return ngram_propose(seq.tokens, self.ngram_length, k)
+        index = self._indexes.get(seq.id)
+        if index is None:
+            index = self._indexes[seq.id] = NgramIndex(self.ngram_length)
+        return index.propose(seq.tokens, k)
 
     def finish(self, seq) -> None:
-        pass
+        self._indexes.pop(seq.id, None)
 
 
 class SuffixProposer:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from runtime.engine.proposers import PredictionTracker, ngram_propose, rejoin
+import random
+
+import pytest
+
+from runtime.engine.proposers import NgramIndex, NgramProposer, PredictionTracker, ngram_propose, rejoin
 
 
 def test_ngram_most_recent_match():
@@ -44,6 +48,43 @@ def test_ngram_repeating_pattern_proposes_itself():
     # cycle the match's continuation runs into the suffix itself
     assert ngram_propose([7, 7, 7, 7], n=2, k=3) == [7]
     assert ngram_propose([1, 2, 3, 1, 2, 3, 1], n=1, k=4) == [2, 3, 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ngram_index_proposes_what_a_scan_proposes(n):
+    """The engine's per-request index guesses exactly what ``ngram_propose`` finds by scanning, step after step, as
+    the tokens grow by a step's worth at a time (few distinct tokens: many candidates, ties, long agreements)."""
+    rng = random.Random(n)
+    for trial in range(20):
+        vocab = rng.choice([3, 5, 12])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        index = NgramIndex(n)
+        for _ in range(60):
+            k = rng.randrange(0, 9)
+            assert index.propose(tokens, k) == ngram_propose(tokens, n, k), (trial, tokens, k)
+            if rng.random() < 0.3:  # copy a stretch of what came before, as accepted drafts would
+                start = rng.randrange(len(tokens))
+                tokens += tokens[start : start + rng.randrange(1, 10)]
+            else:
+                tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+
+
+def test_ngram_index_is_per_request_and_dropped_when_it_finishes():
+    class Seq:
+        def __init__(self, id, tokens):
+            self.id, self.tokens = id, tokens
+
+    proposer = NgramProposer(2)
+    a, b = Seq(1, [1, 2, 3, 1, 2]), Seq(2, [4, 5, 6, 4, 5])
+    assert proposer.propose(a, 2) == [3, 1] and proposer.propose(b, 2) == [6, 4]
+    a.tokens += [7, 1, 2]
+    assert proposer.propose(a, 1) == [7]
+    proposer.finish(a)
+    proposer.finish(b)
+    assert not proposer._indexes
+    # a token list shorter than the one indexed is another one: the index starts again
+    index = NgramIndex(2)
+    assert index.propose([1, 2, 3, 1, 2], 1) == [3] and index.propose([1, 2, 3, 1], 1) == []
 
 
 def follow(prediction, output, k=4):
