@@ -96,12 +96,6 @@ class RequestAcceptance:
         self._state = 0 if accepted == trials else 1
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """E(k) = 1 + a + ... + a^k: tokens a step emits with k drafts accepted independently with probability a."""
-    a = min(max(a, 0.0), 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
 class CostModel:
     """Seconds for a forward over ``n`` token rows, from measurements (the median of recent passes per n),
     interpolated between them."""
@@ -201,7 +195,7 @@ class DraftLengthPolicy:
             return 0, 0.0
         batch = len(rows)
         # extra[w]: the tokens beyond one a row that drafts of width w bring, sum_i E_i(min(w, k_i)) - 1 with
-        # E(k) - 1 = a + ... + a^k, and tokens[w]: the pass's token count, both built up one width at a time (this
+        # E(k) - 1 = a + ... + a^k (a clamped to [0, 0.999]), and tokens[w]: the pass's token count, both built up one width at a time (this
         # runs every step: the same sums written per width were ~50 us a step for 8 rows and K = 8)
         drafting = [(min(max(r.acceptance.rate, 0.0), 0.999), r.available) for r in rows if r.available > 0]
         powers = [a for a, _ in drafting]
