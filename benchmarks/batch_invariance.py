@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
-from runtime.engine import GenerationParams, Scheduler  # noqa: E402
-from runtime.loader import load_deployment  # noqa: E402
+from runtime.speculation import generate, GenerationParams, Scheduler  # noqa: E402
+from runtime.backends.loader import load_deployment  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +43,7 @@ def main() -> int:
 
     def solo(i, speculate):
         params = GenerationParams(max_tokens=args.max_tokens, speculate=speculate)
-        return [t for o in engine.generate(ids[i], params) for t in o.token_ids]
+        return [t for o in generate(engine, ids[i], params) for t in o.token_ids]
 
     def together(speculate):
         params = GenerationParams(max_tokens=args.max_tokens, speculate=speculate)

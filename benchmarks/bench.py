@@ -29,11 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
-from runtime.engine import (  # noqa: E402
-    DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
-)
-from runtime.engine.runner import ModelRunner  # noqa: E402
-from runtime.loader import (  # noqa: E402
+from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine  # noqa: E402
+from runtime.model.runner import ModelRunner  # noqa: E402
+from runtime.backends.loader import (  # noqa: E402
     INT8_WEIGHTS, compile_passes, load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
 )
 
@@ -69,7 +67,7 @@ def encode(tokenizer, prompt: str) -> list[int]:
 
 
 def run_ours(engine: SpeculativeEngine, ids: list[int], max_tokens: int) -> list[int]:
-    return [t for out in engine.generate(ids, GenerationParams(max_tokens=max_tokens)) for t in out.token_ids]
+    return [t for out in generate(engine, ids, GenerationParams(max_tokens=max_tokens)) for t in out.token_ids]
 
 
 def run_hf(model, ids: list[int], max_tokens: int, eos: list[int], **kwargs) -> list[int]:
@@ -105,7 +103,7 @@ def main() -> int:
     parser.add_argument("--no-surgery", action="store_true",
                         help="run our engine on the models as transformers loads them (no weight-major or split-K linears)")
     parser.add_argument("--no-fuse", action="store_true",
-                        help="keep transformers' forward for our engine (no fused projections, runtime.engine.decoder)")
+                        help="keep transformers' forward for our engine (no fused projections, runtime.model.decoder)")
     parser.add_argument("--compile", default="auto", choices=["auto", "off", "both"],
                         help="our passes: auto = compiled where the loader would compile them (int8 weights on a CPU), "
                         "off = eager, both = auto plus eager rows of plain and n-gram decoding in the same run")
@@ -127,7 +125,7 @@ def main() -> int:
         return quantize_int8(d) if precision == "int8" else d
 
     draft = load_draft(ours=True) if args.draft else None
-    if surgery:  # what the loader does for a deployment (runtime.loader.surgery_for)
+    if surgery:  # what the loader does for a deployment (runtime.backends.loader.surgery_for)
         target_precision = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
         model = surgery_for(model, target_precision, exact=True, fuse=not args.no_fuse)
     # transformers' rows get their own copies, as users run them (no module swaps)

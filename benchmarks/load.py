@@ -113,8 +113,8 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
 
 def in_process(spec: DeploymentSpec, prompts: list[str], max_tokens: int) -> tuple[float, int]:
     """The same engine, loaded and run in this process's main thread, one request at a time (plain decoding)."""
-    from runtime.engine import GenerationParams
-    from runtime.loader import load_deployment
+    from runtime.speculation import GenerationParams, generate
+    from runtime.backends.loader import load_deployment
 
     loaded = load_deployment(spec)
     tok = loaded.tokenizer
@@ -124,7 +124,7 @@ def in_process(spec: DeploymentSpec, prompts: list[str], max_tokens: int) -> tup
         ids = tok(text, add_special_tokens=False)["input_ids"]
         params = GenerationParams(max_tokens=max_tokens, speculate=False)
         t0 = time.perf_counter()
-        tokens += sum(len(o.token_ids) for o in loaded.engine.generate(ids, params))
+        tokens += sum(len(o.token_ids) for o in generate(loaded.engine, ids, params))
         seconds += time.perf_counter() - t0
     return tokens / seconds, tokens
 

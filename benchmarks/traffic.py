@@ -51,12 +51,10 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import runtime.engine.sequence as sequence_module  # noqa: E402
+import runtime.speculation.sequence as sequence_module  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
-from runtime.engine import (  # noqa: E402
-    EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, SuffixProposer,
-)
-from runtime.engine.proposers import PredictionTracker  # noqa: E402
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, SuffixProposer  # noqa: E402
+from runtime.speculation.proposers import PredictionTracker  # noqa: E402
 
 PROMPTS = ROOT / "benchmarks" / "prompts"
 
@@ -320,7 +318,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every row, interleaved; the median is shown")
     args = parser.parse_args()
 
-    from runtime.loader import load_deployment
+    from runtime.backends.loader import load_deployment
 
     rows = max(int(c) for c in args.concurrency.split(","))
     spec = DeploymentSpec(id="traffic", model=args.model, dtype=args.dtype, quantization=args.quantization,

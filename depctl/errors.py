@@ -7,6 +7,13 @@ anything else is a bug and prints a traceback only with ``DEPCTL_DEBUG=1``.
 from __future__ import annotations
 
 
+def first_line(exc: BaseException | str, limit: int = 400) -> str:
+    """An exception as one line for a status, a log or an error message: ``Type: first line``, cut at ``limit``."""
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}".strip()
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 class DepctlError(Exception):
     exit_code = 1
 

@@ -29,7 +29,7 @@ from typing import Callable, Literal
 from filelock import FileLock
 
 from depctl import config
-from depctl.errors import ModelFetchError, ModelResolutionError
+from depctl.errors import ModelFetchError, ModelResolutionError, first_line
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -301,7 +301,7 @@ def _convert(gguf: Path, out: Path, progress: Progress | None) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for unsupported files
         raise ModelFetchError(
-            f"transformers could not load {gguf}: {type(exc).__name__}: {exc}".splitlines()[0],
+            f"transformers could not load {gguf}: {first_line(exc)}",
             "check that the file is a complete GGUF of an architecture transformers supports",
         ) from exc
     # A GGUF-loaded model refuses save_pretrained ("quantized with gguf"); the weights are plain tensors now.

@@ -35,7 +35,7 @@ from depctl.errors import UsageError
 # Bounds are documented in README.md ("Flags"); the CLI and the spec share them.
 MAX_DRAFT_TOKENS = 32
 MAX_NGRAM_LENGTH = 16
-# suffix speculation's index: ~200 bytes a held token (runtime/engine/suffix.py), so the default is ~50 MB
+# suffix speculation's index: ~200 bytes a held token (runtime/suffix.py), so the default is ~50 MB
 DEFAULT_SUFFIX_CACHE_TOKENS = 262_144
 MIN_SUFFIX_CACHE_TOKENS = 1024
 MAX_SUFFIX_CACHE_TOKENS = 1 << 26
@@ -116,7 +116,7 @@ class DeploymentSpec(_Strict):
     dtype: Dtype = "auto"
     quantization: Quantization = "none"
     # decode and verify passes compiled (a CPU) or recorded as CUDA graphs (a GPU) at load where that is faster and
-    # exact (runtime.loader.compile_passes);
+    # exact (runtime.backends.loader.compile_passes);
     # with --engine vllm, false is vLLM's --enforce-eager
     compile: bool = True
     engine: Engine = "depctl"

@@ -24,7 +24,7 @@ import uvicorn
 from filelock import FileLock, Timeout
 
 from depctl import __version__, config
-from runtime.settings import SETTINGS, Settings
+from depctl.settings import SETTINGS, Settings
 
 ALREADY_RUNNING = 3  # exit status when another daemon holds this home's lock
 

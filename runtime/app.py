@@ -11,11 +11,10 @@ from depctl.store import SpecStore
 from runtime.api.errors import install_handlers
 from runtime.api.guard import Guard
 from runtime.api.metrics import Metrics
-from runtime.api.proxy import Proxy
 from runtime.api.routes import router
 from runtime.api.serving import Service
 from runtime.manager import DeploymentManager
-from runtime.settings import Settings
+from depctl.settings import Settings
 
 
 def create_app(store: SpecStore | None = None, manager: DeploymentManager | None = None,
@@ -29,7 +28,6 @@ def create_app(store: SpecStore | None = None, manager: DeploymentManager | None
         try:
             yield
         finally:
-            await app.state.proxy.aclose()
             manager.stop()
 
     app = FastAPI(title="depctl runtime", version=__version__, lifespan=lifespan)
@@ -37,7 +35,6 @@ def create_app(store: SpecStore | None = None, manager: DeploymentManager | None
     app.state.manager = manager
     app.state.metrics = Metrics(manager)
     app.state.service = Service(manager, app.state.metrics, settings)
-    app.state.proxy = Proxy()
     install_handlers(app)
     app.include_router(router)
     app.add_middleware(Guard, settings=settings)

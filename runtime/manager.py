@@ -8,30 +8,30 @@ The daemon owns status; it never writes into a spec. States (as Fireworks and ds
     any -> DELETING -> (gone)         the spec file was removed; in-flight requests finish first
 
 A spec file that does not parse shows up as FAILED with the file and the problem, and touches no other
-deployment. Each loaded engine belongs to one ``EngineWorker`` thread, which loads it, calibrates it and runs every
-step (see ``runtime.worker``); a ``--engine vllm`` deployment belongs to a ``VLLMServer``, which starts and supervises
-a vLLM server process (see ``runtime.vllm_server``; a crash there is FAILED, then CREATING again as it restarts). Loads
-and server start-ups take turns on one lock so two big models never load at once.
+deployment. What serves a deployment is its ``Backend`` (``runtime.backends``): depctl's own engine, or a supervised
+vLLM server (a crash there is FAILED, then CREATING again as it restarts). A backend reports its life through its
+``_Owner``; loads and server start-ups take turns so that two big models never load at once.
 Reconciling happens on a poll of the store (every ``POLL_SECONDS``) and at once when the CLI calls
 ``POST /depctl/v1/reconcile`` after a write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Iterator
 
-from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, describe_engine, describe_speculation
 from depctl.store import SpecStore
-from runtime.loader import LoadedDeployment, LoadError, load_deployment, reporting
-from runtime.vllm_server import VLLMServer, reap_orphans, stats_from_metrics
-from runtime.worker import EngineWorker
+from runtime.backends import Backend, make_backend
+from runtime.backends.loader import load_deployment
+from runtime.backends.local import Loader
+from runtime.backends.vllm import reap_orphans
 
 log = logging.getLogger("depctl.manager")
 
@@ -54,52 +54,38 @@ class Deployment:
     spec: DeploymentSpec | None  # None when the file is broken
     state: State
     reason: str | None = None
-    worker: EngineWorker | None = None  # the thread serving the loaded engine
-    server: VLLMServer | None = None  # or the vLLM server serving it (--engine vllm)
-    loaded_spec: DeploymentSpec | None = None  # the spec the loaded engine was built from
+    backend: Backend | None = None  # what serves it, or is being started to
+    loaded_spec: DeploymentSpec | None = None  # the spec the serving backend was built from
     generation: int = 0  # bumps on every spec change; a load for an older generation is discarded
     state_since: float = field(default_factory=time.time)
     ready_at: float | None = None
     load_seconds: float | None = None
 
     @property
-    def loaded(self) -> LoadedDeployment | None:
-        worker = self.worker
-        return worker.loaded if worker is not None else None
-
-    @property
     def serving(self) -> bool:
         """Something is there to answer requests (the state says whether it should)."""
-        server = self.server
-        return self.loaded is not None or (server is not None and server.ready)
+        backend = self.backend
+        return backend is not None and backend.ready
 
     @property
     def tokenizer(self):
-        loaded, server = self.loaded, self.server
-        return loaded.tokenizer if loaded else (server.tokenizer if server else None)
+        return self.backend.tokenizer if self.backend is not None else None
 
     @property
     def max_context(self) -> int | None:
-        loaded, server = self.loaded, self.server
-        return loaded.max_context if loaded else (server.max_model_len if server else None)
+        return self.backend.max_context if self.backend is not None else None
 
     def set_state(self, state: State, reason: str | None = None) -> None:
         if state != self.state:
             log.info("deployment %s: %s -> %s%s", self.id, self.state.value, state.value, f" ({reason})" if reason else "")
+            self.state_since = time.time()
         self.state = state
         self.reason = reason
-        self.state_since = time.time()
-
-    @property
-    def proxied(self) -> VLLMServer | None:
-        """The vLLM server that answers this deployment's requests, if that is what serves it."""
-        return self.server if self.worker is None else None
 
     def status(self) -> dict:
-        """What ``deployment get`` shows. For a vLLM deployment it reads the server's counters (an HTTP call, cached
-        a second): never call it on the event loop."""
+        """What ``deployment get`` shows. A vLLM backend reads its server's counters (an HTTP call, cached a second):
+        never call it on the event loop."""
         spec = self.spec or self.loaded_spec
-        worker = self.worker
         out = {
             "id": self.id,
             "state": self.state.value,
@@ -111,49 +97,22 @@ class Deployment:
             "ready_at": self.ready_at,
             "load_seconds": self.load_seconds,
             # vLLM's gauge names: requests in the running batch (prefilling included), and queued behind it
-            "num_requests_running": worker.num_running if worker else 0,
-            "num_requests_waiting": worker.num_waiting if worker else 0,
+            "num_requests_running": 0,
+            "num_requests_waiting": 0,
         }
-        server = self.server
-        if server is not None:
-            metrics = server.metrics()
-            out["vllm"] = server.status()
-            out["num_requests_running"] = int(metrics.get("vllm:num_requests_running", 0))
-            out["num_requests_waiting"] = int(metrics.get("vllm:num_requests_waiting", 0))
-            out["device"] = server.device
-            out["dtype"] = server.dtype
-            out["max_context"] = server.max_model_len
-            out["max_batch_size"] = spec.max_batch_size if spec else None
-            if server.ready:
-                out["stats"] = stats_from_metrics(metrics)
-        loaded = self.loaded
-        if loaded:
-            engine = loaded.engine
-            out["device"] = str(loaded.target.device)
-            out["dtype"] = str(loaded.target.dtype).removeprefix("torch.")
-            out["weights"] = loaded.target.precision  # the dtype's name, or "int8 weights"
-            out["compiled"] = loaded.compiled
-            out["products"] = loaded.products
-            if loaded.draft is not None:
-                out["draft_precision"] = loaded.draft.precision
-            out["max_context"] = loaded.max_context
-            out["max_batch_size"] = worker.max_batch_size
-            out["stats"] = engine.stats.to_dict()
-            out["policy"] = engine.policy.snapshot()
-            if hasattr(engine.proposer, "snapshot"):
-                out["suffix_index"] = engine.proposer.snapshot()
+        backend = self.backend
+        if backend is not None:
+            out.update(backend.status())
         return out
 
 
-Loader = Callable[[DeploymentSpec], LoadedDeployment]
-
-
-def _reload_needed(old: DeploymentSpec, new: DeploymentSpec) -> bool:
-    """Everything but the draft token count, the display name and timestamps needs new weights or a new proposer."""
+def _reload_needed(old: DeploymentSpec, new: DeploymentSpec, k_in_place: bool = True) -> bool:
+    """Everything but the display name and timestamps (and the draft token count, where ``k_in_place``) needs new
+    weights or a new proposer."""
 
     def key(spec: DeploymentSpec) -> dict:
         fields = spec.model_dump(exclude={"display_name", "created_at", "updated_at"})
-        if spec.engine == "depctl":  # our engine changes K in place; a vLLM server takes it only at start-up
+        if k_in_place:
             fields["speculation"].pop("num_draft_tokens", None)
         return fields
 
@@ -162,6 +121,7 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec) -> bool:
 
 class DeploymentManager:
     def __init__(self, store: SpecStore, loader: Loader = load_deployment, load_timeout: float = DEFAULT_LOAD_TIMEOUT):
+        """``loader``: how depctl's engine loads a spec (tests pass a fake one)."""
         self.store = store
         self.loader = loader
         self.load_timeout = load_timeout
@@ -174,7 +134,7 @@ class DeploymentManager:
         self._stop = threading.Event()
         self._fingerprint: dict | None = None
         self._poller: threading.Thread | None = None
-        self._servers: set[VLLMServer] = set()
+        self._backends: set[Backend] = set()  # every live backend, so that `daemon stop` waits for all of them
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -186,14 +146,12 @@ class DeploymentManager:
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
-            for dep in self.deployments.values():
-                if dep.worker is not None:
-                    dep.worker.stop(drain=False)
-            servers = list(self._servers)
-        for server in servers:
-            server.stop()
-        for server in servers:  # the daemon exits only once its vLLM servers have
-            server.wait_stopped(timeout=30)
+            backends = list(self._backends)
+        for backend in backends:
+            backend.stop(drain=False)
+        deadline = time.monotonic() + 30
+        for backend in backends:  # the daemon exits only once its backends (vLLM's processes) have
+            backend.wait_stopped(timeout=max(deadline - time.monotonic(), 0))
 
     def _poll(self) -> None:
         next_reconcile = time.monotonic() + POLL_SECONDS
@@ -246,10 +204,8 @@ class DeploymentManager:
             return  # unchanged (a FAILED deployment is retried when its spec changes or the daemon restarts)
         dep.spec = spec
         dep.generation += 1
-        if dep.serving and dep.loaded_spec is not None and not _reload_needed(dep.loaded_spec, spec):
-            # the draft token count (depctl's engine) or just the name changed: apply in place, no reload
-            if dep.worker is not None:
-                dep.worker.set_num_draft_tokens(getattr(spec.speculation, "num_draft_tokens", 0))  # on its thread
+        if dep.serving and dep.loaded_spec is not None and _in_place(dep.loaded_spec, spec, dep.backend):
+            # the draft token count or just the name changed: applied in place, no reload
             dep.loaded_spec = spec
             dep.set_state(State.READY)
             return
@@ -279,128 +235,25 @@ class DeploymentManager:
                     del self.deployments[dep.id]
             _free_memory()
 
-        worker = dep.worker or dep.server
-        if worker is None:
+        if dep.backend is None:
             forget()
         else:
-            worker.stop(drain=True, then=forget)  # in-flight requests finish first (depctl's engine)
+            dep.backend.stop(drain=True, then=forget)  # in-flight requests finish first
 
     def _release(self, dep: Deployment) -> None:
-        worker, dep.worker, dep.loaded_spec = dep.worker, None, None
-        server, dep.server = dep.server, None
-        if worker is not None:
-            worker.stop(drain=True, then=_free_memory)
-        if server is not None:
-            server.stop()
+        backend, dep.backend, dep.loaded_spec = dep.backend, None, None
+        if backend is not None:
+            backend.stop(drain=True, then=_free_memory)
 
     def _schedule_load(self, dep: Deployment) -> None:
-        generation, spec = dep.generation, dep.spec
-        t0 = time.time()
-
-        def current() -> bool:
-            with self._lock:
-                return dep.generation == generation and self.deployments.get(dep.id) is dep
-
-        if spec.engine == "vllm":
-            self._start_server(dep, spec, generation, current, t0)
-            return
-
-        def progress(message: str) -> None:  # a long step of the load (a first compile), shown by `deployment get`
-            with self._lock:
-                if current() and dep.state in (State.CREATING, State.UPDATING):
-                    dep.reason = message
-
-        def load() -> LoadedDeployment:
-            turn = _Turn(dep, generation)
-            self._take_turn(turn)
-            try:
-                if not current():
-                    raise _Superseded()
-                with reporting(progress):
-                    return self.loader(spec)
-            finally:
-                self._end_turn(turn)
-
-        def on_loaded(worker: EngineWorker, loaded: LoadedDeployment) -> bool:
-            return self._serving_now(dep, current, spec, t0, worker=worker)
-
-        def on_failed(worker: EngineWorker, exc: BaseException) -> None:
-            if isinstance(exc, _Superseded):
-                return
-            if isinstance(exc, (LoadError, DepctlError)):
-                error = getattr(exc, "message", None) or str(exc)
-            else:  # an unexpected failure still ends in FAILED, with the type named
-                log.error("loading %s failed", dep.id, exc_info=exc)
-                error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            with self._lock:
-                if not current():
-                    return
-                dep.set_state(State.FAILED, error)
-                self._release(dep)
-
-        EngineWorker(dep.id, load, on_loaded, on_failed, spec.max_batch_size).start()
-
-    def _serving_now(self, dep: Deployment, current, spec: DeploymentSpec, t0: float,
-                     worker: EngineWorker | None = None, server: VLLMServer | None = None) -> bool:
-        """A load (or server start) finished: it serves from now on and the previous one, if any, is let go."""
-        with self._lock:
-            if not current():
-                return False  # stale: drop what we loaded
-            previous = [p for p in (dep.worker, dep.server) if p is not None and p is not server]
-            dep.worker, dep.server, dep.loaded_spec = worker, server, spec
-            dep.load_seconds = round(time.time() - t0, 2)
-            dep.ready_at = time.time()
-            dep.set_state(State.READY)
-        _freeze_heap()
-        for p in previous:
-            p.stop(drain=True, then=_free_memory)  # the old engine finishes what it was serving
-        return True
-
-    def _start_server(self, dep: Deployment, spec: DeploymentSpec, generation: int, current, t0: float) -> None:
-        turn = _Turn(dep, generation)
-
-        def wanted() -> bool:
-            """Starting for the spec as it is, or already the deployment's server (which a display-name change,
-            say, must not stop); once neither, the server stops itself."""
-            with self._lock:
-                return (self.deployments.get(dep.id) is dep and dep.state != State.DELETING
-                        and (current() or dep.server is server))
-
-        def on_starting(server: VLLMServer, progress: str) -> None:
-            with self._lock:
-                if not wanted():
-                    return
-                if dep.state == State.UPDATING and dep.server is not server:
-                    dep.reason = progress  # the previous engine serves until this one is up
-                else:
-                    dep.set_state(State.CREATING, progress)  # new, or restarting after a crash
-
-        def on_failed(server: VLLMServer, reason: str, retrying: bool) -> None:
-            with self._lock:
-                if not wanted():
-                    return
-                dep.set_state(State.FAILED, reason)
-                if dep.server is not server or not retrying:
-                    # as for a failed load: the previous engine goes too (it no longer matches the spec); a server
-                    # still retrying becomes the deployment's once it is up
-                    self._release(dep)
-
-        def on_ready(server: VLLMServer) -> bool:
-            return self._serving_now(dep, wanted, spec, t0, server=server)
-
-        def exited() -> None:
-            with self._lock:
-                self._servers.discard(server)
-
-        server = VLLMServer(spec, load_timeout=self.load_timeout, wanted=wanted,
-                            take_turn=lambda: self._take_turn(turn), end_turn=lambda: self._end_turn(turn),
-                            on_starting=on_starting, on_ready=on_ready, on_failed=on_failed)
-        with self._lock:
-            self._servers.add(server)  # every live server, so that `daemon stop` waits for all of them
-            if not dep.serving:
-                dep.server = server
-        server.stop_callbacks.append(exited)
-        server.start()
+        owner = _Owner(self, dep, dep.generation, dep.spec, time.time())
+        backend = make_backend(dep.spec, owner, self.load_timeout, self.loader)
+        self._backends.add(backend)
+        if not dep.serving:  # nothing serves meanwhile: status shows the one starting
+            previous, dep.backend = dep.backend, backend
+            if previous is not None:
+                previous.stop(drain=False)
+        backend.start()
 
     # ---- the load turn ----
     def _take_turn(self, turn: "_Turn") -> None:
@@ -443,8 +296,77 @@ class _Turn:
     started: float = 0.0
 
 
-class _Superseded(Exception):
-    """A newer spec (or a delete) arrived while this load waited its turn."""
+class _Owner:
+    """One backend's line to the manager (``runtime.backends.base.Owner``), for one generation of its deployment."""
+
+    def __init__(self, manager: DeploymentManager, dep: Deployment, generation: int, spec: DeploymentSpec, t0: float):
+        self.manager, self.dep, self.generation, self.spec, self.t0 = manager, dep, generation, spec, t0
+
+    @contextlib.contextmanager
+    def load_turn(self) -> Iterator[None]:
+        turn = _Turn(self.dep, self.generation)
+        self.manager._take_turn(turn)
+        try:
+            yield
+        finally:
+            self.manager._end_turn(turn)
+
+    def wanted(self, backend: Backend) -> bool:
+        """Loading for the spec as it is, or already the deployment's backend (which a display-name change, say, must
+        not stop)."""
+        dep = self.dep
+        with self.manager._lock:
+            return (self.manager.deployments.get(dep.id) is dep and dep.state != State.DELETING
+                    and (dep.generation == self.generation or dep.backend is backend))
+
+    def progress(self, backend: Backend, message: str) -> None:
+        dep = self.dep
+        with self.manager._lock:
+            if not self.wanted(backend):
+                return
+            if dep.state == State.UPDATING and dep.backend is not backend:
+                dep.reason = message  # the previous engine serves until this one is up
+            elif dep.state in (State.CREATING, State.FAILED):
+                dep.set_state(State.CREATING, message)  # new, or restarting after a crash
+
+    def ready(self, backend: Backend) -> bool:
+        """The backend serves from now on and the previous one, if any, is let go; False: it is not wanted."""
+        dep = self.dep
+        with self.manager._lock:
+            if not self.wanted(backend):
+                return False
+            previous = dep.backend if dep.backend is not backend else None
+            dep.backend, dep.loaded_spec = backend, self.spec
+            dep.load_seconds = round(time.time() - self.t0, 2)
+            dep.ready_at = time.time()
+            dep.set_state(State.READY)
+        _freeze_heap()
+        if previous is not None:
+            previous.stop(drain=True, then=_free_memory)  # the old engine finishes what it was serving
+        return True
+
+    def failed(self, backend: Backend, reason: str, retrying: bool) -> None:
+        dep = self.dep
+        with self.manager._lock:
+            if not self.wanted(backend):
+                return
+            dep.set_state(State.FAILED, reason)
+            if dep.backend is not backend or not retrying:
+                # the previous engine goes too (it no longer matches the spec); a backend still retrying stays the
+                # deployment's and serves once it is up
+                self.manager._release(dep)
+
+    def exited(self, backend: Backend) -> None:
+        with self.manager._lock:
+            self.manager._backends.discard(backend)
+
+
+def _in_place(old: DeploymentSpec, new: DeploymentSpec, backend: Backend) -> bool:
+    """Only the name, or a draft token count the backend takes without a restart, changed."""
+    if not _reload_needed(old, new, k_in_place=False):
+        return True
+    k = getattr(new.speculation, "num_draft_tokens", 0)
+    return not _reload_needed(old, new, k_in_place=True) and backend.set_num_draft_tokens(k)
 
 
 def _freeze_heap() -> None:

@@ -13,7 +13,7 @@ from depctl.cli._common import handle_errors
 from depctl.client import Client, daemon_info, start_daemon, stop_daemon
 from depctl.errors import DaemonNotRunning
 from depctl.output import Format
-from runtime.settings import SETTINGS, is_loopback
+from depctl.settings import SETTINGS, is_loopback
 
 app = typer.Typer(help="Run the local runtime daemon that loads deployments and serves the OpenAI API.", no_args_is_help=True)
 

@@ -17,7 +17,7 @@ import secrets
 from starlette.exceptions import HTTPException
 
 from runtime.api.errors import APIError
-from runtime.settings import Settings, is_loopback
+from depctl.settings import Settings, is_loopback
 
 OPEN_PATHS = ("/health",)
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}

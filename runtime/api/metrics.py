@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from runtime.vllm_server import stats_from_metrics
 
 if TYPE_CHECKING:
     from runtime.manager import DeploymentManager
@@ -44,31 +43,18 @@ class SpecDecodeCollector:
                                             "Requests held by suffix speculation's index", labels=["deployment"])
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
-            server = dep.proxied
-            if server is not None:  # a vLLM deployment: its counters as last read (this runs on the event loop)
-                stats = stats_from_metrics(server.metrics(fetch=False))
-                drafts.add_metric([dep.id], stats["drafts"])
-                draft_tokens.add_metric([dep.id], stats["draft_tokens"])
-                accepted.add_metric([dep.id], stats["accepted_tokens"])
-                for pos, count in enumerate(stats["accepted_per_position"]):
-                    per_pos.add_metric([dep.id, str(pos)], count)
+            if dep.backend is None:
                 continue
-            worker = dep.worker
-            loaded = worker.loaded if worker is not None else None
-            if loaded is None:
-                continue
-            running.add_metric([dep.id], worker.num_running)
-            waiting.add_metric([dep.id], worker.num_waiting)
-            stats = loaded.engine.stats
-            drafts.add_metric([dep.id], stats.num_drafts)
-            draft_tokens.add_metric([dep.id], stats.num_draft_tokens)
-            accepted.add_metric([dep.id], stats.num_accepted_tokens)
-            for pos, count in enumerate(stats.accepted_per_position):
+            c = dep.backend.counters()
+            drafts.add_metric([dep.id], c.drafts)
+            draft_tokens.add_metric([dep.id], c.draft_tokens)
+            accepted.add_metric([dep.id], c.accepted_tokens)
+            for pos, count in enumerate(c.accepted_per_position):
                 per_pos.add_metric([dep.id, str(pos)], count)
-            if hasattr(loaded.engine.proposer, "snapshot"):
-                index = loaded.engine.proposer.snapshot()
-                suffix_tokens.add_metric([dep.id], index["tokens"])
-                suffix_requests.add_metric([dep.id], index["requests"])
+            for family, value in ((running, c.running), (waiting, c.waiting), (suffix_tokens, c.suffix_tokens),
+                                  (suffix_requests, c.suffix_requests)):
+                if value is not None:
+                    family.add_metric([dep.id], value)
         yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos, suffix_tokens, suffix_requests)
 
 

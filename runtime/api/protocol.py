@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from depctl.spec import MAX_DRAFT_TOKENS
 from runtime.api.errors import APIError
-from runtime.engine import SamplingParams
+from runtime.speculation import SamplingParams
 
 MAX_STOP_STRINGS = 16
 

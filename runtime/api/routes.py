@@ -76,9 +76,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 async def _respond(service: Service, job: Job, body, request: Request):
     stream, include_usage = body.stream, body.include_usage
-    if job.dep.proxied is not None:
-        # a --engine vllm deployment: validated above like any request (the same 400s), answered by its server
-        return await request.app.state.proxy.forward(job, body, request, service.metrics, _unless_disconnected)
     if stream:
         return EventSourceResponse(_stream(service, job, include_usage), ping=15)
     text, finish = await _unless_disconnected(service.collect(job), request)

@@ -1,13 +1,12 @@
-"""The serving layer between the routes and the engine: request -> job -> text deltas -> OpenAI shapes.
+"""The serving layer between the routes and the backends: request -> job -> deltas -> OpenAI shapes.
 
-``Service.run`` is an async generator on the event loop: it submits the request to the deployment's engine thread
-(``runtime.worker``), which batches it with whatever else is running, and yields one ``Delta`` per step that gave
-it tokens (a run of accepted tokens). Detokenizing and stop strings happen here, off the engine thread. Leaving
-the generator early (the client went away) cancels the request, which frees its batch row at the next step.
+``Service.run`` is an async generator on the event loop: it hands the job's ``GenerateRequest`` to the backend that
+checked it (``runtime.backends``) and passes on its ``Delta``s, recording metrics and usage; it never asks which
+engine answers. Leaving the generator early (the client went away) cancels the request.
 
 Building a job (chat template, tokenizing) runs on a worker thread, never on the event loop: a multi-megabyte prompt
 must not stall every other client. The tokenizer is called through ``encode_batch``, which releases the GIL (a plain
-``encode`` of 6 MB held it for 2.7 s here).
+``encode`` of a multi-megabyte prompt holds it for seconds).
 
 Stopping the daemon: ``begin_drain`` refuses new requests (503) and, after the drain timeout, cuts the requests
 still running: each ends with a 503 error (in-stream: an error event, then ``[DONE]``).
@@ -19,19 +18,19 @@ import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
+from contextlib import aclosing
 from typing import AsyncIterator
 
-from runtime.api.detok import IncrementalDetokenizer, StopMatcher
+from depctl.settings import Settings
+from depctl.spec import describe_speculation
 from runtime.api.errors import APIError
 from runtime.api.metrics import Metrics
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.engine import GenerationParams
+from runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted
 from runtime.manager import Deployment, DeploymentManager, State
-from runtime.settings import Settings
-from depctl.spec import describe_speculation
+from runtime.speculation import GenerationParams
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
-_CUT = object()  # put in a running request's queue when the daemon's drain time is up
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -46,20 +45,13 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 @dataclass
 class Job:
     kind: str  # "text_completion" | "chat.completion"
-    dep: Deployment
+    deployment_id: str
     model: str  # echoed back as the response's "model"
-    prompt_ids: list[int]
-    params: GenerationParams
-    stops: list[str]
+    request: GenerateRequest
+    backend: Backend  # the one that checked the request (its tokenizer and context)
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict | None = None  # filled in when the run ends
-
-
-@dataclass
-class Delta:
-    text: str
-    finish_reason: str | None = None
 
 
 class Service:
@@ -68,17 +60,23 @@ class Service:
         self.metrics = metrics
         self.settings = settings or Settings()
         self.stopping = False
-        self._running: set[asyncio.Queue] = set()  # the output queues of the requests in flight
+        self._cut: asyncio.Future | None = None  # resolves when the drain time is up: running requests end
 
     # ---- stopping ----
     def begin_drain(self, timeout: float) -> None:
         """New requests get 503 from now on; requests still running after ``timeout`` seconds are cut."""
         self.stopping = True
-        asyncio.get_running_loop().call_later(timeout, self._cut_all)
+        asyncio.get_running_loop().call_later(timeout, self._cut_now)
 
-    def _cut_all(self) -> None:
-        for queue in list(self._running):
-            queue.put_nowait(_CUT)
+    def _cut_now(self) -> None:
+        if not self.cut.done():
+            self.cut.set_result(None)
+
+    @property
+    def cut(self) -> asyncio.Future:
+        if self._cut is None:  # made on the event loop that waits on it
+            self._cut = asyncio.get_running_loop().create_future()
+        return self._cut
 
     # ---- looking up the deployment ----
     def deployment(self, model: str) -> Deployment:
@@ -164,92 +162,66 @@ class Service:
         params = GenerationParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=req.ignore_eos,
                                   prediction=prediction, speculate=req.speculation_enabled,
                                   max_draft_tokens=req.max_draft_tokens)
-        return Job(kind, dep, req.model, list(prompt_ids), params, req.stop_strings)
+        return Job(kind, dep.id, req.model, GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings)),
+                   dep.backend)
 
     # ---- running ----
     async def run(self, job: Job) -> AsyncIterator[Delta]:
-        dep = job.dep
         endpoint = "chat" if job.kind == "chat.completion" else "completions"
         t0 = time.perf_counter()
         status, completion, first_at, last_at = "error", 0, None, None
         drafted = accepted = pred_accepted = 0
-        worker = dep.worker
-        loaded = worker.loaded if worker is not None else None
-        if loaded is None or dep.state not in SERVING_STATES:
-            raise APIError(503, f"deployment {dep.id!r} is {dep.state.value}", code="deployment_not_ready")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        handle = worker.submit(job.prompt_ids, job.params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
-        finished = False
-        self._running.add(outputs)
         try:
-            detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(job.stops)
-            while True:
-                out = await outputs.get()
-                if out is _CUT:
-                    raise APIError(503, f"the daemon is stopping and this request was still running when its drain time "
-                                        f"ran out, after {completion} tokens (DEPCTL_DRAIN_TIMEOUT); retry once it is back",
-                                   code="daemon_stopping")
-                if isinstance(out, BaseException):
-                    finished = True
-                    if isinstance(out, ValueError):
-                        raise APIError(400, str(out))
-                    raise APIError(503, f"deployment {dep.id!r}: {out}", code="deployment_not_ready")
-                now = time.perf_counter()
-                if out.token_ids:
-                    if first_at is None:
-                        first_at = now
-                    else:
-                        self.metrics.observe_run(dep.id, now - last_at, len(out.token_ids))
-                    last_at = now
-                completion += len(out.token_ids)
-                drafted += out.drafted
-                accepted += out.accepted
-                pred_accepted += out.prediction_accepted
-                finished = out.finish_reason is not None
-                text = stopper.feed(detok.add(out.token_ids))
-                if stopper.stopped:
-                    yield Delta(text, "stop")
-                    break
-                if out.finish_reason == "cancelled":
-                    status = "cancelled"
-                    return
-                if out.finish_reason:
-                    yield Delta(text + stopper.feed(detok.flush()) + stopper.flush(), out.finish_reason)
-                    break
-                if text:
-                    yield Delta(text)
-            status = "ok"
-            job.usage = self._usage(job, completion, drafted, accepted, pred_accepted)
+            async with aclosing(job.backend.generate(job.request, self.cut)) as deltas:
+                async for delta in deltas:
+                    now = time.perf_counter()
+                    if delta.tokens:
+                        if first_at is None:
+                            first_at = now
+                        else:
+                            self.metrics.observe_run(job.deployment_id, now - last_at, delta.tokens)
+                        last_at = now
+                    completion += delta.tokens
+                    drafted += delta.drafted
+                    accepted += delta.accepted
+                    pred_accepted += delta.prediction_accepted
+                    yield delta
+                    if delta.finish_reason:
+                        status = "ok"
+                        job.usage = self._usage(job, completion, drafted, accepted, pred_accepted)
+                        return
+            status = "cancelled"
+        except Interrupted:
+            raise APIError(503, f"the daemon is stopping and this request was still running when its drain time ran "
+                                f"out, after {completion} tokens (DEPCTL_DRAIN_TIMEOUT); retry once it is back",
+                           code="daemon_stopping") from None
+        except BackendError as exc:
+            raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
         finally:
-            self._running.discard(outputs)
-            if not finished:  # a stop string, a client that went away, an error: free the batch row
-                handle.cancel()
             self.metrics.observe_request(
-                dep.id, endpoint, status, len(job.prompt_ids), completion,
+                job.deployment_id, endpoint, status, len(job.request.prompt_ids), completion,
                 None if first_at is None else first_at - t0, time.perf_counter() - t0,
             )
 
-    def _usage(self, job, completion, drafted, accepted, pred_accepted) -> dict:
-        prompt = len(job.prompt_ids)
-        spec = job.dep.loaded_spec
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": pred_accepted,
-                # as OpenAI counts them: prediction tokens that did not make it into the completion
-                "rejected_prediction_tokens": max(len(job.params.prediction) - pred_accepted, 0),
-            },
-            "speculation": {
-                "method": describe_speculation(spec.speculation) if spec else None,
-                "enabled": job.params.speculate,
-                "drafted_tokens": drafted,
-                "accepted_tokens": accepted,
-                "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-            },
+    def _usage(self, job: Job, completion: int, drafted: int, accepted: int, pred_accepted: int) -> dict:
+        prompt = len(job.request.prompt_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        if not job.backend.per_request_speculation:
+            return usage
+        params = job.request.params
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": pred_accepted,
+            # as OpenAI counts them: prediction tokens that did not make it into the completion
+            "rejected_prediction_tokens": max(len(params.prediction) - pred_accepted, 0),
         }
+        usage["speculation"] = {
+            "method": describe_speculation(job.backend.spec.speculation),
+            "enabled": params.speculate,
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        }
+        return usage
 
     async def collect(self, job: Job) -> tuple[str, str]:
         """Run to the end; (text, finish_reason)."""

@@ -12,11 +12,9 @@ import pytest
 from depctl import models
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.engine import (
-    DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine,
-)
-from runtime.engine.runner import ModelRunner
-from runtime.loader import quantize_int8
+from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
+from runtime.model.runner import ModelRunner
+from runtime.backends.loader import quantize_int8
 from tests.daemon_util import DaemonProcess
 
 pytestmark = pytest.mark.real_model
@@ -59,7 +57,7 @@ def test_daemon_answers_paris(smollm2, tmp_path):
 
 
 def _generate(engine, ids, n=40):
-    return [t for out in engine.generate(ids, GenerationParams(max_tokens=n)) for t in out.token_ids]
+    return [t for out in generate(engine, ids, GenerationParams(max_tokens=n)) for t in out.token_ids]
 
 
 @pytest.mark.parametrize("method", ["ngram", "self-draft", "int8 self-draft"])
@@ -132,11 +130,12 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.engine import Scheduler, native
-    from runtime.engine.decoder import is_fused
-    from runtime.engine.head import ScreenedHead
-    from runtime.engine.surgery import int8_row_invariant, onednn_row_invariant
-    from runtime.loader import INT8_WEIGHTS, compile_passes, cpu_has_bf16, surgery_for
+    from runtime.speculation import Scheduler
+    from runtime.kernels import native
+    from runtime.model.decoder import is_fused
+    from runtime.model.head import ScreenedHead
+    from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
+    from runtime.backends.loader import INT8_WEIGHTS, compile_passes, cpu_has_bf16, surgery_for
 
     precision, _, compiled = precision.partition(", ")
     if precision == "bfloat16" and not cpu_has_bf16():

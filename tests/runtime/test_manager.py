@@ -10,8 +10,8 @@ import pytest
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.engine import GenerationParams
-from runtime.loader import load_deployment
+from runtime.speculation import GenerationParams
+from runtime.backends.loader import load_deployment
 from runtime.manager import DeploymentManager, State
 
 
@@ -33,13 +33,12 @@ def _wait(manager, dep_id, states, timeout=60.0):
 
 
 def _serves(dep) -> bool:
-    worker = dep.worker
-    return worker is not None and worker.loaded is not None
+    return dep.backend is not None and dep.backend.loaded is not None
 
 
 @pytest.fixture
 def manager(depctl_home):
-    m = DeploymentManager(SpecStore(), loader=lambda spec: load_deployment(spec, calibrate=False))
+    m = DeploymentManager(SpecStore(), loader=lambda spec, **kw: load_deployment(spec, calibrate=False, **kw))
     yield m
     m.stop()
 
@@ -51,7 +50,7 @@ def test_recreate_while_the_old_engine_drains_loads_a_new_one(manager, tiny_mode
     store.create(_spec("d", tiny_model_dir, compile=False))  # eager: the 400 tokens must still be draining
     dep = _wait(manager, "d", ("READY",))
     done = threading.Event()
-    dep.worker.submit(list(b"abcabcabc"), GenerationParams(max_tokens=400, ignore_eos=True),
+    dep.backend.worker.submit(list(b"abcabcabc"), GenerationParams(max_tokens=400, ignore_eos=True),
                       lambda out: done.set() if isinstance(out, BaseException) or out.finish_reason else None)
     store.delete("d")
     manager.reconcile(force=True)
@@ -73,7 +72,7 @@ def test_ready_always_means_serving(manager, tiny_model_dir):
         store.create(_spec("r", tiny_model_dir, display_name=f"v{i}"))
         dep = _wait(manager, "r", ("READY",))
         if i % 2 == 0:
-            dep.worker.submit(list(b"hello hello"), GenerationParams(max_tokens=50, ignore_eos=True), lambda out: None)
+            dep.backend.worker.submit(list(b"hello hello"), GenerationParams(max_tokens=50, ignore_eos=True), lambda out: None)
         store.delete("r")
         manager.reconcile(force=True)
     store.create(_spec("r", tiny_model_dir))
@@ -103,7 +102,7 @@ def _wait_gone(manager, dep_id, timeout=30.0):
 def test_a_hung_load_fails_after_the_load_timeout_and_others_still_load(depctl_home, tiny_model_dir):
     release = threading.Event()
 
-    def loader(spec):
+    def loader(spec, **kw):
         if spec.id == "hung":
             release.wait(120)  # a model file that never finishes reading (a FIFO, a dead network mount)
         return load_deployment(spec, calibrate=False)
@@ -128,11 +127,9 @@ def test_a_hung_load_fails_after_the_load_timeout_and_others_still_load(depctl_h
 
 
 def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_home, tiny_model_dir):
-    from runtime.loader import report
-
     release = threading.Event()
 
-    def loader(spec):
+    def loader(spec, report):
         report("compiling the decode and verify passes")
         release.wait(60)
         return load_deployment(spec, calibrate=False)
@@ -169,7 +166,7 @@ def test_a_loaded_model_is_out_of_the_collectors_reach_and_a_deleted_one_is_stil
     store = manager.store
     store.create(_spec("g", tiny_model_dir, compile=False))
     dep = _wait(manager, "g", ("READY",))
-    model = weakref.ref(dep.worker.loaded.engine.target.model)
+    model = weakref.ref(dep.backend.worker.loaded.engine.target.model)
     deadline = time.monotonic() + 10
     while gc.get_freeze_count() == 0:
         assert time.monotonic() < deadline, "nothing was frozen after the load"

@@ -1,0 +1,19 @@
+"""Backends: what serves a deployment. ``make_backend`` picks one from the spec; everything above talks to the
+``Backend`` protocol (``runtime.backends.base``)."""
+
+from __future__ import annotations
+
+from depctl.spec import DeploymentSpec
+from runtime.backends.base import Backend, BackendError, Counters, Delta, GenerateRequest, Interrupted, Owner
+from runtime.backends.loader import load_deployment
+from runtime.backends.local import Loader, LocalBackend
+from runtime.backends.vllm import VLLMBackend
+
+
+def make_backend(spec: DeploymentSpec, owner: Owner, load_timeout: float, loader: Loader = load_deployment) -> Backend:
+    if spec.engine == "vllm":
+        return VLLMBackend(spec, owner, load_timeout)
+    return LocalBackend(spec, owner, loader)
+
+
+__all__ = ["Backend", "BackendError", "Counters", "Delta", "GenerateRequest", "Interrupted", "Owner", "make_backend"]

@@ -1,0 +1,112 @@
+"""The seam between the daemon and an engine: what every backend offers, and what it hands back.
+
+A deployment holds one ``Backend``, made from its spec by ``runtime.backends.make_backend``. Routes, metrics and status
+talk to that protocol only; whether depctl's own engine or a supervised vLLM server answers is the backend's business.
+
+A backend reports its life to its ``Owner`` (the manager's side): it takes the load turn, says what it is doing,
+says when it is ready or has failed, and asks whether it is still wanted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Protocol
+
+from depctl.spec import DeploymentSpec
+from runtime.speculation import GenerationParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What a backend needs to run one request: token ids in, sampling and stopping rules."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    stops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A run of output: its text, how many tokens it took, and the speculation behind it."""
+
+    text: str
+    tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" on the last delta
+    drafted: int = 0
+    accepted: int = 0
+    prediction_accepted: int = 0
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Speculation and queue counters for ``/metrics``: read without blocking, at scrape time."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    running: int | None = None
+    waiting: int | None = None
+    suffix_tokens: int | None = None  # suffix speculation's index, where there is one
+    suffix_requests: int | None = None
+
+
+class BackendError(Exception):
+    """A request the backend could not run, with the HTTP status and OpenAI error code it maps to."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+class Interrupted(Exception):
+    """The daemon's drain time ran out while this request was still running."""
+
+
+class Owner(Protocol):
+    """The manager's side of one backend: how it reports its life (see ``runtime.manager``)."""
+
+    def load_turn(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def wanted(self, backend: Backend) -> bool: ...
+
+    def progress(self, backend: Backend, message: str) -> None: ...
+
+    def ready(self, backend: Backend) -> bool: ...
+
+    def failed(self, backend: Backend, reason: str, retrying: bool) -> None: ...
+
+    def exited(self, backend: Backend) -> None: ...
+
+
+class Backend(Protocol):
+    spec: DeploymentSpec
+    tokenizer: object | None  # the model's tokenizer, for building and checking requests
+    max_context: int | None  # prompt + output tokens a request may hold
+    per_request_speculation: bool  # whether deltas count drafted and accepted tokens
+
+    @property
+    def ready(self) -> bool: ...
+
+    def start(self) -> None:
+        """Begin loading or starting, on a thread of the backend's own; report to the owner."""
+
+    def generate(self, request: GenerateRequest, cut: asyncio.Future) -> AsyncIterator[Delta]:
+        """The request's output as it is produced (on the event loop). Leaving early cancels the request; ``cut``
+        resolving raises ``Interrupted``; a request that cannot run raises ``BackendError``."""
+
+    def set_num_draft_tokens(self, k: int) -> bool:
+        """Change K in place; False when this backend takes it only by a restart."""
+
+    def status(self) -> dict:
+        """The engine's facts for ``deployment get`` (may block briefly: never call it on the event loop)."""
+
+    def counters(self) -> Counters: ...
+
+    def stop(self, drain: bool = True, then: Callable[[], None] | None = None) -> None:
+        """Stop after what runs finishes (``drain``) or at once; ``then`` runs once it has stopped."""
+
+    def wait_stopped(self, timeout: float | None = None) -> bool: ...
+

@@ -1,0 +1,480 @@
+"""Turn a deployment spec into a ready engine: resolve the models, check they fit, load them, pair the tokenizers.
+
+Everything here may take seconds to minutes (downloads, GGUF conversion, weights) and runs on the daemon's
+loader thread, never on a request path. Failures raise ``LoadError`` with a message the user can act on; the
+deployment then goes to FAILED with that message as its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from depctl import config, models
+from depctl.errors import DepctlError, first_line
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
+from runtime.speculation import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
+from runtime.model import compiled, graphs
+from runtime.kernels import native
+from runtime.model.decoder import fuse_projections
+from runtime.model.head import ScreenedHead, screen_output_layer
+from runtime.model.runner import ModelRunner
+from runtime.kernels.surgery import (
+    SplitKLinear, WeightMajorLinear, blocked_linears, int8_linears, int8_row_invariant, int8_weight_linears,
+    onednn_linears, onednn_row_invariant, plain_stand_in_bytes, products, row_invariant_chunk, split_k_linears,
+    weight_major_linears,
+)
+
+log = logging.getLogger("depctl.loader")
+
+MAX_CONTEXT_CAP = 32768
+INT8_WEIGHTS = "int8 weights"  # a target's --quantization int8: weight-only int8, bfloat16 activations
+COMPILED_PRECISIONS = (INT8_WEIGHTS, "float32", "bfloat16")  # compiled where faster: see compile_passes
+
+
+class LoadError(Exception):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what from_pretrained loaded (a directory or a hub id)
+    device: torch.device
+    dtype: torch.dtype
+    # how the weights are held: the dtype's name, "int8" (a draft's dynamic int8 linears) or INT8_WEIGHTS
+    precision: str = ""
+
+    def __post_init__(self):
+        self.precision = self.precision or str(self.dtype).removeprefix("torch.")
+
+
+@dataclass
+class LoadedDeployment:
+    engine: SpeculativeEngine
+    tokenizer: object
+    target: LoadedModel
+    draft: LoadedModel | None
+    max_context: int
+    calibration: dict
+    compiled: str = "no"  # what ``deployment get`` shows: how decode and verify passes run, and why
+    products: str = ""  # and what computes the target's matrix products (``surgery.products``)
+
+
+def log_progress(message: str) -> None:
+    log.info("%s", message)
+
+
+def _attach_exact(runner: ModelRunner, attribute: str, make, failed: str, what: str, device: str) -> str | None:
+    """``runner.<attribute> = make()``, kept only if a verify pass through it equals one-token steps through it bit for
+    bit (``compiled.check``). Returns None when kept, else why not (the runner is left eager): an exception in
+    ``make`` or the check is logged and named by its first line."""
+    try:
+        setattr(runner, attribute, make())
+        exact = compiled.check(runner)
+    except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
+        log.warning("%s; the passes run eagerly", failed, exc_info=exc)
+        setattr(runner, attribute, None)
+        return f"no ({failed}: {first_line(exc, 240)})"
+    if not exact:
+        setattr(runner, attribute, None)
+        return f"no ({what} rounded differently from single steps on this {device})"
+    return None
+
+
+def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> str:
+    """On CUDA: the target's decode and verify passes at one fixed shape, ``max_rows x width`` tokens (width = 1 +
+    the most drafts a row verifies), replayed from CUDA graphs (``runtime.model.graphs``), once a verify pass through
+    them equals one-token steps through them bit for bit on this GPU; a draft model's one- and two-token forwards
+    likewise (its output only proposes, so no check). Anything that fails leaves the eager pass and says why."""
+    if not runner.fused:
+        return "no (this architecture keeps transformers' forward, which is not recorded into CUDA graphs)"
+    runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
+    runner.set_length(0, 0)
+    refused = _attach_exact(runner, "graphed", lambda: graphs.FixedShapePass(runner.model, runner.cache,
+                                                                              runner.max_rows, (width,)),
+                            "recording CUDA graphs failed", "a verify pass through the CUDA graphs", "GPU")
+    if refused:
+        return refused
+    drafts = ""
+    if draft is not None and draft.fused:
+        try:
+            draft.forward(0, [[0]], prefill=True)
+            draft.set_length(0, 0)
+            draft.graphed = graphs.FixedShapePass(draft.model, draft.cache, draft.max_rows, (1, 2))
+            draft.forward(0, [[1]])
+            draft.set_length(0, 0)
+            drafts = "; the draft model's forwards too"
+        except Exception as exc:  # noqa: BLE001
+            log.warning("recording the draft model's CUDA graphs failed; it runs eagerly", exc_info=exc)
+            draft.graphed = None
+    return f"yes ({runner.graphed.describe()}{drafts})"
+
+
+def compile_passes(runner: ModelRunner, precision: str, wanted: bool, width: int = 1,
+                   draft: ModelRunner | None = None, report: Callable[[str], None] = log_progress) -> str:
+    """Attach a compiled decode/verify pass (``runtime.model.compiled``) where it is faster and exact, and say how
+    the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step, ``benchmarks/passes.py``): int8 weights 11.2
+    -> 7.3 ms, bf16 14.6 -> 10.0 ms, float32 17.8 -> 13.4 ms, each with products the library calls directly
+    (``torch._weight_int8pack_mm``, oneDNN's linear on its reordered weights). Split-K and weight-major linears (the fallbacks where oneDNN is
+    not row-invariant) would become inductor's own products, which ran slower (bf16: 22 -> 37 ms): those stay eager.
+    A compile that fails (no C++ compiler, an op AOTInductor cannot take) leaves the eager pass and says why; it
+    never fails the deployment."""
+    if not wanted:
+        return "no (the spec says compile: false)"
+    if runner.device.type == "cuda":
+        return graph_passes(runner, width, draft)
+    if runner.device.type != "cpu":
+        return f"no (no compiled passes on {runner.device.type})"
+    if precision not in COMPILED_PRECISIONS:
+        return f"no ({precision} passes ran slower compiled on a CPU; int8 weights, bfloat16 and float32 compile)"
+    if any(isinstance(m, (SplitKLinear, WeightMajorLinear)) for m in runner.model.modules()):
+        return ("no (this CPU's oneDNN linear is not row-invariant, so the products are split-K or weight-major ones, "
+                "which ran slower compiled)")
+    if not runner.fused:
+        return "no (this architecture keeps transformers' forward, which does not compile)"
+    runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
+    runner.set_length(0, 0)
+    package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
+    if not package.exists():
+        # the build traces over plain stand-ins of oneDNN's reordered weights (``surgery.plain_stand_ins``): the float
+        # weights' size again, for as long as it compiles. Better to run eagerly than to meet the OOM killer.
+        stand_ins = plain_stand_in_bytes(runner.model)
+        free = free_bytes(runner.device)
+        if stand_ins and free is not None and stand_ins > 0.8 * free:
+            return (f"no (building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
+                    f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile)")
+    built = ""
+
+    def library() -> compiled.CompiledPass:
+        nonlocal built
+        if not package.exists():
+            report("compiling the decode and verify passes (once per model and precision; a minute or more on a "
+                   "small CPU; later loads reuse it)")
+            built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
+        return compiled.CompiledPass(package, runner.model)
+
+    refused = _attach_exact(runner, "compiled", library, "compiling failed", "a verify pass through the compiled library",
+                            "CPU")
+    if refused:
+        return refused
+    screened = ""
+    if isinstance(runner.model.lm_head, ScreenedHead):  # the native ops are loaded now: switch the screen on
+        runner.model.lm_head.screen(runner.vocab_size)
+        screened = "; greedy tokens screened in bf16 before the float32 output layer"
+    return f"yes (AOTInductor library {package.name}{built}{screened})"
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise LoadError(
+                "device 'cuda' was requested but torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, built {'with' if torch.version.cuda else 'without'} CUDA); "
+                "update the deployment with --device cpu or --device auto"
+            )
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def pick_dtype(requested: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    if quantization == "int8":  # the activations' dtype: the int8 weight kernel wants bf16 (spec.check_quantization)
+        if device.type != "cpu":
+            raise LoadError(f"--quantization int8 runs on a CPU in this version, and this deployment resolved to "
+                            f"{device.type}: update it with --device cpu, or --quantization none")
+        if not int8_row_invariant(torch.bfloat16):
+            raise LoadError("this CPU's int8 weight kernel gives a row a different result depending on how many rows "
+                            "share the pass, so speculation would not be exact: update the deployment with "
+                            "--quantization none")
+        return torch.bfloat16
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads (a compiled
+    # one-token SmolLM2 pass: 5.2 ms against float32's 10.8, both through our blocked products) and a product of a
+    # few rows costs little more than one, so decoding is ~2x faster and verification cheap. Without them bf16 is
+    # emulated (verifying 8 tokens cost 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the
+    # result stays exact (surgery).
+    if cpu_has_bf16() and cpu_bf16_exact():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_bf16_exact() -> bool:
+    """Whether this CPU can run a bf16 target exactly under speculation: our blocked product runs here (AVX-512 BF16:
+    ``BlockedLinear``), oneDNN's linear is row-invariant from two rows (``OneDNNLinear``), or ``F.linear`` is once its
+    inner dimension is cut (``SplitKLinear``)."""
+    return (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)
+            or row_invariant_chunk(torch.bfloat16) is not None)
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 dot products in hardware: AVX-512 BF16 (Zen 4, Cooper Lake on) or AMX tiles (Sapphire Rapids on)."""
+    cpu = getattr(torch, "cpu", None)
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def pick_draft_precision(requested: str, device: torch.device, target_dtype: torch.dtype) -> str:
+    """How the draft's weights are held: "int8" or a dtype name. The draft only proposes, so this never changes
+    the output. auto: int8 on a CPU (Qwen2.5-Coder-0.5B drafts a token in ~40 ms instead of ~130 ms on 2 cores),
+    the target's dtype on a GPU (dynamic int8 is a CPU kernel)."""
+    if requested == "auto":
+        return "int8" if device.type == "cpu" else str(target_dtype).removeprefix("torch.")
+    if requested == "int8" and device.type != "cpu":
+        raise LoadError(
+            f"--draft-precision int8 runs on a CPU only, and this deployment is on {device.type}; "
+            "update it with --draft-precision auto (the target's dtype) or bfloat16"
+        )
+    return requested
+
+
+def load_dtype(precision: str) -> torch.dtype:
+    """The dtype a model of this precision is loaded in: an int8 draft is loaded in float32, then quantized."""
+    return torch.float32 if precision == "int8" else getattr(torch, precision)
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """The draft's int8 surgery (``surgery.int8_linears``), with a load error the user can act on."""
+    try:
+        return int8_linears(model)
+    except RuntimeError as exc:
+        raise LoadError(
+            f"int8 drafting is not available in torch {torch.__version__} ({exc}); "
+            "update the deployment with --draft-precision float32"
+        ) from exc
+
+
+def surgery(loaded: LoadedModel, exact: bool = True) -> None:
+    """The loader's model surgery, explicit and in one place: fused projections for Llama-family models on any device
+    (``runtime.model.decoder``: the runner then steps our own forward), then on a CPU the module swaps that make it
+    fast and keep it exact (``runtime.kernels.surgery``). ``exact``: the model's numerics reach the output (a target),
+    so its products must not depend on how many rows share a pass; a draft's never do."""
+    if loaded.device.type == "cpu":
+        loaded.model = surgery_for(loaded.model, loaded.precision, exact)
+    else:
+        fuse_projections(loaded.model)
+
+
+def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool = True) -> torch.nn.Module:
+    """A CPU's surgery: fused projections where the architecture allows (then the swaps below apply to the fused
+    linears); weight-only int8 linears for an int8 target (exact under speculation); dynamic int8 linears for an int8
+    draft; for a bf16/fp16 target, oneDNN linears with at least two rows a product where that is row-invariant here
+    (bf16 on AVX-512 machines), else split inner dimensions where the CPU's GEMM would round a row differently with
+    more rows beside it (a half-precision draft needs neither); for float32, our own blocked linears where depctl's
+    C++ ops build (else oneDNN linears where row-invariant, else weight-major linears: a handful of rows cost close
+    to one), and with them, on a CPU with bf16 instructions, a target's output layer tied to its embeddings becomes a
+    ``ScreenedHead`` (greedy choices without the full float32 product, once
+    the compiled passes switch it on: ``runtime.model.head``)."""
+    if fuse:
+        fuse_projections(model)
+    if precision == INT8_WEIGHTS:
+        int8_weight_linears(model, torch.bfloat16)
+        return model
+    if precision == "int8":
+        return quantize_int8(model)
+    if precision in ("bfloat16", "float16"):
+        dtype = getattr(torch, precision)
+        if native.blocked_supports(dtype):  # our own product: row-invariant, and faster than oneDNN's here
+            blocked_linears(model, dtype)
+            return model
+        if exact:
+            if onednn_row_invariant(dtype):
+                onednn_linears(model, dtype)
+                return model
+            chunk = row_invariant_chunk(dtype)
+            if chunk is None:
+                raise LoadError(
+                    f"{precision} matrix products on this CPU give a row a different result depending on how many "
+                    "rows share the pass, so speculation would not be exact: update the deployment with --dtype float32")
+            split_k_linears(model, chunk)
+        return model
+    if native.available():  # our own row-invariant product (surgery.BlockedLinear), faster than oneDNN's here
+        if exact and cpu_has_bf16():  # greedy choices from a bf16 screen of the output layer (runtime.model.head)
+            screen_output_layer(model)
+        blocked_linears(model)
+    elif onednn_row_invariant():
+        onednn_linears(model)
+    else:
+        weight_major_linears(model)
+    return model
+
+
+def resolve_source(ref: str, flag: str) -> str:
+    """A model reference -> what ``from_pretrained`` loads, fetching/converting first when needed."""
+    try:
+        resolved = models.resolve(ref, flag)
+        return models.materialize(resolved)
+    except DepctlError as exc:
+        raise LoadError(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
+
+
+def load_model(ref: str, flag: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(ref, flag)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unloadable models
+        first = first_line(exc)
+        offline = " (HF_HUB_OFFLINE is set: hub ids cannot be fetched)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise LoadError(f"{flag} {ref!r} failed to load from {source}{offline}: {first}") from exc
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, source, device, dtype)
+
+
+def real_vocab_size(tokenizer) -> int:
+    return len(tokenizer)
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel, target_ref: str, draft_ref: str) -> None:
+    """A draft must speak the target's tokens: identical vocabularies (token -> id). Embedding tables may differ
+    in size (Qwen pads them); rows past the tokenizer's vocabulary are padding and are sliced off the logits."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    only_target = len(target_vocab.keys() - draft_vocab.keys())
+    only_draft = len(draft_vocab.keys() - target_vocab.keys())
+    moved = sum(1 for t, i in target_vocab.items() if t in draft_vocab and draft_vocab[t] != i)
+    suggestion = models.suggest_draft(target_ref)
+    hint = (
+        f"use --draft-model={suggestion}, which shares this target's tokenizer"
+        if suggestion
+        else "use a draft model from the target's family (same tokenizer), or --ngram-speculation-length instead"
+    )
+    raise LoadError(
+        f"draft model {draft_ref!r} does not use the target's tokenizer ({len(target_vocab)} vs {len(draft_vocab)} "
+        f"tokens; {only_target} only in the target, {only_draft} only in the draft, {moved} with different ids), "
+        f"so its drafts would be meaningless: {hint}"
+    )
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------
+
+
+def estimate_bytes(source: str, dtype: torch.dtype, context: int) -> int:
+    """Weights (from the safetensors on disk, rescaled to ``dtype``) + a KV cache of ``context`` positions."""
+    from transformers import AutoConfig
+
+    path = Path(source)
+    if not path.is_dir():
+        return 0  # a hub id: nothing on disk to measure before the download
+    cfg = AutoConfig.from_pretrained(source)
+    stored = 4 if str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", "float32")).endswith("32") else 2
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) * dtype.itemsize // stored
+    layers = getattr(cfg, "num_hidden_layers", 0)
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = 2 * layers * kv_heads * head_dim * context * dtype.itemsize
+    return weights + kv
+
+
+def free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None  # unknown (macOS, Windows): do not block the load
+
+
+def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
+    total = sum(n for _, n in needs)
+    free = free_bytes(device)
+    if free is None or total == 0:
+        return
+    if total > free * 0.9:  # leave room for activations and the process itself
+        parts = ", ".join(f"{name} {n / 2**30:.2f} GiB" for name, n in needs)
+        raise LoadError(
+            f"not enough memory on {device.type}: need about {total / 2**30:.2f} GiB ({parts}, weights + KV cache) "
+            f"but {free / 2**30:.2f} GiB is free; free memory, use a smaller model or dtype, or delete other "
+            "deployments"
+        )
+
+
+# ---- the deployment -------------------------------------------------------------------------------------------
+
+
+def load_deployment(spec: DeploymentSpec, calibrate: bool = True,
+                    report: Callable[[str], None] = log_progress) -> LoadedDeployment:
+    """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs)."""
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device, spec.quantization)
+    spec_method = spec.speculation
+    draft_ref = spec_method.draft_model if isinstance(spec_method, DraftModelSpeculation) else None
+
+    # fetch/convert first, then check memory, then load: a deployment too big fails before it is half-loaded
+    report("resolving the model")
+    target_source = resolve_source(spec.model, "MODEL")
+    draft_source = resolve_source(draft_ref, "--draft-model") if draft_ref else None
+    from transformers import AutoConfig
+
+    try:
+        max_context = min(getattr(AutoConfig.from_pretrained(target_source), "max_position_embeddings", 2048), MAX_CONTEXT_CAP)
+    except Exception as exc:
+        first = first_line(exc, 300)
+        raise LoadError(f"MODEL {spec.model!r} failed to load: cannot read its config.json in {target_source}: {first}") from exc
+    needs = [("target", estimate_bytes(target_source, dtype, max_context))]
+    precision = pick_draft_precision(spec_method.draft_precision, device, dtype) if draft_source else None
+    if draft_source:  # an int8 draft is loaded in float32 first: its peak is the float32 size
+        needs.append(("draft", estimate_bytes(draft_source, load_dtype(precision), max_context)))
+    check_memory(needs, device)
+
+    report("loading the weights")
+    target = load_model(spec.model, "MODEL", device, dtype)
+    if spec.quantization == "int8":
+        target.precision = INT8_WEIGHTS
+    surgery(target)
+    draft = None
+    if draft_ref:
+        draft = load_model(draft_ref, "--draft-model", device, load_dtype(precision))
+        draft.precision = precision
+        surgery(draft, exact=False)
+    vocab = real_vocab_size(target.tokenizer)
+    rows = spec.max_batch_size
+    proposer = None
+    if draft is not None:
+        check_draft_compatible(target, draft, spec.model, draft_ref)
+        proposer = DraftModelProposer(ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context))
+    elif isinstance(spec_method, NgramSpeculation):
+        proposer = NgramProposer(spec_method.ngram_length)
+    elif isinstance(spec_method, SuffixSpeculation):
+        proposer = SuffixProposer(spec_method.cache_tokens)
+    eos = target.tokenizer.eos_token_id
+    gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    eos_ids = {eos} if eos is not None else set()
+    eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    engine = SpeculativeEngine(
+        ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context),
+        proposer,
+        EngineConfig(
+            num_draft_tokens=getattr(spec_method, "num_draft_tokens", 0),
+            max_context=max_context,
+            eos_token_ids=tuple(sorted(eos_ids)),
+        ),
+    )
+    compiled_status = compile_passes(engine.target, target.precision, spec.compile, width=1 + engine.policy.max_k,
+                                     draft=proposer.runner if isinstance(proposer, DraftModelProposer) else None,
+                                     report=report)
+    if calibrate:
+        report("calibrating the speculation policy")
+    calibration = engine.calibrate() if calibrate else {}
+    kernels = products(target.model)
+    log.info("loaded %s on %s/%s%s, products: %s; calibration %s", spec.id, device, dtype,
+             f" (draft {draft.precision})" if draft else "", kernels, calibration)
+    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration, compiled_status,
+                            kernels)

@@ -1,0 +1,206 @@
+"""depctl's own speculative engine as a backend: loaded on a thread of its own, then stepped by the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator, Callable
+
+from depctl.errors import DepctlError, first_line
+from depctl.spec import DeploymentSpec, describe_speculation
+from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Owner
+from runtime.backends.detok import IncrementalDetokenizer, StopMatcher
+from runtime.backends.loader import LoadedDeployment, LoadError, load_deployment
+from runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
+from runtime.speculation import SuffixProposer
+
+log = logging.getLogger("depctl.local")
+
+_CUT = object()  # put in a running request's queue when the daemon's drain time is up
+
+Loader = Callable[..., LoadedDeployment]
+
+
+class LocalBackend:
+    per_request_speculation = True
+
+    def __init__(self, spec: DeploymentSpec, owner: Owner, loader: Loader = load_deployment):
+        self.spec = spec
+        self._owner = owner
+        self._loader = loader
+        self._worker: EngineWorker | None = None
+        self._lock = threading.Lock()  # the worker's arrival vs. a stop that comes first
+        self._stop: Stop | None = None  # a stop asked for before the worker existed
+        self._stopped = threading.Event()
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        threading.Thread(target=self._load, name=f"depctl-load-{self.spec.id}", daemon=True).start()
+
+    def _load(self) -> None:
+        """Load, calibrate and hand the engine to the engine thread; this thread then ends, and its OpenMP pool."""
+        try:
+            with self._owner.load_turn():
+                if not self._owner.wanted(self) or self._stop is not None:
+                    return self._exit()
+                loaded = self._loader(self.spec, report=lambda message: self._owner.progress(self, message))
+        except BaseException as exc:  # noqa: BLE001 - every failure ends in FAILED with its reason
+            if isinstance(exc, (LoadError, DepctlError)):
+                reason = getattr(exc, "message", None) or str(exc)
+            else:
+                log.error("loading %s failed", self.spec.id, exc_info=exc)
+                reason = first_line(exc)
+            self._owner.failed(self, reason, retrying=False)
+            return self._exit()
+        worker = EngineWorker(self.spec.id, loaded, self.spec.max_batch_size, EngineHost.get(), self._crashed)
+        with self._lock:
+            if self._stop is None:
+                self._worker = worker
+        if self._worker is None or not self._owner.ready(self):  # stopped or superseded while loading
+            self._worker = None
+            return self._exit()
+
+    def _crashed(self, exc: BaseException) -> None:
+        self._worker = None
+        self._owner.failed(self, f"the engine thread failed ({first_line(exc)}); see "
+                                 "`depctl daemon logs`; `depctl deployment update` reloads it", retrying=False)
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._stop = self._stop or Stop(drain=False)
+        self._stopped.set()
+        self._owner.exited(self)
+
+    def stop(self, drain: bool = True, then: Callable[[], None] | None = None) -> None:
+        with self._lock:
+            worker = self._worker
+            if worker is None:  # loading (its result is dropped when it ends) or gone: nothing to drain
+                self._stop = self._stop or Stop(drain)
+        if worker is None:
+            if then is not None:
+                then()
+            return
+
+        def stopped() -> None:
+            self._worker = None
+            self._stopped.set()
+            self._owner.exited(self)
+            if then is not None:
+                then()
+
+        worker.post(Stop(drain, stopped))
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        if self._worker is None:  # loading holds nothing to wait for
+            return True
+        return self._stopped.wait(timeout)
+
+    def set_num_draft_tokens(self, k: int) -> bool:
+        worker = self._worker
+        if worker is not None:
+            worker.post(SetDraftTokens(k))
+        return True
+
+    # ---- reads ----
+    @property
+    def ready(self) -> bool:
+        worker = self._worker
+        return worker is not None and not worker.exited.is_set()
+
+    @property
+    def worker(self) -> EngineWorker | None:
+        return self._worker
+
+    @property
+    def loaded(self) -> LoadedDeployment | None:
+        worker = self._worker
+        return worker.loaded if worker is not None else None
+
+    @property
+    def tokenizer(self):
+        loaded = self.loaded
+        return loaded.tokenizer if loaded else None
+
+    @property
+    def max_context(self) -> int | None:
+        loaded = self.loaded
+        return loaded.max_context if loaded else None
+
+    def status(self) -> dict:
+        worker, loaded = self._worker, self.loaded
+        if worker is None or loaded is None:
+            return {}
+        engine = loaded.engine
+        out = {
+            "num_requests_running": worker.num_running,
+            "num_requests_waiting": worker.num_waiting,
+            "device": str(loaded.target.device),
+            "dtype": str(loaded.target.dtype).removeprefix("torch."),
+            "weights": loaded.target.precision,
+            "compiled": loaded.compiled,
+            "products": loaded.products,
+            "max_context": loaded.max_context,
+            "max_batch_size": worker.max_batch_size,
+            "stats": engine.stats.to_dict(),
+            "policy": engine.policy.snapshot(),
+        }
+        if loaded.draft is not None:
+            out["draft_precision"] = loaded.draft.precision
+        if isinstance(engine.proposer, SuffixProposer):
+            out["suffix_index"] = engine.proposer.snapshot()
+        return out
+
+    def counters(self) -> Counters:
+        worker, loaded = self._worker, self.loaded
+        if worker is None or loaded is None:
+            return Counters()
+        stats, proposer = loaded.engine.stats, loaded.engine.proposer
+        index = proposer.snapshot() if isinstance(proposer, SuffixProposer) else None
+        return Counters(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                        list(stats.accepted_per_position), worker.num_running, worker.num_waiting,
+                        index["tokens"] if index else None, index["requests"] if index else None)
+
+    @property
+    def method(self) -> str:
+        return describe_speculation(self.spec.speculation)
+
+    # ---- requests ----
+    async def generate(self, request: GenerateRequest, cut: asyncio.Future) -> AsyncIterator[Delta]:
+        worker, loaded = self._worker, self.loaded
+        if worker is None or loaded is None:
+            raise BackendError(503, f"deployment {self.spec.id!r} is not serving", code="deployment_not_ready")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        handle = worker.submit(request.prompt_ids, request.params,
+                               lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        cut.add_done_callback(lambda _: outputs.put_nowait(_CUT))
+        finished = False
+        try:
+            detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(list(request.stops))
+            while True:
+                out = await outputs.get()
+                if out is _CUT:
+                    raise Interrupted()
+                if isinstance(out, BaseException):
+                    finished = True
+                    if isinstance(out, ValueError):
+                        raise BackendError(400, str(out))
+                    raise BackendError(503, f"deployment {self.spec.id!r}: {out}", code="deployment_not_ready")
+                finished = out.finish_reason is not None
+                if out.finish_reason == "cancelled":
+                    return
+                n = len(out.token_ids)
+                text = stopper.feed(detok.add(out.token_ids))
+                counts = dict(drafted=out.drafted, accepted=out.accepted, prediction_accepted=out.prediction_accepted)
+                if stopper.stopped:
+                    yield Delta(text, n, "stop", **counts)
+                    return
+                if out.finish_reason:
+                    yield Delta(text + stopper.feed(detok.flush()) + stopper.flush(), n, out.finish_reason, **counts)
+                    return
+                yield Delta(text, n, None, **counts)
+        finally:
+            if not finished:  # a stop string, a client that went away, an error: free the batch row
+                handle.cancel()
+

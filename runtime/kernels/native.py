@@ -1,0 +1,154 @@
+"""depctl's C++ ops, built once per machine with torch's extension builder and loaded on
+demand.
+
+- ``torch.ops.depctl_native.token_attention(query, keys, values, rows, positions, scale)``: every token of a pass
+  attends its own cache row up to its own position, alone. The compiled pass (``runtime.model.compiled``) calls it
+  once per layer. A Python op there cost more than the attention it ran (SmolLM2 in float32: ~26 us a layer against
+  ~8 for the SDPA call inside it, 30 layers a step); ATen's SDPA called per token from C++ then cost ~18 us a call
+  where the arithmetic is ~2 (see the source's header).
+- ``torch.ops.depctl_native.blocked_linear(x, packed, out_features)`` and ``pack_blocked(weight)``
+  (``blocked_linear.cpp``): float32 and bf16 (AVX-512 BF16; AMX tiles where the CPU has them) matrix products whose
+  result for a row does not depend on the other rows in the pass, faster than oneDNN's here at every row count
+  (``surgery.BlockedLinear``; the source has the numbers). ``blocked_kernel(dtype)`` names the loops that run them
+  ("fma", "avx512-bf16", "amx-bf16"); ``blocked_refuse_amx(bool)`` is for tests only (a process must keep one bf16
+  kernel: the two round differently).
+- ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
+  inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
+  GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).
+- ``torch.ops.depctl_native.screened_argmax(approx, hidden, weight, norms, errors, max_norm, max_error)``
+  (``screened_argmax.cpp``): a float32 output layer's greedy choices from its bf16 logits, with the few tokens that
+  could win recomputed in float32 (``runtime.model.head``).
+
+It is built for this CPU's vector instruction set, with the flags inductor uses for its own kernels
+(``torch._inductor.cpu_vec_isa``): AVX-512 or AVX2 on x86, NEON on ARM, plain C++ where none is found.
+
+A compiled pass needs it, and so do a float32 or bf16 model's products (the loader's surgery falls back to oneDNN's
+where the ops cannot be built): a C++ compiler (and ninja, a dependency). The build takes ~20 s and is kept under the
+cache directory, keyed by the source and the torch build; ``load`` raises ``NativeUnavailable`` with the reason
+where it cannot be built, and the loader then runs eagerly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "token_attention.cpp"  # what a compiled package calls (part of its key)
+LINEAR_SOURCE = CSRC / "blocked_linear.cpp"  # also called by a compiled package
+SOURCES = (SOURCE, LINEAR_SOURCE, CSRC / "compiled_pass.cpp", CSRC / "screened_argmax.cpp")
+
+log = logging.getLogger("depctl.native")
+_lock = threading.Lock()
+_loaded = False
+
+
+class NativeUnavailable(RuntimeError):
+    """depctl's C++ ops could not be built or loaded here; the message says why."""
+
+
+def build_flags() -> list[str]:
+    """Compiler flags for this CPU's vector ISA, as inductor picks it: ``-D CPU_CAPABILITY_AVX512`` and ``-mavx512f
+    ...`` on an AVX-512 machine, and nothing where it finds no ISA it can build for (at::vec then runs plain C++).
+    And ``-fopenmp`` on Linux: ``at::parallel_for`` is a header template whose OpenMP pragma is compiled into the op
+    itself, so without the flag the ops ran on the calling thread alone (the other core waited out the attention of
+    every layer). The library links to the libgomp torch has already loaded (the same soname)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    threads = ["-fopenmp"] if platform.system() == "Linux" else []
+    if not isa:
+        if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):  # every such CPU has one; its check failed
+            log.warning("torch found no vector instruction set to build for (its probe failed); depctl's C++ ops "
+                        "build as plain C++, several times slower")
+        return ["-O3", *threads]
+    return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
+
+
+def build_directory(root: Path, flags: list[str]) -> Path:
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    key.update(f"{torch.__version__}|{sys.version}|{platform.machine()}|{' '.join(flags)}".encode())
+    return root / f"native-{key.hexdigest()[:16]}"
+
+
+def load(root: Path | None = None) -> None:
+    """Build (first time on this machine) and load the ops into this process; a no-op once loaded."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        if root is None:
+            from depctl import config
+
+            root = config.cache_dir() / "compiled"
+        flags = build_flags()
+        directory = build_directory(root, flags)
+        directory.mkdir(parents=True, exist_ok=True)
+        _ninja_on_path()
+        try:
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(name="depctl_native", sources=[str(s) for s in SOURCES], build_directory=str(directory),
+                               extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                               is_python_module=False, verbose=False)
+        except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
+            last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise NativeUnavailable(f"could not build depctl's C++ ops ({last}); install a C++ compiler "
+                                    "(g++ or clang++) and update the deployment to retry, or use --no-compile") from e
+        torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
+        torch.library.register_fake("depctl_native::blocked_linear")(_blocked_linear_shape)
+        _loaded = True
+
+
+def available() -> bool:
+    """Whether the ops load here (built once, cached); False, with the reason logged, where they cannot."""
+    try:
+        load()
+        return True
+    except NativeUnavailable as exc:
+        log.warning("%s", exc)
+        return False
+
+
+def _token_attention_shape(query, keys, values, rows, positions, scale):
+    """What the op returns, for tracing: [1, T, heads, dim] from query [1, heads, T, dim]."""
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def blocked_supports(dtype: torch.dtype) -> bool:
+    """Whether ``surgery.BlockedLinear`` takes ``dtype`` here: float32 wherever the ops build, bfloat16 where the CPU
+    has AVX-512 BF16 (and the ops were built for AVX-512)."""
+    return available() and bool(torch.ops.depctl_native.blocked_supports(dtype))
+
+
+def _blocked_linear_shape(x, packed, out_features):
+    """[rows, out_features] from x [rows, in]."""
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel puts it beside this interpreter, which a daemon
+    started as ``.venv/bin/depctl`` (no activated virtualenv) does not have on its PATH."""
+    if shutil.which("ninja"):
+        return
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for directory in candidates:
+        if (directory / "ninja").exists():
+            os.environ["PATH"] = f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
+            return

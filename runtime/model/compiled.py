@@ -1,0 +1,197 @@
+"""Compiled decode and verify passes: a fused model's forward (``runtime.model.decoder``) compiled ahead of time.
+
+Why: on a CPU, a decode step of SmolLM2 with int8 weights spends ~5.5 ms in its 121 matrix products and as long again
+in the ~20 small ops per layer between them (norms, RoPE, the cache write, residuals) and the Python that calls them.
+Compiled, those ops become a few fused C++ loops called from C++, and the products are called directly (the int8
+kernel, oneDNN's linear in bf16, ours in float32): eager -> compiled, a one-token step 11.2 -> 7.3 ms in int8, 14.6 ->
+10.0 in bf16, 17.8 -> 13.4 in float32; a 9-token verify pass 1.3-1.4x, a batch of 8 1.4-1.5x (``benchmarks/passes.py``,
+one run; this machine's absolute speed drifts by 20%).
+
+How (the choices, and what each one avoids):
+- **AOTInductor, not ``torch.compile``.** ``torch.export`` traces the pass once and AOTInductor builds a shared
+  library from it. A ``torch.compile``d pass evaluates guards over its ~300 weights and cache tensors on every call
+  (1.1 ms a step here, a third of what it saved); the exported library has no guards and no Python between kernels.
+  The package is a file: the next load of the same model and precision opens it in about a second (``package_path``).
+- **One graph for every pass.** The token count, the cache's rows and its capacity are symbolic, so a plain step of
+  one row, a 9-token verify pass and a batch of 8 rows all run the same kernels: nothing recompiles in steady state,
+  and a row's arithmetic is the same code whatever else is in the pass (kernels specialised for one token rounded
+  differently from the rest: 0.5 in SmolLM2's logits).
+- **The weights stay the model's.** The package is built without its constants and borrows the model's tensors
+  (``load_constants(user_managed=True)``): no second copy in memory, a 4 MB file instead of 200 MB, and the eager
+  model (prefill, ``model.generate``) and the compiled pass read the same bytes. oneDNN's reordered (bf16) weights
+  (``surgery.OneDNNLinear``) do not trace, so the trace sees plain stand-ins of their shape
+  (``surgery.plain_stand_ins``) and the library is handed the reordered ones at load: oneDNN's linear takes either.
+- **Attention is one C++ op a layer** (``depctl_native::token_attention``, ``runtime.kernels.native``). Writing the
+  step's keys and values into the cache is in the graph (an in-place ``index_put_`` on the cache tensors, which are
+  inputs: no copies). Reading them is the op: every token attends its own row up to its own position, alone, with
+  the same loops whatever else is in the pass, so a verify pass rounds like the one-token steps it checks. It used to
+  be a Python op over the step's ``RowLayout`` (the library called back into Python 30 times a step, ~26 us a layer),
+  then ATen's SDPA once per token (its flash kernel's set-up, ~18 us a call for ~2 of arithmetic, cost a 9-token
+  verify pass at 500 positions a fifth of its time in int8). It rounds differently from the eager pass's SDPA
+  (within 1e-5 in float32, tested); exactness only needs a verify pass and the steps it checks to take the same path, and they do.
+
+Prompts are still read eagerly (a prefill chunk's products want another kernel, see ``surgery.prefill_pass``); plain
+and speculative decoding prefill alike, so both see the same cache. ``check`` proves at load, on this CPU, that a
+verify pass through the library is bit-identical to one-token steps through it; the loader keeps the eager pass if
+not.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.kernels import surgery
+from runtime.model import attention, decoder
+from runtime.kernels import native
+from runtime.kernels.surgery import plain_stand_ins
+
+log = logging.getLogger("depctl.compiled")
+
+class _Pass(nn.Module):
+    """What is exported: ``decoder.forward`` over cache tensors given as inputs, one [rows, kv_heads, capacity, dim]
+    pair per layer, up to the final norm: the output layer runs outside the library, where a greedy pass can screen
+    it (``runtime.model.head``) and a sampling row computes it in full."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, rows, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        def attend(i, attn, q, k, v):
+            # k, v: [1, kv_heads, T, dim]; token t goes to cache row rows[t] at positions[t]
+            keys[i][rows, :, positions] = k[0].transpose(0, 1)
+            values[i][rows, :, positions] = v[0].transpose(0, 1)
+            return torch.ops.depctl_native.token_attention(q, keys[i], values[i], rows, positions, attn.scaling)
+
+        return decoder.forward(self.model, input_ids, positions, attend, head=False)  # [T, hidden]
+
+
+class CompiledPass:
+    """A fused model's decode/verify pass as an AOTInductor library, called like ``decoder.forward``."""
+
+    def __init__(self, package: Path, model: nn.Module):
+        self.package = package
+        native.load()  # the library calls depctl_native::token_attention; run_pass calls the library
+        device = next(model.parameters()).device
+        # torch's Python loader (torch._inductor.aoti_load_package) keeps the GIL for the whole pass: in the daemon
+        # the event loop then waited out every pass (see compiled_pass.cpp). Ours releases it, as an op does.
+        self.runner = torch.classes.depctl_native.CompiledPass(str(package), -1 if device.index is None else device.index)
+        named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
+        named.update(model.named_buffers(remove_duplicate=False))
+        prefix = "model."
+        names = self.runner.constant_names()
+        self.runner.borrow_constants(names, [named[fqn.removeprefix(prefix)] for fqn in names])
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cache) -> torch.Tensor:
+        """input_ids, positions, rows: [T]; returns the final norm's output [T, hidden] (the output layer is the
+        runner's: ``runner.Scores``). The inputs in the order the export flattened
+        ``_Pass.forward``'s arguments: the three [T] tensors, every layer's keys, every layer's values."""
+        inputs = [input_ids, positions, rows, *(layer.keys for layer in cache.layers),
+                  *(layer.values for layer in cache.layers)]
+        return torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
+
+
+def code_fingerprint(text: str, cpp: bool = False) -> str:
+    """The code of a source file without its comments and docstrings, so that editing prose rebuilds nothing."""
+    if cpp:
+        text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+        return "\n".join(line.strip() for line in text.splitlines() if line.strip())
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def package_path(model: nn.Module, precision: str, root: Path) -> Path:
+    """Where the library for this model, precision, torch build and CPU lives. The key holds everything the
+    generated code depends on, and the source of the files it was traced from; not the weights, which it borrows."""
+    sources = hashlib.sha256()
+    for module in (sys.modules[__name__], decoder, attention, surgery):  # the code the pass is traced from
+        sources.update(code_fingerprint(Path(module.__file__).read_text()).encode())
+    for source in (native.SOURCE, native.LINEAR_SOURCE):  # the ops the library calls
+        sources.update(code_fingerprint(source.read_text(), cpp=True).encode())
+    key = json.dumps({
+        "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
+        "precision": precision,
+        "dtype": str(next(model.parameters()).dtype),
+        "modules": sorted({type(m).__name__ for m in model.modules()}),
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "sources": sources.hexdigest(),
+    }, sort_keys=True, default=str)
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
+
+
+def build(model: nn.Module, cache, package: Path) -> float:
+    """Export and compile the pass into ``package`` (written atomically); returns the seconds it took. The example
+    inputs are fresh tensors of the cache's shapes (two rows, 64 positions): every size is symbolic."""
+    t0 = time.perf_counter()
+    native.load()
+    layer0 = cache.layers[0]
+    kv_heads, dim, dtype = layer0.keys.shape[1], layer0.keys.shape[3], layer0.keys.dtype
+    device = layer0.keys.device
+    n = len(cache.layers)
+    keys = [torch.zeros(2, kv_heads, 64, dim, dtype=dtype, device=device) for _ in range(n)]
+    values = [torch.zeros(2, kv_heads, 64, dim, dtype=dtype, device=device) for _ in range(n)]
+    tokens = torch.tensor([1, 2], device=device)
+    positions = torch.tensor([0, 0], device=device)
+    rows = torch.tensor([0, 1], device=device)
+    t = torch.export.Dim("tokens", min=1, max=1 << 20)
+    r = torch.export.Dim("rows", min=1, max=1 << 12)
+    c = torch.export.Dim("capacity", min=2, max=1 << 22)
+    cache_dims = [{0: r, 2: c}] * n
+    package.parent.mkdir(parents=True, exist_ok=True)
+    partial = package.with_name(f".{package.stem}.{os.getpid()}.partial.pt2")
+    try:
+        with plain_stand_ins(model):  # oneDNN's reordered weights do not trace; the library borrows them at load
+            exported = torch.export.export(_Pass(model), (tokens, positions, rows, keys, values),
+                                           dynamic_shapes=({0: t}, {0: t}, {0: t}, cache_dims, cache_dims),
+                                           strict=False)
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
+                                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+        os.replace(partial, package)
+    finally:
+        partial.unlink(missing_ok=True)
+    seconds = time.perf_counter() - t0
+    log.info("built %s in %.0fs", package, seconds)
+    return seconds
+
+
+def check(runner) -> bool:
+    """On a scratch row: is a 3-token pass through the compiled library bit-identical to three one-token passes through
+    it, alone and beside another row? (What speculation's exactness rests on.) Uses rows 0 and 1 and leaves them
+    empty."""
+    tokens = [11, 12, 13]
+    for row in range(min(2, runner.max_rows)):
+        runner.set_length(row, 0)
+    try:
+        runner.forward(0, [[1, 2, 3, 4]], prefill=True)
+        runner.forward(1, [[5, 6, 7, 8]], prefill=True) if runner.max_rows > 1 else None
+        wide = runner.forward(0, [tokens])
+        runner.set_length(0, 4)
+        steps = torch.cat([runner.forward(0, [[t]]) for t in tokens])
+        same = torch.equal(wide, steps)
+        if runner.max_rows > 1:
+            runner.set_length(0, 4)
+            beside = runner.forward(0, [tokens, [9]])[:3]
+            same = same and torch.equal(beside, wide)
+        return same
+    finally:
+        for row in range(min(2, runner.max_rows)):
+            runner.set_length(row, 0)

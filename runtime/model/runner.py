@@ -1,0 +1,164 @@
+"""ModelRunner: one model plus the one KV cache it owns (a ``SlotCache``: a row per running sequence).
+
+A forward takes a contiguous range of rows and a list of new tokens per row (ragged, not padded: the model sees one
+flat stream of all of them), writes them at each row's length, and returns their logits. The engine keeps one invariant with ``set_length`` after every
+step, for the target and the draft alike: a row holds a prefix of its accepted sequence, and for the target exactly
+``len(tokens) - 1`` positions, so that the last accepted token is the next forward's first input. A draft row may be
+*shorter* (after a full accept it never saw ``d_k``); it catches up by feeding ``tokens[length:]`` next time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from runtime.model import decoder
+from runtime.model.attention import NAME as ROWS_ATTENTION
+from runtime.model.cache import SlotCache
+from runtime.model.head import ScreenedHead
+from runtime.kernels.surgery import prefill_pass
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab] -> [...]: each row's greedy token, the first index of its largest logit (``argmax``'s choice, ties
+    and NaN alike). ``max`` finds it 2-5x faster than ``argmax`` on a CPU (bf16 logits of a 40-token pass over a
+    49152-token vocabulary: 0.66 against 3.08 ms, a tenth of the pass)."""
+    return logits.max(-1).indices
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, max_rows: int = 1,
+                 max_context: int | None = None, slack: int = 64):
+        self.model = model
+        self.device = next(model.parameters()).device
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        max_context = max_context or getattr(config, "max_position_embeddings", 2048)
+        # Logit rows beyond the tokenizer's vocabulary are padding (Qwen pads its tables); sliced off so target
+        # and draft probabilities line up.
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        # slack: a verify writes up to K + 1 positions past a row's length
+        self.cache = SlotCache(model.config, max_rows, max_context + slack)
+        # on a CPU, verify passes attend position by position, so that they round as plain steps do: SDPA's CPU kernels
+        # round a query differently beside more queries, in float32 too (with the loader's row-invariant linears this
+        # makes a 9-token verify pass bit-identical to 9 one-token steps; tests/real checks it on SmolLM2)
+        self.per_position = self.device.type == "cpu"
+        # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
+        # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.
+        model.set_attn_implementation(ROWS_ATTENTION)
+        # a model the loader fused (runtime.model.decoder) is stepped through our own forward, not transformers'
+        self.fused = decoder.is_fused(model)
+        # transformers 5.24 renamed the forward's cache argument (``past_key_values`` -> ``cache``, the old name
+        # deprecated): pass it under the name this version reads
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # decode and verify passes through a compiled library (runtime.model.compiled), when the loader attached one
+        self.compiled = None
+        # or, on a GPU, at a fixed shape replayed from CUDA graphs (runtime.model.graphs.FixedShapePass)
+        self.graphed = None
+
+    def length(self, row: int) -> int:
+        return self.cache.lengths[row]
+
+    def set_length(self, row: int, length: int) -> None:
+        self.cache.set_length(row, length)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+
+    @torch.inference_mode()
+    def forward(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
+                prefill: bool = False) -> torch.Tensor:
+        """Append ``inputs[b]`` to row ``first + b`` for every b and return the logits.
+
+        inputs: B lists of token ids (ragged), or a [B, S] tensor already on the device (no host round trip)
+        returns: [T, vocab] for the flat stream of all rows' tokens (row b's are ``offsets[b]:offsets[b + 1]``,
+        offsets the running sum of the input lengths), or [B, vocab] with ``last_only``: each row's last token
+        prefill: the inputs are a prompt chunk, which plain and speculative decoding read alike: linears may use a
+        kernel that is faster for many rows (``surgery.prefill_pass``)
+        """
+        scores = self.score(first, inputs, last_only, prefill)
+        with prefill_pass() if prefill else contextlib.nullcontext():  # the output layer is part of the pass
+            return scores.logits()
+
+    @torch.inference_mode()
+    def score(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
+              prefill: bool = False) -> "Scores":
+        """``forward``, returning the pass's ``Scores``: its greedy choices, and its logits only where asked for."""
+        if isinstance(inputs, torch.Tensor):
+            widths = [inputs.shape[1]] * inputs.shape[0]
+            input_ids = inputs.reshape(1, -1)  # [1, T]
+        else:
+            widths = [len(x) for x in inputs]
+            input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
+        layout = self.cache.begin(first, widths, self.device, self.per_position)
+        keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
+        try:
+            if self.graphed is not None and not prefill and self.cache.allocated and self.graphed.fits(first, widths):
+                logits = self.graphed(input_ids[0], layout, keep)
+                return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+            position_ids = self.cache.step.positions[None]  # [1, T]
+            if keep is not None:
+                keep = torch.tensor(keep, device=self.device)
+            if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
+                hidden = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache)
+                return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
+            with prefill_pass() if prefill else contextlib.nullcontext():
+                return self._forward(input_ids, position_ids, layout, keep)
+        finally:
+            self.cache.advance(first, widths)
+
+    def _forward(self, input_ids, position_ids, layout, keep) -> "Scores":
+        """keep: None, or the stream indices whose logits are wanted (Scores of [T or len(keep)] tokens)."""
+        if self.fused:
+            attend = decoder.cache_attention(self.cache, layout)
+            hidden = decoder.forward(self.model, input_ids[0], position_ids[0], attend, keep, head=False)
+            return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, depctl_rows=layout,
+                            logits_to_keep=0 if keep is None else keep, **{self.cache_kwarg: self.cache}).logits[0]
+        return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+
+
+class Scores:
+    """What a pass gives the engine: each token's greedy choice (``argmax``, the step's host sync) and, for the rows
+    that sample, logits (``logits``). The output layer is applied here, not in the pass: a float32 target's
+    ``ScreenedHead`` chooses greedy tokens without the full float32 product (``runtime.model.head``), so a greedy
+    step never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
+    whatever rows are beside it: ``surgery.BlockedLinear``)."""
+
+    def __init__(self, head: torch.nn.Module, vocab_size: int | None, hidden: torch.Tensor | None = None,
+                 logits: torch.Tensor | None = None):
+        self.head, self.vocab_size = head, vocab_size
+        self.hidden = hidden  # [T, hidden], the final norm's output; None where the model's own forward ran
+        self._logits = logits if logits is None else self._fit(logits)  # [T, vocab] once computed
+
+    @property
+    def screened(self) -> bool:
+        return self._logits is None and isinstance(self.head, ScreenedHead) and self.head.screening
+
+    def argmax(self) -> list[int]:
+        """[T] every token's greedy choice."""
+        if self.screened:
+            return self.head.argmax(self.hidden)[0].tolist()
+        return greedy(self.logits()).tolist()
+
+    def logits(self, rows: slice = slice(None)) -> torch.Tensor:
+        """[len(rows), vocab]: the logits of the stream's tokens ``rows``."""
+        if self._logits is None:
+            if rows != slice(None) and self.screened:  # a screened pass: only the sampling rows pay for the product
+                return self._fit(self.head(self.hidden[rows]))
+            self._logits = self._fit(self.head(self.hidden))
+        return self._logits[rows]
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+            return _fit_vocab(logits, self.vocab_size)
+        return logits
+
+
+def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if logits.shape[-1] > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - logits.shape[-1]), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

@@ -1,0 +1,273 @@
+"""SpeculativeEngine: one batch step, propose -> verify -> accept -> advance, over every running sequence at once.
+
+It takes token ids and returns token ids; it knows nothing of tokenizers, text or HTTP, and nothing of who waits:
+the ``Scheduler`` decides which sequences run (rows ``0..B-1`` of every cache) and when prompts are prefilled. A row
+without drafts runs a plain decode step inside the same pass, so "speculation off" is measured with the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from runtime.speculation.stats import SpecDecodeStats
+from runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
+from runtime.speculation.proposers import PredictionTracker, Proposer
+from runtime.model.runner import ModelRunner, greedy
+from runtime.speculation.sampling import probs_from_logits
+from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
+
+
+@dataclass
+class EngineConfig:
+    num_draft_tokens: int = 0  # K, the most tokens drafted per row per step
+    max_context: int = 2048  # prompt + output may not exceed this
+    eos_token_ids: tuple[int, ...] = ()
+    adaptive: bool = True  # let DraftLengthPolicy pick the draft width each step
+    prediction_draft_tokens: int = 8  # K for a request's predicted output (drafting from it is free)
+
+
+@dataclass
+class Guess:
+    """A row's drafts for this step before the width is known: a free guess, or room for a draft model's."""
+
+    tokens: list[int]
+    acceptance: RequestAcceptance
+    source: str | None  # "prediction" | "ngram" | "suffix" | "model" | None (no speculation for this row)
+    available: int = 0
+
+
+class SpeculativeEngine:
+    def __init__(self, target: ModelRunner, proposer: Proposer | None = None, config: EngineConfig | None = None,
+                 prediction_tracker: Callable[[Seq[int]], PredictionTracker] = PredictionTracker):
+        self.target = target
+        self.prediction_tracker = prediction_tracker  # how a request follows its predicted output
+        self.proposer = proposer
+        self.config = config or EngineConfig()
+        self.stats = SpecDecodeStats()  # the deployment's totals
+        # the proposer that owns a KV cache with the target's rows (None for free proposers)
+        self.draft_model = proposer if proposer is not None and proposer.cost_per_token else None
+        self.policy = DraftLengthPolicy(max_k=self.config.num_draft_tokens if proposer else 0,
+                                        adaptive=self.config.adaptive)
+
+    @property
+    def max_rows(self) -> int:
+        return self.target.max_rows
+
+    def set_num_draft_tokens(self, k: int) -> None:
+        """Change K in place (``depctl deployment update --draft-token-count``): no model is reloaded."""
+        self.config.num_draft_tokens = k
+        self.policy.max_k = k if self.proposer else 0
+        if self.target.graphed is not None:  # every target pass keeps one shape, now this wide
+            self.target.graphed.set_widths((1 + self.policy.max_k,))
+
+    # ---- a sequence's life: new -> prefill (in chunks) -> step ... -> finish ----
+    def new_sequence(self, prompt_ids: Seq[int], params: GenerationParams) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(prompt_ids) >= self.config.max_context:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.config.max_context}")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        limit = min(params.max_tokens, self.config.max_context - len(prompt_ids))
+        prediction = self.prediction_tracker(params.prediction) if params.prediction else None
+        prediction_prior = self.policy.new_request(prior=0.8) if params.prediction else None
+        return Sequence(list(prompt_ids), params, limit, frozenset(stop_ids), self.policy.new_request(),
+                        prediction, prediction_prior, self.target.device)
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, budget: int) -> StepOutput | None:
+        """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
+        t0 = time.perf_counter()
+        chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
+        logits = self.target.forward(seq.row, [chunk], last_only=True, prefill=True)  # [1, vocab]
+        if self.draft_model is not None:
+            self.draft_model.prefill(seq.row, chunk)
+        seq.prefilled += len(chunk)
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        if seq.prefilled < seq.prompt_len:
+            return None
+        # the first output token, chosen as a step with no drafts would choose it
+        _, token = self._accept(seq, [], None, lambda rows: logits[rows], slice(0, 1), greedy(logits).tolist())
+        seq.tokens.append(token)
+        pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
+        return self._emit(seq, [token], pa=pa)
+
+    @torch.inference_mode()
+    def step(self, batch: list[Sequence]) -> list[StepOutput]:
+        """One speculative step for rows 0..B-1 (``batch[b].row == b``), each emitting at least one token."""
+        t0 = time.perf_counter()
+        # propose: free guesses first, then one draft width for the batch (policy), then the draft model
+        guesses = [self._guess(seq) for seq in batch]
+        width, predicted = self.policy.width([RowPlan(g.acceptance, g.available, g.source == "model") for g in guesses])
+        drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
+        t1 = time.perf_counter()
+        # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
+        scores = self.target.score(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # T tokens
+        argmax = scores.argmax()  # [T]: the step's one host sync for greedy rows
+        t2 = time.perf_counter()
+        outputs, at = [], 0
+        for b, seq in enumerate(batch):
+            rows = slice(at, at + len(drafts[b]) + 1)  # this row's k_b + 1 positions of the stream
+            at = rows.stop
+            # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
+            n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax)
+            # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
+            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b]))
+        self.policy.verify_cost.observe(len(argmax), t2 - t1)
+        if any(drafts):
+            self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
+        if model_drafts[0] is not None and width:
+            self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
+        self.stats.record_step(t1 - t0, time.perf_counter() - t1)
+        return outputs
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.target.move_row(src, dst)
+        if self.draft_model is not None:
+            self.draft_model.move_row(src, dst)
+
+    def release_row(self, row: int) -> None:
+        self.target.set_length(row, 0)
+        if self.draft_model is not None:
+            self.draft_model.set_length(row, 0)
+
+    def finish(self, seq: Sequence) -> None:
+        if self.proposer is not None and self.draft_model is None:
+            self.proposer.finish(seq)  # suffix speculation keeps the finished request as context for later ones
+        self.policy.end_request(seq.acceptance)
+        self.stats.num_requests += 1
+
+    # ---- the parts of a step ----
+    def _guess(self, seq: Sequence) -> Guess:
+        params = seq.params
+        if not params.speculate:
+            return Guess([], seq.acceptance, None)
+        room = seq.room if params.max_draft_tokens is None else min(seq.room, params.max_draft_tokens)
+        rejoin_guess: list[int] = []
+        if seq.prediction is not None:
+            tokens = seq.prediction.propose(seq.tokens[seq.prompt_len :], min(room, self.config.prediction_draft_tokens))
+            if tokens and (seq.prediction.following or self.proposer is None):
+                return Guess(tokens, seq.prediction_acceptance, "prediction", len(tokens))
+            # off the prediction: a guess at where the output rejoins it comes after the deployment's own proposer,
+            # whose match is measured against the text just written
+            rejoin_guess = tokens
+        if self.proposer is None:
+            return Guess([], seq.acceptance, None)
+        k = min(room, self.policy.max_k)
+        if self.draft_model is not None:
+            guess = Guess([], seq.acceptance, "model", max(k, 0))
+        else:
+            tokens = self.proposer.propose(seq, k) if k > 0 else []
+            if rejoin_guess and not tokens:
+                return Guess(rejoin_guess, seq.prediction_acceptance, "prediction", len(rejoin_guess))
+            guess = Guess(tokens, seq.acceptance, self.proposer.name, len(tokens))
+        if rejoin_guess:
+            seq.prediction.unused()
+        return guess
+
+    def _drafts(self, batch, guesses: list[Guess], width: int):
+        """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), and the draft model's
+        own tokens per row when it ran (its cache keeps only the part the target accepted)."""
+        model_tokens, model_probs = [None] * len(batch), [None] * len(batch)
+        if width and any(g.source == "model" and g.available for g in guesses):
+            model_tokens, model_probs = self.draft_model.propose(batch, width)
+        drafts, probs = [], []
+        for g, tokens, q in zip(guesses, model_tokens, model_probs):
+            k = min(width, g.available)
+            if g.source == "model":
+                drafts.append(tokens[:k] if k else [])
+                probs.append(q[:k] if q is not None and k else None)
+            else:
+                drafts.append(g.tokens[:k])
+                probs.append(None)
+        return drafts, probs, model_tokens
+
+    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int]):
+        """(accepted, the target's token after them). rows: this row's k + 1 tokens in the pass; argmax: the pass's
+        greedy choices; logits(rows) -> [k + 1, vocab], asked for only when the row samples."""
+        sampling = seq.sampling
+        if sampling.greedy:
+            return verify_greedy(drafts, argmax[rows])
+        target_probs = probs_from_logits(logits(rows), sampling)  # [k + 1, vocab]
+        if sampling.seed is not None:
+            return verify_seeded(drafts, target_probs, sampling.seed, seq.produced)
+        return verify_sampled(drafts, draft_probs, target_probs, seq.generator)
+
+    def _advance(self, seq: Sequence, guess: Guess, drafts: list[int], n: int, token: int, model_drafts) -> StepOutput:
+        emitted = drafts[:n] + [token]
+        before = len(seq.tokens)
+        seq.tokens.extend(emitted)
+        self.target.set_length(seq.row, len(seq.tokens) - 1)
+        if model_drafts is not None:
+            # the draft fed tokens[:before] and its own d_1..d_{w-1}: it keeps those that the output agrees with
+            agree = 0
+            while agree < len(model_drafts) and agree < len(emitted) and model_drafts[agree] == emitted[agree]:
+                agree += 1
+            self.draft_model.set_length(seq.row, before + agree)
+        k = len(drafts)
+        if k:
+            guess.acceptance.observe(n, n + (1 if n < k else 0))
+        elif guess.tokens:  # a free guess not drafted this step still tells whether it would have been right
+            guess.acceptance.observe(int(guess.tokens[0] == token), 1)
+        pd = k if guess.source == "prediction" else 0
+        pa = seq.prediction.observe(n if pd else 0, token) if seq.prediction is not None else 0
+        return self._emit(seq, emitted, k, n, pd, pa)
+
+    def _emit(self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0) -> StepOutput:
+        for i, t in enumerate(emitted):
+            if t in seq.stop_ids:
+                emitted, seq.finish_reason = emitted[:i], "stop"
+                break
+        else:
+            if seq.produced >= seq.limit:
+                seq.finish_reason = "length"
+        self.stats.record_row(drafted, accepted, len(emitted))
+        return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa)
+
+    # ---- load time ----
+    @torch.inference_mode()
+    def calibrate(self, context: int = 64, repeats: int = 2) -> dict:
+        """Measure passes over n tokens (and the draft model's forwards over B rows) once, so the policy starts
+        from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation."""
+        rows = self.target.max_rows
+        widest = 1 + self.policy.max_k
+        vocab = self.target.vocab_size or 256
+        prompt = [(i * 7919) % min(vocab, 1000) for i in range(context)]
+        runners = [self.target] + ([self.draft_model.runner] if self.draft_model is not None else [])
+        for runner in runners:
+            runner.forward(0, [prompt] * rows, last_only=True)
+        # (rows, tokens a row): every width one request can verify (kernels take rows in blocks, so costs step: int8
+        # weights four rows at a time, SmolLM2's 5 tokens ~1.5x 4 of them), then batch passes of up to the widest
+        shapes = {(1, n) for n in range(1, widest + 1)}
+        for n in {2 ** i for i in range(10)} | {rows, rows * widest}:
+            if widest < n <= rows * widest:
+                b = min(rows, n)
+                shapes.add((b, n // b))
+        for b, s in sorted(shapes, key=lambda shape: shape[0] * shape[1]):
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first run of a new shape warms it up
+                t0 = time.perf_counter()
+                self.target.score(0, [prompt[:s]] * b).argmax()  # as a step takes it
+                best = min(best, time.perf_counter() - t0)
+                for r in range(b):
+                    self.target.set_length(r, context)
+            self.policy.verify_cost.samples[b * s] = best
+        if len(runners) > 1:
+            draft = runners[1]
+            for b in sorted({1, rows}):
+                best = float("inf")
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    greedy(draft.forward(0, [prompt[:1]] * b)).tolist()
+                    best = min(best, time.perf_counter() - t0)
+                    for r in range(b):
+                        draft.set_length(r, context)
+                self.policy.draft_cost.samples[b] = best
+        for runner in runners:
+            for r in range(rows):
+                runner.set_length(r, 0)
+        return self.policy.snapshot()

@@ -1,0 +1,156 @@
+"""Continuous batching over one engine: which sequences run this step, and when prompts are prefilled.
+
+- Requests wait in arrival order (FIFO) until a row is free (at most ``max_batch_size`` run at once).
+- The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, one chunk per
+  iteration, before the running batch's step: running streams keep producing while a long prompt is read, at the
+  cost of one chunk's time per step. A separate pass rather than the chunk mixed into the batch's stream: a batch
+  whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a call per
+  row (``runtime.model.attention``), and a 128-token chunk would make every step ragged. With nothing running, every
+  chunk is read in the same iteration. A prompt is cut in the same places whatever the load: the cache a chunk leaves
+  depends on where it was cut (a 140-token prompt read in one go and in chunks of 128 differed by 0.5 in SmolLM2's
+  bf16 logits, and one of 21 benchmark prompts decoded differently when it arrived at a busy deployment), so a
+  request's output cannot depend on when it arrived. The last chunk's logits give the request its first token, and
+  the request joins the batch in the same iteration's step.
+- A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
+  always rows 0..B-1 of every cache and a pass never touches an idle row.
+
+The scheduler is not thread-safe: one thread owns it and its engine (see ``runtime.backends.worker``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Iterator, Sequence as Seq
+
+from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+
+PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: ~2 decode steps of SmolLM2 on 2 CPU cores
+
+
+class Scheduler:
+    def __init__(self, engine, max_batch_size: int, prefill_chunk: int = PREFILL_CHUNK):
+        if not 1 <= max_batch_size <= engine.max_rows:
+            raise ValueError(f"max_batch_size must be in 1..{engine.max_rows} (the engine's cache rows)")
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[b].row == b
+        self.prefilling: Sequence | None = None  # row len(running) while its prompt is read
+        self._cancelled: set[int] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.prefilling)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: the sequence leaves at the start of the next iteration."""
+        self._cancelled.add(seq.id)
+
+    def step(self) -> list[tuple[Sequence, StepOutput]]:
+        """One iteration: drop cancelled requests, step the running batch, admit and prefill. Returns each
+        sequence's new output (a sequence whose output carries a finish_reason has left)."""
+        out: list[tuple[Sequence, StepOutput]] = []
+        if self._cancelled:
+            self._drop_cancelled(out)
+        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
+            self.prefilling = self.waiting.popleft()
+            self.prefilling.row = len(self.running)
+        if self.prefilling is not None:  # before the step: a short prompt's first token does not wait a step
+            seq = self.prefilling
+            o = self.engine.prefill(seq, self.prefill_chunk)
+            while o is None and not self.running:  # idle: every chunk now, cut where a busy deployment cuts
+                o = self.engine.prefill(seq, self.prefill_chunk)
+            if o is not None:
+                self.prefilling = None
+                out.append((seq, o))
+                if o.finish_reason:
+                    self._release(seq)
+                else:
+                    self.running.append(seq)
+        if self.running:
+            for seq, o in zip(list(self.running), self.engine.step(self.running)):
+                out.append((seq, o))
+                if o.finish_reason:
+                    self._leave(seq)
+        return out
+
+    def _drop_cancelled(self, out) -> None:
+        for seq in [s for s in self.running if s.id in self._cancelled]:
+            self._leave(seq)
+            out.append((seq, StepOutput([], "cancelled")))
+        if self.prefilling is not None and self.prefilling.id in self._cancelled:
+            seq, self.prefilling = self.prefilling, None
+            self._release(seq)
+            out.append((seq, StepOutput([], "cancelled")))
+        for seq in [s for s in self.waiting if s.id in self._cancelled]:
+            self.waiting.remove(seq)
+            out.append((seq, StepOutput([], "cancelled")))
+        self._cancelled.clear()
+
+    def _leave(self, seq: Sequence) -> None:
+        """Take a running sequence out, keeping the batch in rows 0..B-1 (and a prefilling one right after)."""
+        i, last = self.running.index(seq), len(self.running) - 1
+        if i != last:
+            moved = self.running[last]
+            self.engine.move_row(last, i)
+            moved.row, self.running[i] = i, moved
+        self.running.pop()
+        self._release(seq, row=last)
+        if self.prefilling is not None:
+            self.engine.move_row(self.prefilling.row, last)
+            self.prefilling.row = last
+
+    def _release(self, seq: Sequence, row: int | None = None) -> None:
+        self.engine.release_row(seq.row if row is None else row)
+        seq.row = -1
+        if seq.finish_reason is None:
+            seq.finish_reason = "cancelled"
+        self.engine.finish(seq)
+
+    # ---- run to the end in the calling thread (tests, benchmarks) ----
+    def run_all(self, prompts: list[Seq[int]], params: GenerationParams) -> list[list[int]]:
+        """Submit every prompt at once and step until all finish; each prompt's output tokens, in order."""
+        seqs = [self.engine.new_sequence(p, params) for p in prompts]
+        got: dict[int, list[int]] = {s.id: [] for s in seqs}
+        for s in seqs:
+            self.add(s)
+        while self.has_work():
+            for s, o in self.step():
+                got[s.id] += o.token_ids
+        return [got[s.id] for s in seqs]
+
+    def generate(self, prompt_ids: Seq[int], params: GenerationParams,
+                 cancel: threading.Event | None = None) -> Iterator[StepOutput]:
+        seq = self.engine.new_sequence(prompt_ids, params)
+        self.add(seq)
+        try:
+            while self.has_work():
+                if cancel is not None and cancel.is_set():
+                    self.cancel(seq)
+                for s, o in self.step():
+                    if s is seq:
+                        yield o
+                        if o.finish_reason:
+                            return
+        finally:
+            if seq.finish_reason is None:  # the caller stopped early: free the row
+                self.cancel(seq)
+                self._drop_cancelled([])
+
+
+def generate(engine, prompt_ids: Seq[int], params: GenerationParams,
+             cancel: threading.Event | None = None) -> Iterator[StepOutput]:
+    """One request on its own, stepped in the calling thread (tests, benchmarks)."""
+    yield from Scheduler(engine, max_batch_size=1).generate(prompt_ids, params, cancel)

@@ -1,0 +1,77 @@
+"""A request inside the engine: its tokens, its row in the batch, and what it has learned about its drafts."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.speculation.policy import RequestAcceptance
+from runtime.speculation.proposers import PredictionTracker
+from runtime.speculation.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
+    speculate: bool = True  # False: no drafts at all for this request (a prediction included)
+    max_draft_tokens: int | None = None  # this request drafts at most this many tokens per step (None: the deployment's K)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    token_ids: list[int]  # accepted this step (may be empty on the final output)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"; set on the last output only
+    drafted: int = 0
+    accepted: int = 0
+    prediction_drafted: int = 0  # of ``drafted``, tokens drafted from the request's prediction
+    prediction_accepted: int = 0  # of ``token_ids``, tokens that followed the prediction
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One request's state. ``tokens`` is prompt + accepted output; ``row`` its row in every cache (-1: none)."""
+
+    def __init__(self, prompt: list[int], params: GenerationParams, limit: int, stop_ids: frozenset[int],
+                 acceptance: RequestAcceptance, prediction: PredictionTracker | None,
+                 prediction_acceptance: RequestAcceptance | None, device: torch.device):
+        self.id = next(_ids)
+        self.prompt_len = len(prompt)
+        self.tokens = list(prompt)
+        self.params = params
+        self.limit = limit  # most output tokens (max_tokens, clamped to the context)
+        self.stop_ids = stop_ids
+        self.row = -1
+        self.prefilled = 0  # prompt tokens already in the caches
+        self.acceptance = acceptance
+        self.prediction = prediction
+        self.prediction_acceptance = prediction_acceptance
+        self.finish_reason: str | None = None
+        sampling = params.sampling
+        self.generator = None
+        if not sampling.greedy:
+            # seeded: the seed decides the target's draws (position by position, see verify.py); this generator
+            # only draws a draft model's guesses, which never change the output
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+
+    @property
+    def produced(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def room(self) -> int:
+        """Most drafts this sequence may verify next step: every step emits at least one target token, so
+        ``k <= limit - produced - 1`` never overshoots."""
+        return self.limit - self.produced - 1
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.params.sampling

@@ -1,0 +1,37 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+from runtime.backends.detok import IncrementalDetokenizer, StopMatcher
+from tests.tiny import byte_tokenizer
+
+
+def test_multibyte_characters_split_across_runs():
+    tok = byte_tokenizer()
+    text = "naïve café ☕ ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add(ids[i : i + 1]) for i in range(len(ids))] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)  # a half character is held back, never emitted
+
+
+def test_special_tokens_are_skipped():
+    tok = byte_tokenizer()
+    ids = tok("hi", add_special_tokens=False)["input_ids"] + [258]
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(ids) + detok.flush() == "hi"
+
+
+def test_stop_string_split_across_feeds():
+    stop = StopMatcher(["END"])
+    out = stop.feed("abc E") + stop.feed("N") + stop.feed("D tail")
+    assert out == "abc " and stop.stopped
+    assert stop.feed("more") == "" and stop.flush() == ""
+
+
+def test_earliest_stop_wins_and_flush_returns_the_rest():
+    stop = StopMatcher(["xyz", "b"])
+    assert stop.feed("aab xyz") == "aa"
+    plain = StopMatcher(["zzz"])
+    assert plain.feed("hello") + plain.flush() == "hello"

@@ -1,0 +1,143 @@
+"""depctl's C++ ops (runtime.kernels.native): built with torch's extension builder, the attention the eager pass
+computes (to rounding), a token's bits independent of the rest of its pass, and a clear reason where they cannot be
+built."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from runtime.kernels import native
+from runtime.model.attention import RowLayout, rows_attention
+
+
+@pytest.fixture(scope="module")
+def op():
+    try:
+        native.load()
+    except native.NativeUnavailable as e:  # the same condition under which the loader runs passes eagerly
+        pytest.skip(f"depctl's C++ ops cannot be built here: {e}")
+    return torch.ops.depctl_native.token_attention
+
+
+def cache(rows=3, kv_heads=2, capacity=40, dim=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype),
+            torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype))
+
+
+def reference(query, keys, values, starts, widths, scale=0.25):
+    """The eager attention of the same pass: every row alone, a verify pass position by position."""
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    layout = RowLayout(0, starts, widths, offsets, torch.device("cpu"), per_position=True)
+    out, _ = rows_attention(None, query, keys, values, None, scaling=scale, depctl_rows=layout)
+    return out
+
+
+def stream(starts, widths):
+    """rows and positions [T] of a pass where row b adds widths[b] tokens from position starts[b]."""
+    rows = [b for b, w in enumerate(widths) for _ in range(w)]
+    positions = [s + j for s, w in zip(starts, widths) for j in range(w)]
+    return torch.tensor(rows), torch.tensor(positions)
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                                 ids=["float32", "bfloat16", "float16"])
+PASSES = pytest.mark.parametrize("starts,widths", [([7], [1]), ([12], [9]), ([3, 20, 0], [1, 1, 1]),
+                                                   ([5, 30, 2], [4, 1, 6])],
+                                 ids=["one-step", "verify-of-8", "batch-of-3", "ragged"])
+
+
+@DTYPES
+@PASSES
+def test_it_computes_the_eager_attention_it_replaces(op, dtype, starts, widths):
+    keys, values = cache(dtype=dtype)
+    query = torch.randn(1, 4, sum(widths), 16).to(dtype)  # 4 heads over 2 kv heads: grouped-query
+    rows, positions = stream(starts, widths)
+    with torch.inference_mode():
+        got = op(query, keys, values, rows, positions, 0.25)
+        want = reference(query, keys, values, starts, widths)
+    assert got.shape == (1, sum(widths), 4, 16) and got.is_contiguous() and got.dtype == dtype
+    assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("heads,kv_heads,dim", [(18, 1, 20), (6, 6, 64), (14, 2, 64), (1, 1, 3), (2, 1, 72),
+                                                (2, 2, 264)],
+                         ids=["18-heads-a-group-dim-20", "no-grouping", "7-a-group", "dim-3", "dim-72", "dim-264"])
+def test_any_grouping_and_head_size(op, heads, kv_heads, dim, dtype):
+    """Query heads go through in blocks of up to 8 a kv head, head dimensions in vectors plus a masked or scalar tail
+    (heads over 256 wide by the loops without the 16-key blocks); rows long enough for several blocks of keys."""
+    keys, values = cache(kv_heads=kv_heads, dim=dim, capacity=70, dtype=dtype)
+    query = torch.randn(1, heads, 6, dim).to(dtype)
+    starts, widths = [5, 50], [4, 2]
+    rows, positions = stream(starts, widths)
+    with torch.inference_mode():
+        got = op(query, keys, values, rows, positions, dim ** -0.5)
+        want = reference(query, keys, values, starts, widths, scale=dim ** -0.5)
+    assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@DTYPES
+@pytest.mark.parametrize("capacity", [40, 1100], ids=["one-thread", "threads"])
+def test_a_tokens_result_does_not_depend_on_the_rest_of_the_pass(op, dtype, capacity):
+    """What speculation's exactness rests on: a token rounds the same alone (a plain step), in a verify pass, beside
+    other rows, on whichever thread (a pass with enough work is spread over the intra-op threads)."""
+    keys, values = cache(capacity=capacity, dim=64, dtype=dtype)
+    starts, widths = [capacity - 20, 3, capacity - 40], [9, 1, 5]
+    query = torch.randn(1, 4, sum(widths), 64).to(dtype)
+    rows, positions = stream(starts, widths)
+    with torch.inference_mode():
+        wide = op(query, keys, values, rows, positions, 0.125)
+        alone = torch.cat([op(query[:, :, t : t + 1].contiguous(), keys, values, rows[t : t + 1],
+                              positions[t : t + 1], 0.125) for t in range(sum(widths))], 1)
+    assert torch.equal(wide, alone)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one thread here: nothing to share the work with")
+def test_a_large_pass_keeps_torchs_threads_busy(op):
+    """``at::parallel_for`` is a header template: its OpenMP pragma is compiled into the op, so an op built without
+    ``-fopenmp`` ran every token on the calling thread while torch's other threads idled. A pass of 64 tokens over
+    4096 cached positions is split into work items: the process's CPU time must exceed its wall time (1.0x on the
+    build without the flag, ~1.9x with it, on two cores)."""
+    keys, values = cache(rows=1, kv_heads=2, capacity=4096, dim=64)
+    query = torch.randn(1, 4, 64, 64)
+    rows, positions = torch.zeros(64, dtype=torch.long), torch.full((64,), 4095, dtype=torch.long)
+    op(query, keys, values, rows, positions, 0.125)
+    wall, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < 0.5:
+        op(query, keys, values, rows, positions, 0.125)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert cpu / wall > 1.3, f"{cpu / wall:.2f}x: the op ran on one thread"
+
+
+def test_a_position_outside_the_cache_is_refused_with_the_token_named(op):
+    keys, values = cache(capacity=8)
+    with pytest.raises(RuntimeError, match="token 1 at row 0, position 8 is outside the cache"):
+        op(torch.randn(1, 4, 2, 16), keys, values, torch.tensor([0, 0]), torch.tensor([7, 8]), 0.25)
+
+
+def test_a_build_that_fails_says_why_and_what_to_do(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension 'depctl_native'\nc++: command not found")
+
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.raises(native.NativeUnavailable, match=r"c\+\+: command not found.*--no-compile"):
+        native.load(tmp_path)
+
+
+def test_ninja_from_the_virtualenv_is_found_without_an_activated_path(monkeypatch):
+    """A daemon started as .venv/bin/depctl has no virtualenv on PATH; torch's builder looks for ninja there."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    native._ninja_on_path()
+    assert ninja.BIN_DIR in os.environ["PATH"].split(os.pathsep)

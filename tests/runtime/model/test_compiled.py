@@ -1,0 +1,214 @@
+"""Compiled decode and verify passes (runtime.model.compiled): exact, shared weights, one graph, cached."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
+from runtime.model import compiled
+from runtime.kernels import native
+from runtime.model.runner import ModelRunner
+from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
+from runtime.backends.loader import COMPILED_PRECISIONS, INT8_WEIGHTS, surgery_for
+from tests.tiny import tiny_llama
+
+RUNS = {  # the precisions the loader compiles, and what each needs of this CPU
+    INT8_WEIGHTS: pytest.mark.skipif(not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant"),
+    "float32": (),  # depctl's blocked product (surgery.BlockedLinear): row-invariant on any CPU, by construction
+    "bfloat16": pytest.mark.skipif(
+        not (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)),
+        reason="no blocked bf16 product (AVX-512 BF16) and no row-invariant oneDNN bf16 linear here: bf16 takes "
+               "split-K linears, eager"),
+}
+PRECISIONS = [pytest.param(p, marks=RUNS[p], id=p.replace(" ", "-")) for p in COMPILED_PRECISIONS]
+
+
+def prepared(model, precision: str):
+    """What the loader makes of a model at ``precision``: fused projections, then int8 weights with bf16 activations,
+    float32 and bf16 through depctl's blocked product (bf16 where the CPU has AVX-512 BF16, else oneDNN's)."""
+    dtype = torch.bfloat16 if precision in (INT8_WEIGHTS, "bfloat16") else torch.float32
+    return surgery_for(model.to(dtype), precision, exact=True)
+
+
+def runner_for(model, rows: int = 3) -> ModelRunner:
+    runner = ModelRunner(model, max_rows=rows)
+    runner.forward(0, [[0]], prefill=True)  # allocates the cache (as the loader does before it compiles)
+    runner.set_length(0, 0)
+    return runner
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def package(request, tmp_path_factory):
+    """One build per precision for the module: a minute or less on two cores for the tiny model. Returns the
+    package and a function making a fresh model that the package fits."""
+    precision = request.param
+    make = lambda: prepared(tiny_llama(), precision)  # noqa: E731
+    model = make()
+    path = compiled.package_path(model, precision, tmp_path_factory.mktemp("compiled"))
+    compiled.build(model, runner_for(model).cache, path)
+    return path, make
+
+
+def compiled_runner(package, rows: int = 3, model=None) -> ModelRunner:
+    path, make = package
+    model = model or make()
+    runner = runner_for(model, rows)
+    runner.compiled = compiled.CompiledPass(path, model)
+    return runner
+
+
+def test_the_package_is_keyed_by_what_the_code_depends_on_not_by_where_the_weights_are(tmp_path):
+    a, b = prepared(tiny_llama(), INT8_WEIGHTS), prepared(tiny_llama(), INT8_WEIGHTS)
+    assert compiled.package_path(a, INT8_WEIGHTS, tmp_path) == compiled.package_path(b, INT8_WEIGHTS, tmp_path)
+    wider = prepared(tiny_llama(hidden=128), INT8_WEIGHTS)
+    assert compiled.package_path(wider, INT8_WEIGHTS, tmp_path) != compiled.package_path(a, INT8_WEIGHTS, tmp_path)
+    full = prepared(tiny_llama(), "float32")
+    assert compiled.package_path(full, "float32", tmp_path) != compiled.package_path(a, INT8_WEIGHTS, tmp_path)
+
+
+def test_the_compiled_pass_computes_what_the_eager_pass_computes(package):
+    model = package[1]()
+    eager, fast = runner_for(model), compiled_runner(package, model=model)
+    prompt = [5, 9, 14, 3, 7, 7, 2]
+    for runner in (eager, fast):
+        runner.forward(0, [prompt], prefill=True)
+    a = eager.forward(0, [[4, 8, 15]]).float()
+    b = fast.forward(0, [[4, 8, 15]]).float()
+    # fused kernels round differently from eager ops, so not bit for bit: the same function
+    assert torch.allclose(a, b, atol=0.1, rtol=0.05), (a - b).abs().max()
+    top2 = a.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 0.1  # a random bf16 model has near-ties that rounding may flip
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def test_it_borrows_the_models_weights_and_the_package_holds_none(package):
+    model = package[1]()
+    runner = compiled_runner(package, model=model)
+    runner.forward(0, [[1, 2, 3]], prefill=True)
+    before = runner.forward(0, [[4]])
+    with torch.no_grad():  # a change to the model's own tensor is seen by the compiled pass: it reads that tensor
+        model.model.norm.weight.mul_(2)  # the final norm's scale: every logit doubles
+    runner.set_length(0, 3)
+    after = runner.forward(0, [[4]])
+    assert torch.allclose(after.float(), before.float() * 2, rtol=0.02, atol=0.02)
+    assert package[0].stat().st_size < 2_000_000  # code only: the weights are not in it
+
+
+def test_a_verify_pass_is_bit_identical_to_one_token_steps_alone_batched_and_ragged(package):
+    runner = compiled_runner(package)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    for row, p in enumerate(prompts):
+        runner.forward(row, [p], prefill=True)
+    drafts = [[2, 7, 1, 8], [2], [8, 1, 8]]
+
+    def reset():
+        for row, p in enumerate(prompts):
+            runner.set_length(row, len(p))
+
+    steps = []
+    for row, d in enumerate(drafts):
+        reset()
+        steps.append(torch.cat([runner.forward(row, [[t]]) for t in d]))
+    reset()
+    ragged = runner.forward(0, drafts)  # every row's drafts in one pass
+    offsets = [0, 4, 5, 8]
+    for row in range(3):
+        assert torch.equal(ragged[offsets[row]:offsets[row + 1]], steps[row]), f"row {row}"
+    reset()
+    alone = runner.forward(0, [drafts[0]])
+    assert torch.equal(alone, steps[0])
+    assert compiled.check(runner)
+
+
+def test_speculation_through_the_compiled_pass_is_exact_against_plain_decoding_through_it(package):
+    model = package[1]()
+    assert_speculation_is_exact(compiled_runner(package, model=model))
+
+
+def assert_speculation_is_exact(runner: ModelRunner) -> None:
+    """n-gram speculation through ``runner`` (3 rows) gives what plain decoding through it gives, one request at a
+    time and batched, with drafts verified and accepted."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
+    params = GenerationParams(max_tokens=24)
+
+    def engine(proposer=None, k=0):
+        for row in range(runner.max_rows):
+            runner.set_length(row, 0)
+        return SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, adaptive=False))
+
+    plain = [[t for o in engine().generate(p, params) for t in o.token_ids] for p in prompts]
+    spec = engine(NgramProposer(2), 4)
+    assert [[t for o in spec.generate(p, params) for t in o.token_ids] for p in prompts] == plain
+    assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
+    assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
+
+
+def test_the_cache_may_grow_under_it(package):
+    """Capacity is symbolic: a row that outgrows the cache's first allocation keeps running the same library."""
+    runner = compiled_runner(package, rows=1)
+    capacity = runner.cache.capacity
+    runner.forward(0, [list(range(1, capacity - 2))], prefill=True)
+    before = runner.cache.layers[0].keys.shape[2]
+    for t in range(8):
+        runner.forward(0, [[t + 1, t + 2]])
+    assert runner.cache.layers[0].keys.shape[2] > before
+
+
+def test_other_python_threads_run_while_a_pass_does(package):
+    """The daemon's event loop streams, reads requests and answers health checks while the engine thread is inside a
+    pass. torch's own loader keeps the GIL for the whole pass (a thread sleeping 0.2 ms woke only when a 6 ms pass
+    ended), so here a thread that takes the GIL every millisecond must get it while a pass runs: with the GIL held,
+    none of its wake-ups could fall inside a pass."""
+    runner = compiled_runner(package, rows=1)
+    runner.forward(0, [[(7 * i) % 200 for i in range(300)]], prefill=True)
+    woke, stop = [], threading.Event()
+
+    def wake_every_millisecond():
+        while not stop.is_set():
+            time.sleep(0.001)
+            woke.append(time.perf_counter())  # only with the GIL
+
+    passes, library = [], runner.compiled
+
+    def timed(*args):  # the library call alone: around it the engine's own Python may yield the GIL
+        t0 = time.perf_counter()
+        out = library(*args)
+        passes.append((t0, time.perf_counter()))
+        return out
+
+    runner.compiled = timed
+    thread = threading.Thread(target=wake_every_millisecond)
+    thread.start()
+    try:
+        while sum(t1 - t0 for t0, t1 in passes) < 0.2 and len(passes) < 500:
+            runner.set_length(0, 300)
+            runner.forward(0, [[(3 * i) % 200 for i in range(150)]])  # 150 tokens over 300+ positions: ~1.5 ms
+    finally:
+        stop.set()
+        thread.join()
+    inside = [t for t in woke if any(t0 + 0.0002 < t < t1 for t0, t1 in passes)]
+    # torch's loader: 0 of 68 wake-ups inside 68 such passes; this one: 30 of 98
+    assert inside, f"no wake-up inside {len(passes)} passes ({sum(t1 - t0 for t0, t1 in passes) * 1000:.0f} ms)"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_qwen2_with_biases_and_tied_embeddings_compiles_and_checks_exact(tmp_path, precision):
+    """The architecture of the real draft/target pair: q, k and v biases in the fused projection, the output layer
+    tied to the embeddings (two tensors once the output layer is int8; in float32 one tensor under two names)."""
+    from tests.runtime.test_decoder import tiny_qwen2
+
+    model = prepared(tiny_qwen2(), precision)
+    eager = runner_for(model)
+    package = compiled.package_path(model, precision, tmp_path)
+    compiled.build(model, eager.cache, package)
+    fast = runner_for(model)
+    fast.compiled = compiled.CompiledPass(package, model)
+    assert compiled.check(fast)
+    for runner in (eager, fast):
+        runner.forward(0, [[7, 3, 9, 1]], prefill=True)
+    a, b = eager.forward(0, [[2, 5]]).float(), fast.forward(0, [[2, 5]]).float()
+    assert torch.allclose(a, b, atol=0.1, rtol=0.05) and torch.equal(a.argmax(-1), b.argmax(-1))

@@ -1,0 +1,121 @@
+"""Our own Llama-family forward (runtime.model.decoder): fused projections, the same model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
+from runtime.model.decoder import FusedAttention, FusedMLP, fuse_projections, is_fused, supports
+from runtime.model.runner import ModelRunner
+from tests.runtime.test_cache import tiny_gemma3, tiny_qwen2_sliding
+from tests.tiny import VOCAB, tiny_llama
+
+
+def tiny_qwen2(seed: int = 0):
+    """Qwen2 has biases on q, k and v (and none on o): the fused projection must carry them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+        model.model.embed_tokens.weight.normal_(0, 0.5)
+    return model.eval()
+
+
+def _passes(runner: ModelRunner) -> list[torch.Tensor]:
+    """Prefills of two rows, a uniform two-row verify, a ragged pass, a last-token-only pass."""
+    out = [runner.forward(0, [[1, 2, 3, 4, 5, 6, 7]]), runner.forward(1, [[9, 8, 7]])]
+    out.append(runner.forward(0, [[3, 4], [5, 6]]))
+    out.append(runner.forward(0, [[7], [8, 9, 10]]))
+    out.append(runner.forward(0, [[11, 12], [13]], last_only=True))
+    return out
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_fused_model_computes_what_transformers_computes(make):
+    model = make()
+    fused = copy.deepcopy(model)
+    assert supports(model) and fuse_projections(fused) == 2 and is_fused(fused)
+    assert all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
+               for layer in fused.model.layers)
+    plain, ours = ModelRunner(model, max_rows=2), ModelRunner(fused, max_rows=2)
+    assert ours.fused and not plain.fused
+    for a, b in zip(_passes(plain), _passes(ours)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # transformers' own forward still runs on the fused object (model.generate: a benchmark's reference)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False),
+                       fused.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_fused_attention_takes_the_cache_under_either_name(name):
+    """transformers 5.24 passes a layer's cache as ``cache``, earlier 5.x as ``past_key_values``: both must reach it
+    (a cache the layer does not see makes model.generate on a fused model decode without context)."""
+    from transformers import DynamicCache
+
+    model = tiny_llama()
+    fuse_projections(model)
+    attn, inner = model.model.layers[0].self_attn, model.model
+    x = torch.randn(1, 3, model.config.hidden_size)
+    position_embeddings = inner.rotary_emb(x, torch.arange(3)[None])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        attn(x, position_embeddings, None, **{name: cache})
+    assert cache.get_seq_length(0) == 3
+
+
+def test_fusion_drops_the_separate_projections():
+    model = tiny_llama()
+    before = sum(p.numel() for p in model.parameters())
+    fuse_projections(model)
+    assert sum(p.numel() for p in model.parameters()) == before  # concatenated, not duplicated
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and attn.qkv_proj.out_features == (4 + 2 * 2) * 16
+    assert fuse_projections(model) == 0  # already fused
+
+
+@pytest.mark.parametrize("make", [tiny_qwen2_sliding, tiny_gemma3], ids=["qwen2-sliding", "gemma3"])
+def test_other_architectures_keep_transformers_forward(make):
+    model = make()
+    assert not supports(model) and fuse_projections(model) == 0 and not ModelRunner(model).fused
+
+
+def test_speculation_over_the_fused_forward_is_exact_alone_and_batched():
+    model = tiny_llama()
+    fuse_projections(model)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
+
+    def engine(proposer, k=0):
+        return SpeculativeEngine(ModelRunner(model, max_rows=3), proposer,
+                                 EngineConfig(num_draft_tokens=k, adaptive=False))
+
+    params = GenerationParams(max_tokens=24)
+    plain = [[t for o in engine(None).generate(p, params) for t in o.token_ids] for p in prompts]
+    spec = engine(NgramProposer(2), 4)
+    assert [[t for o in spec.generate(p, params) for t in o.token_ids] for p in prompts] == plain
+    assert spec.stats.num_draft_tokens > 0
+    assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
+
+
+def test_the_loader_fuses_before_the_precision_surgery(tiny_model_dir):
+    from depctl.spec import DeploymentSpec
+    from runtime.kernels.surgery import Int8WeightLinear
+    from runtime.backends.loader import load_deployment
+
+    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", quantization="int8"),
+                             calibrate=False)
+    layer = loaded.target.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int8WeightLinear) and isinstance(layer.mlp.gate_up_proj, Int8WeightLinear)
+    assert loaded.engine.target.fused

@@ -1,0 +1,147 @@
+"""Fixed-shape passes and their CUDA graphs (runtime.model.graphs).
+
+The padded pass is device-independent, so its bookkeeping (the grid, the scratch row, the mask, what falls back to
+the eager pass) is tested on any machine with ``capture=False``; recording and replaying need a GPU and skip, with the
+reason, without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.speculation import DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
+from runtime.model import compiled
+from runtime.model.decoder import fuse_projections
+from runtime.model.graphs import FixedShapePass
+from runtime.model.runner import ModelRunner
+from tests.tiny import tiny_llama
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: recording CUDA graphs needs one")
+PROMPTS = [[5, 17, 42, 99, 3, 17, 42, 99, 3, 8], [1, 2, 3], [200, 201, 200, 201, 200], list(range(30, 70))]
+
+
+def fused(seed: int = 0, layers: int = 2, device: str = "cpu", dtype=torch.float32):
+    model = tiny_llama(seed, layers=layers).to(device, dtype)
+    fuse_projections(model)
+    return model
+
+
+def runner(model, rows: int = 4, width: int | None = 5, capture: bool = False) -> ModelRunner:
+    """A runner as the loader leaves it: the cache allocated, and (with ``width``) every decode and verify pass at
+    ``rows x width`` tokens."""
+    r = ModelRunner(model, max_rows=rows)
+    r.forward(0, [[0]], prefill=True)
+    r.set_length(0, 0)
+    if width:
+        r.graphed = FixedShapePass(model, r.cache, rows, (width,), capture=capture)
+    return r
+
+
+def test_the_fixed_shape_pass_computes_what_the_eager_pass_computes():
+    model = fused()
+    eager, fixed = runner(model, width=None), runner(model)
+    for r in (eager, fixed):
+        r.forward(0, [PROMPTS[0]], prefill=True)
+        r.forward(1, [PROMPTS[1]], prefill=True)
+        r.forward(2, [PROMPTS[3]], prefill=True)
+    ragged = [[4, 8, 15], [6], [7, 7, 7, 7, 7]]  # 3 of 4 grid rows, widths 3, 1, 5 of 5
+    a, b = eager.forward(0, ragged), fixed.forward(0, ragged)
+    assert b.shape == a.shape == (9, model.config.vocab_size)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # the padded grid's SDPA rounds its own way
+    last = fixed.forward(0, [[1], [2, 3], [4]], last_only=True)  # each row's last token only
+    torch.testing.assert_close(last, eager.forward(0, [[1], [2, 3], [4]], last_only=True), rtol=1e-4, atol=1e-4)
+    assert [fixed.length(r) for r in range(3)] == [eager.length(r) for r in range(3)] == [14, 6, 46]
+
+
+def test_padding_writes_only_to_the_scratch_row():
+    model = fused()
+    fixed = runner(model)
+    cache = fixed.cache
+    assert cache.scratch == 4 and cache.layers[0].keys.shape[0] == 5  # one row past the four sequences' rows
+    fixed.forward(3, [PROMPTS[3]], prefill=True)  # a row this step leaves out
+    before = [(layer.keys[:4].clone(), layer.values[:4].clone()) for layer in cache.layers]
+    fixed.set_length(0, 0)
+    fixed.forward(0, [[9, 9]])  # row 0: 2 real tokens; 18 padding tokens, 3 padding grid rows
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys[1:4], keys[1:4]) and torch.equal(layer.values[1:4], values[1:4])
+        assert torch.equal(layer.keys[0, :, 2:], keys[0, :, 2:])  # row 0 changed where its tokens went, only
+        assert not torch.equal(layer.keys[0, :, :2], keys[0, :, :2])
+
+
+def test_passes_that_do_not_fit_run_eagerly():
+    model = fused()
+    eager, fixed = runner(model, width=None), runner(model, width=3)
+    assert fixed.graphed.fits(0, [3, 1]) and not fixed.graphed.fits(0, [4]) and not fixed.graphed.fits(1, [1])
+    for r in (eager, fixed):
+        r.forward(0, [PROMPTS[0]], prefill=True)
+    # wider than the grid: the eager pass, bit for bit
+    assert torch.equal(fixed.forward(0, [[1, 2, 3, 4]]), eager.forward(0, [[1, 2, 3, 4]]))
+
+
+def test_a_verify_pass_equals_one_token_steps_through_the_fixed_shape():
+    fixed = runner(fused())
+    assert compiled.check(fixed)  # what the loader requires before a GPU deployment uses its graphs
+
+
+def assert_speculation_equals_plain_decoding(method: str, device: str, dtype, capture: bool) -> None:
+    """Four prompts batched with 4 drafts a row equal each prompt decoded plainly, alone, through the same shape."""
+    target, draft = fused(0, device=device, dtype=dtype), fused(1, layers=1, device=device, dtype=dtype)
+    params = GenerationParams(max_tokens=40, ignore_eos=True)
+
+    def engine(k: int):
+        proposer = None
+        if k and method == "ngram":
+            proposer = NgramProposer(2)
+        elif k:
+            proposer = DraftModelProposer(runner(draft, 4, width=2, capture=capture))
+        return SpeculativeEngine(runner(target, 4, width=5, capture=capture), proposer,
+                                 EngineConfig(num_draft_tokens=k, adaptive=False))
+
+    plain = [[t for o in engine(0).generate(p, params) for t in o.token_ids] for p in PROMPTS]
+    assert Scheduler(engine(4), 4, prefill_chunk=8).run_all(PROMPTS, params) == plain
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_through_fixed_shapes_equals_plain_decoding_through_them(method):
+    assert_speculation_equals_plain_decoding(method, "cpu", torch.float32, capture=False)
+
+
+def test_a_new_draft_width_resizes_the_grid():
+    engine = SpeculativeEngine(runner(fused(), width=5), NgramProposer(2), EngineConfig(num_draft_tokens=4))
+    engine.set_num_draft_tokens(8)
+    assert engine.target.graphed.widths == (9,)
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_replayed_graph_computes_what_the_pass_computes():
+    model = fused(device="cuda", dtype=torch.bfloat16)
+    eager, graphed = runner(model, capture=False), runner(model, capture=True)
+    for r in (eager, graphed):
+        r.forward(0, [PROMPTS[0]], prefill=True)
+        r.forward(1, [PROMPTS[1]], prefill=True)
+    for inputs in ([[4, 8, 15], [6]], [[1], [2]], [[3, 3, 3, 3, 3], [9]]):
+        assert torch.equal(graphed.forward(0, inputs), eager.forward(0, inputs))
+    assert graphed.graphed.recordings == 1  # one shape: recorded once, replayed since
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphs_are_recorded_again_when_the_cache_grows():
+    model = fused(device="cuda", dtype=torch.bfloat16)
+    graphed = runner(model, capture=True)
+    graphed.forward(0, [[1]])
+    capacity = graphed.cache.capacity
+    graphed.forward(0, [list(range(capacity + 10))], prefill=True)  # the cache doubles: new tensors
+    eager = runner(model, capture=False)
+    eager.forward(0, [[1]])
+    eager.forward(0, [list(range(capacity + 10))], prefill=True)
+    assert torch.equal(graphed.forward(0, [[7, 8]]), eager.forward(0, [[7, 8]]))
+    assert graphed.graphed.recordings == 2
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_through_cuda_graphs_equals_plain_decoding_through_them(method):
+    assert_speculation_equals_plain_decoding(method, "cuda", torch.bfloat16, capture=True)

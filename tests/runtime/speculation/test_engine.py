@@ -1,0 +1,267 @@
+"""The speculative engine on tiny random models: exactness, acceptance, stops and cache rollback."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, SpeculativeEngine, SuffixProposer
+from runtime.model.runner import ModelRunner
+from runtime.backends.loader import quantize_int8
+from tests.tiny import tiny_llama
+
+EOS = 258
+# prompts with repeats (the n-gram proposer hits) and without (it misses)
+PROMPTS = [
+    [5, 17, 42, 99, 3, 17, 42, 99, 3, 8],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    [200, 201, 200, 201, 200, 201, 200],
+    [77],
+    list(range(30, 60)) + list(range(30, 45)),
+]
+
+
+def make(model, proposer=None, k=0, **cfg):
+    return SpeculativeEngine(ModelRunner(model), proposer, EngineConfig(num_draft_tokens=k, max_context=512, **cfg))
+
+
+def run(engine, prompt, max_tokens=40, **kw):
+    tokens, finish = [], None
+    for out in generate(engine, prompt, GenerationParams(max_tokens=max_tokens, **kw)):
+        tokens += out.token_ids
+        finish = out.finish_reason or finish
+    return tokens, finish
+
+
+def test_plain_engine_matches_transformers_generate(target):
+    for prompt in PROMPTS[:3]:
+        ours, _ = run(make(target), prompt, ignore_eos=True)
+        hf = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours == hf
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft", "int8 draft", "self"])
+def test_greedy_output_equals_plain_decoding(target, draft, method, k):
+    proposer = {
+        "ngram": lambda: NgramProposer(2),
+        "suffix": lambda: SuffixProposer(4096),  # one engine for every prompt: later prompts draft from earlier ones
+        "draft": lambda: DraftModelProposer(ModelRunner(draft)),
+        # the draft's numerics never reach the output: an int8 copy of the target drafts, the fp32 target decides
+        "int8 draft": lambda: DraftModelProposer(ModelRunner(quantize_int8(copy.deepcopy(target)))),
+        "self": lambda: DraftModelProposer(ModelRunner(target)),
+    }[method]()
+    engine = make(target, proposer, k, adaptive=False)  # adaptive off: always draft K, the hardest case
+    for prompt in PROMPTS:
+        plain, _ = run(make(target), prompt, ignore_eos=True)
+        spec, _ = run(engine, prompt, ignore_eos=True)
+        assert spec == plain, (method, k, prompt)
+    assert engine.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_self_draft_accepts_everything(target, k):
+    engine = make(target, DraftModelProposer(ModelRunner(target)), k, adaptive=False)
+    # the first token comes from the prefill; then 5 steps of k + 1 tokens, none clamped by max_tokens
+    run(engine, PROMPTS[0], max_tokens=1 + (k + 1) * 5, ignore_eos=True)
+    assert engine.stats.acceptance_rate == 1.0
+    assert engine.stats.mean_acceptance_length == k + 1
+    assert engine.stats.accepted_per_position == [5] * k
+
+
+def test_ngram_hits_on_repetitive_prompt(target):
+    engine = make(target, NgramProposer(3), 4, adaptive=False)
+    run(engine, PROMPTS[2], ignore_eos=True)
+    assert engine.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_seeded_sampling_is_reproducible(target, draft, method):
+    def once(seed):
+        proposer = {"ngram": lambda: NgramProposer(2), "suffix": lambda: SuffixProposer(4096),
+                    "draft": lambda: DraftModelProposer(ModelRunner(draft))}[method]()
+        return run(make(target, proposer, 4), PROMPTS[0], sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
+                   ignore_eos=True)[0]
+
+    assert once(7) == once(7)
+    assert once(7) != once(8)
+
+
+def test_temperature_zero_is_deterministic(target):
+    engine = make(target, NgramProposer(2), 4)
+    assert run(engine, PROMPTS[1])[0] == run(engine, PROMPTS[1])[0]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9, 17])
+def test_max_tokens_is_exact_even_mid_draft(target, max_tokens):
+    engine = make(target, DraftModelProposer(ModelRunner(target)), 8, adaptive=False)
+    tokens, finish = run(engine, PROMPTS[0], max_tokens=max_tokens, ignore_eos=True)
+    assert len(tokens) == max_tokens and finish == "length"
+
+
+def test_eos_stops_and_is_not_emitted(target):
+    plain, _ = run(make(target), PROMPTS[0], max_tokens=40, ignore_eos=True)
+    stop_at = plain[6]  # make the 7th token a stop token: output ends right before it
+    engine = make(target, DraftModelProposer(ModelRunner(target)), 4, adaptive=False)
+    tokens, finish = run(engine, PROMPTS[0], max_tokens=40, stop_token_ids=(stop_at,))
+    assert tokens == plain[: plain.index(stop_at)] and finish == "stop"
+
+
+def test_context_limit_caps_output(target):
+    engine = SpeculativeEngine(ModelRunner(target), NgramProposer(2), EngineConfig(num_draft_tokens=4, max_context=16))
+    tokens, finish = run(engine, PROMPTS[1], max_tokens=100, ignore_eos=True)
+    assert len(PROMPTS[1]) + len(tokens) == 16 and finish == "length"
+    with pytest.raises(ValueError, match="context holds 16"):
+        run(engine, list(range(16)))
+
+
+class _FixedProposer:
+    """A free proposer with a fixed continuation, so a test chooses between the all-accepted and first-rejected paths."""
+
+    name, cost_per_token = "fixed", False
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def propose(self, seq, k):
+        return self.drafts[:k]
+
+    def finish(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("path", ["all_accepted", "first_rejected"])
+def test_rollback_leaves_the_cache_row_at_the_accepted_length(target, path):
+    prompt = PROMPTS[0]
+    plain, _ = run(make(target), prompt, max_tokens=8, ignore_eos=True)
+    # the prefill gives plain[0]; the first step then verifies drafts for plain[1:5]
+    drafts = plain[1:5] if path == "all_accepted" else [(plain[1] + 1) % 256] + plain[2:5]
+    engine = make(target, _FixedProposer(drafts), 4, adaptive=False)
+    steps = generate(engine, prompt, GenerationParams(max_tokens=8, ignore_eos=True))
+    assert next(steps).token_ids == plain[:1]
+    step = next(steps)
+    expected = plain[1:6] if path == "all_accepted" else plain[1:2]  # 4 accepted + bonus, or just the recovery
+    assert step.token_ids == expected
+    # the row holds the prompt and the accepted tokens, minus the last one (the next step's input); the rejected
+    # drafts' positions are past it, to be overwritten
+    assert engine.target.length(0) == len(prompt) + 1 + len(expected) - 1
+    steps.close()
+
+
+def test_draft_model_cache_catches_up_after_full_accept(target):
+    runner = ModelRunner(target)
+    engine = make(target, DraftModelProposer(runner), 3, adaptive=False)
+    prompt = PROMPTS[1]
+    gen = generate(engine, prompt, GenerationParams(max_tokens=20, ignore_eos=True))
+    assert len(next(gen).token_ids) == 1  # the prefill's token
+    first = next(gen)
+    assert len(first.token_ids) == 4  # self-draft: all 3 accepted + bonus
+    # the draft never fed d_k: its row is two tokens behind the sequence (d_k and the bonus)
+    assert runner.length(0) == len(prompt) + 1 + 4 - 2
+    second = next(gen)
+    assert len(second.token_ids) == 4  # catch-up fed both, and drafting continued exactly
+    gen.close()
+
+
+def test_update_draft_count_in_place(target):
+    engine = make(target, NgramProposer(2), 4)
+    engine.set_num_draft_tokens(1)
+    engine.policy.adaptive = False
+    run(engine, PROMPTS[2], ignore_eos=True)
+    assert len(engine.stats.accepted_per_position) <= 1
+
+
+def test_prediction_drafts_and_stays_exact(target):
+    plain, _ = run(make(target), PROMPTS[1], max_tokens=30, ignore_eos=True)
+    engine = make(target)
+    outs = list(generate(engine, PROMPTS[1], GenerationParams(max_tokens=30, ignore_eos=True, prediction=tuple(plain))))
+    assert [t for o in outs for t in o.token_ids] == plain
+    assert sum(o.prediction_accepted for o in outs) >= 25  # a right prediction is accepted nearly whole
+    wrong = tuple((t + 1) % 256 for t in plain)
+    outs = list(generate(engine, PROMPTS[1], GenerationParams(max_tokens=30, ignore_eos=True, prediction=wrong)))
+    assert [t for o in outs for t in o.token_ids] == plain
+
+
+def test_off_the_prediction_the_deployments_proposer_drafts_before_a_rejoin_guess(target):
+    # where the output has left its prediction, n-gram lookup (a 2-token match against the text just written) drafts
+    # before the tracker's guess at where the output rejoins (one agreeing token); with no n-gram match, the guess
+    engine = make(target, NgramProposer(2), 4, adaptive=False)
+    prompt, prediction = [1, 2, 3, 4, 5, 6, 10, 11, 12, 13], (20, 21, 22, 5, 30, 31, 32, 33)
+    seq = engine.new_sequence(prompt, GenerationParams(max_tokens=30, prediction=prediction))
+    seq.prediction.expected, seq.prediction.left_at = -1, 3  # it left the prediction at index 3
+    seq.tokens += [4, 5]  # "4 5" is in the prompt; "5" is the prediction's index 3
+    guess = engine._guess(seq)
+    assert (guess.source, guess.tokens) == ("ngram", [6, 10, 11, 12])
+    assert seq.prediction.observe(0, 6) == 0 and seq.prediction.expected == -1  # the unused guess is not judged
+    seq.tokens[-2:] = [99, 5]  # no n-gram match: the output rejoins the prediction after its "5"
+    guess = engine._guess(seq)
+    assert (guess.source, guess.tokens) == ("prediction", [30, 31, 32, 33])
+
+
+def test_suffix_drafts_a_repeated_request_from_the_first(target):
+    engine = make(target, SuffixProposer(4096), 8, adaptive=False)
+    first, _ = run(engine, PROMPTS[1], max_tokens=41, ignore_eos=True)
+    before = engine.stats.num_accepted_tokens
+    again, _ = run(engine, PROMPTS[1], max_tokens=41, ignore_eos=True)
+    assert again == first
+    # the answer is in the index: 40 tokens after the prefill's, in 5 fully accepted steps of 8 + 1... minus the
+    # steps where the match is still shorter than 8 tokens (the draft length follows the match length)
+    assert engine.stats.num_accepted_tokens - before >= 30
+    assert engine.proposer.index.requests == 2
+
+
+def test_a_request_can_turn_speculation_off_or_cap_its_drafts(target):
+    plain, _ = run(make(target), PROMPTS[2], ignore_eos=True)
+    engine = make(target, NgramProposer(2), 8, adaptive=False)
+    off, _ = run(engine, PROMPTS[2], ignore_eos=True, speculate=False, prediction=tuple(plain))
+    assert off == plain and engine.stats.num_draft_tokens == 0  # off means no drafts at all, a prediction included
+    capped, _ = run(engine, PROMPTS[2], ignore_eos=True, max_draft_tokens=2)
+    assert capped == plain and engine.stats.num_draft_tokens > 0
+    assert len(engine.stats.accepted_per_position) <= 2
+    uncapped, _ = run(engine, PROMPTS[2], ignore_eos=True)
+    assert uncapped == plain and len(engine.stats.accepted_per_position) > 2  # the cap was what held it
+
+
+def test_a_bad_calibration_does_not_switch_speculation_off_for_good(target):
+    # calibration taken on a busy machine: long verifies look 100x dearer than they are
+    engine = make(target, NgramProposer(2), 4)
+    engine.calibrate()
+    samples = engine.policy.verify_cost.samples
+    for n in samples:
+        if n > 1:
+            samples[n] = 1000.0  # seconds: no draft could ever pay at that price
+    run(engine, PROMPTS[2], max_tokens=120, ignore_eos=True)  # a repetitive prompt: the n-gram guesses hit
+    assert engine.stats.num_draft_tokens > 0  # probes drafted...
+    # ...and replaced a bad measurement with a real one (which widths depends on what the proposer found and on
+    # timings, so only "some" is certain)
+    assert min(v for n, v in samples.items() if n > 1) < 1000.0
+
+
+def test_calibration_measures_every_pass_width_a_request_can_verify(target):
+    """int8 weights are multiplied four rows at a time: SmolLM2's passes over 1-4 tokens cost ~8 ms, 5-8 ~12-15, 9
+    ~20. Interpolating between powers of two hid those steps (5 tokens looked like 9.8 ms, 9 like 16), so the policy
+    started out drafting widths dearer than it thought; every width up to K + 1 is measured instead."""
+    for rows in (1, 4):  # in a deployment that batches too: widths were once folded into the batch's rows
+        engine = SpeculativeEngine(ModelRunner(target, max_rows=rows), NgramProposer(2),
+                                   EngineConfig(num_draft_tokens=8, max_context=512))
+        engine.calibrate()
+        assert set(range(1, 10)) <= set(engine.policy.verify_cost.samples), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_exact(target, dtype):
+    # what --dtype bfloat16 (auto on CPUs with bf16 instructions) runs: the loader's split-K surgery, and the runner
+    # attends a verify pass position by position; speculation gives exactly the plain tokens of the same model
+    from runtime.backends.loader import surgery_for
+
+    model = surgery_for(copy.deepcopy(target).to(dtype), str(dtype).removeprefix("torch."), exact=True)
+    plain_engine = make(model)
+    assert plain_engine.target.per_position
+    for prompt in PROMPTS:
+        plain, _ = run(plain_engine, prompt)
+        spec = make(model, NgramProposer(2), k=4, adaptive=False)
+        assert run(spec, prompt)[0] == plain
+    assert spec.stats.num_draft_tokens > 0

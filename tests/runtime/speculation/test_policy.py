@@ -1,0 +1,155 @@
+"""The draft-length policy's bookkeeping, with made-up costs (no model, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
+
+
+def test_acceptance_is_kept_per_state():
+    # a step's outcome counts towards the state the request was in when it drafted
+    acc = RequestAcceptance(0.5, 3.0)
+    assert acc.rate == pytest.approx(0.5)
+    for _ in range(30):  # outside a run: misses
+        acc.observe(0, 1)
+    assert acc.rate < 0.05
+    acc.observe(3, 3)  # a full accept: the request is now in the "copying" state, which still has its prior
+    assert acc.rate == pytest.approx(0.5)
+    for _ in range(20):  # copying: every draft accepted
+        acc.observe(4, 4)
+    assert acc.rate > 0.95
+    acc.observe(1, 2)  # the copy ends; back in the other state, whose misses are remembered
+    assert acc.rate < 0.4  # 30 misses and one hit
+    acc.observe(2, 2)  # and a new run starts from the run's high rate, not from an average of both
+    assert acc.rate > 0.9
+    assert 0.3 < acc.overall < 0.95  # both states, weighted by their (decayed) trials
+
+
+def _rows(policy, rates_and_available, model=False):
+    rows = []
+    for rate, available in rates_and_available:
+        acc = policy.new_request(prior=rate)
+        rows.append(RowPlan(acc, available, model))
+    return rows
+
+
+def _cpu_like(policy):
+    # seconds for a pass over n token rows: flat while memory-bound, then growing (SmolLM2 on 2 cores, roughly)
+    for n, s in {1: 0.050, 2: 0.052, 4: 0.055, 8: 0.080, 16: 0.110, 32: 0.150, 64: 0.250, 128: 0.480}.items():
+        policy.verify_cost.observe(n, s)
+
+
+def test_policy_drafts_long_inside_a_run_and_stops_outside():
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    [row] = _rows(policy, [(0.5, 8)])
+    for _ in range(30):
+        row.acceptance.observe(0, 1)
+    assert policy.width([row])[0] == 0
+    row.acceptance.observe(1, 1)
+    for _ in range(20):
+        row.acceptance.observe(8, 8)
+    assert policy.width([row])[0] == 8
+    assert policy.width([RowPlan(row.acceptance, 3, False)])[0] == 3  # a row's guess (or its room) caps the width
+    row.acceptance.observe(0, 1)
+    # back among the misses: at most one draft (a 2-token pass costs 4% more than 1 here, so a long shot can pay)
+    assert policy.width([row])[0] <= 1
+
+
+def test_the_same_drafts_that_pay_alone_do_not_pay_in_a_full_batch():
+    # a 60% acceptance pays at batch 1 (a 9-token pass costs ~2x one token) but not at batch 8, where the plain step
+    # already fills the memory-bound part of the pass and 8 more tokens cost 40% more
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    assert policy.width(_rows(policy, [(0.6, 8)]))[0] > 0
+    assert policy.width(_rows(policy, [(0.6, 8)] + [(0.0, 0)] * 7))[0] == 0
+    # ...while a batch that copies (grounded edits) still drafts, just shorter than alone
+    alone = policy.width(_rows(policy, [(0.95, 8)]))[0]
+    full = policy.width(_rows(policy, [(0.95, 8)] * 8))[0]
+    assert alone == 8 and 0 < full < alone
+
+
+def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
+    # per-row rates said 60%; the drafting steps then delivered a third of the extra tokens that implied. The policy
+    # believes the steps, not the rates: at batch 4 the same drafts no longer pay
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    rows = _rows(policy, [(0.6, 8)] * 4)
+    width, predicted = policy.width(rows)
+    assert width > 0 and predicted > 0
+    for _ in range(40):
+        policy.observe_step(predicted, round(predicted / 3))
+    assert policy.realism < 0.5
+    assert policy.width(rows)[0] < width
+
+
+def test_rows_without_guesses_do_not_make_the_batch_draft():
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    assert policy.width(_rows(policy, [(0.9, 0)] * 4))[0] == 0
+
+
+def test_draft_cost_shortens_drafts():
+    policy = DraftLengthPolicy(max_k=8)
+    policy.verify_cost.observe(1, 1.0)
+    policy.verify_cost.observe(9, 1.5)
+    policy.draft_cost.observe(1, 0.01)
+    cheap = policy.width(_rows(policy, [(0.8, 8)], model=True))[0]
+    policy = DraftLengthPolicy(max_k=8)
+    policy.verify_cost.observe(1, 1.0)
+    policy.verify_cost.observe(9, 1.5)
+    policy.draft_cost.observe(1, 0.3)
+    dear = policy.width(_rows(policy, [(0.8, 8)], model=True))[0]
+    assert cheap > dear >= 1
+
+
+def test_cost_model_interpolates_and_extrapolates_upwards():
+    cost = CostModel()
+    cost.observe(8, 0.08)
+    cost.observe(16, 0.11)
+    assert cost(12) == pytest.approx(0.095)
+    assert cost(4) == pytest.approx(0.08)  # below the smallest measurement: no cheaper than it
+    assert cost(32) == pytest.approx(0.11 + 16 * (0.03 / 8))  # past the largest: the last slope continues
+
+
+def test_cost_tracking_ignores_a_lone_slow_pass_and_follows_a_lasting_change():
+    cost = CostModel()
+    for n in range(1, 10):  # a calibration: 4 tokens cost about what 1 does (int8 takes rows four at a time)
+        cost.samples[n] = (0.0067, 0.0069, 0.0071, 0.0074, 0.0124, 0.0125, 0.0126, 0.0127, 0.016)[n - 1]
+    for _ in range(3):
+        cost.observe(4, 0.0074)
+    cost.observe(4, 0.044)  # one pass 6x slower (a page fault, the event loop holding the GIL): seen in a daemon
+    assert cost(4) == pytest.approx(0.0074)
+    assert cost(5) == pytest.approx(0.0124)  # and it did not push the wider passes' costs up either
+    for _ in range(3):  # the machine really is slower now: followed within a few passes
+        cost.observe(4, 0.015)
+    assert cost(4) == pytest.approx(0.015)
+    assert cost(5) >= 0.015  # more tokens never cost less
+    for s in (0.0072, 0.0080, 0.0070, 0.0078, 0.0074):  # noise is averaged, not the luckiest sample taken
+        cost.observe(1, s)
+    assert 0.0070 < cost(1) < 0.0080
+
+
+def test_a_cost_taken_under_contention_is_replaced_at_once():
+    cost = CostModel()
+    cost.samples[1] = 0.5  # a calibration while something else ran: 50x the real cost
+    cost.observe(1, 0.010)
+    assert cost(1) == 0.010
+
+
+def test_a_fresh_cost_corrects_stale_neighbours_that_contradict_it():
+    """Calibration measures a few token counts once, on uniform passes at a short context; real passes are measured
+    at whatever counts the policy picks. A stale entry that says 16 tokens cost less than 15 made a one-row draft of 8
+    at batch 8 look nearly free (SmolLM2, 2 cores: 38.5 ms calibrated for 16 tokens against 58 measured for 15)."""
+    cost = CostModel()
+    for n, ms in ((1, 8), (8, 23), (16, 38), (32, 68)):  # a calibration
+        cost.samples[n] = ms / 1000
+    for _ in range(10):  # the machine is slower now and contexts longer: 15 tokens take 58 ms, again and again
+        cost.observe(15, 0.058)
+    assert cost(16) >= cost(15) >= 0.057  # more tokens never cost less
+    assert cost(32) == pytest.approx(0.068)  # still above: left alone
+    for _ in range(10):  # and a measured pass over fewer tokens caps the stale larger counts' neighbours below it
+        cost.observe(20, 0.040)
+    assert cost(16) <= cost(20) + 1e-9 and cost(15) <= cost(20) + 1e-9
+    assert cost(8) == pytest.approx(0.023)  # below it and not contradicting it: left alone

@@ -1,0 +1,150 @@
+"""Proposers on literal token lists."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.speculation.proposers import NgramIndex, NgramProposer, PredictionTracker, ngram_propose, rejoin
+
+
+def test_ngram_most_recent_match():
+    # the suffix [1, 2] occurs at 0 and 4; the most recent (4) is followed by [9, 9]
+    assert ngram_propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], n=2, k=2) == [9, 9]
+
+
+def test_ngram_stops_at_the_end_of_the_sequence():
+    # the only match is followed by just 2 tokens before the current suffix
+    assert ngram_propose([5, 6, 7, 8, 5, 6], n=2, k=5) == [7, 8, 5, 6]
+
+
+def test_ngram_needs_a_match_of_n_tokens():
+    # [1, 4, 5] never occurred before, [4, 5] neither; [5] did, followed by [6, 7]: enough for n=1 only
+    assert ngram_propose([5, 6, 7, 1, 4, 5], n=3, k=2) == []
+    assert ngram_propose([5, 6, 7, 1, 4, 5], n=2, k=2) == []
+    assert ngram_propose([5, 6, 7, 1, 4, 5], n=1, k=2) == [6, 7]
+
+
+def test_ngram_prefers_the_match_with_the_longest_context():
+    # a block is being copied: [10, 11, 1, 2] ... the output so far is [10, 11, 1, 2] again. The suffix [1, 2]
+    # also occurs later (followed by 8), but the occurrence preceded by [10, 11] is the aligned one
+    block = [10, 11, 1, 2, 3, 4]
+    tokens = block + [7, 1, 2, 8] + [10, 11, 1, 2]
+    assert ngram_propose(tokens, n=2, k=2) == [3, 4]
+    # with equal context the most recent wins
+    assert ngram_propose([5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2], n=2, k=1) == [4]
+
+
+def test_ngram_no_match_is_empty():
+    # no earlier occurrence of the last token: the engine runs a plain decode step
+    assert ngram_propose([1, 2, 3, 4], n=3, k=4) == []
+    assert ngram_propose([1], n=3, k=4) == []
+    assert ngram_propose([1, 2, 1], n=3, k=0) == []
+
+
+def test_ngram_repeating_pattern_proposes_itself():
+    # the most recent match of [7, 7] ends one position back, so only one token follows it; in a longer
+    # cycle the match's continuation runs into the suffix itself
+    assert ngram_propose([7, 7, 7, 7], n=2, k=3) == [7]
+    assert ngram_propose([1, 2, 3, 1, 2, 3, 1], n=1, k=4) == [2, 3, 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_ngram_index_proposes_what_a_scan_proposes(n):
+    """The engine's per-request index guesses exactly what ``ngram_propose`` finds by scanning, step after step, as
+    the tokens grow by a step's worth at a time (few distinct tokens: many candidates, ties, long agreements)."""
+    rng = random.Random(n)
+    for trial in range(20):
+        vocab = rng.choice([3, 5, 12])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        index = NgramIndex(n)
+        for _ in range(60):
+            k = rng.randrange(0, 9)
+            assert index.propose(tokens, k) == ngram_propose(tokens, n, k), (trial, tokens, k)
+            if rng.random() < 0.3:  # copy a stretch of what came before, as accepted drafts would
+                start = rng.randrange(len(tokens))
+                tokens += tokens[start : start + rng.randrange(1, 10)]
+            else:
+                tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+
+
+def test_ngram_index_is_per_request_and_dropped_when_it_finishes():
+    class Seq:
+        def __init__(self, id, tokens):
+            self.id, self.tokens = id, tokens
+
+    proposer = NgramProposer(2)
+    a, b = Seq(1, [1, 2, 3, 1, 2]), Seq(2, [4, 5, 6, 4, 5])
+    assert proposer.propose(a, 2) == [3, 1] and proposer.propose(b, 2) == [6, 4]
+    a.tokens += [7, 1, 2]
+    assert proposer.propose(a, 1) == [7]
+    proposer.finish(a)
+    proposer.finish(b)
+    assert not proposer._indexes
+    # a token list shorter than the one indexed is another one: the index starts again
+    index = NgramIndex(2)
+    assert index.propose([1, 2, 3, 1, 2], 1) == [3] and index.propose([1, 2, 3, 1], 1) == []
+
+
+def follow(prediction, output, k=4):
+    """Drive a tracker over ``output`` as the engine would with one draft step per token (nothing accepted beyond
+    the first check): returns, per output position, what the tracker proposed before the token was known."""
+    tracker = PredictionTracker(prediction)
+    proposals = []
+    for i, token in enumerate(output):
+        proposals.append(tracker.propose(output[:i], k))
+        tracker.observe(0, token)
+    return tracker, proposals
+
+
+def test_prediction_rejoins_after_a_replaced_token():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    output = [10, 11, 12, 99, 14, 15, 16, 17, 18]  # 13 became 99
+    tracker, proposals = follow(prediction, output)
+    assert proposals[3] == [13, 14, 15, 16]  # the guess that failed
+    assert proposals[4] == []  # 99 is not in the prediction: the deployment's proposer drafts this step
+    assert proposals[5] == [15, 16, 17, 18]  # after 14, one token past the divergence: back on the prediction
+    assert tracker.matched == 7  # all but 99 and 14 (produced while the tracker was looking for the rejoin)
+
+
+def test_prediction_rejoins_after_inserted_tokens():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17]
+    output = [10, 11, 12, 90, 91, 92, 13, 14, 15, 16, 17]  # three tokens inserted before 13
+    _, proposals = follow(prediction, output)
+    assert proposals[4] == [] and proposals[5] == []
+    assert proposals[7] == [14, 15, 16, 17]  # 13 came back right where the output left: rejoined at once
+
+
+def test_prediction_rejoins_after_deleted_tokens():
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    output = [10, 11, 12, 16, 17, 18, 19]  # 13-15 deleted
+    _, proposals = follow(prediction, output)
+    assert proposals[4] == [17, 18, 19]  # 16, four tokens on from the divergence: one agreeing token is enough there
+    assert proposals[5] == [18, 19]  # and the output follows it again
+
+
+def test_prediction_needs_a_longer_match_far_from_the_divergence():
+    prediction = [10, 11, 12, 13] + [50 + i for i in range(30)] + [7, 8, 9, 1, 2]
+    # the output leaves at 11 and later writes 7, 8: a two-token match 30 tokens away is not trusted
+    assert rejoin([10, 99, 98, 7, 8], prediction, last=1) == -1
+    # three agreeing tokens are, anywhere (an edit that dropped a whole block)
+    assert rejoin([10, 99, 98, 8, 9, 1], prediction, last=1) == len(prediction) - 1
+
+
+def test_prediction_prefers_the_nearest_rejoin():
+    # [5, 6] occurs twice after the divergence: the nearer one wins, and forward before backward
+    prediction = [5, 6, 1, 2, 3, 5, 6, 4, 4]
+    assert rejoin([9, 5, 6], prediction, last=3) == 7
+    assert rejoin([9, 5, 6], prediction, last=1) == 2
+
+
+def test_prediction_tracker_follows_diverges_and_resyncs():
+    tracker = PredictionTracker([10, 11, 12, 13, 14, 15, 16])
+    assert tracker.propose([], 3) == [10, 11, 12]
+    assert tracker.observe(3, 13) == 4  # all accepted, and the bonus 13 follows the prediction
+    assert tracker.propose([10, 11, 12, 13], 2) == [14, 15]
+    assert tracker.observe(0, 99) == 0  # the target wrote 99 instead of 14: lost
+    assert tracker.expected == -1
+    # the output rejoins the prediction at 15: found by looking up the last generated tokens
+    assert tracker.propose([10, 11, 12, 13, 99, 15], 2) == [16]

@@ -1,0 +1,237 @@
+"""Continuous batching: a request's output does not depend on what else is in the batch (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, Scheduler, SpeculativeEngine, SuffixProposer
+from runtime.model.runner import ModelRunner
+from tests.runtime.test_engine import PROMPTS as ENGINE_PROMPTS
+
+PROMPTS = ENGINE_PROMPTS + [[9, 9, 9, 9, 9, 9], list(range(100, 140)), [64, 65, 66, 64, 65, 66, 64]]  # 8 in all
+
+
+def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
+    proposer = {
+        "plain": lambda: None,
+        "ngram": lambda: NgramProposer(2),
+        "suffix": lambda: SuffixProposer(4096),
+        "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
+    }[method]()
+    return SpeculativeEngine(ModelRunner(target, max_rows=rows, max_context=512), proposer,
+                             EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive))
+
+
+def solo(target, prompt, params):
+    engine = engine_for(target, "plain", 1)
+    return [t for o in generate(engine, prompt, params) for t in o.token_ids]
+
+
+def drive(scheduler, arrivals, cancel_at=None):
+    """Run to the end. ``arrivals``: (iteration, prompt, params); ``cancel_at``: {index: iteration}."""
+    engine = scheduler.engine
+    seqs, got, finish, it = {}, {}, {}, 0
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    while pending or scheduler.has_work():
+        while pending and pending[0][1][0] <= it:
+            i, (_, prompt, params) = pending.pop(0)
+            seqs[i] = engine.new_sequence(prompt, params)
+            got[i] = []
+            scheduler.add(seqs[i])
+        for i, when in (cancel_at or {}).items():
+            if when == it and i in seqs:
+                scheduler.cancel(seqs[i])
+        by_id = {s.id: i for i, s in seqs.items()}
+        for seq, out in scheduler.step():
+            got[by_id[seq.id]] += out.token_ids
+            if out.finish_reason:
+                finish[by_id[seq.id]] = out.finish_reason
+        it += 1
+    return got, finish
+
+
+GREEDY = GenerationParams(max_tokens=30, ignore_eos=True)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft"])
+def test_greedy_output_does_not_depend_on_the_batch(target, draft, method, batch):
+    # different prompt lengths, and max_tokens that make requests leave at different steps
+    arrivals = [(0, PROMPTS[i], GenerationParams(max_tokens=12 + 5 * i, ignore_eos=True)) for i in range(batch)]
+    got, finish = drive(Scheduler(engine_for(target, method, batch, draft), batch, prefill_chunk=8), arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, params), (method, batch, i)
+        assert finish[i] == "length"
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_requests_join_and_leave_mid_flight(target, draft, method):
+    # 8 requests through 3 rows: the rest wait, join as rows free up, and prefill in chunks of 4 while others decode
+    arrivals = [(3 * i, PROMPTS[i], GenerationParams(max_tokens=8 + 3 * i, ignore_eos=True)) for i in range(8)]
+    scheduler = Scheduler(engine_for(target, method, 3, draft, adaptive=True), 3, prefill_chunk=4)
+    got, _ = drive(scheduler, arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, params), i
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_mixed_requests_in_one_batch(target, draft, method):
+    # plain (speculate=false), the deployment's proposer, a predicted output (right and wrong), side by side
+    right = tuple(solo(target, PROMPTS[2], GREEDY))
+    wrong = tuple((t + 3) % 256 for t in solo(target, PROMPTS[3], GREEDY))
+    arrivals = [
+        (0, PROMPTS[0], GenerationParams(max_tokens=30, ignore_eos=True, speculate=False)),
+        (0, PROMPTS[1], GREEDY),
+        (1, PROMPTS[2], GenerationParams(max_tokens=30, ignore_eos=True, prediction=right)),
+        (2, PROMPTS[3], GenerationParams(max_tokens=30, ignore_eos=True, prediction=wrong)),
+        (2, PROMPTS[4], GREEDY),
+    ]
+    got, _ = drive(Scheduler(engine_for(target, method, 5, draft), 5, prefill_chunk=8), arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, GREEDY), i
+
+
+def test_a_cancelled_neighbour_leaves_the_others_exact(target):
+    arrivals = [(0, PROMPTS[i], GREEDY) for i in range(4)]
+    scheduler = Scheduler(engine_for(target, "ngram", 4), 4, prefill_chunk=8)
+    got, finish = drive(scheduler, arrivals, cancel_at={1: 5, 3: 0})
+    assert finish[1] == "cancelled" and finish[3] == "cancelled"
+    assert len(got[1]) < 30
+    for i in (0, 2):
+        assert got[i] == solo(target, PROMPTS[i], GREEDY)
+    assert all(length == 0 for length in scheduler.engine.target.cache.lengths)  # every row was given back
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_seeded_sampling_is_reproducible_whatever_the_neighbours(target, draft, method):
+    seeded = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    alone = solo(target, PROMPTS[1], seeded)  # plain decoding, batch of one
+    noisy = GenerationParams(max_tokens=25, ignore_eos=True, sampling=SamplingParams(temperature=1.0))
+    arrivals = [(0, PROMPTS[0], noisy), (1, PROMPTS[1], seeded), (2, PROMPTS[2], GREEDY), (4, PROMPTS[4], noisy)]
+    for adaptive in (False, True):  # draft lengths chosen by measured costs must not matter either
+        got, _ = drive(Scheduler(engine_for(target, method, 4, draft, adaptive=adaptive), 4, prefill_chunk=8), arrivals)
+        assert got[1] == alone
+    other = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=8))
+    assert solo(target, PROMPTS[1], other) != alone
+
+
+def test_rollback_leaves_each_row_at_its_accepted_length(target):
+    # one batch step with three rows: all drafts accepted, the first draft rejected, and no draft (k_i = 0)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    plain = [solo(target, p, GenerationParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+
+    class Oracle:
+        """Row 0 gets the true continuation, row 1 a wrong first draft, row 2 nothing."""
+
+        name, cost_per_token = "oracle", False
+
+        def propose(self, seq, k):
+            tokens = seq.tokens
+            b = next(i for i, p in enumerate(prompts) if list(tokens[: len(p)]) == p)
+            truth = plain[b][len(tokens) - len(prompts[b]) :][:k]
+            return [truth, [(truth[0] + 1) % 256] + truth[1:], []][b]
+
+        def finish(self, seq):
+            pass
+
+    engine = SpeculativeEngine(ModelRunner(target, max_rows=3, max_context=512), Oracle(),
+                               EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False))
+    seqs = [engine.new_sequence(p, GenerationParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+    for row, s in enumerate(seqs):  # what the scheduler does on admission: a row each, the prompt prefilled
+        s.row = row
+        engine.prefill(s, s.prompt_len)
+    lengths_before = [len(s.tokens) for s in seqs]
+    outs = dict((s.id, o) for s, o in zip(seqs, engine.step(seqs)))
+    emitted = [len(outs[s.id].token_ids) for s in seqs]
+    assert [outs[s.id].accepted for s in seqs] == [4, 0, 0] and emitted == [5, 1, 1]
+    for b, s in enumerate(seqs):
+        assert s.tokens[s.prompt_len:] == plain[b][: len(s.tokens) - s.prompt_len]
+        assert engine.target.length(s.row) == lengths_before[b] + emitted[b] - 1
+
+
+def test_a_row_in_a_batch_samples_from_the_target(target):
+    # the rejection sampler sees its own row of the batch's logits: its first token follows the target's
+    # distribution, not the draft's, and not a neighbour's
+    vocab, trials = 6, 20_000
+    engine = engine_for(target, "plain", 3)
+    target_p = torch.tensor([0.05, 0.40, 0.05, 0.30, 0.10, 0.10])
+    neighbour = torch.tensor([0.40, 0.05, 0.30, 0.05, 0.10, 0.10])
+    # the pass's stream: a neighbour's 2 tokens, this row's 2 (rows 2:4), another neighbour's 2
+    stream = torch.cat([neighbour.log().expand(2, -1), target_p.log().expand(2, -1), neighbour.log().expand(2, -1)])
+    draft_q = neighbour  # the draft proposes from the neighbour's distribution
+    seq = engine.new_sequence([1, 2], GenerationParams(sampling=SamplingParams(temperature=1.0)))
+    seq.generator.manual_seed(3)
+    counts = torch.zeros(vocab)
+    for _ in range(trials):
+        d = int(torch.multinomial(draft_q, 1, generator=seq.generator))
+        n, token = engine._accept(seq, [d], draft_q[None], lambda rows: stream[rows], slice(2, 4), [])
+        counts[d if n else token] += 1
+    tv = 0.5 * float((counts / trials - target_p).abs().sum())
+    assert tv < 0.02
+
+
+def bf16_engines(target, speculate):
+    """A factory of engines (``rows`` -> engine) over one bf16 copy of ``target`` with the loader's exact surgery."""
+    from runtime.backends.loader import surgery_for
+
+    model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
+
+    def engine(rows):
+        return SpeculativeEngine(ModelRunner(model, max_rows=rows), NgramProposer(2) if speculate else None,
+                                 EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False))
+
+    return engine
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_half_precision_rows_are_the_same_alone_and_in_a_batch(target, speculate):
+    # bf16 on a CPU: a batched decode step once gave a row other bits than the same row alone (one of eight prompts
+    # diverged); rows are now attended each as in a batch of one, and linears are row-invariant (split-K)
+    engine = bf16_engines(target, speculate)
+    prompts = [list((f"prompt number {i} " * (i % 3 + 1)).encode()) for i in range(8)]
+    params = GenerationParams(max_tokens=40, ignore_eos=True)
+    solo = [Scheduler(engine(1), 1).run_all([p], params)[0] for p in prompts]
+    assert Scheduler(engine(8), 8).run_all(prompts, params) == solo
+
+
+def _prefill_chunks(engine):
+    """Record every prefill pass's (sequence id, first prompt position, tokens) on ``engine``."""
+    calls, prefill = [], engine.prefill
+
+    def spy(seq, budget):
+        before = seq.prefilled
+        out = prefill(seq, budget)
+        calls.append((seq.id, before, seq.prefilled - before))
+        return out
+
+    engine.prefill = spy
+    return calls
+
+
+def test_a_prompt_is_cut_into_the_same_chunks_alone_and_under_load(target):
+    # a prompt read in one go when the deployment is idle and in 128-token chunks when it is busy had different
+    # bits in its cache (bf16, SmolLM2: one of 21 benchmark prompts decoded differently in a batch of 8)
+    long_prompt = list(range(20, 90))  # 70 tokens: 4 chunks of 16 and one of 6
+    alone = engine_for(target, "plain", 4)
+    alone_calls = _prefill_chunks(alone)
+    Scheduler(alone, 4, prefill_chunk=16).run_all([long_prompt], GREEDY)
+    busy = engine_for(target, "plain", 4)
+    busy_calls = _prefill_chunks(busy)
+    drive(Scheduler(busy, 4, prefill_chunk=16), [(0, [5, 6, 7], GREEDY), (2, long_prompt, GREEDY)])
+    cut = [(start, n) for _, start, n in alone_calls]
+    assert cut == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
+    assert [(start, n) for _, start, n in busy_calls if n > 3 or start] == cut
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_half_precision_long_prompts_are_the_same_alone_and_arriving_under_load(target, speculate):
+    # prompts longer than a chunk, arriving while others decode, decode as they do alone (see the test above)
+    engine = bf16_engines(target, speculate)
+    prompts = [list((f"a longer prompt, number {i}, read in chunks; " * (i % 3 + 2)).encode()) for i in range(6)]
+    params = GenerationParams(max_tokens=40, ignore_eos=True)
+    solo = [Scheduler(engine(1), 1, prefill_chunk=32).run_all([p], params)[0] for p in prompts]
+    got, _ = drive(Scheduler(engine(4), 4, prefill_chunk=32), [(3 * i, p, params) for i, p in enumerate(prompts)])
+    assert [got[i] for i in range(len(prompts))] == solo
