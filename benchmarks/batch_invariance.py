@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
-from runtime.speculation import generate, GenerationParams, Scheduler  # noqa: E402
+from depctl.workloads import prompts_dir  # noqa: E402
 from runtime.backends.loader import load_deployment  # noqa: E402
+from runtime.speculation import GenerationParams, Scheduler, generate  # noqa: E402
 
 
 def main() -> int:
@@ -32,14 +33,26 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args()
-    spec = DeploymentSpec(id="inv", model=args.model, max_batch_size=args.rows,
-                          speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=8))
+    spec = DeploymentSpec(
+        id="inv",
+        model=args.model,
+        max_batch_size=args.rows,
+        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=8),
+    )
     loaded = load_deployment(spec, calibrate=True)
     engine, tok = loaded.engine, loaded.tokenizer
-    prompts = [json.loads(line)["prompt"] for w in ("chat", "grounded", "code")
-               for line in (ROOT / "benchmarks" / "prompts" / f"{w}.jsonl").open()]
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
-               add_special_tokens=False)["input_ids"] for p in prompts]
+    prompts = [
+        json.loads(line)["prompt"]
+        for w in ("chat", "grounded", "code")
+        for line in (prompts_dir() / f"{w}.jsonl").open()
+    ]
+    ids = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for p in prompts
+    ]
 
     def solo(i, speculate):
         params = GenerationParams(max_tokens=args.max_tokens, speculate=speculate)
@@ -80,8 +93,11 @@ def main() -> int:
         batched = runner.forward(0, [[ids[0][-1]]] + [[ids[r % len(ids)][-1]] for r in range(1, args.rows)])[0]
         for r in range(args.rows):
             runner.set_length(r, 0)
-    print(f"\nlargest |logit difference|, one row alone vs in a batch of {args.rows}: "
-          f"{float((alone - batched).abs().max()):.3g} (argmax {'equal' if alone.argmax() == batched.argmax() else 'DIFFERENT'})")
+    print(
+        f"\nlargest |logit difference|, one row alone vs in a batch of {args.rows}: "
+        f"{float((alone - batched).abs().max()):.3g} "
+        f"(argmax {'equal' if alone.argmax() == batched.argmax() else 'DIFFERENT'})"
+    )
     return 0
 
 

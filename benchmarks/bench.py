@@ -29,11 +29,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
-from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine  # noqa: E402
-from runtime.model.runner import ModelRunner  # noqa: E402
+from depctl.workloads import prompts_dir  # noqa: E402
 from runtime.backends.loader import (  # noqa: E402
-    INT8_WEIGHTS, compile_passes, load_dtype, pick_device, pick_draft_precision, pick_dtype, quantize_int8, surgery_for,
+    INT8_WEIGHTS,
+    compile_passes,
+    load_dtype,
+    pick_device,
+    pick_draft_precision,
+    pick_dtype,
+    quantize_int8,
+    surgery_for,
 )
+from runtime.model.runner import ModelRunner  # noqa: E402
+from runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    SpeculativeEngine,
+    generate,
+)  # noqa: E402
 
 
 @dataclass
@@ -62,7 +77,9 @@ def load(ref: str, device, dtype):
 
 
 def encode(tokenizer, prompt: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -73,9 +90,14 @@ def run_ours(engine: SpeculativeEngine, ids: list[int], max_tokens: int) -> list
 def run_hf(model, ids: list[int], max_tokens: int, eos: list[int], **kwargs) -> list[int]:
     input_ids = torch.tensor([ids], device=model.device)
     out = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens, do_sample=False,
-        eos_token_id=eos, pad_token_id=eos[0], **kwargs,
-    )[0, len(ids):].tolist()
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        **kwargs,
+    )[0, len(ids) :].tolist()
     while out and out[-1] in eos:  # transformers keeps the EOS token; ours stops before it
         out.pop()
     return out
@@ -84,29 +106,48 @@ def run_hf(model, ids: list[int], max_tokens: int, eos: list[int], **kwargs) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
-    parser.add_argument("--draft", default=None, help="a draft model: adds ours/draft and transformers' assisted generation")
+    parser.add_argument(
+        "--draft", default=None, help="a draft model: adds ours/draft and transformers' assisted generation"
+    )
     parser.add_argument("--workload", default="grounded,chat", help="comma-separated: grounded, chat, code")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=8, help="--draft-token-count")
     parser.add_argument("--draft-k", type=int, default=4, help="K for the draft model")
-    parser.add_argument("--draft-precision", default="auto",
-                        help="--draft-precision (auto: int8 on CPU); transformers' assisted row gets the same draft, "
-                        "and a second row with the draft in the target's dtype, as users run it by default")
+    parser.add_argument(
+        "--draft-precision",
+        default="auto",
+        help="--draft-precision (auto: int8 on CPU); transformers' assisted row gets the same draft, "
+        "and a second row with the draft in the target's dtype, as users run it by default",
+    )
     parser.add_argument("--ngram", type=int, default=3, help="--ngram-speculation-length")
     parser.add_argument("--no-ngram", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' rows")
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each workload")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8"],
-                        help="the target's weights as --quantization holds them (transformers' rows keep bf16 weights)")
-    parser.add_argument("--no-surgery", action="store_true",
-                        help="run our engine on the models as transformers loads them (no weight-major or split-K linears)")
-    parser.add_argument("--no-fuse", action="store_true",
-                        help="keep transformers' forward for our engine (no fused projections, runtime.model.decoder)")
-    parser.add_argument("--compile", default="auto", choices=["auto", "off", "both"],
-                        help="our passes: auto = compiled where the loader would compile them (int8 weights on a CPU), "
-                        "off = eager, both = auto plus eager rows of plain and n-gram decoding in the same run")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="the target's weights as --quantization holds them (transformers' rows keep bf16 weights)",
+    )
+    parser.add_argument(
+        "--no-surgery",
+        action="store_true",
+        help="run our engine on the models as transformers loads them (no weight-major or split-K linears)",
+    )
+    parser.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="keep transformers' forward for our engine (no fused projections, runtime.model.decoder)",
+    )
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "off", "both"],
+        help="our passes: auto = compiled where the loader would compile them (int8 weights on a CPU), "
+        "off = eager, both = auto plus eager rows of plain and n-gram decoding in the same run",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -135,9 +176,12 @@ def main() -> int:
     hf_draft_plain = None
     if hf_draft is not None and precision != str(dtype).removeprefix("torch."):
         hf_draft_plain = load(args.draft, device, dtype)[0]
-    print(f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}"
-          f"{', int8 weights' if args.quantization == 'int8' else ''}, "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    print(
+        f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}"
+        f"{', int8 weights' if args.quantization == 'int8' else ''}, "
+        f"{torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     vocab = len(tokenizer)
     eos = sorted({tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id)))
     config = dict(eos_token_ids=tuple(eos), max_context=8192)
@@ -145,51 +189,90 @@ def main() -> int:
     weights = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
 
     def engine(proposer, k, compiled=args.compile != "off"):
-        runner = ModelRunner(model, vocab)
-        how = compile_passes(runner, weights, compiled)  # what the loader does: compiled where it is faster
-        e = SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, **config))
+        passes = compile_passes(ModelRunner(model, vocab), weights, compiled)  # as the loader: compiled where faster
+        e = SpeculativeEngine(passes.target, proposer, EngineConfig(num_draft_tokens=k, **config))
         e.calibrate()
-        print(f"ours K={k}: compiled passes {how}", file=sys.stderr)
+        print(f"ours K={k}: compiled passes {passes.describe()}", file=sys.stderr)
         return e
 
     plain_engine = engine(None, 0)
     configs: list[tuple[Result, callable]] = [
-        (Result("ours plain", "plain", True, engine=plain_engine), lambda ids: run_ours(plain_engine, ids, args.max_tokens)),
+        (
+            Result("ours plain", "plain", True, engine=plain_engine),
+            lambda ids: run_ours(plain_engine, ids, args.max_tokens),
+        ),
     ]
     if args.compile == "both":  # the same rows through the eager pass, in the same run
         eager_plain = engine(None, 0, compiled=False)
-        configs.append((Result("ours plain, eager", "plain", True, engine=eager_plain),
-                        lambda ids: run_ours(eager_plain, ids, args.max_tokens)))
+        configs.append(
+            (
+                Result("ours plain, eager", "plain", True, engine=eager_plain),
+                lambda ids: run_ours(eager_plain, ids, args.max_tokens),
+            )
+        )
         if not args.no_ngram:
             eager_ngram = engine(NgramProposer(args.ngram), args.k, compiled=False)
-            configs.append((Result(f"ours ngram n={args.ngram} K={args.k}, eager", "ngram", True, engine=eager_ngram),
-                            lambda ids: run_ours(eager_ngram, ids, args.max_tokens)))
+            configs.append(
+                (
+                    Result(f"ours ngram n={args.ngram} K={args.k}, eager", "ngram", True, engine=eager_ngram),
+                    lambda ids: run_ours(eager_ngram, ids, args.max_tokens),
+                )
+            )
     if not args.no_hf:
-        configs.append((Result("transformers plain", "plain", False), lambda ids: run_hf(hf_model, ids, args.max_tokens, eos)))
+        configs.append(
+            (Result("transformers plain", "plain", False), lambda ids: run_hf(hf_model, ids, args.max_tokens, eos))
+        )
     if not args.no_ngram:
         ngram_engine = engine(NgramProposer(args.ngram), args.k)
-        configs.append((Result(f"ours ngram n={args.ngram} K={args.k}", "ngram", True, engine=ngram_engine),
-                        lambda ids: run_ours(ngram_engine, ids, args.max_tokens)))
+        configs.append(
+            (
+                Result(f"ours ngram n={args.ngram} K={args.k}", "ngram", True, engine=ngram_engine),
+                lambda ids: run_ours(ngram_engine, ids, args.max_tokens),
+            )
+        )
         if not args.no_hf:
-            configs.append((Result(f"transformers prompt lookup K={args.k}", "ngram", False), lambda ids: run_hf(
-                hf_model, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k, max_matching_ngram_size=args.ngram)))
+            configs.append(
+                (
+                    Result(f"transformers prompt lookup K={args.k}", "ngram", False),
+                    lambda ids: run_hf(
+                        hf_model,
+                        ids,
+                        args.max_tokens,
+                        eos,
+                        prompt_lookup_num_tokens=args.k,
+                        max_matching_ngram_size=args.ngram,
+                    ),
+                )
+            )
     if draft is not None:
         draft_engine = engine(DraftModelProposer(ModelRunner(draft, vocab)), args.draft_k)
-        configs.append((Result(f"ours draft K={args.draft_k} ({precision} draft)", "draft", True, engine=draft_engine),
-                        lambda ids: run_ours(draft_engine, ids, args.max_tokens)))
+        configs.append(
+            (
+                Result(f"ours draft K={args.draft_k} ({precision} draft)", "draft", True, engine=draft_engine),
+                lambda ids: run_ours(draft_engine, ids, args.max_tokens),
+            )
+        )
         if not args.no_hf:
             hf_draft.generation_config.num_assistant_tokens = args.draft_k
-            configs.append((Result(f"transformers assisted K={args.draft_k} ({precision} draft)", "draft", False),
-                            lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft)))
+            configs.append(
+                (
+                    Result(f"transformers assisted K={args.draft_k} ({precision} draft)", "draft", False),
+                    lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft),
+                )
+            )
         if hf_draft_plain is not None:
             hf_draft_plain.generation_config.num_assistant_tokens = args.draft_k
             plain_name = str(dtype).removeprefix("torch.")
-            configs.append((Result(f"transformers assisted K={args.draft_k} ({plain_name} draft)", "draft-as-is", False),
-                            lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft_plain)))
+            configs.append(
+                (
+                    Result(f"transformers assisted K={args.draft_k} ({plain_name} draft)", "draft-as-is", False),
+                    lambda ids: run_hf(hf_model, ids, args.max_tokens, eos, assistant_model=hf_draft_plain),
+                )
+            )
 
     tables = {}
     for workload in args.workload.split(","):
-        prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{workload}.jsonl").open()]
+        prompts = [json.loads(line)["prompt"] for line in (prompts_dir() / f"{workload}.jsonl").open()]
         prompts = prompts[: args.limit] if args.limit else prompts
         results = [Result(r.name, r.method, r.ours) for r, _ in configs]
         for _, fn in configs:  # warm-up: lazy initialisation is not what we measure
@@ -197,7 +280,7 @@ def main() -> int:
         for i, prompt in enumerate(prompts):
             ids = encode(tokenizer, prompt)
             order = list(range(len(configs)))
-            order = order[i % len(order):] + order[: i % len(order)]  # rotate who goes first
+            order = order[i % len(order) :] + order[: i % len(order)]  # rotate who goes first
             for j in order:
                 _, fn = configs[j]
                 res = results[j]
@@ -219,8 +302,11 @@ def main() -> int:
                     res.drafts += after[0] - before[0]
                     res.drafted += after[1] - before[1]
                     res.accepted += after[2] - before[2]
-            print(f"  [{workload} {i + 1}/{len(prompts)}] " + ", ".join(
-                f"{r.name}: {len(r.outputs[-1])} tok" for r in results), file=sys.stderr)
+            print(
+                f"  [{workload} {i + 1}/{len(prompts)}] "
+                + ", ".join(f"{r.name}: {len(r.outputs[-1])} tok" for r in results),
+                file=sys.stderr,
+            )
         # "exact": the same tokens as our plain decoding through the same pass (eager rows: the eager plain row)
         baselines = {r.name.endswith(", eager"): r.outputs for r in reversed(results) if r.method == "plain" and r.ours}
         for r in results:
@@ -281,15 +367,23 @@ def summarize(results: list[Result]) -> list[dict]:
 
 def print_table(workload: str, results: list[Result], args) -> None:
     rows = summarize(results)
-    print(f"\n### {workload}: {args.model}" + (f" + draft {args.draft}" if args.draft else "")
-          + f", {len(results[0].outputs)} prompts, max_tokens {args.max_tokens}, greedy, batch 1\n")
-    print("| configuration | tokens | tok/s | vs our plain | vs transformers (same method) | acceptance | mean accepted length | peak MB | exact |")
+    print(
+        f"\n### {workload}: {args.model}"
+        + (f" + draft {args.draft}" if args.draft else "")
+        + f", {len(results[0].outputs)} prompts, max_tokens {args.max_tokens}, greedy, batch 1\n"
+    )
+    print(
+        "| configuration | tokens | tok/s | vs our plain | vs transformers (same method) | acceptance "
+        "| mean accepted length | peak MB | exact |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         vs_hf = "-" if row["vs_transformers"] is None else f"{row['vs_transformers']:.2f}x"
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.0%}"
-        print(f"| {row['config']} | {row['tokens']} | {row['tok_s']:.1f} | {row['vs_ours_plain']:.2f}x | {vs_hf} | "
-              f"{acc} | {row['mean_accept_len'] or '-'} | {row['peak_mb']} | {'yes' if row['exact'] else 'NO'} |")
+        print(
+            f"| {row['config']} | {row['tokens']} | {row['tok_s']:.1f} | {row['vs_ours_plain']:.2f}x | {vs_hf} | "
+            f"{acc} | {row['mean_accept_len'] or '-'} | {row['peak_mb']} | {'yes' if row['exact'] else 'NO'} |"
+        )
     sys.stdout.flush()
 
 

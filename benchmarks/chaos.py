@@ -56,8 +56,9 @@ class Tally:
 
 def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "DEPCTL_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "depctl", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "depctl", *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT
+    )
 
 
 def daemon_info(home: Path) -> dict | None:
@@ -73,8 +74,14 @@ BAD = [
     ("invalid json", "/v1/completions", b'{"model": "steady", "prompt": ', None),
     ("surrogate", "/v1/completions", b'{"model": "steady", "prompt": "a\\udfff"}', None),
     ("huge seed", "/v1/completions", json.dumps({"model": "steady", "prompt": "a", "seed": 2**64}).encode(), None),
-    ("tools", "/v1/chat/completions", json.dumps({"model": "steady", "messages": [{"role": "user", "content": "a"}],
-                                                 "tools": [{"type": "function"}]}).encode(), None),
+    (
+        "tools",
+        "/v1/chat/completions",
+        json.dumps(
+            {"model": "steady", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}
+        ).encode(),
+        None,
+    ),
     ("unknown model", "/v1/completions", json.dumps({"model": "ghost", "prompt": "a"}).encode(), None),
     ("unknown route", "/v1/nothing", b"{}", None),
     ("too large", "/v1/completions", json.dumps({"model": "steady", "prompt": "x" * (BODY_LIMIT + 10)}).encode(), None),
@@ -85,9 +92,12 @@ BAD = [
 def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Random, max_tokens: int) -> None:
     import httpx
 
-    prompts = ["Repeat: the quick brown fox jumps over the lazy dog. The quick brown fox",
-               "Write a list of fruits: apple, banana, cherry, apple, banana,", "Hello! How are you today?",
-               "def add(a, b):\n    return a + b\n\ndef add(a, b):"]
+    prompts = [
+        "Repeat: the quick brown fox jumps over the lazy dog. The quick brown fox",
+        "Write a list of fruits: apple, banana, cherry, apple, banana,",
+        "Hello! How are you today?",
+        "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+    ]
     while not stop.is_set():
         info = daemon_info(home)
         if info is None:
@@ -101,16 +111,23 @@ def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Ran
             if kind < 0.12:
                 name, path, body, key = rng.choice(BAD)
                 h = {"Authorization": f"Bearer {key or KEY}", "Content-Type": "application/json"}
-                r = httpx.post(url + path, content=body, headers=h, timeout=30) if body else \
-                    httpx.get(url + path, headers=h, timeout=30)
+                r = (
+                    httpx.post(url + path, content=body, headers=h, timeout=30)
+                    if body
+                    else httpx.get(url + path, headers=h, timeout=30)
+                )
                 envelope = r.headers.get("content-type", "").startswith("application/json") and "error" in r.json()
                 tally.add(f"bad request -> {r.status_code}{'' if envelope else ' (NOT in the envelope)'}")
                 continue
             prompt = rng.choice(prompts)
             chat = rng.random() < 0.5
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            body = {"model": "steady", "max_tokens": rng.randint(4, max_tokens), "temperature": rng.choice([0, 0.8]),
-                    "speculate": rng.random() < 0.7}
+            body = {
+                "model": "steady",
+                "max_tokens": rng.randint(4, max_tokens),
+                "temperature": rng.choice([0, 0.8]),
+                "speculate": rng.random() < 0.7,
+            }
             body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
             if rng.random() < 0.5:
                 hang_up_after = rng.randint(1, 4) if rng.random() < 0.15 else None
@@ -177,8 +194,17 @@ def _code(r) -> str:
 
 # ---- spec churn ---------------------------------------------------------------------------------------------------
 
-def churn_loop(home: Path, model: str, stop: threading.Event, tally: Tally, rng: random.Random, mine: dict,
-               corrupted: set, pause: threading.Event) -> None:
+
+def churn_loop(
+    home: Path,
+    model: str,
+    stop: threading.Event,
+    tally: Tally,
+    rng: random.Random,
+    mine: dict,
+    corrupted: set,
+    pause: threading.Event,
+) -> None:
     specs = home / "deployments"
     n = 0
     while not stop.wait(rng.uniform(0.5, 1.5)):
@@ -189,8 +215,21 @@ def churn_loop(home: Path, model: str, stop: threading.Event, tally: Tally, rng:
         if op < 0.35 or not live:
             n += 1
             dep = f"churn-{n}"
-            r = cli(home, "deployment", "create", model, "--deployment-id", dep, "--ngram-speculation-length", "2",
-                    "--draft-token-count", str(rng.randint(1, 6)), "--max-batch-size", "2", "--no-wait")
+            r = cli(
+                home,
+                "deployment",
+                "create",
+                model,
+                "--deployment-id",
+                dep,
+                "--ngram-speculation-length",
+                "2",
+                "--draft-token-count",
+                str(rng.randint(1, 6)),
+                "--max-batch-size",
+                "2",
+                "--no-wait",
+            )
             if "Created deployment" in r.stderr:  # written to the store (whatever the daemon did next)
                 mine[dep] = True
             tally.add("spec created" if r.returncode == 0 else "spec created (daemon unavailable)")
@@ -217,6 +256,7 @@ def churn_loop(home: Path, model: str, stop: threading.Event, tally: Tally, rng:
 
 
 # ---- restarts -----------------------------------------------------------------------------------------------------
+
 
 def restart(home: Path, how: str, tally: Tally) -> tuple[int, int, float]:
     """Kill (-9) or stop the daemon, start it again with the CLI; (valid specs, READY, seconds until all READY)."""
@@ -280,6 +320,7 @@ def leftover_processes(home: Path) -> list[int]:
 
 # ---- main -----------------------------------------------------------------------------------------------------------
 
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of traffic (default 180)")
@@ -303,15 +344,30 @@ def main(argv=None) -> int:
 
     r = cli(home, "daemon", "start", "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT), "--drain-timeout", "3")
     assert r.returncode == 0, r.stderr
-    r = cli(home, "deployment", "create", model, "--deployment-id", "steady", "--ngram-speculation-length", "2",
-            "--draft-token-count", "4")
+    r = cli(
+        home,
+        "deployment",
+        "create",
+        model,
+        "--deployment-id",
+        "steady",
+        "--ngram-speculation-length",
+        "2",
+        "--draft-token-count",
+        "4",
+    )
     assert r.returncode == 0, r.stderr
     mine["steady"] = True
     rss_start = rss_mb(home)
-    threads = [threading.Thread(target=client_loop, args=(home, stop, tally, random.Random(rng.random()), args.max_tokens))
-               for _ in range(args.clients)]
-    threads.append(threading.Thread(target=churn_loop, args=(home, model, stop, tally, random.Random(rng.random()),
-                                                             mine, corrupted, pause)))
+    threads = [
+        threading.Thread(target=client_loop, args=(home, stop, tally, random.Random(rng.random()), args.max_tokens))
+        for _ in range(args.clients)
+    ]
+    threads.append(
+        threading.Thread(
+            target=churn_loop, args=(home, model, stop, tally, random.Random(rng.random()), mine, corrupted, pause)
+        )
+    )
     for t in threads:
         t.start()
     restarts, rss_restarted = [], float("nan")
@@ -353,12 +409,17 @@ def main(argv=None) -> int:
         ("streams cut without [DONE] otherwise (must be 0)", unexplained),
         *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("stream ended with")],
         *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("client hung up")],
-        ("specs created / updated / deleted / corrupted",
-         f"{counts['spec created'] + counts['spec created (daemon unavailable)']} / "
-         f"{counts['spec updated'] + counts['spec updated (daemon unavailable)']} / {counts['spec deleted']} / "
-         f"{counts['spec corrupted']}"),
+        (
+            "specs created / updated / deleted / corrupted",
+            f"{counts['spec created'] + counts['spec created (daemon unavailable)']} / "
+            f"{counts['spec updated'] + counts['spec updated (daemon unavailable)']} / {counts['spec deleted']} / "
+            f"{counts['spec corrupted']}",
+        ),
         ("specs lost (must be 0)", len(lost)),
-        *[(f"READY after {how} (must be all)", f"{ready}/{valid} in {secs:.1f} s") for how, valid, ready, secs in restarts],
+        *[
+            (f"READY after {how} (must be all)", f"{ready}/{valid} in {secs:.1f} s")
+            for how, valid, ready, secs in restarts
+        ],
         ("daemon RSS: first start / last restart / end", f"{rss_start:.0f} / {rss_restarted:.0f} / {rss_end:.0f} MB"),
         ("processes left behind (must be 0)", len(left)),
     ]
@@ -366,9 +427,21 @@ def main(argv=None) -> int:
     for name, value in rows:
         print(f"| {name} | {value} |")
     if args.json:
-        args.json.write_text(json.dumps({
-            "counts": dict(counts), "lost": lost, "restarts": restarts, "left": left, "unexplained_cuts": unexplained,
-            "rss_start_mb": rss_start, "rss_restarted_mb": rss_restarted, "rss_end_mb": rss_end}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "counts": dict(counts),
+                    "lost": lost,
+                    "restarts": restarts,
+                    "left": left,
+                    "unexplained_cuts": unexplained,
+                    "rss_start_mb": rss_start,
+                    "rss_restarted_mb": rss_restarted,
+                    "rss_end_mb": rss_end,
+                },
+                indent=1,
+            )
+        )
     ok = not lost and not left and not unexplained and all(ready == valid for _, valid, ready, _ in restarts)
     return 0 if ok else 1
 

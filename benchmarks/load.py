@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from depctl import models  # noqa: E402
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, NoSpeculation  # noqa: E402
 from depctl.store import SpecStore  # noqa: E402
+from depctl.workloads import prompts_dir  # noqa: E402
 
 
 @dataclass
@@ -66,8 +67,13 @@ def one_request(client, prompt: str, max_tokens: int, extra: dict, cell: Cell, l
     usage = None
     chunks = 0
     stream = client.chat.completions.create(
-        model="bench", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body=extra,
+        model="bench",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -113,14 +119,16 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
 
 def in_process(spec: DeploymentSpec, prompts: list[str], max_tokens: int) -> tuple[float, int]:
     """The same engine, loaded and run in this process's main thread, one request at a time (plain decoding)."""
-    from runtime.speculation import GenerationParams, generate
     from runtime.backends.loader import load_deployment
+    from runtime.speculation import GenerationParams, generate
 
     loaded = load_deployment(spec)
     tok = loaded.tokenizer
     tokens, seconds = 0, 0.0
     for prompt in prompts:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         params = GenerationParams(max_tokens=max_tokens, speculate=False)
         t0 = time.perf_counter()
@@ -132,8 +140,13 @@ def in_process(spec: DeploymentSpec, prompts: list[str], max_tokens: int) -> tup
 def start_daemon(home: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "DEPCTL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     log = open(home / "daemon.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"], env=env,
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     import httpx
 
     for _ in range(600):
@@ -160,8 +173,9 @@ def p95(xs):
     return sorted(xs)[max(0, int(round(0.95 * len(xs))) - 1)] if xs else float("nan")
 
 
-def start_server(argv: list[str], url: str, log_path: Path, env: dict | None = None,
-                 timeout: float = 600) -> subprocess.Popen:
+def start_server(
+    argv: list[str], url: str, log_path: Path, env: dict | None = None, timeout: float = 600
+) -> subprocess.Popen:
     """A peer's OpenAI-compatible server: started, and waited for until ``/v1/models`` answers."""
     import httpx
 
@@ -191,31 +205,79 @@ def free_port() -> int:
 
 def llama_servers(binary: Path, label: str, gguf: Path, args, parallel: int):
     """(name, mode, argv, url, env) for llama.cpp's server on one GGUF, plain and with its n-gram speculation."""
-    def argv(port: int) -> list[str]:
-        return [str(binary), "-m", str(gguf), "-t", str(args.threads), "-c", str(4096 * parallel), "-np",
-                str(parallel), "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
 
-    ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.ngram),
-             "--spec-ngram-simple-size-m", str(args.k), "--spec-draft-n-max", str(args.k)]
+    def argv(port: int) -> list[str]:
+        return [
+            str(binary),
+            "-m",
+            str(gguf),
+            "-t",
+            str(args.threads),
+            "-c",
+            str(4096 * parallel),
+            "-np",
+            str(parallel),
+            "--no-repack",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+
+    ngram = [
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        str(args.ngram),
+        "--spec-ngram-simple-size-m",
+        str(args.k),
+        "--spec-draft-n-max",
+        str(args.k),
+    ]
     env = {"LD_LIBRARY_PATH": str(binary.parent)}
     plain, spec = free_port(), free_port()
-    return [(f"llama.cpp {label}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
-            (f"llama.cpp {label}", "n-gram", argv(spec) + ngram, f"http://127.0.0.1:{spec}", env)]
+    return [
+        (f"llama.cpp {label}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
+        (f"llama.cpp {label}", "n-gram", argv(spec) + ngram, f"http://127.0.0.1:{spec}", env),
+    ]
 
 
 def vllm_servers(python: Path, model_dir: str, args):
     dtype = "float32" if args.dtype == "float32" else "bfloat16"
 
     def argv(port: int) -> list[str]:
-        return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-                "bench", "--dtype", dtype, "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]
+        return [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_dir,
+            "--served-model-name",
+            "bench",
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "4096",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
 
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.ngram,
-                       "prompt_lookup_max": args.ngram})
+    spec = json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_min": args.ngram,
+            "prompt_lookup_max": args.ngram,
+        }
+    )
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(args.threads)}
     plain, ngram = free_port(), free_port()
-    return [(f"vLLM {dtype}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
-            (f"vLLM {dtype}", "n-gram", argv(ngram) + ["--speculative-config", spec], f"http://127.0.0.1:{ngram}", env)]
+    return [
+        (f"vLLM {dtype}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
+        (f"vLLM {dtype}", "n-gram", argv(ngram) + ["--speculative-config", spec], f"http://127.0.0.1:{ngram}", env),
+    ]
 
 
 def main() -> int:
@@ -223,43 +285,77 @@ def main() -> int:
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--workload", default="chat,grounded")
     parser.add_argument("--concurrency", default="1,2,4,8,16")
-    parser.add_argument("--requests", type=int, default=0,
-                        help="requests per cell (default: every prompt of the workload once, and at least 2 x "
-                        "concurrency; with 6, cells of the first 6 of the 10 grounded prompts put SmolLM2's int8 n-gram over "
-                        "plain at 1.19-1.40x where 26 requests over all 10 gave 1.46-1.47x in three runs)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per cell (default: every prompt of the workload once, and at least 2 x "
+        "concurrency; with 6, cells of the first 6 of the 10 grounded prompts put SmolLM2's int8 n-gram over "
+        "plain at 1.19-1.40x where 26 requests over all 10 gave 1.46-1.47x in three runs)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--draft-model", default=None, metavar="MODEL",
-                        help="speculate with this draft model instead of n-grams (the mode's rows say 'draft')")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="speculate with this draft model instead of n-grams (the mode's rows say 'draft')",
+    )
     parser.add_argument("--device", default="auto", help="the deployments' --device (auto, cpu, cuda)")
-    parser.add_argument("--dtype", default="auto", help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 "
-                        "instructions, else float32)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 instructions, else float32)",
+    )
     parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
-    parser.add_argument("--depctl", action="append", default=[], metavar="DTYPE[+int8][+eager]",
-                        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8, auto+int8+eager "
-                        "(--no-compile) (repeatable; default: --dtype with --quantization). Each gets a daemon of its "
-                        "own, running beside the others")
+    parser.add_argument(
+        "--depctl",
+        action="append",
+        default=[],
+        metavar="DTYPE[+int8][+eager]",
+        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8, auto+int8+eager "
+        "(--no-compile) (repeatable; default: --dtype with --quantization). Each gets a daemon of its "
+        "own, running beside the others",
+    )
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--no-depctl", action="store_true", help="only the peers")
-    parser.add_argument("--llama-server", type=Path, default=None,
-                        help="a llama-server binary (../shared/PEERS.md says how to build one): its rows join the tables")
-    parser.add_argument("--gguf", action="append", default=[], metavar="LABEL=FILE",
-                        help="a GGUF of the same model for --llama-server, e.g. F32=smol-f32.gguf (repeatable)")
-    parser.add_argument("--depctl-vllm", action="store_true",
-                        help="also a --engine vllm deployment through our daemon (`depctl engine install vllm` first): "
-                        "vLLM behind depctl's API, plain and n-gram, one daemon each")
-    parser.add_argument("--vllm-python", type=Path, default=None,
-                        help="the python of a virtualenv with vLLM's CPU build: its rows join the tables")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        help="a llama-server binary (../shared/PEERS.md says how to build one): its rows join the tables",
+    )
+    parser.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="LABEL=FILE",
+        help="a GGUF of the same model for --llama-server, e.g. F32=smol-f32.gguf (repeatable)",
+    )
+    parser.add_argument(
+        "--depctl-vllm",
+        action="store_true",
+        help="also a --engine vllm deployment through our daemon (`depctl engine install vllm` first): "
+        "vLLM behind depctl's API, plain and n-gram, one daemon each",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="the python of a virtualenv with vLLM's CPU build: its rows join the tables",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads for the peers")
-    parser.add_argument("--sequential", action="store_true",
-                        help="run the servers one after another instead of side by side (less memory)")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="run the servers one after another instead of side by side (less memory)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = args.workload.split(",")
-    prompts = {w: [json.loads(line)["prompt"] for line in (ROOT / "benchmarks" / "prompts" / f"{w}.jsonl").open()]
-               for w in workloads}
+    prompts = {w: [json.loads(line)["prompt"] for line in (prompts_dir() / f"{w}.jsonl").open()] for w in workloads}
     configs = args.depctl or [args.dtype + ("+int8" if args.quantization == "int8" else "")]
     if args.draft_model:
         speculation = DraftModelSpeculation(draft_model=args.draft_model, num_draft_tokens=args.k)
@@ -269,9 +365,15 @@ def main() -> int:
     for config in configs:
         dtype, *modifiers = config.split("+")
         specs[f"depctl {config}"] = DeploymentSpec(
-            id="bench", model=args.model, max_batch_size=max(levels), dtype=dtype or "auto", device=args.device,
-            quantization="int8" if "int8" in modifiers else "none", compile="eager" not in modifiers,
-            speculation=speculation)
+            id="bench",
+            model=args.model,
+            max_batch_size=max(levels),
+            dtype=dtype or "auto",
+            device=args.device,
+            quantization="int8" if "int8" in modifiers else "none",
+            compile="eager" not in modifiers,
+            speculation=speculation,
+        )
     ours = next(iter(specs))  # the others' "vs depctl plain" column compares with this one
 
     results: dict = {}
@@ -283,7 +385,9 @@ def main() -> int:
         for w in workloads:
             now = in_process(specs[ours], prompts[w], args.max_tokens)
             print(f"in-process {w}: {now[0]:.1f} tok/s", file=sys.stderr)
-            reference[w] = now if w not in reference else ((reference[w][0] + now[0]) / 2, now[1], reference[w][0], now[0])
+            reference[w] = (
+                now if w not in reference else ((reference[w][0] + now[0]) / 2, now[1], reference[w][0], now[0])
+            )
         import gc
 
         gc.collect()
@@ -302,18 +406,29 @@ def main() -> int:
                 SpecStore(home / "deployments").create(spec)
                 proc, url = start_daemon(home)
                 return name, modes, url, proc
+
             return launch
 
         for name, spec in ({} if args.no_depctl else specs).items():
             # one deployment serves both modes: a request may ask to decode plainly
-            out.append(ours_(name, spec, {"plain": {"speculate": False}, spec_mode(args): {"speculate": True}},
-                             "depctl-load-"))
+            out.append(
+                ours_(name, spec, {"plain": {"speculate": False}, spec_mode(args): {"speculate": True}}, "depctl-load-")
+            )
         if args.depctl_vllm:  # vLLM behind our daemon: its speculation is a start-up flag, so a deployment per mode
             dtype = "float32" if args.dtype == "float32" else "bfloat16"
-            for mode, speculation in (("plain", NoSpeculation()),
-                                      ("n-gram", NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))):
-                spec = DeploymentSpec(id="bench", model=args.model, speculation=speculation, dtype=dtype, engine="vllm",
-                                      max_context_length=4096, max_batch_size=max(levels))
+            for mode, speculation in (
+                ("plain", NoSpeculation()),
+                ("n-gram", NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k)),
+            ):
+                spec = DeploymentSpec(
+                    id="bench",
+                    model=args.model,
+                    speculation=speculation,
+                    dtype=dtype,
+                    engine="vllm",
+                    max_context_length=4096,
+                    max_batch_size=max(levels),
+                )
                 out.append(ours_(f"depctl->vLLM {dtype}", spec, {mode: {}}, "depctl-load-vllm-"))
         peers = []
         if args.llama_server:
@@ -325,8 +440,14 @@ def main() -> int:
         logs = Path(tempfile.mkdtemp(prefix="depctl-peers-"))
         for name, mode, argv, url, env in peers:  # one process per mode: their speculation is a start-up flag
             log = logs / f"{name.replace(' ', '-')}-{mode}.log"
-            out.append(lambda name=name, mode=mode, argv=argv, url=url, env=env, log=log:
-                       (name, {mode: {}}, url, start_server(argv, url, log, env)))
+            out.append(
+                lambda name=name, mode=mode, argv=argv, url=url, env=env, log=log: (
+                    name,
+                    {mode: {}},
+                    url,
+                    start_server(argv, url, log, env),
+                )
+            )
         return out
 
     def run_round(group: list) -> None:
@@ -335,9 +456,9 @@ def main() -> int:
         for w in workloads:
             for i, c in enumerate(levels):
                 n = args.requests or max(len(prompts[w]), 2 * c)
-                order = group[i % len(group):] + group[: i % len(group)]
+                order = group[i % len(group) :] + group[: i % len(group)]
                 for name, modes, url, _ in order:
-                    for mode in (list(modes) if i % 2 == 0 else list(reversed(modes))):
+                    for mode in list(modes) if i % 2 == 0 else list(reversed(modes)):
                         cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
                         results[(name, mode, w, c)] = cell
                         print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
@@ -372,15 +493,23 @@ def main() -> int:
     for w in workloads:
         print_table(w, levels, results, reference.get(w), args, ours)
     if args.json:
-        args.json.write_text(json.dumps({f"{n}/{m}/{w}/{c}": vars(cell) | {"aggregate": cell.aggregate}
-                                         for (n, m, w, c), cell in results.items()}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    f"{n}/{m}/{w}/{c}": vars(cell) | {"aggregate": cell.aggregate}
+                    for (n, m, w, c), cell in results.items()
+                },
+                indent=1,
+            )
+        )
     return 0
 
 
 def print_table(workload, levels, results, reference, args, ours) -> None:
     how = f"draft {args.draft_model}" if args.draft_model else f"n-gram n={args.ngram}"
-    print(f"\n### {workload}: {args.model}, {how} K={args.k}, max_tokens {args.max_tokens}, greedy, "
-          f"streaming over HTTP\n")
+    print(
+        f"\n### {workload}: {args.model}, {how} K={args.k}, max_tokens {args.max_tokens}, greedy, streaming over HTTP\n"
+    )
     if reference is not None:
         plain1 = results[(ours, "plain", workload, levels[0])].aggregate if levels[0] == 1 else None
         print(f"In-process reference: {ours}.")
@@ -388,8 +517,10 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
         runs = f" (before the daemon {reference[2]:.1f}, after {reference[3]:.1f})" if len(reference) > 2 else ""
         print(f"Same engine in-process, one request at a time, plain: {reference[0]:.1f} tok/s{runs}{ratio}\n")
     servers = list(dict.fromkeys(name for name, _, w, _ in results if w == workload))
-    print("| server | clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | "
-          "TTFT p95 s | acceptance | vs its plain (same clients) | vs depctl plain (same clients) |")
+    print(
+        "| server | clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | "
+        "TTFT p95 s | acceptance | vs its plain (same clients) | vs depctl plain (same clients) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in levels:
         for name in servers:
@@ -400,9 +531,11 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
                 own = results.get((name, "plain", workload, c))
                 base = results.get((ours, "plain", workload, c))
                 acc = f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"
-                print(f"| {name} | {c} | {mode} | {cell.requests} | {cell.aggregate:.1f} | "
-                      f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
-                      f"{_ratio(cell, own)} | {_ratio(cell, base)} |")
+                print(
+                    f"| {name} | {c} | {mode} | {cell.requests} | {cell.aggregate:.1f} | "
+                    f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
+                    f"{_ratio(cell, own)} | {_ratio(cell, base)} |"
+                )
     sys.stdout.flush()
 
 

@@ -5,7 +5,8 @@
 
 Why: every deployment loads on a thread of its own, and torch's CPU kernels run on one OpenMP pool per thread; a live
 idle pool beside the working one once left a core half idle (bf16: 23-26 tok/s beside an idle deployment against 41
-alone). The daemon now steps every deployment on one engine thread (runtime/worker.py, EngineHost). For each round
+alone). The daemon now steps every deployment on one engine thread (runtime/backends/worker.py, EngineHost). For each
+round
 this starts a daemon with one deployment, then one with two (the second serves one request first, then sits idle),
 and times one streamed-off 128-token greedy chat request to the first, plain decoding; it also records how much CPU
 the daemon's two busiest threads used during it (both near the wall time: both cores worked). One table, medians.
@@ -41,12 +42,22 @@ def measure(model: str, dtype: str, deployments: int, max_tokens: int) -> tuple[
     for i in range(deployments):
         store.create(DeploymentSpec(id=f"d{i}", model=model, dtype=dtype))
     env = {**os.environ, "DEPCTL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"], env=env,
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = _wait_ready(home, proc, deployments)
-        body = {"messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "speculate": False}
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "speculate": False,
+        }
         for i in range(deployments):  # every deployment has run torch work once; then the others sit idle
             httpx.post(f"{url}/v1/chat/completions", json={**body, "model": f"d{i}"}, timeout=600)
         threads = psutil.Process(proc.pid)
@@ -72,8 +83,10 @@ def _wait_ready(home: Path, proc, deployments: int) -> str:
         try:
             info = json.loads((home / "daemon.json").read_text())
             url = f"http://127.0.0.1:{info['port']}"
-            states = [httpx.get(f"{url}/depctl/v1/deployments/d{i}", timeout=5).json().get("state")
-                      for i in range(deployments)]
+            states = [
+                httpx.get(f"{url}/depctl/v1/deployments/d{i}", timeout=5).json().get("state")
+                for i in range(deployments)
+            ]
             if all(s == "READY" for s in states):
                 return url
         except (OSError, ValueError, KeyError, httpx.HTTPError):
@@ -94,8 +107,10 @@ def main() -> int:
         for n in (1, 2):
             results[n].append(measure(args.model, args.dtype, n, args.max_tokens))
             print(f"  round {r + 1}, {n} deployment(s): {results[n][-1][0]:.1f} tok/s", file=sys.stderr)
-    print(f"\n### {args.model} ({args.dtype}), one {args.max_tokens}-token greedy chat request to d0, plain, "
-          f"{args.rounds} rounds (medians)\n")
+    print(
+        f"\n### {args.model} ({args.dtype}), one {args.max_tokens}-token greedy chat request to d0, plain, "
+        f"{args.rounds} rounds (medians)\n"
+    )
     print("| deployments in the daemon | tok/s | CPU of the two busiest threads / wall | vs alone |")
     print("|---|---|---|---|")
     alone = statistics.median(x[0] for x in results[1])

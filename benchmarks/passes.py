@@ -43,73 +43,100 @@ def time_pass(runner, rows: int, tokens: int, context: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--precision", default="int8,float32",
-                        help="comma-separated: int8 (weights; bf16 activations), float32, bfloat16")
+    parser.add_argument(
+        "--precision",
+        default="int8,float32",
+        help="comma-separated: int8 (weights; bf16 activations), float32, bfloat16",
+    )
     parser.add_argument("--shapes", default="1x1,1x9,8x1,8x5", help="rows x tokens, comma-separated")
     parser.add_argument("--context", type=int, default=40, help="cached positions per row before the pass")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the compiled column: CUDA graphs)")
-    parser.add_argument("--bf16-kernels", action="store_true",
-                        help="bfloat16 on a CPU with AMX: time the compiled passes with the AMX product and with the "
-                             "vdpbf16ps loops, interleaved (a second table)")
+    parser.add_argument(
+        "--bf16-kernels",
+        action="store_true",
+        help="bfloat16 on a CPU with AMX: time the compiled passes with the AMX product and with the "
+        "vdpbf16ps loops, interleaved (a second table)",
+    )
     args = parser.parse_args()
 
     from runtime.backends.loader import load_deployment
+    from runtime.model.compiled import CompiledPass
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = max(r for r, _ in shapes)
     widest = max(t for _, t in shapes)  # a GPU's graphs take every pass at rows x widest (1 + the drafts)
     speculation = NgramSpeculation(ngram_length=3, num_draft_tokens=widest - 1) if widest > 1 else NoSpeculation()
-    lines = [f"SmolLM2-class passes: {args.model}, context {args.context}, median of {args.runs} interleaved runs, "
-             f"ms, {torch.get_num_threads()} threads", "",
-             "| precision | pass (rows x tokens) | eager | compiled | eager / compiled |", "|---|---|---|---|---|"]
+    lines = [
+        f"SmolLM2-class passes: {args.model}, context {args.context}, median of {args.runs} interleaved runs, "
+        f"ms, {torch.get_num_threads()} threads",
+        "",
+        "| precision | pass (rows x tokens) | eager | compiled | eager / compiled |",
+        "|---|---|---|---|---|",
+    ]
     kernel_lines: list[str] = []
     for precision in args.precision.split(","):
         quantization = "int8" if precision == "int8" else "none"
         dtype = "auto" if precision == "int8" else precision
-        spec = DeploymentSpec(id="passes", model=args.model, dtype=dtype, quantization=quantization,
-                              max_batch_size=rows, device=args.device, speculation=speculation)
+        spec = DeploymentSpec(
+            id="passes",
+            model=args.model,
+            dtype=dtype,
+            quantization=quantization,
+            max_batch_size=rows,
+            device=args.device,
+            speculation=speculation,
+        )
         loaded = load_deployment(spec, calibrate=False)
         runner = loaded.engine.target
-        library, graphed = runner.compiled, runner.graphed
+        fast = runner.fast_pass
         print(f"# {precision}: compiled {loaded.compiled}", file=sys.stderr)
         for r in range(rows):  # every row holds ``context`` positions; each pass is then rolled back to them
             runner.forward(r, [[(r * 13 + j) % 1000 + 1 for j in range(args.context)]], last_only=True, prefill=True)
-        modes = {"eager": (None, None, False)}  # mode -> (library, graphs, AMX refused)
-        if library is not None or graphed is not None:
-            modes["compiled"] = (library, graphed, False)
-        kernels = args.bf16_kernels and precision == "bfloat16" and library is not None and \
-            torch.ops.depctl_native.blocked_kernel(torch.bfloat16) == "amx-bf16"
+        modes = {"eager": (runner.with_pass(None), False)}  # mode -> (runner, AMX refused)
+        if fast is not None:
+            modes["compiled"] = (runner, False)
+        kernels = (
+            args.bf16_kernels
+            and precision == "bfloat16"
+            and isinstance(fast, CompiledPass)
+            and torch.ops.depctl_native.blocked_kernel(torch.bfloat16) == "amx-bf16"
+        )
         if kernels:  # the same library; the op takes the vdpbf16ps loops while AMX is refused
-            modes["vdpbf16ps"] = (library, None, True)
+            modes["vdpbf16ps"] = (runner, True)
         for r, t in shapes:
             times: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.runs + 2):
-                for mode, (lib, graphs, refuse_amx) in modes.items():
-                    runner.compiled, runner.graphed = lib, graphs
+                for mode, (mode_runner, refuse_amx) in modes.items():
                     if kernels:
                         torch.ops.depctl_native.blocked_refuse_amx(refuse_amx)
-                    seconds = time_pass(runner, r, t, args.context)
+                    seconds = time_pass(mode_runner, r, t, args.context)
                     if i >= 2:  # two warm-up runs of a new shape
                         times[mode].append(seconds)
             med = {m: statistics.median(v) * 1000 for m, v in times.items()}
             comp = med.get("compiled")
-            lines.append(f"| {precision} | {r} x {t} | {med['eager']:.2f} | "
-                         + (f"{comp:.2f} | {med['eager'] / comp:.2f}x |" if comp else "- | - |"))
+            lines.append(
+                f"| {precision} | {r} x {t} | {med['eager']:.2f} | "
+                + (f"{comp:.2f} | {med['eager'] / comp:.2f}x |" if comp else "- | - |")
+            )
             print(lines[-1], file=sys.stderr, flush=True)
             if kernels:
                 dot = med["vdpbf16ps"]
                 kernel_lines.append(f"| {r} x {t} | {comp:.2f} | {dot:.2f} | {dot / comp:.2f}x |")
         if kernels:
             torch.ops.depctl_native.blocked_refuse_amx(False)
-        runner.compiled, runner.graphed = library, graphed
         for r in range(rows):
             runner.set_length(r, 0)
-        del loaded, runner, library, graphed
+        del loaded, runner, fast, modes
     if kernel_lines:
-        lines += ["", "bfloat16 compiled passes by product kernel (the eager column above is AMX's):",
-                  "", "| pass (rows x tokens) | AMX tiles | vdpbf16ps loops | vdpbf16ps / AMX |", "|---|---|---|---|",
-                  *kernel_lines]
+        lines += [
+            "",
+            "bfloat16 compiled passes by product kernel (the eager column above is AMX's):",
+            "",
+            "| pass (rows x tokens) | AMX tiles | vdpbf16ps loops | vdpbf16ps / AMX |",
+            "|---|---|---|---|",
+            *kernel_lines,
+        ]
     print("\n".join(lines))
 
 

@@ -23,18 +23,45 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SHAPES = {  # the published config.json of each model: what a step's cost depends on
-    "qwen2.5-coder-1.5b-instruct": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
-                                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                        vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
-                                        rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "qwen2.5-coder-0.5b-instruct": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
-                                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                        vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
-                                        rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "smollm2-135m-instruct": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                                  tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
-                                  max_position_embeddings=8192),
+    "qwen2.5-coder-1.5b-instruct": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-coder-0.5b-instruct": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    ),
+    "smollm2-135m-instruct": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    ),
 }
 
 
@@ -51,8 +78,9 @@ def main() -> int:
     from tests.tiny import byte_tokenizer
 
     shape = dict(SHAPES[args.like])
-    config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=256, eos_token_id=258,
-                                  pad_token_id=256, torch_dtype="bfloat16")
+    config = AutoConfig.for_model(
+        shape.pop("model_type"), **shape, bos_token_id=256, eos_token_id=258, pad_token_id=256, torch_dtype="bfloat16"
+    )
     torch.manual_seed(args.seed)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)

@@ -53,27 +53,43 @@ sys.path.insert(0, str(ROOT))
 
 import runtime.speculation.sequence as sequence_module  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, SuffixProposer  # noqa: E402
+from depctl.workloads import prompts_dir  # noqa: E402
+from runtime.speculation import (
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    Scheduler,
+    SpeculativeEngine,
+    SuffixProposer,
+)  # noqa: E402
 from runtime.speculation.proposers import PredictionTracker  # noqa: E402
 
-PROMPTS = ROOT / "benchmarks" / "prompts"
+PROMPTS = prompts_dir()
 
 MULTI_TURN = [
-    ["Explain in four sentences how a hash table works.",
-     "Rewrite your previous answer as a bulleted list, keeping your wording.",
-     "Repeat the second bullet exactly, then give a one-line example in Python."],
-    ["Write a Python function that checks whether a string is a palindrome.",
-     "Now add a docstring and type hints to that function, and return the whole function.",
-     "Rename the function to `is_palindrome_text` and return the whole function again."],
-    ["Give me a three-item checklist for reviewing a pull request.",
-     "Expand each item of your checklist with one sentence of explanation, keeping the items as they are.",
-     "Turn the expanded checklist into a Markdown table with columns Item and Why."],
-    ["Describe the water cycle in three short paragraphs.",
-     "Quote your first paragraph exactly, then summarise the other two in one sentence.",
-     "Repeat your previous answer, but in the second person."],
+    [
+        "Explain in four sentences how a hash table works.",
+        "Rewrite your previous answer as a bulleted list, keeping your wording.",
+        "Repeat the second bullet exactly, then give a one-line example in Python.",
+    ],
+    [
+        "Write a Python function that checks whether a string is a palindrome.",
+        "Now add a docstring and type hints to that function, and return the whole function.",
+        "Rename the function to `is_palindrome_text` and return the whole function again.",
+    ],
+    [
+        "Give me a three-item checklist for reviewing a pull request.",
+        "Expand each item of your checklist with one sentence of explanation, keeping the items as they are.",
+        "Turn the expanded checklist into a Markdown table with columns Item and Why.",
+    ],
+    [
+        "Describe the water cycle in three short paragraphs.",
+        "Quote your first paragraph exactly, then summarise the other two in one sentence.",
+        "Repeat your previous answer, but in the second person.",
+    ],
 ]
 
-EDIT_FILE = '''def mean(values):
+EDIT_FILE = """def mean(values):
     total = 0
     for v in values:
         total += v
@@ -90,7 +106,7 @@ def variance(values):
 
 def describe(values):
     return {"mean": mean(values), "variance": variance(values)}
-'''
+"""
 
 EDITS = [
     "Rename the parameter `values` to `samples` everywhere.",
@@ -128,7 +144,9 @@ def single(prompts: list[str]) -> list[Client]:
     def client(p):
         def run():
             yield Request([{"role": "user", "content": p}])
+
         return run
+
     return [client(p) for p in prompts]
 
 
@@ -139,6 +157,7 @@ def conversation(turns: list[str]) -> Client:
             messages.append({"role": "user", "content": turn})
             answer = yield Request(list(messages))
             messages.append({"role": "assistant", "content": answer})
+
     return run
 
 
@@ -148,6 +167,7 @@ def edit_chain() -> Client:
         for instruction in EDITS:
             answer = yield Request([{"role": "user", "content": edit_prompt(code, instruction)}], prediction=code)
             code = strip_fence(answer) or code
+
     return run
 
 
@@ -164,6 +184,7 @@ def edited(tokens: list[int]) -> list[int]:
 def predicted(prompt: str, prediction: str) -> Client:
     def run():
         yield Request([{"role": "user", "content": prompt}], prediction=prediction)
+
     return run
 
 
@@ -196,8 +217,15 @@ class Result:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def run(engine, tokenizer, clients: list[Client], concurrency: int, max_tokens: int, speculate: bool,
-        use_prediction: bool = True) -> Result:
+def run(
+    engine,
+    tokenizer,
+    clients: list[Client],
+    concurrency: int,
+    max_tokens: int,
+    speculate: bool,
+    use_prediction: bool = True,
+) -> Result:
     """Clients in a closed loop over one scheduler: at most ``concurrency`` run at once, each sending its next
     request when its previous one ends. Every answer is fed back to its client (multi-turn, edit chains)."""
     scheduler = Scheduler(engine, max_batch_size=concurrency)
@@ -321,9 +349,14 @@ def main() -> None:
     from runtime.backends.loader import load_deployment
 
     rows = max(int(c) for c in args.concurrency.split(","))
-    spec = DeploymentSpec(id="traffic", model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          max_batch_size=rows,
-                          speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k))
+    spec = DeploymentSpec(
+        id="traffic",
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_batch_size=rows,
+        speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k),
+    )
     loaded = load_deployment(spec)
     ngram_engine, tok = loaded.engine, loaded.tokenizer
 
@@ -333,8 +366,11 @@ def main() -> None:
         e.policy.verify_cost.samples = dict(ngram_engine.policy.verify_cost.samples)
         return e
 
-    print(f"# {args.model} ({loaded.target.precision}), greedy, {args.max_tokens} tokens a request, K={args.k}, "
-          f"n-gram n={args.ngram}", file=sys.stderr)
+    print(
+        f"# {args.model} ({loaded.target.precision}), greedy, {args.max_tokens} tokens a request, K={args.k}, "
+        f"n-gram n={args.ngram}",
+        file=sys.stderr,
+    )
     tables = []
     ngram_label = f"n-gram (n={args.ngram})"
     for name in args.workload.split(","):
@@ -342,23 +378,31 @@ def main() -> None:
             if name in ("edit-loop", "predicted-edits") and c > 1:
                 continue  # one chain (each request waits for the previous answer); predictions are measured alone
             # (label, proposer: "ngram" | "suffix" | None, speculate, prediction: None | "first" | "legacy" | "realign")
-            configs = [("plain", "ngram", False, None), (ngram_label, "ngram", True, None), ("suffix", "suffix", True, None)]
+            configs = [
+                ("plain", "ngram", False, None),
+                (ngram_label, "ngram", True, None),
+                ("suffix", "suffix", True, None),
+            ]
             if name == "predicted-edits":
-                configs = [("plain", "ngram", False, None),
-                           ("prediction, stops at the first mismatch", None, True, "first"),
-                           ("prediction, before re-alignment", None, True, "legacy"),
-                           ("prediction, re-aligning", None, True, "realign"),
-                           (ngram_label, "ngram", True, None),
-                           (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
-                           (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
-                           ("suffix + prediction, re-aligning", "suffix", True, "realign")]
+                configs = [
+                    ("plain", "ngram", False, None),
+                    ("prediction, stops at the first mismatch", None, True, "first"),
+                    ("prediction, before re-alignment", None, True, "legacy"),
+                    ("prediction, re-aligning", None, True, "realign"),
+                    (ngram_label, "ngram", True, None),
+                    (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
+                    (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
+                    ("suffix + prediction, re-aligning", "suffix", True, "realign"),
+                ]
             if name == "edit-loop":  # each request sends the file it edits as the prediction: rows that use it
-                configs += [("prediction, stops at the first mismatch", None, True, "first"),
-                            ("prediction, before re-alignment", None, True, "legacy"),
-                            ("prediction, re-aligning", None, True, "realign"),
-                            (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
-                            (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
-                            ("suffix + prediction, re-aligning", "suffix", True, "realign")]
+                configs += [
+                    ("prediction, stops at the first mismatch", None, True, "first"),
+                    ("prediction, before re-alignment", None, True, "legacy"),
+                    ("prediction, re-aligning", None, True, "realign"),
+                    (f"{ngram_label} + prediction, before re-alignment", "ngram", True, "legacy"),
+                    (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
+                    ("suffix + prediction, re-aligning", "suffix", True, "realign"),
+                ]
             clients = workload(name)
             trackers = {"first": FirstMismatchTracker, "legacy": LegacyTracker}
             runs: dict[str, list[Result]] = {label: [] for label, *_ in configs}
@@ -366,18 +410,33 @@ def main() -> None:
                 for label, proposer, speculate, prediction in configs:
                     # a fresh engine for every row (the same target and calibration): no row inherits another's
                     # learned acceptance, and each suffix row starts from an empty index
-                    engine = fresh({"ngram": lambda: NgramProposer(args.ngram),
-                                    "suffix": lambda: SuffixProposer(1 << 20), None: lambda: None}[proposer]())
+                    engine = fresh(
+                        {
+                            "ngram": lambda: NgramProposer(args.ngram),
+                            "suffix": lambda: SuffixProposer(1 << 20),
+                            None: lambda: None,
+                        }[proposer]()
+                    )
                     sequence_module.PredictionTracker = trackers.get(prediction, PredictionTracker)
-                    r = run(engine, tok, clients, c, args.max_tokens, speculate=speculate,
-                            use_prediction=prediction is not None)
+                    r = run(
+                        engine,
+                        tok,
+                        clients,
+                        c,
+                        args.max_tokens,
+                        speculate=speculate,
+                        use_prediction=prediction is not None,
+                    )
                     sequence_module.PredictionTracker = PredictionTracker
                     if name == "predicted-edits" and label == "plain" and not runs[label]:
                         # the first plain pass: the predictions are its answers, edited
-                        prompts = [json.loads(line)["prompt"]
-                                   for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()]
-                        clients = [predicted(p, tok.decode(edited(r.by_client[i]), skip_special_tokens=True))
-                                   for i, p in enumerate(prompts)]
+                        prompts = [
+                            json.loads(line)["prompt"] for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()
+                        ]
+                        clients = [
+                            predicted(p, tok.decode(edited(r.by_client[i]), skip_special_tokens=True))
+                            for i, p in enumerate(prompts)
+                        ]
                     runs[label].append(r)
                     print(f"  [{name} c={c} {label}] {r.rate:.1f} tok/s", file=sys.stderr)
             base_outputs = sorted(map(tuple, runs["plain"][0].outputs))
@@ -385,9 +444,13 @@ def main() -> None:
             # each row's median round by tokens/s (its acceptance is that round's)
             results = [(label, sorted(rs, key=lambda r: r.rate)[len(rs) // 2]) for label, rs in runs.items()]
             base = results[0][1]
-            lines = [f"### {name}, {c} client{'s' if c > 1 else ''}"
-                     + ("" if same else "  (OUTPUTS DIFFER ACROSS CONFIGURATIONS)"), "",
-                     "| configuration | tok/s | vs plain | acceptance | tokens |", "|---|---|---|---|---|"]
+            lines = [
+                f"### {name}, {c} client{'s' if c > 1 else ''}"
+                + ("" if same else "  (OUTPUTS DIFFER ACROSS CONFIGURATIONS)"),
+                "",
+                "| configuration | tok/s | vs plain | acceptance | tokens |",
+                "|---|---|---|---|---|",
+            ]
             for label, r in results:
                 acc = f"{r.accepted / r.drafted:.0%} of {r.drafted}" if r.drafted else "-"
                 lines.append(f"| {label} | {r.rate:.1f} | {r.rate / base.rate:.2f}x | {acc} | {r.tokens} |")

@@ -16,9 +16,9 @@ from filelock import FileLock
 
 from depctl import config
 from depctl.errors import DaemonError, DaemonNotRunning, DepctlError, WaitTimeout
+from depctl.settings import ALREADY_RUNNING
 
 START_TIMEOUT = 60.0
-ALREADY_RUNNING = 3  # the daemon's exit status when another daemon holds the home's lock (runtime.__main__)
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,14 @@ def daemon_info() -> DaemonInfo | None:
     """The running daemon per ``daemon.json``, or None (no file, or its process is gone)."""
     try:
         raw = json.loads(config.daemon_file().read_text())
-        info = DaemonInfo(int(raw["pid"]), str(raw["host"]), int(raw["port"]), float(raw.get("started_at", 0)),
-                          raw.get("api_key"), float(raw.get("drain_timeout", 10.0)))
+        info = DaemonInfo(
+            int(raw["pid"]),
+            str(raw["host"]),
+            int(raw["port"]),
+            float(raw.get("started_at", 0)),
+            raw.get("api_key"),
+            float(raw.get("drain_timeout", 10.0)),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return info if _pid_alive(info.pid) else None
@@ -69,7 +75,9 @@ def _healthy(info: DaemonInfo) -> bool:
         return False
 
 
-def start_daemon(port: int | None = None, timeout: float = START_TIMEOUT, env: dict | None = None) -> tuple[DaemonInfo, bool]:
+def start_daemon(
+    port: int | None = None, timeout: float = START_TIMEOUT, env: dict | None = None
+) -> tuple[DaemonInfo, bool]:
     """Start the daemon in the background unless one runs; returns (info, started_now).
 
     Several CLI calls at once (``deployment create`` x N with no daemon) take turns on a start lock, so one starts it
@@ -88,8 +96,13 @@ def _spawn(port: int | None, timeout: float, env: dict) -> tuple[DaemonInfo, boo
         log.write(f"\n--- depctl daemon starting {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env={**os.environ, **env},
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            env={**os.environ, **env},
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -154,6 +167,9 @@ class Client:
         if response.status_code >= 400:
             raise _api_error(response)
         return response
+
+    def chat_completion(self, body: dict) -> dict:
+        return self._request("POST", "/v1/chat/completions", json=body).json()
 
     def deployments(self) -> list[dict]:
         return self._request("GET", "/depctl/v1/deployments").json()

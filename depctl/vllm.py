@@ -38,17 +38,26 @@ def speculative_config(spec: DeploymentSpec, draft_source: str | None = None) ->
     s = spec.speculation
     if isinstance(s, NgramSpeculation):
         # ours matches exactly the last n tokens; vLLM tries lengths from max down to min: min = max = n is ours
-        return {"method": "ngram", "num_speculative_tokens": s.num_draft_tokens,
-                "prompt_lookup_min": s.ngram_length, "prompt_lookup_max": s.ngram_length}
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": s.num_draft_tokens,
+            "prompt_lookup_min": s.ngram_length,
+            "prompt_lookup_max": s.ngram_length,
+        }
     if isinstance(s, SuffixSpeculation):  # SuffixDecoding's own defaults (max_spec_factor 1, min_token_prob 0.1)
         return {"method": "suffix", "num_speculative_tokens": s.num_draft_tokens}
     if isinstance(s, DraftModelSpeculation):
-        return {"method": "draft_model", "model": draft_source or s.draft_model, "num_speculative_tokens": s.num_draft_tokens}
+        return {
+            "method": "draft_model",
+            "model": draft_source or s.draft_model,
+            "num_speculative_tokens": s.num_draft_tokens,
+        }
     return None
 
 
-def engine_kwargs(spec: DeploymentSpec, *, draft_source: str | None = None, dtype: str | None = None,
-                  max_model_len: int | None = None) -> dict:
+def engine_kwargs(
+    spec: DeploymentSpec, *, draft_source: str | None = None, dtype: str | None = None, max_model_len: int | None = None
+) -> dict:
     """The spec's settings as keyword arguments of ``vllm.AsyncEngineArgs`` (Ray Serve's ``engine_kwargs``).
 
     ``dtype`` and ``max_model_len`` override the spec's (the daemon passes what it resolved ``auto`` and the model's

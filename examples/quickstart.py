@@ -27,7 +27,7 @@ SPEC_FLAGS = ["--ngram-speculation-length=3", "--draft-token-count=8"]
 PASSAGE = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
     "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. Locally nicknamed "
-    "\"La dame de fer\" (French for \"Iron Lady\"), it was constructed as the centrepiece of the 1889 World's Fair, "
+    '"La dame de fer" (French for "Iron Lady"), it was constructed as the centrepiece of the 1889 World\'s Fair, '
     "and to crown the centennial anniversary of the French Revolution."
 )
 MESSAGES = [{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}]
@@ -35,13 +35,21 @@ MESSAGES = [{"role": "user", "content": f"Repeat this passage word for word:\n\n
 
 def depctl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     print(f"$ depctl {shlex.join(args)}", file=sys.stderr)
-    return subprocess.run([sys.executable, "-m", "depctl", *args], check=check, text=True,
-                          stdout=subprocess.PIPE if "-o" in args else None)
+    return subprocess.run(
+        [sys.executable, "-m", "depctl", *args],
+        check=check,
+        text=True,
+        stdout=subprocess.PIPE if "-o" in args else None,
+    )
 
 
 def ensure(dep_id: str, flags: list[str]) -> None:
-    exists = subprocess.run([sys.executable, "-m", "depctl", "deployment", "get", dep_id, "-o", "json"],
-                            capture_output=True).returncode == 0
+    exists = (
+        subprocess.run(
+            [sys.executable, "-m", "depctl", "deployment", "get", dep_id, "-o", "json"], capture_output=True
+        ).returncode
+        == 0
+    )
     if exists:
         depctl("deployment", "update", dep_id, *(flags or ["--disable-speculative-decoding"]), "-o", "json")
     else:
@@ -77,10 +85,14 @@ def main() -> int:
     n = usage.completion_tokens
     print("\n--- speedup ---")
     print(f"plain decoding       {plain_usage.completion_tokens / t_plain:6.1f} tok/s  ({t_plain:.2f}s)")
-    print(f"n-gram speculation   {n / t_spec:6.1f} tok/s  ({t_spec:.2f}s)  "
-          f"acceptance {spec.get('acceptance_rate') or 0:.0%}")
-    print(f"speedup              {t_plain / t_spec * n / plain_usage.completion_tokens:6.2f}x   "
-          f"identical output: {'yes' if text == plain_text else 'NO'}")
+    print(
+        f"n-gram speculation   {n / t_spec:6.1f} tok/s  ({t_spec:.2f}s)  "
+        f"acceptance {spec.get('acceptance_rate') or 0:.0%}"
+    )
+    print(
+        f"speedup              {t_plain / t_spec * n / plain_usage.completion_tokens:6.2f}x   "
+        f"identical output: {'yes' if text == plain_text else 'NO'}"
+    )
     return 0 if text == plain_text else 1
 
 

@@ -24,9 +24,7 @@ import uvicorn
 from filelock import FileLock, Timeout
 
 from depctl import __version__, config
-from depctl.settings import SETTINGS, Settings
-
-ALREADY_RUNNING = 3  # exit status when another daemon holds this home's lock
+from depctl.settings import ALREADY_RUNNING, SETTINGS, Settings
 
 log = logging.getLogger("depctl")
 
@@ -34,8 +32,15 @@ log = logging.getLogger("depctl")
 def _write_daemon_file(host: str, port: int, settings: Settings) -> None:
     path = config.daemon_file()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    info = {"pid": os.getpid(), "host": host, "port": port, "started_at": time.time(), "version": __version__,
-            "drain_timeout": settings.drain_timeout, "api_key": settings.api_key}
+    info = {
+        "pid": os.getpid(),
+        "host": host,
+        "port": port,
+        "started_at": time.time(),
+        "version": __version__,
+        "drain_timeout": settings.drain_timeout,
+        "api_key": settings.api_key,
+    }
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(json.dumps(info))
@@ -53,7 +58,12 @@ def _remove_daemon_file() -> None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m runtime", description="the depctl runtime daemon")
-    parser.add_argument("--port", type=int, default=None, help=f"port (default $DEPCTL_PORT or {config.DEFAULT_PORT}; 0 picks a free one)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"port (default $DEPCTL_PORT or {config.DEFAULT_PORT}; 0 picks a free one)",
+    )
     for name, s in SETTINGS.items():
         parser.add_argument(s.flag, dest=name, default=None, help=f"{s.help} (${s.env})")
     parser.add_argument("--log-level", default="info")
@@ -76,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"depctl daemon: another daemon already serves {config.home()} ({_describe_running()}); "
-              "stop it with `depctl daemon stop`", file=sys.stderr)
+        print(
+            f"depctl daemon: another daemon already serves {config.home()} ({_describe_running()}); "
+            "stop it with `depctl daemon stop`",
+            file=sys.stderr,
+        )
         return ALREADY_RUNNING
     try:
         return _serve(settings, port)
@@ -98,14 +111,20 @@ def _serve(settings: Settings, port: int) -> int:
     try:
         sock.bind((settings.host, port))
     except OSError as exc:
-        print(f"depctl daemon: cannot bind {settings.host}:{port}: {exc.strerror}; set DEPCTL_PORT or --port to "
-              "another port", file=sys.stderr)
+        print(
+            f"depctl daemon: cannot bind {settings.host}:{port}: {exc.strerror}; set DEPCTL_PORT or --port to "
+            "another port",
+            file=sys.stderr,
+        )
         return 1
     host, port = sock.getsockname()[:2]
     if not settings.loopback and not settings.api_key:
         log.warning("!" * 100)
-        log.warning("LISTENING ON %s WITHOUT AN API KEY: anyone who can reach this address can use every deployment. "
-                    "Set DEPCTL_API_KEY (or --api-key), or bind 127.0.0.1.", host)
+        log.warning(
+            "LISTENING ON %s WITHOUT AN API KEY: anyone who can reach this address can use every deployment. "
+            "Set DEPCTL_API_KEY (or --api-key), or bind 127.0.0.1.",
+            host,
+        )
         log.warning("!" * 100)
 
     from sse_starlette.sse import AppStatus
@@ -114,14 +133,26 @@ def _serve(settings: Settings, port: int) -> int:
 
     AppStatus.disable_automatic_graceful_drain()  # streams end through our drain (an error event, [DONE]), not cut
     app = create_app(settings=settings)
-    server = _DrainingServer(uvicorn.Config(app, log_level=logging.getLevelName(log.getEffectiveLevel()).lower(),
-                                            timeout_graceful_shutdown=settings.drain_timeout + 5))
+    server = _DrainingServer(
+        uvicorn.Config(
+            app,
+            log_level=logging.getLevelName(log.getEffectiveLevel()).lower(),
+            timeout_graceful_shutdown=settings.drain_timeout + 5,
+        )
+    )
     # uvicorn handles SIGTERM (the drain), then re-raises it for the handler that was there before: make that one a
     # normal exit, so that the daemon file is removed and the exit status says the stop went as planned
     signal.signal(signal.SIGTERM, _stopped)
     _write_daemon_file(host, port, settings)
-    log.info("depctl daemon %s listening on http://%s:%d (pid %d, home %s%s)", __version__, host, port, os.getpid(),
-             config.home(), ", API key required" if settings.api_key else "")
+    log.info(
+        "depctl daemon %s listening on http://%s:%d (pid %d, home %s%s)",
+        __version__,
+        host,
+        port,
+        os.getpid(),
+        config.home(),
+        ", API key required" if settings.api_key else "",
+    )
     try:
         server.run(sockets=[sock])
     finally:

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from depctl import __version__
+from depctl.settings import Settings
 from depctl.store import SpecStore
 from runtime.api.errors import install_handlers
 from runtime.api.guard import Guard
@@ -14,11 +15,11 @@ from runtime.api.metrics import Metrics
 from runtime.api.routes import router
 from runtime.api.serving import Service
 from runtime.manager import DeploymentManager
-from depctl.settings import Settings
 
 
-def create_app(store: SpecStore | None = None, manager: DeploymentManager | None = None,
-               settings: Settings | None = None) -> FastAPI:
+def create_app(
+    store: SpecStore | None = None, manager: DeploymentManager | None = None, settings: Settings | None = None
+) -> FastAPI:
     settings = settings or Settings()
     manager = manager or DeploymentManager(store or SpecStore(), load_timeout=settings.load_timeout)
 

@@ -77,7 +77,9 @@ class Deployment:
 
     def set_state(self, state: State, reason: str | None = None) -> None:
         if state != self.state:
-            log.info("deployment %s: %s -> %s%s", self.id, self.state.value, state.value, f" ({reason})" if reason else "")
+            log.info(
+                "deployment %s: %s -> %s%s", self.id, self.state.value, state.value, f" ({reason})" if reason else ""
+            )
             self.state_since = time.time()
         self.state = state
         self.reason = reason
@@ -184,8 +186,11 @@ class DeploymentManager:
             wanted = {s.id: s for s in specs}
             changes = [(b.id, partial(self._on_broken, b.id, b.problem)) for b in broken]
             changes += [(s.id, partial(self._on_spec, s)) for s in specs]
-            changes += [(dep_id, partial(self._on_deleted, dep)) for dep_id, dep in list(self.deployments.items())
-                        if dep_id not in wanted and dep_id not in {b.id for b in broken}]
+            changes += [
+                (dep_id, partial(self._on_deleted, dep))
+                for dep_id, dep in list(self.deployments.items())
+                if dep_id not in wanted and dep_id not in {b.id for b in broken}
+            ]
             for dep_id, apply in changes:
                 try:
                     apply()
@@ -280,10 +285,14 @@ class DeploymentManager:
         with self._lock:
             if dep.generation == turn.generation and self.deployments.get(dep.id) is dep:
                 dep.generation += 1  # what the stuck load returns, if ever, is stale
-                dep.set_state(State.FAILED, (
-                    f"the model did not finish loading within {self.load_timeout:g}s (DEPCTL_LOAD_TIMEOUT, or "
-                    f"`depctl daemon start --load-timeout`): check that its files are readable (not a FIFO or a hung "
-                    f"network mount); `depctl deployment update` retries"))
+                dep.set_state(
+                    State.FAILED,
+                    (
+                        f"the model did not finish loading within {self.load_timeout:g}s (DEPCTL_LOAD_TIMEOUT, or "
+                        f"`depctl daemon start --load-timeout`): check that its files are readable (not a FIFO or a "
+                        f"hung network mount); `depctl deployment update` retries"
+                    ),
+                )
                 self._release(dep)
         log.error("deployment %s: load exceeded %gs; the next load goes ahead", dep.id, self.load_timeout)
         self._end_turn(turn)
@@ -316,8 +325,11 @@ class _Owner:
         not stop)."""
         dep = self.dep
         with self.manager._lock:
-            return (self.manager.deployments.get(dep.id) is dep and dep.state != State.DELETING
-                    and (dep.generation == self.generation or dep.backend is backend))
+            return (
+                self.manager.deployments.get(dep.id) is dep
+                and dep.state != State.DELETING
+                and (dep.generation == self.generation or dep.backend is backend)
+            )
 
     def progress(self, backend: Backend, message: str) -> None:
         dep = self.dep
@@ -371,9 +383,8 @@ def _in_place(old: DeploymentSpec, new: DeploymentSpec, backend: Backend) -> boo
 
 def _freeze_heap() -> None:
     """Collect, then move every object alive out of the collector's reach (``gc.freeze``): a loaded model is hundreds
-    of thousands of objects, and a full collection walks them all on whichever thread triggers it, the GIL held (with
-    SmolLM2 loaded: 200 ms on the event loop's thread, once in a minute of serving one client, every stream stalled
-    meanwhile; frozen, the same collection took 0.5 ms). Frozen objects are still freed when their last reference
+    of thousands of objects, and a full collection walks them all on whichever thread triggers it, the GIL held: on
+    the event loop, every stream stalls meanwhile. Frozen objects are still freed when their last reference
     goes; ``_free_memory`` unfreezes to reclaim cycles."""
     import gc
 

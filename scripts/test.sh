@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Run the test suite (sets up first). Extra arguments go to pytest, e.g. scripts/test.sh -k engine
+# Run the checks and the test suite (sets up first). Extra arguments go to pytest, e.g. scripts/test.sh -k engine
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest -q -ra "$@"

@@ -28,8 +28,13 @@ class DaemonProcess:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "daemon.json").unlink(missing_ok=True)
         self.log = open(self.home / "test-daemon.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime", "--port", "0"], env=env, cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime", "--port", "0"],
+            env=env,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"daemon exited: {self.log_text()}"

@@ -8,7 +8,8 @@ from depctl.cli import bench, daemon, deployment, engine, model, talk
 
 app = typer.Typer(
     name="depctl",
-    help="Local speculative-decoding deployments: create them, serve them over an OpenAI-compatible API, see the speedup.",
+    help="Local speculative-decoding deployments: create them, serve them over an OpenAI-compatible API, "
+    "see the speedup.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

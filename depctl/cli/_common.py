@@ -9,7 +9,7 @@ import typer
 
 from depctl import config, output
 from depctl.client import Client, daemon_info, start_daemon
-from depctl.errors import DepctlError
+from depctl.errors import DaemonNotRunning, DepctlError
 
 
 def handle_errors(fn):
@@ -53,3 +53,11 @@ def connect(autostart: bool) -> Client | None:
         info, _ = start_daemon()
         output.message(f"depctl daemon listening on {info.url} (pid {info.pid})")
     return Client(info) if info is not None else None
+
+
+def daemon_client() -> Client:
+    """A client for the running daemon, or ``DaemonNotRunning`` (with its hint) when there is none."""
+    client = connect(autostart=False)
+    if client is None:
+        raise DaemonNotRunning()
+    return client

@@ -6,55 +6,44 @@ the speedup is measured under identical conditions and every output can be check
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from depctl import output
-from depctl.cli._common import handle_errors
-from depctl.cli.talk import _client
-from depctl.errors import UsageError
+from depctl import output, workloads
+from depctl.cli._common import daemon_client, handle_errors
 from depctl.output import Format
-
-PROMPTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts"
-
-
-def _load_prompts(workload: str, prompts_file: Optional[Path]) -> list[str]:
-    path = prompts_file or PROMPTS_DIR / f"{workload}.jsonl"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in PROMPTS_DIR.glob("*.jsonl"))) or "none found"
-        raise UsageError(f"no prompt set at {path} (workloads: {known})", "pass --workload NAME or --prompts FILE.jsonl")
-    try:
-        return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    except (ValueError, KeyError) as exc:
-        raise UsageError(f"{path}: every line must be a JSON object with a \"prompt\" ({exc})") from None
 
 
 @handle_errors
 def bench(
     deployment_id: str = typer.Argument(...),
-    workload: str = typer.Option("grounded", "--workload", help="grounded, chat or code (benchmarks/prompts/)."),
-    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="A JSONL file of {\"prompt\": ...} lines."),
+    workload: str = typer.Option("grounded", "--workload", help="A prompt set depctl ships: grounded, chat or code."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help='A JSONL file of {"prompt": ...} lines.'),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts."),
     fmt: Format = typer.Option(Format.table, "--output", "-o"),
 ) -> None:
     """Measure a deployment's speedup: its prompts with speculation off and on, alternating, greedy."""
-    prompts = _load_prompts(workload, prompts_file)[:limit]
-    client = _client()
+    prompts = workloads.load(workload, prompts_file)[:limit]
+    client = daemon_client()
     totals = {False: [0.0, 0], True: [0.0, 0]}
     drafted = accepted = 0
     exact = True
     for i, prompt in enumerate(prompts):
         texts = {}
-        for speculate in ((False, True) if i % 2 == 0 else (True, False)):
-            body = {"model": deployment_id, "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": max_tokens, "temperature": 0, "speculate": speculate}
+        for speculate in (False, True) if i % 2 == 0 else (True, False):
+            body = {
+                "model": deployment_id,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "speculate": speculate,
+            }
             t0 = time.perf_counter()
-            r = client._request("POST", "/v1/chat/completions", json=body).json()
+            r = client.chat_completion(body)
             totals[speculate][0] += time.perf_counter() - t0
             totals[speculate][1] += r["usage"]["completion_tokens"]
             texts[speculate] = r["choices"][0]["message"]["content"]
@@ -66,16 +55,30 @@ def bench(
     off = totals[False][1] / totals[False][0]
     on = totals[True][1] / totals[True][0]
     data = {
-        "deployment": deployment_id, "workload": prompts_file.name if prompts_file else workload,
-        "prompts": len(prompts), "tokens": totals[True][1],
-        "plain_tok_s": round(off, 2), "speculative_tok_s": round(on, 2), "speedup": round(on / off, 3),
-        "acceptance_rate": round(accepted / drafted, 3) if drafted else None, "identical_output": exact,
+        "deployment": deployment_id,
+        "workload": prompts_file.name if prompts_file else workload,
+        "prompts": len(prompts),
+        "tokens": totals[True][1],
+        "plain_tok_s": round(off, 2),
+        "speculative_tok_s": round(on, 2),
+        "speedup": round(on / off, 3),
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+        "identical_output": exact,
     }
 
     def table(d):
-        t = output.make_table("WORKLOAD", "PROMPTS", "PLAIN TOK/S", "SPECULATIVE TOK/S", "SPEEDUP", "ACCEPTANCE", "IDENTICAL")
-        t.add_row(d["workload"], str(d["prompts"]), f"{d['plain_tok_s']:.1f}", f"{d['speculative_tok_s']:.1f}",
-                  f"{d['speedup']:.2f}x", output.fmt_rate(d["acceptance_rate"]), "yes" if d["identical_output"] else "NO")
+        t = output.make_table(
+            "WORKLOAD", "PROMPTS", "PLAIN TOK/S", "SPECULATIVE TOK/S", "SPEEDUP", "ACCEPTANCE", "IDENTICAL"
+        )
+        t.add_row(
+            d["workload"],
+            str(d["prompts"]),
+            f"{d['plain_tok_s']:.1f}",
+            f"{d['speculative_tok_s']:.1f}",
+            f"{d['speedup']:.2f}x",
+            output.fmt_rate(d["acceptance_rate"]),
+            "yes" if d["identical_output"] else "NO",
+        )
         return t
 
     output.emit(data, fmt, table)

@@ -15,38 +15,66 @@ from depctl.errors import DaemonNotRunning
 from depctl.output import Format
 from depctl.settings import SETTINGS, is_loopback
 
-app = typer.Typer(help="Run the local runtime daemon that loads deployments and serves the OpenAI API.", no_args_is_help=True)
+app = typer.Typer(
+    help="Run the local runtime daemon that loads deployments and serves the OpenAI API.", no_args_is_help=True
+)
+
+
+def _setting(name: str):
+    """A ``daemon start`` option for one of the daemon's settings: its flag, bound and help come from SETTINGS."""
+    s = SETTINGS[name]
+    default = (
+        ""
+        if s.default is None
+        else f" (default {s.default:g})"
+        if isinstance(s.default, float)
+        else f" (default {s.default})"
+    )
+    return typer.Option(None, s.flag, min=s.minimum, help=f"{s.help[:1].upper()}{s.help[1:]}{default}; ${s.env}.")
 
 
 @app.command()
 @handle_errors
 def start(
-    port: Optional[int] = typer.Option(None, "--port", min=0, max=65535, help=f"Default: $DEPCTL_PORT or {config.DEFAULT_PORT}."),
-    host: Optional[str] = typer.Option(None, "--host", help="Address to bind (default 127.0.0.1: this machine only). "
-                                       "Anything else should come with --api-key."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on every route "
-                                          "but /health (default: $DEPCTL_API_KEY). The CLI finds it by itself."),
-    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", min=1024, help="Largest request body (default 4 MiB)."),
-    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", min=1, help="Most prompt tokens per request (default: the model's context)."),
-    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", min=1, help="Tokens a chat request without max_tokens may generate (default 2048)."),
-    load_timeout: Optional[float] = typer.Option(None, "--load-timeout", min=1, help="Seconds a load may take before the deployment FAILS (default 900)."),
-    drain_timeout: Optional[float] = typer.Option(None, "--drain-timeout", min=0, help="Seconds running requests get to finish on stop (default 10)."),
+    port: Optional[int] = typer.Option(
+        None, "--port", min=0, max=65535, help=f"Default: $DEPCTL_PORT or {config.DEFAULT_PORT}."
+    ),
+    host: Optional[str] = _setting("host"),
+    api_key: Optional[str] = _setting("api_key"),
+    max_body_bytes: Optional[int] = _setting("max_body_bytes"),
+    max_prompt_tokens: Optional[int] = _setting("max_prompt_tokens"),
+    default_max_tokens: Optional[int] = _setting("default_max_tokens"),
+    load_timeout: Optional[float] = _setting("load_timeout"),
+    drain_timeout: Optional[float] = _setting("drain_timeout"),
 ) -> None:
     """Start the daemon in the background (bound to 127.0.0.1 unless --host)."""
-    flags = {"host": host, "api_key": api_key, "max_body_bytes": max_body_bytes, "max_prompt_tokens": max_prompt_tokens,
-             "default_max_tokens": default_max_tokens, "load_timeout": load_timeout, "drain_timeout": drain_timeout}
+    flags = {
+        "host": host,
+        "api_key": api_key,
+        "max_body_bytes": max_body_bytes,
+        "max_prompt_tokens": max_prompt_tokens,
+        "default_max_tokens": default_max_tokens,
+        "load_timeout": load_timeout,
+        "drain_timeout": drain_timeout,
+    }
     env = {SETTINGS[name].env: str(value) for name, value in flags.items() if value is not None}  # never in argv
     info, started = start_daemon(port, env=env)
     if not started:
-        output.message(f"Already running: depctl daemon on {info.url} (pid {info.pid}, log {config.daemon_log()}); "
-                       "settings apply at start: `depctl daemon stop` first to change them" if env else
-                       f"Already running: depctl daemon on {info.url} (pid {info.pid}, log {config.daemon_log()})")
+        output.message(
+            f"Already running: depctl daemon on {info.url} (pid {info.pid}, log {config.daemon_log()}); "
+            "settings apply at start: `depctl daemon stop` first to change them"
+            if env
+            else f"Already running: depctl daemon on {info.url} (pid {info.pid}, log {config.daemon_log()})"
+        )
         return
     output.message(f"Started depctl daemon on {info.url} (pid {info.pid}, log {config.daemon_log()})")
     bound = host or os.environ.get("DEPCTL_HOST") or config.DEFAULT_HOST
     if not is_loopback(bound) and not (api_key or os.environ.get("DEPCTL_API_KEY")):
-        output.message(("Warning: ", "bold red"), f"listening on {bound} without an API key: anyone who can reach it can "
-                       "use every deployment. Restart with --api-key, or without --host.")
+        output.message(
+            ("Warning: ", "bold red"),
+            f"listening on {bound} without an API key: anyone who can reach it can "
+            "use every deployment. Restart with --api-key, or without --host.",
+        )
 
 
 @app.command()
@@ -66,8 +94,11 @@ def status(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
         raise DaemonNotRunning()
     deployments = Client(info).deployments()
     data = {
-        "pid": info.pid, "url": info.url, "uptime_seconds": round(time.time() - info.started_at),
-        "home": str(config.home()), "log": str(config.daemon_log()),
+        "pid": info.pid,
+        "url": info.url,
+        "uptime_seconds": round(time.time() - info.started_at),
+        "home": str(config.home()),
+        "log": str(config.daemon_log()),
         "deployments": {d["id"]: d["state"] for d in deployments},
     }
 

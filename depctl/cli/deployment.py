@@ -8,8 +8,8 @@ import typing
 from typing import Optional
 
 import typer
-from rich.table import Table
 from pydantic import ValidationError
+from rich.table import Table
 from rich.text import Text
 
 from depctl import models, output
@@ -50,40 +50,61 @@ Engine = _choices("Engine", spec_module.Engine)
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="A smaller model with the same tokenizer that drafts tokens.")
 DRAFT_COUNT = typer.Option(
-    None, "--draft-token-count", min=1, max=MAX_DRAFT_TOKENS,
+    None,
+    "--draft-token-count",
+    min=1,
+    max=MAX_DRAFT_TOKENS,
     help=f"Most tokens drafted per step, 1-{MAX_DRAFT_TOKENS} (required with a speculation method).",
 )
 NGRAM = typer.Option(
-    None, "--ngram-speculation-length", min=1, max=MAX_NGRAM_LENGTH,
+    None,
+    "--ngram-speculation-length",
+    min=1,
+    max=MAX_NGRAM_LENGTH,
     help=f"Prompt-lookup speculation: match the last N tokens, 1-{MAX_NGRAM_LENGTH}.",
 )
 SUFFIX = typer.Option(
-    False, "--suffix-speculation",
+    False,
+    "--suffix-speculation",
     help="Suffix speculation: draft from the longest match in this request and in the deployment's recent traffic "
     "(prompts and outputs), as far as the match is long and its continuation frequent.",
 )
 SUFFIX_CACHE = typer.Option(
-    None, "--suffix-cache-tokens", min=spec_module.MIN_SUFFIX_CACHE_TOKENS, max=spec_module.MAX_SUFFIX_CACHE_TOKENS,
+    None,
+    "--suffix-cache-tokens",
+    min=spec_module.MIN_SUFFIX_CACHE_TOKENS,
+    max=spec_module.MAX_SUFFIX_CACHE_TOKENS,
     help=f"Tokens of recent traffic the suffix index holds (least recently used evicted first; default "
     f"{spec_module.DEFAULT_SUFFIX_CACHE_TOKENS}, about 50 MB).",
 )
 DRAFT_PRECISION = typer.Option(
-    None, "--draft-precision",
+    None,
+    "--draft-precision",
     help="How the draft model's weights are held; never changes the output. auto: int8 on CPU (about 3x faster "
     "drafting), the target's dtype on CUDA.",
 )
-QUANTIZATION_HELP = ("none, or int8: weight-only int8 for the target (bfloat16 activations, CPU only), about 2x faster a "
-                     "step than bfloat16; outputs change slightly, speculation stays exact against the int8 model.")
+QUANTIZATION_HELP = (
+    "none, or int8: weight-only int8 for the target (bfloat16 activations, CPU only), about 2x faster a "
+    "step than bfloat16; outputs change slightly, speculation stays exact against the int8 model."
+)
 
-COMPILE_HELP = ("Compile the decode and verify passes at load where that is faster and exact: on a CPU an AOTInductor "
-                "library (~1.3x a step; the first load takes a minute or more, later loads reuse it), on CUDA CUDA "
-                "graphs. --no-compile: always eager, and vLLM's --enforce-eager with --engine vllm.")
+COMPILE_HELP = (
+    "Compile the decode and verify passes at load where that is faster and exact: on a CPU an AOTInductor "
+    "library (~1.3x a step; the first load takes a minute or more, later loads reuse it), on CUDA CUDA "
+    "graphs. --no-compile: always eager, and vLLM's --enforce-eager with --engine vllm."
+)
 
 
-ENGINE_HELP = ("depctl (default): our engine, one device; vllm: a vLLM server the daemon starts and supervises, "
-               "for tensor/pipeline parallelism and Ray clusters (install it once: `depctl engine install vllm`).")
-CONTEXT = typer.Option(None, "--max-context-length", min=spec_module.MIN_CONTEXT_LENGTH,
-                       help="Most tokens a request may span, prompt and output (default: the model's, up to 32768).")
+ENGINE_HELP = (
+    "depctl (default): our engine, one device; vllm: a vLLM server the daemon starts and supervises, "
+    "for tensor/pipeline parallelism and Ray clusters (install it once: `depctl engine install vllm`)."
+)
+CONTEXT = typer.Option(
+    None,
+    "--max-context-length",
+    min=spec_module.MIN_CONTEXT_LENGTH,
+    help="Most tokens a request may span, prompt and output (default: the model's, up to 32768).",
+)
 
 
 def _parallel_option(flag: str, default: int | None, what: str):
@@ -91,12 +112,17 @@ def _parallel_option(flag: str, default: int | None, what: str):
 
 
 TP_WHAT, PP_WHAT = "GPUs each layer is split over", "Pipeline stages the layers are split into"
-RAY = typer.Option(None, "--ray-address", help="A Ray cluster to run on, e.g. auto or ray://head:10001 (--engine vllm).")
+RAY = typer.Option(
+    None, "--ray-address", help="A Ray cluster to run on, e.g. auto or ray://head:10001 (--engine vllm)."
+)
 
 
 def _batch_option(default):
     return typer.Option(
-        default, "--max-batch-size", min=1, max=MAX_BATCH_SIZE,
+        default,
+        "--max-batch-size",
+        min=1,
+        max=MAX_BATCH_SIZE,
         help=f"Most requests decoded together, 1-{MAX_BATCH_SIZE} (default {DEFAULT_BATCH_SIZE}); more wait in arrival "
         "order. A change reloads the deployment.",
     )
@@ -136,7 +162,9 @@ def record(spec: DeploymentSpec, status: dict | None, daemon_up: bool) -> dict:
     if status is not None:
         rec["status"] = {k: v for k, v in status.items() if k not in ("id", "model", "speculation")}
     else:
-        reason = "the daemon has not picked it up yet" if daemon_up else "the daemon is not running (`depctl daemon start`)"
+        reason = (
+            "the daemon has not picked it up yet" if daemon_up else "the daemon is not running (`depctl daemon start`)"
+        )
         rec["status"] = {"state": "UNKNOWN", "reason": reason}
     return rec
 
@@ -147,7 +175,9 @@ def _records(store: SpecStore, client) -> list[dict]:
     rows = [record(spec, statuses.get(spec.id), client is not None) for spec in specs]
     for b in broken:
         output.message(("Warning: ", "yellow"), b.problem)
-        rows.append({"id": b.id, "path": str(b.path), "status": {"state": "FAILED", "reason": f"broken spec file: {b.problem}"}})
+        rows.append(
+            {"id": b.id, "path": str(b.path), "status": {"state": "FAILED", "reason": f"broken spec file: {b.problem}"}}
+        )
     return rows
 
 
@@ -157,7 +187,9 @@ def _list_table(rows: list[dict]) -> Table:
         stats = r["status"].get("stats") or {}
         spec = r.get("speculation")
         table.add_row(
-            r["id"], r.get("model", "-"), _engine_cell(r),
+            r["id"],
+            r.get("model", "-"),
+            _engine_cell(r),
             describe_speculation(_spec_obj(spec)) if spec else "-",
             _state_cell(r["status"]),
             fmt_rate(stats.get("acceptance_rate")),
@@ -201,24 +233,45 @@ def _detail_table(r: dict) -> Table:
     status = r["status"]
     stats = status.get("stats") or {}
     rows = [
-        ("ID", r["id"]), ("Display name", r.get("display_name") or "-"), ("Model", r.get("model", "-")),
+        ("ID", r["id"]),
+        ("Display name", r.get("display_name") or "-"),
+        ("Model", r.get("model", "-")),
         ("Speculation", describe_speculation(_spec_obj(r["speculation"])) if r.get("speculation") else "-"),
         ("Engine", _engine_cell(r) + _vllm_note(status.get("vllm"))),
-        ("Device / dtype", f"{r.get('device')} / {r.get('dtype')}" + (
-            f" (running on {status['device']} / {status['dtype']})" if status.get("device") else "")),
+        (
+            "Device / dtype",
+            f"{r.get('device')} / {r.get('dtype')}"
+            + (f" (running on {status['device']} / {status['dtype']})" if status.get("device") else ""),
+        ),
         *([("Matrix products", status["products"])] if status.get("products") else []),
-        *([("Quantization", r["quantization"] + (
-            f" (running: {status['weights']})" if status.get("weights") else ""))] if r.get("quantization", "none") != "none" else []),
+        *(
+            [
+                (
+                    "Quantization",
+                    r["quantization"] + (f" (running: {status['weights']})" if status.get("weights") else ""),
+                )
+            ]
+            if r.get("quantization", "none") != "none"
+            else []
+        ),
         *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
-        ("Compiled passes", ("on" if r.get("compile", True) else "off") + (
-            f" (running: {status['compiled']})" if status.get("compiled") else "")),
+        (
+            "Compiled passes",
+            ("on" if r.get("compile", True) else "off")
+            + (f" (running: {status['compiled']})" if status.get("compiled") else ""),
+        ),
         ("Max batch size", str(r.get("max_batch_size", "-"))),
-        ("Context", f"{r.get('max_context_length') or 'the model’s'}" + (
-            f" (running: {status['max_context']} tokens)" if status.get("max_context") else "")),
+        (
+            "Context",
+            f"{r.get('max_context_length') or 'the model’s'}"
+            + (f" (running: {status['max_context']} tokens)" if status.get("max_context") else ""),
+        ),
         ("State", _state_cell(status)),
     ]
     if "num_requests_running" in status:
-        rows.append(("Requests running / waiting", f"{status['num_requests_running']} / {status['num_requests_waiting']}"))
+        rows.append(
+            ("Requests running / waiting", f"{status['num_requests_running']} / {status['num_requests_waiting']}")
+        )
     if status.get("reason"):
         rows.append(("Reason", status["reason"]))
     if stats:
@@ -226,14 +279,23 @@ def _detail_table(r: dict) -> Table:
         rows += [
             ("Requests", str(stats["requests"])),
             ("Generated tokens", str(stats["generated_tokens"])),
-            *([("Decode speed", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s")]
-              if stats.get("decode_tokens_per_second") is not None else []),
+            *(
+                [("Decode speed", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s")]
+                if stats.get("decode_tokens_per_second") is not None
+                else []
+            ),
             ("Acceptance rate" + source, fmt_rate(stats["acceptance_rate"])),
             ("Mean acceptance length", fmt_num(stats["mean_acceptance_length"])),
-            ("Drafts / draft tokens / accepted", f"{stats['drafts']} / {stats['draft_tokens']} / {stats['accepted_tokens']}"),
+            (
+                "Drafts / draft tokens / accepted",
+                f"{stats['drafts']} / {stats['draft_tokens']} / {stats['accepted_tokens']}",
+            ),
             ("Accepted per position", ", ".join(map(str, stats["accepted_per_position"])) or "-"),
-            *([("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s")]
-              if "draft_seconds" in stats else []),
+            *(
+                [("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s")]
+                if "draft_seconds" in stats
+                else []
+            ),
         ]
     policy = status.get("policy")
     if policy and policy.get("max_draft_tokens"):
@@ -243,9 +305,14 @@ def _detail_table(r: dict) -> Table:
             rows.append(("Draft forward (rows: ms)", ", ".join(f"{n}: {v}" for n, v in policy["draft_ms"].items())))
     index = status.get("suffix_index")
     if index:
-        rows.append(("Suffix index", f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
-                                     f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} "
-                                     "lookups drafted"))
+        rows.append(
+            (
+                "Suffix index",
+                f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
+                f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} "
+                "lookups drafted",
+            )
+        )
     if r.get("created_at"):
         rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
     for key, value in rows:
@@ -259,20 +326,25 @@ def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStor
         client = connect(autostart=True)
         client.reconcile()
     except DepctlError as exc:
-        raise type(exc)(f"deployment {dep_id!r} was {verb}, but the daemon is unavailable: {exc.message}", exc.hint) from None
+        raise type(exc)(
+            f"deployment {dep_id!r} was {verb}, but the daemon is unavailable: {exc.message}", exc.hint
+        ) from None
     status = client.deployment(dep_id)
     if wait:
         with output.err().status(f"Waiting for deployment {dep_id} ...") as spinner:
+
             def show(s):
                 if s:
                     spinner.update(f"Waiting for deployment {dep_id}: {s['state']}")
+
             status = client.wait_settled(dep_id, timeout, on_poll=show)
     rec = record(store.get(dep_id), status, True)
     output.emit(rec, fmt, _detail_table)
     if status and status["state"] == "FAILED":
         raise DepctlError(
             f"deployment {dep_id!r} FAILED: {status.get('reason')}",
-            f"fix it with `depctl deployment update {dep_id} ...`, or remove it with `depctl deployment delete {dep_id}`",
+            f"fix it with `depctl deployment update {dep_id} ...`, "
+            f"or remove it with `depctl deployment delete {dep_id}`",
         )
 
 
@@ -290,8 +362,9 @@ def create(
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     max_batch_size: int = _batch_option(DEFAULT_BATCH_SIZE),
     device: Device = typer.Option(Device.auto, "--device"),
-    dtype: Dtype = typer.Option(Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA and on CPUs with bf16 "
-                                "instructions, else float32."),
+    dtype: Dtype = typer.Option(
+        Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32."
+    ),
     quantization: Quantization = typer.Option(Quantization.none, "--quantization", help=QUANTIZATION_HELP),
     compile_passes: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
     engine: Engine = typer.Option(Engine.depctl, "--engine", help=ENGINE_HELP),
@@ -299,15 +372,20 @@ def create(
     tensor_parallel_size: int = _parallel_option("--tensor-parallel-size", 1, TP_WHAT),
     pipeline_parallel_size: int = _parallel_option("--pipeline-parallel-size", 1, PP_WHAT),
     ray_address: Optional[str] = RAY,
-    validate_only: bool = typer.Option(False, "--validate-only", help="Print the spec that would be written; write nothing."),
+    validate_only: bool = typer.Option(
+        False, "--validate-only", help="Print the spec that would be written; write nothing."
+    ),
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
     fmt: Format = OUTPUT,
 ) -> None:
     """Create a deployment of MODEL, optionally with speculative decoding."""
     speculation = speculation_from_flags(
-        draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
-        draft_precision=draft_precision.value if draft_precision else None, suffix=suffix_speculation,
+        draft_model=draft_model,
+        draft_token_count=draft_token_count,
+        ngram_speculation_length=ngram_speculation_length,
+        draft_precision=draft_precision.value if draft_precision else None,
+        suffix=suffix_speculation,
         suffix_cache_tokens=suffix_cache_tokens,
     )
     target = models.resolve(model, "MODEL")
@@ -319,12 +397,24 @@ def create(
         check_deployment_id(dep_id)
     except ValueError as exc:
         raise UsageError(f"--deployment-id: {exc}") from None
-    spec = _checked(lambda: DeploymentSpec(
-        id=dep_id, display_name=display_name, model=target.ref, speculation=speculation,
-        max_batch_size=max_batch_size, device=device.value, dtype=dtype.value, quantization=quantization.value,
-        compile=compile_passes, engine=engine.value, max_context_length=max_context_length, tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size, ray_address=ray_address or None,
-    ))
+    spec = _checked(
+        lambda: DeploymentSpec(
+            id=dep_id,
+            display_name=display_name,
+            model=target.ref,
+            speculation=speculation,
+            max_batch_size=max_batch_size,
+            device=device.value,
+            dtype=dtype.value,
+            quantization=quantization.value,
+            compile=compile_passes,
+            engine=engine.value,
+            max_context_length=max_context_length,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            ray_address=ray_address or None,
+        )
+    )
     store = SpecStore()
     if validate_only:
         output.emit(spec.model_dump(mode="json"), Format.yaml if fmt == Format.table else fmt, lambda d: d)
@@ -332,8 +422,11 @@ def create(
         return
     store.create(spec)
     engine_note = "" if spec.engine == "depctl" else f", engine: {describe_engine(spec)}"
-    output.message("Created deployment ", (dep_id, "bold"),
-                   f" ({target.ref}, speculation: {describe_speculation(speculation)}{engine_note})")
+    output.message(
+        "Created deployment ",
+        (dep_id, "bold"),
+        f" ({target.ref}, speculation: {describe_speculation(speculation)}{engine_note})",
+    )
     _apply(dep_id, wait, wait_timeout, fmt, store, "created")
 
 
@@ -368,7 +461,9 @@ def update(
     suffix_speculation: bool = SUFFIX,
     suffix_cache_tokens: Optional[int] = SUFFIX_CACHE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
-    disable_speculative_decoding: bool = typer.Option(False, "--disable-speculative-decoding", help="Turn speculation off."),
+    disable_speculative_decoding: bool = typer.Option(
+        False, "--disable-speculative-decoding", help="Turn speculation off."
+    ),
     display_name: Optional[str] = typer.Option(None, "--display-name"),
     max_batch_size: Optional[int] = _batch_option(None),
     device: Optional[Device] = typer.Option(None, "--device"),
@@ -390,15 +485,28 @@ def update(
     current = store.get(deployment_id)
     precision = draft_precision.value if draft_precision else None
     speculation = speculation_from_flags(
-        draft_model=draft_model, draft_token_count=draft_token_count, ngram_speculation_length=ngram_speculation_length,
-        draft_precision=precision, disable=disable_speculative_decoding, suffix=suffix_speculation,
-        suffix_cache_tokens=suffix_cache_tokens, current=current.speculation,
+        draft_model=draft_model,
+        draft_token_count=draft_token_count,
+        ngram_speculation_length=ngram_speculation_length,
+        draft_precision=precision,
+        disable=disable_speculative_decoding,
+        suffix=suffix_speculation,
+        suffix_cache_tokens=suffix_cache_tokens,
+        current=current.speculation,
     )
-    others = {"display_name": display_name, "max_batch_size": max_batch_size, "device": device and device.value,
-              "dtype": dtype and dtype.value, "quantization": quantization and quantization.value,
-              "compile": compile_passes, "engine": engine and engine.value, "max_context_length": max_context_length,
-              "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
-              "ray_address": ray_address}
+    others = {
+        "display_name": display_name,
+        "max_batch_size": max_batch_size,
+        "device": device and device.value,
+        "dtype": dtype and dtype.value,
+        "quantization": quantization and quantization.value,
+        "compile": compile_passes,
+        "engine": engine and engine.value,
+        "max_context_length": max_context_length,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "ray_address": ray_address,
+    }
     others = {k: v for k, v in others.items() if v is not None}
     if "ray_address" in others and not others["ray_address"]:
         others["ray_address"] = None  # --ray-address "": back to one machine
@@ -407,11 +515,15 @@ def update(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length/--suffix-speculation with --draft-token-count, "
             "--draft-token-count, --suffix-cache-tokens, --draft-precision, --disable-speculative-decoding, "
-            "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
+            "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, "
+            "--max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
             "--ray-address",
         )
-    _checked(lambda: DeploymentSpec.model_validate(
-        {**current.model_dump(), **({"speculation": speculation} if speculation is not None else {}), **others}))
+    _checked(
+        lambda: DeploymentSpec.model_validate(
+            {**current.model_dump(), **({"speculation": speculation} if speculation is not None else {}), **others}
+        )
+    )
     if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
         draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
         draft_model = draft.ref
@@ -420,9 +532,13 @@ def update(
         # recomputed under the store's lock from the spec as it is now, so concurrent updates compose
         fields = dict(others)
         new = speculation_from_flags(
-            draft_model=draft_model, draft_token_count=draft_token_count,
-            ngram_speculation_length=ngram_speculation_length, draft_precision=precision,
-            disable=disable_speculative_decoding, suffix=suffix_speculation, suffix_cache_tokens=suffix_cache_tokens,
+            draft_model=draft_model,
+            draft_token_count=draft_token_count,
+            ngram_speculation_length=ngram_speculation_length,
+            draft_precision=precision,
+            disable=disable_speculative_decoding,
+            suffix=suffix_speculation,
+            suffix_cache_tokens=suffix_cache_tokens,
             current=spec.speculation,
         )
         if new is not None:
@@ -431,7 +547,9 @@ def update(
         return _checked(lambda: DeploymentSpec.model_validate({**spec.model_dump(), **fields}))
 
     updated = store.update(deployment_id, change)
-    output.message("Updated deployment ", (deployment_id, "bold"), f" (speculation: {describe_speculation(updated.speculation)})")
+    output.message(
+        "Updated deployment ", (deployment_id, "bold"), f" (speculation: {describe_speculation(updated.speculation)})"
+    )
     _apply(deployment_id, wait, wait_timeout, fmt, store, "updated")
 
 
@@ -467,10 +585,17 @@ class ModelSource(str, enum.Enum):
 @handle_errors
 def export(
     deployment_id: str = typer.Argument(...),
-    fmt: ExportFormat = typer.Option(..., "--format", "-f", help="vllm: the `vllm serve` command; ray-serve: a Ray "
-                                     "Serve LLM config; kserve: an InferenceService."),
-    model_source: ModelSource = typer.Option(ModelSource.hub, "--model-source", help="hub: packaged models as their "
-                                             "original hub checkpoints (for a cluster); local: depctl's local copies."),
+    fmt: ExportFormat = typer.Option(
+        ...,
+        "--format",
+        "-f",
+        help="vllm: the `vllm serve` command; ray-serve: a Ray Serve LLM config; kserve: an InferenceService.",
+    ),
+    model_source: ModelSource = typer.Option(
+        ModelSource.hub,
+        "--model-source",
+        help="hub: packaged models as their original hub checkpoints (for a cluster); local: depctl's local copies.",
+    ),
     min_replicas: int = typer.Option(1, "--min-replicas", min=0, help="ray-serve and kserve: fewest replicas."),
     max_replicas: int = typer.Option(4, "--max-replicas", min=1, help="ray-serve and kserve: most replicas."),
 ) -> None:
@@ -481,5 +606,7 @@ def export(
     if max_replicas < min_replicas:
         raise UsageError(f"--max-replicas {max_replicas} is less than --min-replicas {min_replicas}")
     spec = SpecStore().get(deployment_id)
-    typer.echo(render(spec, fmt.value, model_source=model_source.value, min_replicas=min_replicas,
-                      max_replicas=max_replicas), nl=False)
+    typer.echo(
+        render(spec, fmt.value, model_source=model_source.value, min_replicas=min_replicas, max_replicas=max_replicas),
+        nl=False,
+    )

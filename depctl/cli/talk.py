@@ -9,9 +9,8 @@ from typing import Optional
 import typer
 
 from depctl import output
-from depctl.cli._common import connect, handle_errors
+from depctl.cli._common import daemon_client, handle_errors
 from depctl.client import Client
-from depctl.errors import DaemonNotRunning
 
 MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="Most tokens to generate.")
 TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, max=2.0, help="0 is greedy.")
@@ -41,20 +40,23 @@ def stream_reply(client: Client, path: str, body: dict) -> tuple[str, dict | Non
         rate = spec.get("acceptance_rate")
         decode = elapsed - (first - t0) if first else elapsed
         # a vLLM deployment's usage has no per-request speculation counts (`deployment get` has its totals)
-        acceptance = (f" · acceptance {'-' if rate is None else f'{rate:.0%}'} "
-                      f"({spec.get('accepted_tokens', 0)}/{spec.get('drafted_tokens', 0)} drafted)") if spec else ""
-        output.message((
-            f"{n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s; first token {((first or t0) - t0) * 1000:.0f} ms, "
-            f"then {max(n - 1, 0) / decode if decode > 0 else 0:.1f} tok/s){acceptance}", "dim"
-        ))
+        acceptance = (
+            (
+                f" · acceptance {'-' if rate is None else f'{rate:.0%}'} "
+                f"({spec.get('accepted_tokens', 0)}/{spec.get('drafted_tokens', 0)} drafted)"
+            )
+            if spec
+            else ""
+        )
+        output.message(
+            (
+                f"{n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s; "
+                f"first token {((first or t0) - t0) * 1000:.0f} ms, "
+                f"then {max(n - 1, 0) / decode if decode > 0 else 0:.1f} tok/s){acceptance}",
+                "dim",
+            )
+        )
     return "".join(parts), usage
-
-
-def _client() -> Client:
-    client = connect(autostart=False)
-    if client is None:
-        raise DaemonNotRunning()
-    return client
 
 
 @handle_errors
@@ -67,7 +69,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send PROMPT as plain text to /v1/completions (no chat template)."),
 ) -> None:
     """One prompt, streamed, then tokens, tokens/s and acceptance rate."""
-    client = _client()
+    client = daemon_client()
     if raw:
         body = {"model": deployment_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
         stream_reply(client, "/v1/completions", body)
@@ -85,7 +87,7 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="A system message."),
 ) -> None:
     """Interactive chat with a deployment (empty line or Ctrl-D to quit)."""
-    client = _client()
+    client = daemon_client()
     messages = [{"role": "system", "content": system}] if system else []
     console = output.err()
     output.message("Chatting with ", (deployment_id, "bold"), ". Empty line or Ctrl-D to quit.")

@@ -17,8 +17,14 @@ from starlette.exceptions import HTTPException
 
 log = logging.getLogger("depctl.api")
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         413: "invalid_request_error", 503: "service_unavailable", 500: "server_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+    500: "server_error",
+}
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -65,8 +71,10 @@ def _param(loc) -> str:
 
 def _http_error(request: Request, exc: HTTPException) -> APIError:
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}: the API serves /v1/models, /v1/completions, " \
-                  "/v1/chat/completions, /health, /metrics and /depctl/v1/deployments"
+        message = (
+            f"no route {request.method} {request.url.path}: the API serves /v1/models, /v1/completions, "
+            "/v1/chat/completions, /health, /metrics and /depctl/v1/deployments"
+        )
     elif exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
@@ -93,5 +101,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return APIError(500, f"internal error ({type(exc).__name__}: {exc}); this is a bug in depctl: the daemon log "
-                             "(`depctl daemon logs`) has the traceback", code="internal_error").response()
+        return APIError(
+            500,
+            f"internal error ({type(exc).__name__}: {exc}); this is a bug in depctl: the daemon log "
+            "(`depctl daemon logs`) has the traceback",
+            code="internal_error",
+        ).response()

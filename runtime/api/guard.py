@@ -16,8 +16,8 @@ import secrets
 
 from starlette.exceptions import HTTPException
 
-from runtime.api.errors import APIError
 from depctl.settings import Settings, is_loopback
+from runtime.api.errors import APIError
 
 OPEN_PATHS = ("/health",)
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
@@ -34,7 +34,7 @@ class BodyTooLarge(HTTPException):
 def _hostname(host_header: str) -> str:
     host = host_header.strip().lower()
     if host.startswith("["):  # [::1]:8642
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
@@ -82,24 +82,35 @@ class Guard:
     def _refusal(self, scope, headers: dict) -> APIError | None:
         host = headers.get("host")
         if self.allowed_hosts is not None and host is not None and _hostname(host) not in self.allowed_hosts:
-            return APIError(400, f"the Host header {host!r} is not this daemon's address; it answers requests to "
-                                 f"localhost or {self.settings.host} only (a guard against DNS rebinding)",
-                            code="invalid_host")
+            return APIError(
+                400,
+                f"the Host header {host!r} is not this daemon's address; it answers requests to "
+                f"localhost or {self.settings.host} only (a guard against DNS rebinding)",
+                code="invalid_host",
+            )
         if self._key is None or scope["path"] in OPEN_PATHS:
             return None
         auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            return APIError(401, "this daemon needs an API key: send `Authorization: Bearer KEY` (the depctl CLI reads "
-                                 "DEPCTL_API_KEY or the running daemon's daemon.json)", code="missing_api_key")
+            return APIError(
+                401,
+                "this daemon needs an API key: send `Authorization: Bearer KEY` (the depctl CLI reads "
+                "DEPCTL_API_KEY or the running daemon's daemon.json)",
+                code="missing_api_key",
+            )
         if not secrets.compare_digest(token.strip().encode(), self._key):
             return APIError(401, "the API key is not this daemon's", code="invalid_api_key")
         return None
 
 
 def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"the request body is {size} bytes or more; this daemon accepts at most {limit} "
-                         f"(DEPCTL_MAX_BODY_BYTES, or `depctl daemon start --max-body-bytes`)", code="request_too_large")
+    return APIError(
+        413,
+        f"the request body is {size} bytes or more; this daemon accepts at most {limit} "
+        f"(DEPCTL_MAX_BODY_BYTES, or `depctl daemon start --max-body-bytes`)",
+        code="request_too_large",
+    )
 
 
 async def _send_error(scope, receive, send, error: APIError) -> None:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-
 if TYPE_CHECKING:
     from runtime.manager import DeploymentManager
 
@@ -25,22 +24,35 @@ class SpecDecodeCollector:
         self.manager = manager
 
     def collect(self) -> Iterable:
-        state = GaugeMetricFamily("depctl:deployment_state", "1 for the deployment's current state", labels=["deployment", "state"])
-        drafts = CounterMetricFamily("depctl:spec_decode_num_drafts", "Steps that verified draft tokens", labels=["deployment"])
-        draft_tokens = CounterMetricFamily("depctl:spec_decode_num_draft_tokens", "Draft tokens verified", labels=["deployment"])
-        accepted = CounterMetricFamily("depctl:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["deployment"])
+        state = GaugeMetricFamily(
+            "depctl:deployment_state", "1 for the deployment's current state", labels=["deployment", "state"]
+        )
+        drafts = CounterMetricFamily(
+            "depctl:spec_decode_num_drafts", "Steps that verified draft tokens", labels=["deployment"]
+        )
+        draft_tokens = CounterMetricFamily(
+            "depctl:spec_decode_num_draft_tokens", "Draft tokens verified", labels=["deployment"]
+        )
+        accepted = CounterMetricFamily(
+            "depctl:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels=["deployment"]
+        )
         per_pos = CounterMetricFamily(
-            "depctl:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position",
+            "depctl:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position",
             labels=["deployment", "position"],
         )
-        running = GaugeMetricFamily("depctl:num_requests_running", "Requests in the running batch (prefilling included)",
-                                    labels=["deployment"])
-        waiting = GaugeMetricFamily("depctl:num_requests_waiting", "Requests waiting for a batch row",
-                                    labels=["deployment"])
-        suffix_tokens = GaugeMetricFamily("depctl:suffix_cache_tokens", "Tokens held by suffix speculation's index",
-                                          labels=["deployment"])
-        suffix_requests = GaugeMetricFamily("depctl:suffix_cache_requests",
-                                            "Requests held by suffix speculation's index", labels=["deployment"])
+        running = GaugeMetricFamily(
+            "depctl:num_requests_running", "Requests in the running batch (prefilling included)", labels=["deployment"]
+        )
+        waiting = GaugeMetricFamily(
+            "depctl:num_requests_waiting", "Requests waiting for a batch row", labels=["deployment"]
+        )
+        suffix_tokens = GaugeMetricFamily(
+            "depctl:suffix_cache_tokens", "Tokens held by suffix speculation's index", labels=["deployment"]
+        )
+        suffix_requests = GaugeMetricFamily(
+            "depctl:suffix_cache_requests", "Requests held by suffix speculation's index", labels=["deployment"]
+        )
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
             if dep.backend is None:
@@ -51,8 +63,12 @@ class SpecDecodeCollector:
             accepted.add_metric([dep.id], c.accepted_tokens)
             for pos, count in enumerate(c.accepted_per_position):
                 per_pos.add_metric([dep.id, str(pos)], count)
-            for family, value in ((running, c.running), (waiting, c.waiting), (suffix_tokens, c.suffix_tokens),
-                                  (suffix_requests, c.suffix_requests)):
+            for family, value in (
+                (running, c.running),
+                (waiting, c.waiting),
+                (suffix_tokens, c.suffix_tokens),
+                (suffix_requests, c.suffix_requests),
+            ):
                 if value is not None:
                     family.add_metric([dep.id], value)
         yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos, suffix_tokens, suffix_requests)
@@ -66,25 +82,40 @@ class Metrics:
             "depctl:requests", "Finished requests", ["deployment", "endpoint", "status"], registry=r
         )
         self.prompt_tokens = Counter("depctl:prompt_tokens", "Prompt tokens processed", ["deployment"], registry=r)
-        self.generation_tokens = Counter(
-            "depctl:generation_tokens", "Tokens generated", ["deployment"], registry=r
-        )
+        self.generation_tokens = Counter("depctl:generation_tokens", "Tokens generated", ["deployment"], registry=r)
         self.ttft = Histogram(
-            "depctl:time_to_first_token_seconds", "Time to first token", ["deployment"], buckets=LATENCY_BUCKETS,
+            "depctl:time_to_first_token_seconds",
+            "Time to first token",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
-            "depctl:inter_token_latency_seconds", "Time per output token after the first", ["deployment"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "depctl:inter_token_latency_seconds",
+            "Time per output token after the first",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "depctl:e2e_request_latency_seconds", "Request latency", ["deployment"],
-            buckets=LATENCY_BUCKETS + (20.0, 60.0, 120.0), registry=r,
+            "depctl:e2e_request_latency_seconds",
+            "Request latency",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS + (20.0, 60.0, 120.0),
+            registry=r,
         )
         r.register(SpecDecodeCollector(manager))
 
-    def observe_request(self, deployment: str, endpoint: str, status: str, prompt_tokens: int = 0,
-                        generated: int = 0, ttft: float | None = None, latency: float | None = None) -> None:
+    def observe_request(
+        self,
+        deployment: str,
+        endpoint: str,
+        status: str,
+        prompt_tokens: int = 0,
+        generated: int = 0,
+        ttft: float | None = None,
+        latency: float | None = None,
+    ) -> None:
         self.requests.labels(deployment, endpoint, status).inc()
         if prompt_tokens:
             self.prompt_tokens.labels(deployment).inc(prompt_tokens)

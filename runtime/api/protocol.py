@@ -20,8 +20,10 @@ def _unicode(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"contains an unpaired UTF-16 surrogate ({text[exc.start]!a} at character {exc.start}); "
-                         "send valid Unicode text") from None
+        raise ValueError(
+            f"contains an unpaired UTF-16 surrogate ({text[exc.start]!a} at character {exc.start}); "
+            "send valid Unicode text"
+        ) from None
     return text
 
 
@@ -29,8 +31,12 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 def _unsupported(name: str, value: Any, why: str = "") -> None:
-    raise APIError(400, f"{name} is not supported by depctl{why}; remove it from the request", param=name,
-                   code="unsupported_parameter")
+    raise APIError(
+        400,
+        f"{name} is not supported by depctl{why}; remove it from the request",
+        param=name,
+        code="unsupported_parameter",
+    )
 
 
 class _Request(BaseModel):
@@ -81,8 +87,11 @@ class _Common(_Request):
             if getattr(self, name):
                 _unsupported(name, getattr(self, name), " (only 0)")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            _unsupported("response_format", self.response_format,
-                         f" (type {self.response_format.get('type')!r}: only 'text'; depctl cannot constrain output to JSON)")
+            _unsupported(
+                "response_format",
+                self.response_format,
+                f" (type {self.response_format.get('type')!r}: only 'text'; depctl cannot constrain output to JSON)",
+            )
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
 

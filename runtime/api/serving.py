@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from depctl.settings import Settings
@@ -84,17 +84,22 @@ class Service:
         dep = self.manager.get(dep_id)
         if dep is None:  # before the stopping check: a retry after the restart would not find it either
             raise APIError(
-                404, f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
-                param="model", code="model_not_found",
+                404,
+                f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
+                param="model",
+                code="model_not_found",
             )
         if self.stopping:
-            raise APIError(503, "the daemon is stopping; retry once it is back (`depctl daemon start`)",
-                           code="daemon_stopping")
+            raise APIError(
+                503, "the daemon is stopping; retry once it is back (`depctl daemon start`)", code="daemon_stopping"
+            )
         if dep.state not in SERVING_STATES or not dep.serving:
             why = f": {dep.reason}" if dep.reason else ""
             raise APIError(
-                503, f"deployment {dep_id!r} is {dep.state.value}{why}; it serves requests once READY",
-                param="model", code=f"deployment_{dep.state.value.lower()}",
+                503,
+                f"deployment {dep_id!r} is {dep.state.value}{why}; it serves requests once READY",
+                param="model",
+                code=f"deployment_{dep.state.value.lower()}",
             )
         return dep
 
@@ -122,7 +127,9 @@ class Service:
         tokenizer = dep.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(
-                400, f"deployment {dep.id!r} has no chat template (a base model?): use /v1/completions", param="messages"
+                400,
+                f"deployment {dep.id!r} has no chat template (a base model?): use /v1/completions",
+                param="messages",
             )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
@@ -141,9 +148,13 @@ class Service:
             raise APIError(400, "the prompt is empty", param=prompt_param)
         limit = self.settings.max_prompt_tokens
         if limit is not None and len(prompt_ids) > limit:
-            raise APIError(400, f"the prompt has {len(prompt_ids)} tokens; this daemon accepts at most {limit} "
-                                "(DEPCTL_MAX_PROMPT_TOKENS, or `depctl daemon start --max-prompt-tokens`)",
-                           param=prompt_param, code="prompt_too_long")
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; this daemon accepts at most {limit} "
+                "(DEPCTL_MAX_PROMPT_TOKENS, or `depctl daemon start --max-prompt-tokens`)",
+                param=prompt_param,
+                code="prompt_too_long",
+            )
         max_context = dep.max_context
         room = max_context - len(prompt_ids)
         if max_tokens is None:  # a chat request without max_tokens: the daemon's default, within the context
@@ -153,17 +164,24 @@ class Service:
                 400,
                 f"this model's context holds {max_context} tokens; the prompt has {len(prompt_ids)} and max_tokens "
                 f"asks for {max_tokens}: shorten the prompt or lower max_tokens",
-                param="max_tokens" if room >= 1 else prompt_param, code="context_length_exceeded",
+                param="max_tokens" if room >= 1 else prompt_param,
+                code="context_length_exceeded",
             )
         try:
             sampling = req.sampling_params()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        params = GenerationParams(max_tokens=max_tokens, sampling=sampling, ignore_eos=req.ignore_eos,
-                                  prediction=prediction, speculate=req.speculation_enabled,
-                                  max_draft_tokens=req.max_draft_tokens)
-        return Job(kind, dep.id, req.model, GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings)),
-                   dep.backend)
+        params = GenerationParams(
+            max_tokens=max_tokens,
+            sampling=sampling,
+            ignore_eos=req.ignore_eos,
+            prediction=prediction,
+            speculate=req.speculation_enabled,
+            max_draft_tokens=req.max_draft_tokens,
+        )
+        return Job(
+            kind, dep.id, req.model, GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings)), dep.backend
+        )
 
     # ---- running ----
     async def run(self, job: Job) -> AsyncIterator[Delta]:
@@ -192,15 +210,23 @@ class Service:
                         return
             status = "cancelled"
         except Interrupted:
-            raise APIError(503, f"the daemon is stopping and this request was still running when its drain time ran "
-                                f"out, after {completion} tokens (DEPCTL_DRAIN_TIMEOUT); retry once it is back",
-                           code="daemon_stopping") from None
+            raise APIError(
+                503,
+                f"the daemon is stopping and this request was still running when its drain time ran "
+                f"out, after {completion} tokens (DEPCTL_DRAIN_TIMEOUT); retry once it is back",
+                code="daemon_stopping",
+            ) from None
         except BackendError as exc:
             raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
         finally:
             self.metrics.observe_request(
-                job.deployment_id, endpoint, status, len(job.request.prompt_ids), completion,
-                None if first_at is None else first_at - t0, time.perf_counter() - t0,
+                job.deployment_id,
+                endpoint,
+                status,
+                len(job.request.prompt_ids),
+                completion,
+                None if first_at is None else first_at - t0,
+                time.perf_counter() - t0,
             )
 
     def _usage(self, job: Job, completion: int, drafted: int, accepted: int, pred_accepted: int) -> dict:

@@ -109,4 +109,3 @@ class Backend(Protocol):
         """Stop after what runs finishes (``drain``) or at once; ``then`` runs once it has stopped."""
 
     def wait_stopped(self, timeout: float | None = None) -> bool: ...
-

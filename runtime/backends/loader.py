@@ -7,6 +7,7 @@ deployment then goes to FAILED with that message as its reason.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from dataclasses import dataclass
@@ -18,17 +19,27 @@ import torch
 from depctl import config, models
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
-from runtime.speculation import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
-from runtime.model import compiled, graphs
 from runtime.kernels import native
+from runtime.kernels.surgery import (
+    SplitKLinear,
+    WeightMajorLinear,
+    blocked_linears,
+    int8_linears,
+    int8_row_invariant,
+    int8_weight_linears,
+    onednn_linears,
+    onednn_row_invariant,
+    plain_stand_in_bytes,
+    products,
+    row_invariant_chunk,
+    split_k_linears,
+    weight_major_linears,
+)
+from runtime.model import compiled, graphs
 from runtime.model.decoder import fuse_projections
 from runtime.model.head import ScreenedHead, screen_output_layer
 from runtime.model.runner import ModelRunner
-from runtime.kernels.surgery import (
-    SplitKLinear, WeightMajorLinear, blocked_linears, int8_linears, int8_row_invariant, int8_weight_linears,
-    onednn_linears, onednn_row_invariant, plain_stand_in_bytes, products, row_invariant_chunk, split_k_linears,
-    weight_major_linears,
-)
+from runtime.speculation import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
 
 log = logging.getLogger("depctl.loader")
 
@@ -71,74 +82,106 @@ def log_progress(message: str) -> None:
     log.info("%s", message)
 
 
-def _attach_exact(runner: ModelRunner, attribute: str, make, failed: str, what: str, device: str) -> str | None:
-    """``runner.<attribute> = make()``, kept only if a verify pass through it equals one-token steps through it bit for
-    bit (``compiled.check``). Returns None when kept, else why not (the runner is left eager): an exception in
-    ``make`` or the check is logged and named by its first line."""
+class PassKind(enum.Enum):
+    EAGER = "eager"
+    COMPILED = "compiled"  # an AOTInductor library (a CPU)
+    CUDA_GRAPHS = "cuda graphs"
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How a deployment's decode and verify passes run: the runners to use, and why (``deployment get``)."""
+
+    target: ModelRunner
+    draft: ModelRunner | None
+    kind: PassKind
+    detail: str
+
+    def describe(self) -> str:
+        return f"{'no' if self.kind == PassKind.EAGER else 'yes'} ({self.detail})"
+
+
+def _exact(runner: ModelRunner, make, failed: str, what: str, device: str) -> tuple[ModelRunner, str | None]:
+    """``runner`` with the pass ``make(runner)`` builds, kept only if a verify pass through it equals one-token steps
+    through it bit for bit (``compiled.check``); else the eager runner and why not."""
     try:
-        setattr(runner, attribute, make())
-        exact = compiled.check(runner)
+        fast = runner.with_pass(make())
+        exact = compiled.check(fast)
     except Exception as exc:  # noqa: BLE001 - any failure here means: run eagerly
         log.warning("%s; the passes run eagerly", failed, exc_info=exc)
-        setattr(runner, attribute, None)
-        return f"no ({failed}: {first_line(exc, 240)})"
+        return runner, f"{failed}: {first_line(exc, 240)}"
     if not exact:
-        setattr(runner, attribute, None)
-        return f"no ({what} rounded differently from single steps on this {device})"
-    return None
+        return runner, f"{what} rounded differently from single steps on this {device}"
+    return fast, None
 
 
-def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> str:
+def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> Passes:
     """On CUDA: the target's decode and verify passes at one fixed shape, ``max_rows x width`` tokens (width = 1 +
-    the most drafts a row verifies), replayed from CUDA graphs (``runtime.model.graphs``), once a verify pass through
-    them equals one-token steps through them bit for bit on this GPU; a draft model's one- and two-token forwards
-    likewise (its output only proposes, so no check). Anything that fails leaves the eager pass and says why."""
+    the most drafts a row verifies), replayed from CUDA graphs (``runtime.model.graphs``) once proven exact on this
+    GPU; a draft model's one- and two-token forwards likewise (its output only proposes, so no check)."""
     if not runner.fused:
-        return "no (this architecture keeps transformers' forward, which is not recorded into CUDA graphs)"
+        return Passes(
+            runner,
+            draft,
+            PassKind.EAGER,
+            "this architecture keeps transformers' forward, which is not recorded into CUDA graphs",
+        )
     runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
     runner.set_length(0, 0)
-    refused = _attach_exact(runner, "graphed", lambda: graphs.FixedShapePass(runner.model, runner.cache,
-                                                                              runner.max_rows, (width,)),
-                            "recording CUDA graphs failed", "a verify pass through the CUDA graphs", "GPU")
+    target, refused = _exact(
+        runner,
+        lambda: graphs.FixedShapePass(runner.model, runner.cache, runner.max_rows, (width,)),
+        "recording CUDA graphs failed",
+        "a verify pass through the CUDA graphs",
+        "GPU",
+    )
     if refused:
-        return refused
+        return Passes(runner, draft, PassKind.EAGER, refused)
     drafts = ""
     if draft is not None and draft.fused:
         try:
             draft.forward(0, [[0]], prefill=True)
             draft.set_length(0, 0)
-            draft.graphed = graphs.FixedShapePass(draft.model, draft.cache, draft.max_rows, (1, 2))
-            draft.forward(0, [[1]])
-            draft.set_length(0, 0)
-            drafts = "; the draft model's forwards too"
+            graphed = draft.with_pass(graphs.FixedShapePass(draft.model, draft.cache, draft.max_rows, (1, 2)))
+            graphed.forward(0, [[1]])
+            graphed.set_length(0, 0)
+            draft, drafts = graphed, "; the draft model's forwards too"
         except Exception as exc:  # noqa: BLE001
             log.warning("recording the draft model's CUDA graphs failed; it runs eagerly", exc_info=exc)
-            draft.graphed = None
-    return f"yes ({runner.graphed.describe()}{drafts})"
+    return Passes(target, draft, PassKind.CUDA_GRAPHS, f"{target.fast_pass.describe()}{drafts}")
 
 
-def compile_passes(runner: ModelRunner, precision: str, wanted: bool, width: int = 1,
-                   draft: ModelRunner | None = None, report: Callable[[str], None] = log_progress) -> str:
-    """Attach a compiled decode/verify pass (``runtime.model.compiled``) where it is faster and exact, and say how
-    the passes run. Measured on a 2-core EPYC (SmolLM2, one-token step, ``benchmarks/passes.py``): int8 weights 11.2
-    -> 7.3 ms, bf16 14.6 -> 10.0 ms, float32 17.8 -> 13.4 ms, each with products the library calls directly
-    (``torch._weight_int8pack_mm``, oneDNN's linear on its reordered weights). Split-K and weight-major linears (the fallbacks where oneDNN is
-    not row-invariant) would become inductor's own products, which ran slower (bf16: 22 -> 37 ms): those stay eager.
-    A compile that fails (no C++ compiler, an op AOTInductor cannot take) leaves the eager pass and says why; it
-    never fails the deployment."""
+def compile_passes(
+    runner: ModelRunner,
+    precision: str,
+    wanted: bool,
+    width: int = 1,
+    draft: ModelRunner | None = None,
+    report: Callable[[str], None] = log_progress,
+) -> Passes:
+    """The fastest exact pass strategy for this runner: a compiled library on a CPU where it is faster
+    (BENCHMARKS.md), CUDA graphs on a GPU, else eager. Split-K and weight-major linears (where oneDNN is not
+    row-invariant) would become inductor's own, slower products: those stay eager. A compile that fails leaves the
+    eager pass and says why; it never fails the deployment."""
+
+    def eager(why: str) -> Passes:
+        return Passes(runner, draft, PassKind.EAGER, why)
+
     if not wanted:
-        return "no (the spec says compile: false)"
+        return eager("the spec says compile: false")
     if runner.device.type == "cuda":
         return graph_passes(runner, width, draft)
     if runner.device.type != "cpu":
-        return f"no (no compiled passes on {runner.device.type})"
+        return eager(f"no compiled passes on {runner.device.type}")
     if precision not in COMPILED_PRECISIONS:
-        return f"no ({precision} passes ran slower compiled on a CPU; int8 weights, bfloat16 and float32 compile)"
+        return eager(f"{precision} passes ran slower compiled on a CPU; int8 weights, bfloat16 and float32 compile")
     if any(isinstance(m, (SplitKLinear, WeightMajorLinear)) for m in runner.model.modules()):
-        return ("no (this CPU's oneDNN linear is not row-invariant, so the products are split-K or weight-major ones, "
-                "which ran slower compiled)")
+        return eager(
+            "this CPU's oneDNN linear is not row-invariant, so the products are split-K or weight-major ones, "
+            "which ran slower compiled"
+        )
     if not runner.fused:
-        return "no (this architecture keeps transformers' forward, which does not compile)"
+        return eager("this architecture keeps transformers' forward, which does not compile")
     runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
     runner.set_length(0, 0)
     package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
@@ -148,27 +191,30 @@ def compile_passes(runner: ModelRunner, precision: str, wanted: bool, width: int
         stand_ins = plain_stand_in_bytes(runner.model)
         free = free_bytes(runner.device)
         if stand_ins and free is not None and stand_ins > 0.8 * free:
-            return (f"no (building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
-                    f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile)")
+            return eager(
+                f"building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
+                f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile"
+            )
     built = ""
 
     def library() -> compiled.CompiledPass:
         nonlocal built
         if not package.exists():
-            report("compiling the decode and verify passes (once per model and precision; a minute or more on a "
-                   "small CPU; later loads reuse it)")
+            report(
+                "compiling the decode and verify passes (once per model and precision; a minute or more on a "
+                "small CPU; later loads reuse it)"
+            )
             built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
         return compiled.CompiledPass(package, runner.model)
 
-    refused = _attach_exact(runner, "compiled", library, "compiling failed", "a verify pass through the compiled library",
-                            "CPU")
+    target, refused = _exact(runner, library, "compiling failed", "a verify pass through the compiled library", "CPU")
     if refused:
-        return refused
+        return eager(refused)
     screened = ""
-    if isinstance(runner.model.lm_head, ScreenedHead):  # the native ops are loaded now: switch the screen on
-        runner.model.lm_head.screen(runner.vocab_size)
+    if isinstance(target.model.lm_head, ScreenedHead):  # the native ops are loaded now: switch the screen on
+        target.model.lm_head.screen(target.vocab_size)
         screened = "; greedy tokens screened in bf16 before the float32 output layer"
-    return f"yes (AOTInductor library {package.name}{built}{screened})"
+    return Passes(target, draft, PassKind.COMPILED, f"{target.fast_pass.describe()}{built}{screened}")
 
 
 def pick_device(requested: str) -> torch.device:
@@ -186,21 +232,23 @@ def pick_device(requested: str) -> torch.device:
 def pick_dtype(requested: str, device: torch.device, quantization: str = "none") -> torch.dtype:
     if quantization == "int8":  # the activations' dtype: the int8 weight kernel wants bf16 (spec.check_quantization)
         if device.type != "cpu":
-            raise LoadError(f"--quantization int8 runs on a CPU in this version, and this deployment resolved to "
-                            f"{device.type}: update it with --device cpu, or --quantization none")
+            raise LoadError(
+                f"--quantization int8 runs on a CPU in this version, and this deployment resolved to "
+                f"{device.type}: update it with --device cpu, or --quantization none"
+            )
         if not int8_row_invariant(torch.bfloat16):
-            raise LoadError("this CPU's int8 weight kernel gives a row a different result depending on how many rows "
-                            "share the pass, so speculation would not be exact: update the deployment with "
-                            "--quantization none")
+            raise LoadError(
+                "this CPU's int8 weight kernel gives a row a different result depending on how many rows "
+                "share the pass, so speculation would not be exact: update the deployment with "
+                "--quantization none"
+            )
         return torch.bfloat16
     if requested != "auto":
         return getattr(torch, requested)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # On a CPU with bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads (a compiled
-    # one-token SmolLM2 pass: 5.2 ms against float32's 10.8, both through our blocked products) and a product of a
-    # few rows costs little more than one, so decoding is ~2x faster and verification cheap. Without them bf16 is
-    # emulated (verifying 8 tokens cost 4-6x a step on an AVX2 EPYC) and fp32 is the fast choice. Either way the
+    # With bf16 dot-product instructions (AVX-512 BF16, AMX) bf16 halves the bytes a step reads and a product of a few
+    # rows costs little more than one; without them bf16 is emulated and float32 is the fast choice. Either way the
     # result stays exact (surgery).
     if cpu_has_bf16() and cpu_bf16_exact():
         return torch.bfloat16
@@ -211,20 +259,25 @@ def cpu_bf16_exact() -> bool:
     """Whether this CPU can run a bf16 target exactly under speculation: our blocked product runs here (AVX-512 BF16:
     ``BlockedLinear``), oneDNN's linear is row-invariant from two rows (``OneDNNLinear``), or ``F.linear`` is once its
     inner dimension is cut (``SplitKLinear``)."""
-    return (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)
-            or row_invariant_chunk(torch.bfloat16) is not None)
+    return (
+        native.blocked_supports(torch.bfloat16)
+        or onednn_row_invariant(torch.bfloat16)
+        or row_invariant_chunk(torch.bfloat16) is not None
+    )
 
 
 def cpu_has_bf16() -> bool:
     """bf16 dot products in hardware: AVX-512 BF16 (Zen 4, Cooper Lake on) or AMX tiles (Sapphire Rapids on)."""
     cpu = getattr(torch, "cpu", None)
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(
+        bool(getattr(cpu, name, lambda: False)()) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
 
 
 def pick_draft_precision(requested: str, device: torch.device, target_dtype: torch.dtype) -> str:
     """How the draft's weights are held: "int8" or a dtype name. The draft only proposes, so this never changes
-    the output. auto: int8 on a CPU (Qwen2.5-Coder-0.5B drafts a token in ~40 ms instead of ~130 ms on 2 cores),
-    the target's dtype on a GPU (dynamic int8 is a CPU kernel)."""
+    the output. auto: int8 on a CPU (a draft token about 3x faster than float32), the target's dtype on a GPU (dynamic
+    int8 is a CPU kernel)."""
     if requested == "auto":
         return "int8" if device.type == "cpu" else str(target_dtype).removeprefix("torch.")
     if requested == "int8" and device.type != "cpu":
@@ -292,7 +345,8 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
             if chunk is None:
                 raise LoadError(
                     f"{precision} matrix products on this CPU give a row a different result depending on how many "
-                    "rows share the pass, so speculation would not be exact: update the deployment with --dtype float32")
+                    "rows share the pass, so speculation would not be exact: update the deployment with --dtype float32"
+                )
             split_k_linears(model, chunk)
         return model
     if native.available():  # our own row-invariant product (surgery.BlockedLinear), faster than oneDNN's here
@@ -370,12 +424,16 @@ def estimate_bytes(source: str, dtype: torch.dtype, context: int) -> int:
     cfg = AutoConfig.from_pretrained(source)
     stored = 4 if str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", "float32")).endswith("32") else 2
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) * dtype.itemsize // stored
-    layers = getattr(cfg, "num_hidden_layers", 0)
+    return weights + kv_cache_bytes(cfg, dtype.itemsize, context)
+
+
+def kv_cache_bytes(cfg, itemsize: int, positions: int) -> int:
+    """Keys and values of every layer for ``positions`` cached tokens (summed over rows)."""
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = getattr(cfg, "num_attention_heads", 1)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv = 2 * layers * kv_heads * head_dim * context * dtype.itemsize
-    return weights + kv
+    return 2 * getattr(cfg, "num_hidden_layers", 0) * kv_heads * head_dim * positions * itemsize
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -409,8 +467,9 @@ def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
 # ---- the deployment -------------------------------------------------------------------------------------------
 
 
-def load_deployment(spec: DeploymentSpec, calibrate: bool = True,
-                    report: Callable[[str], None] = log_progress) -> LoadedDeployment:
+def load_deployment(
+    spec: DeploymentSpec, calibrate: bool = True, report: Callable[[str], None] = log_progress
+) -> LoadedDeployment:
     """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs)."""
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device, spec.quantization)
@@ -424,10 +483,14 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True,
     from transformers import AutoConfig
 
     try:
-        max_context = min(getattr(AutoConfig.from_pretrained(target_source), "max_position_embeddings", 2048), MAX_CONTEXT_CAP)
+        max_context = min(
+            getattr(AutoConfig.from_pretrained(target_source), "max_position_embeddings", 2048), MAX_CONTEXT_CAP
+        )
     except Exception as exc:
         first = first_line(exc, 300)
-        raise LoadError(f"MODEL {spec.model!r} failed to load: cannot read its config.json in {target_source}: {first}") from exc
+        raise LoadError(
+            f"MODEL {spec.model!r} failed to load: cannot read its config.json in {target_source}: {first}"
+        ) from exc
     needs = [("target", estimate_bytes(target_source, dtype, max_context))]
     precision = pick_draft_precision(spec_method.draft_precision, device, dtype) if draft_source else None
     if draft_source:  # an int8 draft is loaded in float32 first: its peak is the float32 size
@@ -446,10 +509,22 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True,
         surgery(draft, exact=False)
     vocab = real_vocab_size(target.tokenizer)
     rows = spec.max_batch_size
-    proposer = None
+    draft_runner = None
     if draft is not None:
         check_draft_compatible(target, draft, spec.model, draft_ref)
-        proposer = DraftModelProposer(ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context))
+        draft_runner = ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context)
+    num_draft_tokens = getattr(spec_method, "num_draft_tokens", 0)
+    passes = compile_passes(
+        ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context),
+        target.precision,
+        spec.compile,
+        width=1 + num_draft_tokens,
+        draft=draft_runner,
+        report=report,
+    )
+    proposer = None
+    if passes.draft is not None:
+        proposer = DraftModelProposer(passes.draft)
     elif isinstance(spec_method, NgramSpeculation):
         proposer = NgramProposer(spec_method.ngram_length)
     elif isinstance(spec_method, SuffixSpeculation):
@@ -459,22 +534,22 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True,
     eos_ids = {eos} if eos is not None else set()
     eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     engine = SpeculativeEngine(
-        ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context),
+        passes.target,
         proposer,
-        EngineConfig(
-            num_draft_tokens=getattr(spec_method, "num_draft_tokens", 0),
-            max_context=max_context,
-            eos_token_ids=tuple(sorted(eos_ids)),
-        ),
+        EngineConfig(num_draft_tokens=num_draft_tokens, max_context=max_context, eos_token_ids=tuple(sorted(eos_ids))),
     )
-    compiled_status = compile_passes(engine.target, target.precision, spec.compile, width=1 + engine.policy.max_k,
-                                     draft=proposer.runner if isinstance(proposer, DraftModelProposer) else None,
-                                     report=report)
+    compiled_status = passes.describe()
     if calibrate:
         report("calibrating the speculation policy")
     calibration = engine.calibrate() if calibrate else {}
     kernels = products(target.model)
-    log.info("loaded %s on %s/%s%s, products: %s; calibration %s", spec.id, device, dtype,
-             f" (draft {draft.precision})" if draft else "", kernels, calibration)
-    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration, compiled_status,
-                            kernels)
+    log.info(
+        "loaded %s on %s/%s%s, products: %s; calibration %s",
+        spec.id,
+        device,
+        dtype,
+        f" (draft {draft.precision})" if draft else "",
+        kernels,
+        calibration,
+    )
+    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration, compiled_status, kernels)

@@ -63,8 +63,12 @@ class LocalBackend:
 
     def _crashed(self, exc: BaseException) -> None:
         self._worker = None
-        self._owner.failed(self, f"the engine thread failed ({first_line(exc)}); see "
-                                 "`depctl daemon logs`; `depctl deployment update` reloads it", retrying=False)
+        self._owner.failed(
+            self,
+            f"the engine thread failed ({first_line(exc)}); see "
+            "`depctl daemon logs`; `depctl deployment update` reloads it",
+            retrying=False,
+        )
 
     def _exit(self) -> None:
         with self._lock:
@@ -157,9 +161,16 @@ class LocalBackend:
             return Counters()
         stats, proposer = loaded.engine.stats, loaded.engine.proposer
         index = proposer.snapshot() if isinstance(proposer, SuffixProposer) else None
-        return Counters(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                        list(stats.accepted_per_position), worker.num_running, worker.num_waiting,
-                        index["tokens"] if index else None, index["requests"] if index else None)
+        return Counters(
+            stats.num_drafts,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            list(stats.accepted_per_position),
+            worker.num_running,
+            worker.num_waiting,
+            index["tokens"] if index else None,
+            index["requests"] if index else None,
+        )
 
     @property
     def method(self) -> str:
@@ -172,8 +183,9 @@ class LocalBackend:
             raise BackendError(503, f"deployment {self.spec.id!r} is not serving", code="deployment_not_ready")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        handle = worker.submit(request.prompt_ids, request.params,
-                               lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item))
+        handle = worker.submit(
+            request.prompt_ids, request.params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)
+        )
         cut.add_done_callback(lambda _: outputs.put_nowait(_CUT))
         finished = False
         try:
@@ -203,4 +215,3 @@ class LocalBackend:
         finally:
             if not finished:  # a stop string, a client that went away, an error: free the batch row
                 handle.cancel()
-

@@ -128,8 +128,11 @@ def reap_orphans() -> list[int]:
             info = json.loads(record.read_text())
             proc = psutil.Process(info["pid"])
             if abs(proc.create_time() - info["create_time"]) < 1.0:  # the same process, not a reused pid
-                log.warning("stopping vLLM server pid %d left by an earlier daemon (deployment %s)", info["pid"],
-                            info.get("deployment"))
+                log.warning(
+                    "stopping vLLM server pid %d left by an earlier daemon (deployment %s)",
+                    info["pid"],
+                    info.get("deployment"),
+                )
                 _kill_tree(info["pid"], STOP_GRACE)
                 reaped.append(info["pid"])
         except (OSError, ValueError, KeyError, psutil.Error):
@@ -209,10 +212,16 @@ class VLLMBackend:
         proc, metrics = self.proc, self.metrics()
         env = self.env
         out = {
-            "vllm": {"pid": proc.pid if proc is not None and proc.poll() is None else None, "port": self.port,
-                     "version": env.version if env else None, "build": env.build if env else None,
-                     "python": env.python if env else None, "restarts": self.restarts, "dtype": self.dtype,
-                     "max_model_len": self.max_context},
+            "vllm": {
+                "pid": proc.pid if proc is not None and proc.poll() is None else None,
+                "port": self.port,
+                "version": env.version if env else None,
+                "build": env.build if env else None,
+                "python": env.python if env else None,
+                "restarts": self.restarts,
+                "dtype": self.dtype,
+                "max_model_len": self.max_context,
+            },
             "num_requests_running": int(metrics.get("vllm:num_requests_running", 0)),
             "num_requests_waiting": int(metrics.get("vllm:num_requests_waiting", 0)),
             "device": self.device,
@@ -228,9 +237,14 @@ class VLLMBackend:
         """vLLM's counters as last read (never an HTTP call: this runs on the event loop)."""
         m = self.metrics(fetch=False)
         stats = stats_from_metrics(m)
-        return Counters(stats["drafts"], stats["draft_tokens"], stats["accepted_tokens"],
-                        stats["accepted_per_position"], int(m.get("vllm:num_requests_running", 0)),
-                        int(m.get("vllm:num_requests_waiting", 0)))
+        return Counters(
+            stats["drafts"],
+            stats["draft_tokens"],
+            stats["accepted_tokens"],
+            stats["accepted_per_position"],
+            int(m.get("vllm:num_requests_running", 0)),
+            int(m.get("vllm:num_requests_waiting", 0)),
+        )
 
     def metrics(self, max_age: float = METRICS_TTL, fetch: bool = True) -> dict:
         """vLLM's Prometheus samples as {name: value} (labels summed; per-position counters as a list); cached
@@ -249,20 +263,30 @@ class VLLMBackend:
     # ---- requests (on the event loop) ----
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:  # made on the event loop that uses it
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(None, connect=10.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
         return self._client
 
     async def generate(self, request: GenerateRequest, cut: asyncio.Future) -> AsyncIterator[Delta]:
         """The request as token ids to vLLM's completions endpoint (the chat template is already applied), streamed
         back as text; vLLM detokenizes and applies the stop strings."""
         if not self._ready:
-            raise BackendError(503, f"deployment {self.spec.id!r}: its vLLM server is not up",
-                               code="deployment_not_ready")
+            raise BackendError(
+                503, f"deployment {self.spec.id!r}: its vLLM server is not up", code="deployment_not_ready"
+            )
         sampling, params = request.params.sampling, request.params
-        payload = {"model": self.spec.id, "prompt": request.prompt_ids, "max_tokens": params.max_tokens,
-                   "temperature": sampling.temperature, "top_p": sampling.top_p, "stream": True,
-                   "stream_options": {"include_usage": True}, "ignore_eos": params.ignore_eos}
+        payload = {
+            "model": self.spec.id,
+            "prompt": request.prompt_ids,
+            "max_tokens": params.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": params.ignore_eos,
+        }
         if sampling.top_k:
             payload["top_k"] = sampling.top_k
         if sampling.seed is not None:
@@ -271,8 +295,10 @@ class VLLMBackend:
             payload["stop"] = list(request.stops)
         client = self._http()
         try:
-            upstream = await client.send(client.build_request("POST", f"{self.url}/v1/completions", json=payload,
-                                                              headers=self.headers), stream=True)
+            upstream = await client.send(
+                client.build_request("POST", f"{self.url}/v1/completions", json=payload, headers=self.headers),
+                stream=True,
+            )
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
         cut.add_done_callback(lambda _: asyncio.ensure_future(upstream.aclose()))
@@ -308,8 +334,12 @@ class VLLMBackend:
             await upstream.aclose()
 
     def _unreachable(self, exc: Exception) -> BackendError:
-        return BackendError(503, f"deployment {self.spec.id!r}: its vLLM server did not answer ({type(exc).__name__}); "
-                                 "`depctl deployment get` shows its state", code="deployment_not_ready")
+        return BackendError(
+            503,
+            f"deployment {self.spec.id!r}: its vLLM server did not answer ({type(exc).__name__}); "
+            "`depctl deployment get` shows its state",
+            code="deployment_not_ready",
+        )
 
     # ---- the supervisor thread ----
     def _supervise(self) -> None:
@@ -335,12 +365,17 @@ class VLLMBackend:
                     reason = f"the vLLM server {_exit_text(code)}{self._last_error(': ')}"
                     self._owner.failed(self, f"{reason}; restarting in {backoff:g}s (restart {self.restarts})", True)
                 elif attempts >= START_ATTEMPTS:
-                    self._owner.failed(self, f"{failure}; gave up after {attempts} attempts (`depctl daemon logs` has "
-                                          "vLLM's output; fix the spec with `depctl deployment update`)", False)
+                    self._owner.failed(
+                        self,
+                        f"{failure}; gave up after {attempts} attempts (`depctl daemon logs` has "
+                        "vLLM's output; fix the spec with `depctl deployment update`)",
+                        False,
+                    )
                     break
                 else:
-                    self._owner.failed(self, f"{failure}; retrying in {backoff:g}s (attempt {attempts + 1} of "
-                                          f"{START_ATTEMPTS})", True)
+                    self._owner.failed(
+                        self, f"{failure}; retrying in {backoff:g}s (attempt {attempts + 1} of {START_ATTEMPTS})", True
+                    )
                 if self._stop.wait(backoff):
                     break
                 backoff = min(backoff * 2, BACKOFF_MAX)
@@ -369,25 +404,38 @@ class VLLMBackend:
                 return getattr(exc, "message", None) or str(exc)
             self.log_tail.clear()
             log.info("deployment %s: %s", self.spec.id, " ".join(cmd[:1] + cmd[3:]))
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1,
-                                         errors="replace")
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                text=True,
+                bufsize=1,
+                errors="replace",
+            )
             self._record()
-            threading.Thread(target=self._pump, args=(self.proc,), name=f"depctl-vllm-log-{self.spec.id}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(self.proc,), name=f"depctl-vllm-log-{self.spec.id}", daemon=True
+            ).start()
             return self._wait_healthy(what)
 
     def _command(self) -> tuple[list[str], dict]:
-        from runtime.backends.loader import LoadError, MAX_CONTEXT_CAP, pick_dtype
+        from runtime.backends.loader import MAX_CONTEXT_CAP, LoadError, pick_dtype
 
         spec = self.spec
         self.env = require_vllm_env()
         if spec.device == "cuda" and self.env.build == "cpu":
-            raise LaunchError("--device cuda, but the installed vLLM is the CPU build: `depctl engine install vllm "
-                              "--build cuda --force`, or --device cpu")
+            raise LaunchError(
+                "--device cuda, but the installed vLLM is the CPU build: `depctl engine install vllm "
+                "--build cuda --force`, or --device cpu"
+            )
         if spec.device == "cpu" and self.env.build == "cuda":
-            raise LaunchError("--device cpu, but the installed vLLM is the CUDA build: `depctl engine install vllm "
-                              "--build cpu --force`, or --device cuda")
+            raise LaunchError(
+                "--device cpu, but the installed vLLM is the CUDA build: `depctl engine install vllm "
+                "--build cpu --force`, or --device cuda"
+            )
         source = models.materialize(models.resolve(spec.model, "MODEL"))
         draft_source = None
         if isinstance(spec.speculation, DraftModelSpeculation):
@@ -410,24 +458,47 @@ class VLLMBackend:
         self.dtype = str(dtype).removeprefix("torch.") if dtype is not None else spec.dtype
         model_len = _model_positions(source)
         if spec.max_context_length and model_len and spec.max_context_length > model_len:
-            raise LaunchError(f"--max-context-length {spec.max_context_length} is more than the model's "
-                              f"{model_len} positions: lower it, or leave it unset")
+            raise LaunchError(
+                f"--max-context-length {spec.max_context_length} is more than the model's "
+                f"{model_len} positions: lower it, or leave it unset"
+            )
         self.max_context = spec.max_context_length or min(model_len or MAX_CONTEXT_CAP, MAX_CONTEXT_CAP)
         self.port = _free_port()
         args = engine_args(spec, draft_source=draft_source, dtype=self.dtype, max_model_len=self.max_context)
-        cmd = [self.env.python, "-c", _LAUNCHER, SERVER_MODULE, "--model", source, "--host", "127.0.0.1",
-               "--port", str(self.port), "--disable-uvicorn-access-log", *args]
-        env = {**os.environ, "VLLM_API_KEY": self.api_key, "DEPCTL_PARENT_PID": str(os.getpid()),
-               "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        cmd = [
+            self.env.python,
+            "-c",
+            _LAUNCHER,
+            SERVER_MODULE,
+            "--model",
+            source,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-uvicorn-access-log",
+            *args,
+        ]
+        env = {
+            **os.environ,
+            "VLLM_API_KEY": self.api_key,
+            "DEPCTL_PARENT_PID": str(os.getpid()),
+            "PYTHONUNBUFFERED": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
         for name in ("DEPCTL_API_KEY", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
             env.pop(name, None)  # the daemon's own: not vLLM's business, and a foreign PYTHONPATH breaks its imports
         if spec.ray_address:
             env["RAY_ADDRESS"] = spec.ray_address
         if self.env.build == "cpu":
-            env.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                  else os.cpu_count() or 1))
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_kv_cache_gib(source, self.dtype, self.max_context,
-                                                                         spec.max_batch_size)))
+            env.setdefault(
+                "OMP_NUM_THREADS",
+                str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),
+            )
+            env.setdefault(
+                "VLLM_CPU_KVCACHE_SPACE", str(_kv_cache_gib(source, self.dtype, self.max_context, spec.max_batch_size))
+            )
         return cmd, env
 
     def _wait_healthy(self, what: str) -> str | None:
@@ -473,8 +544,12 @@ class VLLMBackend:
         return ""
 
     def _record(self) -> None:
-        info = {"pid": self.proc.pid, "create_time": psutil.Process(self.proc.pid).create_time(),
-                "deployment": self.spec.id, "port": self.port}
+        info = {
+            "pid": self.proc.pid,
+            "create_time": psutil.Process(self.proc.pid).create_time(),
+            "deployment": self.spec.id,
+            "port": self.port,
+        }
         path = run_dir() / f"vllm-{self.spec.id}.json"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(info))
@@ -531,15 +606,15 @@ def _model_positions(source: str) -> int | None:
 
 def _kv_cache_gib(source: str, dtype: str, max_model_len: int, rows: int) -> int:
     """GiB of KV cache for ``rows`` full-length requests (vLLM on a CPU reserves it up front; its default is 4)."""
+    from transformers import AutoConfig
+
+    from runtime.backends.loader import kv_cache_bytes
+
     try:
-        c = json.loads((Path(source) / "config.json").read_text())
-        c = c.get("text_config", c)
-        heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        per_token = 2 * c["num_hidden_layers"] * heads * head_dim * (4 if dtype == "float32" else 2)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        kv = kv_cache_bytes(AutoConfig.from_pretrained(source), 4 if dtype == "float32" else 2, max_model_len * rows)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
         return 4
-    return max(1, -(-per_token * max_model_len * rows // (1 << 30)))
+    return max(1, -(-kv // (1 << 30)))
 
 
 def parse_metrics(text: str) -> dict:

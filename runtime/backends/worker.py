@@ -67,8 +67,14 @@ Message = Submit | Cancel | SetDraftTokens | Stop
 class EngineWorker:
     """One deployment's loaded engine and its scheduler, stepped by the ``EngineHost``."""
 
-    def __init__(self, name: str, loaded: LoadedDeployment, max_batch_size: int, host: EngineHost,
-                 on_crash: Callable[[BaseException], None]):
+    def __init__(
+        self,
+        name: str,
+        loaded: LoadedDeployment,
+        max_batch_size: int,
+        host: EngineHost,
+        on_crash: Callable[[BaseException], None],
+    ):
         self.name = name
         self.loaded = loaded
         self.max_batch_size = max_batch_size
@@ -123,7 +129,9 @@ class EngineWorker:
                 self._step()
             return True
         except BaseException as exc:  # noqa: BLE001 - a bug here must not leave a READY deployment nobody serves
-            log.error("deployment %s: the engine thread failed: %s", self.name, "".join(traceback.format_exception(exc)))
+            log.error(
+                "deployment %s: the engine thread failed: %s", self.name, "".join(traceback.format_exception(exc))
+            )
             self._exit(exc)
             return False
 

@@ -1,31 +1,18 @@
-"""depctl's C++ ops, built once per machine with torch's extension builder and loaded on
-demand.
+"""depctl's C++ ops (``csrc/``), built once per machine with torch's extension builder and loaded on demand.
 
-- ``torch.ops.depctl_native.token_attention(query, keys, values, rows, positions, scale)``: every token of a pass
-  attends its own cache row up to its own position, alone. The compiled pass (``runtime.model.compiled``) calls it
-  once per layer. A Python op there cost more than the attention it ran (SmolLM2 in float32: ~26 us a layer against
-  ~8 for the SDPA call inside it, 30 layers a step); ATen's SDPA called per token from C++ then cost ~18 us a call
-  where the arithmetic is ~2 (see the source's header).
-- ``torch.ops.depctl_native.blocked_linear(x, packed, out_features)`` and ``pack_blocked(weight)``
-  (``blocked_linear.cpp``): float32 and bf16 (AVX-512 BF16; AMX tiles where the CPU has them) matrix products whose
-  result for a row does not depend on the other rows in the pass, faster than oneDNN's here at every row count
-  (``surgery.BlockedLinear``; the source has the numbers). ``blocked_kernel(dtype)`` names the loops that run them
-  ("fma", "avx512-bf16", "amx-bf16"); ``blocked_refuse_amx(bool)`` is for tests only (a process must keep one bf16
-  kernel: the two round differently).
-- ``torch.classes.depctl_native.CompiledPass(package, device_index)`` and ``torch.ops.depctl_native.run_pass(pass,
-  inputs)`` (``compiled_pass.cpp``): a compiled pass's library, run like torch's own loader runs it but without the
-  GIL, which torch's Python binding keeps for the whole pass (the daemon's HTTP side then waited for every pass).
-- ``torch.ops.depctl_native.screened_argmax(approx, hidden, weight, norms, errors, max_norm, max_error)``
-  (``screened_argmax.cpp``): a float32 output layer's greedy choices from its bf16 logits, with the few tokens that
-  could win recomputed in float32 (``runtime.model.head``).
+- ``token_attention(query, keys, values, rows, positions, scale)``: every token of a pass attends its own cache row up
+  to its own position, alone; the compiled pass calls it once per layer.
+- ``blocked_linear(x, packed, out_features)`` and ``pack_blocked(weight)``: float32 and bf16 matrix products whose
+  result for a row does not depend on the other rows (``surgery.BlockedLinear``). ``blocked_kernel(dtype)`` names the
+  loops that run them ("fma", "avx512-bf16", "amx-bf16"); a process keeps one bf16 kernel, since they round
+  differently (``blocked_refuse_amx`` is for tests).
+- ``CompiledPass(package, device_index)`` and ``run_pass(pass, inputs)``: a compiled pass's library, run without the
+  GIL, which torch's own Python binding holds for the whole pass.
+- ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``runtime.model.head``).
 
-It is built for this CPU's vector instruction set, with the flags inductor uses for its own kernels
-(``torch._inductor.cpu_vec_isa``): AVX-512 or AVX2 on x86, NEON on ARM, plain C++ where none is found.
-
-A compiled pass needs it, and so do a float32 or bf16 model's products (the loader's surgery falls back to oneDNN's
-where the ops cannot be built): a C++ compiler (and ninja, a dependency). The build takes ~20 s and is kept under the
-cache directory, keyed by the source and the torch build; ``load`` raises ``NativeUnavailable`` with the reason
-where it cannot be built, and the loader then runs eagerly.
+Built for this CPU's vector instruction set with inductor's flags (``torch._inductor.cpu_vec_isa``), kept under the
+cache directory keyed by the sources and the torch build. It needs a C++ compiler (and ninja, a dependency); ``load``
+raises ``NativeUnavailable`` with the reason where it cannot be built, and the loader then runs without it.
 """
 
 from __future__ import annotations
@@ -67,8 +54,10 @@ def build_flags() -> list[str]:
     threads = ["-fopenmp"] if platform.system() == "Linux" else []
     if not isa:
         if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):  # every such CPU has one; its check failed
-            log.warning("torch found no vector instruction set to build for (its probe failed); depctl's C++ ops "
-                        "build as plain C++, several times slower")
+            log.warning(
+                "torch found no vector instruction set to build for (its probe failed); depctl's C++ ops "
+                "build as plain C++, several times slower"
+            )
         return ["-O3", *threads]
     return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
 
@@ -98,13 +87,21 @@ def load(root: Path | None = None) -> None:
         try:
             from torch.utils import cpp_extension
 
-            cpp_extension.load(name="depctl_native", sources=[str(s) for s in SOURCES], build_directory=str(directory),
-                               extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(
+                name="depctl_native",
+                sources=[str(s) for s in SOURCES],
+                build_directory=str(directory),
+                extra_cflags=flags,
+                extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise NativeUnavailable(f"could not build depctl's C++ ops ({last}); install a C++ compiler "
-                                    "(g++ or clang++) and update the deployment to retry, or use --no-compile") from e
+            raise NativeUnavailable(
+                f"could not build depctl's C++ ops ({last}); install a C++ compiler "
+                "(g++ or clang++) and update the deployment to retry, or use --no-compile"
+            ) from e
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
         torch.library.register_fake("depctl_native::blocked_linear")(_blocked_linear_shape)
         _loaded = True

@@ -1,13 +1,11 @@
 """Model surgery for CPU inference, applied by the loader explicitly, as module swaps a benchmark can leave out.
 
 - ``blocked_linears(model, dtype)``: float32 linears, and bf16 ones on a CPU with AVX-512 BF16 (AMX tiles where it
-  has them), through our own product (``BlockedLinear``, ``blocked_linear.cpp``): row-invariant by construction and
-  faster than oneDNN's at every row count here (a one-token step's products 1.3-1.4x); where depctl's C++ ops cannot
-  be built, the loader takes ``onednn_linears`` instead.
+  has them), through our own product (``BlockedLinear``, ``csrc/blocked_linear.cpp``): row-invariant by construction
+  and faster than oneDNN's; where depctl's C++ ops cannot be built, the loader takes ``onednn_linears`` instead.
 - ``products(model)``: what computes a model's products after the surgery, as ``deployment get`` shows it.
 - ``onednn_linears(model, dtype)``: bfloat16 (or, without our C++ ops, float32) linears through oneDNN, never fewer
-  than two rows a product: in float32 1.4-1.6x faster steps than MKL and verify passes nearly flat in their width;
-  exact under speculation in both (``OneDNNLinear``), and they compile (``runtime.model.compiled``).
+  than two rows a product: faster than MKL for few rows, exact under speculation (``OneDNNLinear``), and they compile.
 - ``weight_major_linears(model)``: the float32 fallback where neither ours nor a row-invariant oneDNN is here: every
   ``nn.Linear`` becomes a ``WeightMajorLinear`` (same weights, shared, not copied) that computes ``(W @ x^T)^T`` for a
   few rows, so that verifying k drafts costs close to one step.
@@ -25,23 +23,22 @@ None changes what a model *is* (its config, its weights); each returns how many 
 
 from __future__ import annotations
 
-import threading
+import functools
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-WEIGHT_MAJOR_MAX_ROWS = 64  # past this (a prefill), F.linear's GEMM is faster: SmolLM2, 250 tokens, 425 vs 510 ms
+WEIGHT_MAJOR_MAX_ROWS = 64  # past this (a prefill chunk), F.linear's GEMM is the faster
 
 
 class WeightMajorLinear(nn.Linear):
     """``nn.Linear`` computed as ``(W @ x^T)^T`` for up to ``WEIGHT_MAJOR_MAX_ROWS`` rows.
 
     Why: on a CPU, ``F.linear`` for a handful of rows (a verify pass over k + 1 tokens, a small batch) takes an MKL
-    GEMM path that costs nearly 2x a single-row step; the weight-major product stays close to the one-row cost
-    (SmolLM2 on 2 cores: 5 rows 68 ms instead of 109 ms; one row unchanged at 58 ms). ``x`` is made row-major first:
-    a transposed view (what the MLP's ``silu(gate) * up`` inherits from the previous weight-major output) took a
-    path ~5x slower on Qwen's ``down_proj`` for 5 rows; the copy is ``rows x in`` floats.
+    GEMM path that costs nearly 2x a single-row step; the weight-major product stays close to the one-row cost.
+    ``x`` is made row-major first: a transposed view (what the MLP's ``silu(gate) * up`` inherits from the previous
+    weight-major output) takes a far slower path.
     """
 
     @classmethod
@@ -65,8 +62,7 @@ class OneDNNLinear(nn.Module):
     """An ``nn.Linear`` through oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, what inductor calls), float32
     or bfloat16, with at least two rows in every product.
 
-    Why: on an AVX-512 EPYC MKL's single-row float32 product reads weights at ~16 GB/s, oneDNN's at ~25-40 (SmolLM2's
-    49152 x 576 output layer: 10.4 ms against 4.0 for one row, 21 against 5.7 for nine). oneDNN rounds one row
+    Why: MKL's single-row float32 product reads weights far slower than oneDNN's. oneDNN rounds one row
     differently from two or more (a separate single-row kernel), but gives a row the same bits for any row count from
     two on (``onednn_row_invariant`` checks this on the machine, per dtype; in bf16 it holds where ``F.linear``'s
     matmul does not, so no split-K is needed). So every product gets one more row, a copy of the first, whose result
@@ -76,9 +72,8 @@ class OneDNNLinear(nn.Module):
 
     The weight is reordered once, here, into oneDNN's blocked layout (``_reorder_linear_weight``), and that is the only
     copy kept (a ``weight`` buffer; the plain one goes with the module it came from): given a plain weight, oneDNN
-    reorders it on every call. Same bits as the plain weight, for every row count, and faster: SmolLM2's 121 products
-    11.0 against 16.3 ms in bf16 (its 49152 x 576 output layer 0.8 against 2.6), 16.3 against 21.8 in float32. An output
-    layer tied to the embeddings gets its own reordered copy (the embedding lookup keeps the plain table).
+    reorders it on every call. Same bits as the plain weight, for every row count, and faster. An output layer tied to
+    the embeddings gets its own reordered copy (the embedding lookup keeps the plain table).
     """
 
     def __init__(self, linear: nn.Linear):
@@ -107,10 +102,9 @@ class BlockedLinear(nn.Module):
     """An ``nn.Linear`` in float32 or bfloat16 through ``depctl_native::blocked_linear``: its weight stored in blocks
     of output features (the only copy kept; the plain one goes with the module it came from), each output one chain
     of fused multiply-adds (bf16: dot products of pairs) over the inner dimension in order, so a row's result is the
-    same bits whatever else is in the pass and speculation over the model stays exact. In float32 faster than
-    oneDNN's linear here for one row (SmolLM2's 120 per-layer products, Python calling each: 9.7 against 13.0 ms)
-    and for a prompt chunk (512 rows of a 3072 x 576 weight: 3.6 against 3.8 ms); bf16 needs AVX-512 BF16
-    (``native.blocked_supports``) and takes AMX tiles where the CPU has them (a 9-row product as cheap as one row).
+    same bits whatever else is in the pass and speculation over the model stays exact. Faster than oneDNN's linear
+    for one row and for a prompt chunk; bf16 needs AVX-512 BF16 (``native.blocked_supports``) and takes AMX tiles
+    where the CPU has them.
     A plain tensor, so it traces into a compiled pass as it is. The op needs depctl's C++ ops loaded
     (``native.load``)."""
 
@@ -140,7 +134,8 @@ def blocked_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int
 
 @contextmanager
 def plain_stand_ins(model: nn.Module):
-    """Inside: every ``OneDNNLinear``'s weight is an uninitialised plain tensor of its shape, for ``torch.export``, which
+    """Inside: every ``OneDNNLinear``'s weight is an uninitialised plain tensor of its shape, for ``torch.export``,
+    which
     cannot trace oneDNN's opaque tensors. The compiled library is built without its constants and borrows the
     reordered weights at load (``runtime.model.compiled``): oneDNN's linear takes either. The stand-ins cost the
     weights' size in memory while a library is built (once per model and precision); a zero-stride stand-in would
@@ -162,29 +157,26 @@ def plain_stand_in_bytes(model: nn.Module) -> int:
     return sum(m.weight.shape.numel() * m.weight.dtype.itemsize for m in model.modules() if isinstance(m, OneDNNLinear))
 
 
-_onednn_invariant: dict = {}
-
-
+@functools.cache
 def onednn_row_invariant(dtype: torch.dtype = torch.float32, max_rows: int = 96) -> bool:
     """Whether this torch build has oneDNN's linear for ``dtype`` and it gives a row the same result with 2 to
     ``max_rows`` rows in the product (a row computed beside a copy of itself being the reference), for the inner
     dimensions of small and large models. Measured once per process and dtype (~1 s)."""
-    if dtype not in _onednn_invariant:
-        ok = torch.backends.mkldnn.is_available() and all(
-            hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
-        try:
-            g = torch.Generator().manual_seed(0)
-            for n, k in ((256, 576), (256, 1536), (128, 8960)) if ok else ():
-                lin = nn.Linear(k, n, bias=False, dtype=dtype)
-                lin.weight = nn.Parameter(torch.randn(n, k, generator=g).to(dtype), requires_grad=False)
-                lin = OneDNNLinear(lin)
-                x = torch.randn(max_rows, k, generator=g).to(dtype)
-                alone = torch.cat([lin(x[i : i + 1]) for i in range(max_rows)])
-                ok = ok and all(torch.equal(lin(x[:m]), alone[:m]) for m in range(2, max_rows + 1))
-        except RuntimeError:  # the op exists but refuses this build's tensors or this dtype
-            ok = False
-        _onednn_invariant[dtype] = bool(ok)
-    return _onednn_invariant[dtype]
+    ok = torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight")
+    )
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n, k in ((256, 576), (256, 1536), (128, 8960)) if ok else ():
+            lin = nn.Linear(k, n, bias=False, dtype=dtype)
+            lin.weight = nn.Parameter(torch.randn(n, k, generator=g).to(dtype), requires_grad=False)
+            lin = OneDNNLinear(lin)
+            x = torch.randn(max_rows, k, generator=g).to(dtype)
+            alone = torch.cat([lin(x[i : i + 1]) for i in range(max_rows)])
+            ok = ok and all(torch.equal(lin(x[:m]), alone[:m]) for m in range(2, max_rows + 1))
+    except RuntimeError:  # the op exists but refuses this build's tensors or this dtype
+        ok = False
+    return bool(ok)
 
 
 def onednn_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
@@ -197,7 +189,7 @@ class SplitKLinear(nn.Module):
     """``nn.Linear`` whose result for a row is the same whatever the number of rows in the pass.
 
     Why: a CPU's bf16 GEMM (oneDNN) reduces the inner dimension in one block for a few rows and in several for more
-    once that dimension is long (measured on an AVX-512-bf16 EPYC: K = 1536 changes from 7 rows on; K <= 768 never
+    once that dimension is long (on one AVX-512-bf16 CPU: K = 1536 changes from 7 rows on; K <= 768 never
     does), so a verify pass over k + 1 tokens rounds differently from k + 1 single-token steps. Here the inner
     dimension is cut into fixed chunks no longer than what the CPU reduces the same way for any row count, each
     chunk's product is taken separately and the partial products are summed in float32 in a fixed order: the same
@@ -210,7 +202,11 @@ class SplitKLinear(nn.Module):
         w = linear.weight.detach()
         self.bounds = list(range(0, self.in_features, chunk)) + [self.in_features]
         self.chunks = nn.ParameterList(
-            [nn.Parameter(w[:, lo:hi].contiguous(), requires_grad=False) for lo, hi in zip(self.bounds, self.bounds[1:])])
+            [
+                nn.Parameter(w[:, lo:hi].contiguous(), requires_grad=False)
+                for lo, hi in zip(self.bounds, self.bounds[1:])
+            ]
+        )
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,8 +228,8 @@ class Int8WeightLinear(nn.Module):
 
     Why: a decode step reads every weight once, so on a CPU its cost is bytes; int8 halves bf16's. The product is
     PyTorch's own weight-packed kernel (``torch._weight_int8pack_mm``: dequantizes a tile of int8 weights in
-    registers, accumulates in float32), which on an AVX-512 EPYC reads SmolLM2's 49152 x 576 output layer in 0.8 ms
-    against 2.7 ms for bf16. Its result for a row does not depend on how many rows share the pass (it computes rows
+    registers, accumulates in float32). Its result for a row does not depend on how many rows share the pass (it
+    computes rows
     in blocks of four with the same inner loop; ``int8_row_invariant`` checks it on this CPU), so a verify pass
     rounds as single-token steps do and speculation over this model stays exact. It wants bf16 activations:
     with float32 ones it takes a path 10-20x slower.
@@ -248,15 +244,19 @@ class Int8WeightLinear(nn.Module):
         qweight, scales = quantize_rows(linear.weight.detach(), act_dtype)
         self.register_buffer("qweight", qweight)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out] act_dtype
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(act_dtype), requires_grad=False)
+        self.bias = (
+            None if linear.bias is None else nn.Parameter(linear.bias.detach().to(act_dtype), requires_grad=False)
+        )
+        self.prefill = (
+            False  # inside ``prefill_pass``: a prompt chunk, which may take a faster, differently rounded path
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
-        if _pass.prefill and flat.shape[0] > PREFILL_DEQUANT_ROWS:
-            # a prompt chunk: the kernel's cost grows with rows (128 rows: 2.3 ms for a 3072 x 576 weight), while
-            # dequantizing the weight once and taking bf16's GEMM costs 0.9. Prompts prefill alike whether the request
-            # speculates or not, so this does not touch exactness; decode and verify passes never come here.
+        if self.prefill and flat.shape[0] > PREFILL_DEQUANT_ROWS:
+            # a prompt chunk: the kernel's cost grows with rows, while dequantizing once and taking bf16's GEMM does
+            # not. Prompts prefill alike whether the request speculates or not, so exactness is untouched.
             weight = self.qweight.to(self.scales.dtype) * self.scales[:, None]
             y = nn.functional.linear(flat, weight)
         else:
@@ -272,22 +272,18 @@ class Int8WeightLinear(nn.Module):
 PREFILL_DEQUANT_ROWS = 8
 
 
-class _Pass(threading.local):
-    prefill = False
-
-
-_pass = _Pass()
-
-
 @contextmanager
-def prefill_pass():
-    """The forward inside reads a prompt chunk (``ModelRunner.forward(prefill=True)``): linears may take a path that is
-    faster for many rows but rounds differently from the decode path (``Int8WeightLinear``). Per thread."""
-    _pass.prefill = True
+def prefill_pass(linears: list[Int8WeightLinear]):
+    """The forward inside reads a prompt chunk (``ModelRunner.forward(prefill=True)``): ``linears`` may take a path
+    that is faster for many rows but rounds differently from the decode path. Plain and speculative decoding read
+    prompts alike, so this never touches exactness."""
+    for linear in linears:
+        linear.prefill = True
     try:
         yield
     finally:
-        _pass.prefill = False
+        for linear in linears:
+            linear.prefill = False
 
 
 def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,44 +300,37 @@ def int8_weight_linears(model: nn.Module, act_dtype: torch.dtype = torch.bfloat1
     return _swap(model, lambda m: type(m) is nn.Linear, lambda m: Int8WeightLinear(m, act_dtype))
 
 
-_int8_invariant: dict = {}
-
-
+@functools.cache
 def int8_row_invariant(act_dtype: torch.dtype = torch.bfloat16, max_rows: int = 40) -> bool:
     """Whether this CPU's int8 weight kernel gives a row the same result with 1 to ``max_rows`` rows in the pass
     (random data, the inner dimensions of small and large models). Measured once per process."""
-    if act_dtype not in _int8_invariant:
-        g = torch.Generator().manual_seed(0)
-        ok = True
-        for n, k in ((256, 576), (256, 1536), (128, 8960)):
-            q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-            s = (torch.rand(n, generator=g) / 100).to(act_dtype)
-            x = torch.randn(max_rows, k, generator=g).to(act_dtype)
-            alone = torch.cat([torch._weight_int8pack_mm(x[i:i + 1], q, s) for i in range(max_rows)])
-            ok = ok and all(torch.equal(torch._weight_int8pack_mm(x[:m], q, s), alone[:m]) for m in range(2, max_rows + 1))
-        _int8_invariant[act_dtype] = ok
-    return _int8_invariant[act_dtype]
+    g = torch.Generator().manual_seed(0)
+    ok = True
+    for n, k in ((256, 576), (256, 1536), (128, 8960)):
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = (torch.rand(n, generator=g) / 100).to(act_dtype)
+        x = torch.randn(max_rows, k, generator=g).to(act_dtype)
+        alone = torch.cat([torch._weight_int8pack_mm(x[i : i + 1], q, s) for i in range(max_rows)])
+        ok = ok and all(torch.equal(torch._weight_int8pack_mm(x[:m], q, s), alone[:m]) for m in range(2, max_rows + 1))
+    return ok
 
 
 CHUNK_CANDIDATES = (2048, 1536, 1024, 896, 768, 640, 576, 512, 384, 256, 128)
-_invariant_chunks: dict = {}
 
 
+@functools.cache
 def row_invariant_chunk(dtype: torch.dtype, max_rows: int = 128) -> int | None:
     """The longest inner dimension for which this CPU's ``F.linear`` in ``dtype`` gives every row the same result
     with 1 to ``max_rows`` rows in the pass (checked on random data, all rows, every row count); None if even 128 is
     not. Measured once per process (~1 s): it depends on the CPU and the kernel library, not on the model."""
-    key = (dtype, max_rows)
-    if key not in _invariant_chunks:
-        _invariant_chunks[key] = next((k for k in CHUNK_CANDIDATES if _row_invariant(k, dtype, max_rows)), None)
-    return _invariant_chunks[key]
+    return next((k for k in CHUNK_CANDIDATES if _row_invariant(k, dtype, max_rows)), None)
 
 
 def _row_invariant(k: int, dtype: torch.dtype, max_rows: int, n: int = 1024) -> bool:
     g = torch.Generator().manual_seed(k)
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(max_rows, k, generator=g).to(dtype)
-    alone = torch.cat([nn.functional.linear(x[i:i + 1], w) for i in range(max_rows)])
+    alone = torch.cat([nn.functional.linear(x[i : i + 1], w) for i in range(max_rows)])
     return all(torch.equal(nn.functional.linear(x[:m], w), alone[:m]) for m in range(2, max_rows + 1))
 
 
@@ -357,14 +346,21 @@ def products(model: nn.Module) -> str:
 def _product_name(module: nn.Module) -> str | None:
     if isinstance(module, BlockedLinear):
         kernel = torch.ops.depctl_native.blocked_kernel(module.weight.dtype)
-        return "depctl blocked " + {"fma": "float32 (FMA)", "avx512-bf16": "bf16 (AVX-512 BF16)",
-                                    "amx-bf16": "bf16 on AMX tiles"}.get(kernel, kernel)
+        return "depctl blocked " + {
+            "fma": "float32 (FMA)",
+            "avx512-bf16": "bf16 (AVX-512 BF16)",
+            "amx-bf16": "bf16 on AMX tiles",
+        }.get(kernel, kernel)
     if isinstance(module, WeightMajorLinear):  # an nn.Linear too: before it
         return "weight-major"
     if type(module).__name__ == "Linear" and "dynamic" in type(module).__module__:  # torch.ao's dynamic int8
         return "torch dynamic int8"
-    return {OneDNNLinear: "oneDNN", SplitKLinear: "oneDNN, split inner dimension",
-            Int8WeightLinear: "torch int8 weight-packed", nn.Linear: "torch linear"}.get(type(module))
+    return {
+        OneDNNLinear: "oneDNN",
+        SplitKLinear: "oneDNN, split inner dimension",
+        Int8WeightLinear: "torch int8 weight-packed",
+        nn.Linear: "torch linear",
+    }.get(type(module))
 
 
 def _swap(model: nn.Module, pick, make) -> int:

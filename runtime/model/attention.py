@@ -60,8 +60,9 @@ class RowLayout:
         key = ("alone", b)
         if key not in self._masks:
             width = self.widths[b]
-            self._masks[key] = RowLayout(self.first + b, [self.starts[b]], [width], [0, width], self.device,
-                                         per_position=True)
+            self._masks[key] = RowLayout(
+                self.first + b, [self.starts[b]], [width], [0, width], self.device, per_position=True
+            )
         return self._masks[key]
 
     def batched_mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -85,8 +86,9 @@ class RowLayout:
         return self._masks[key]
 
 
-def _additive(q_pos: torch.Tensor, first_key: int, end: int, window: int | None, groups: int,
-              dtype: torch.dtype) -> torch.Tensor:
+def _additive(
+    q_pos: torch.Tensor, first_key: int, end: int, window: int | None, groups: int, dtype: torch.dtype
+) -> torch.Tensor:
     """q_pos [B, 1, S, 1] -> [B, 1, groups * S, end - first_key]: 0 where a query sees a key, -inf elsewhere."""
     kv_pos = torch.arange(first_key, end, device=q_pos.device)
     sees = kv_pos <= q_pos
@@ -96,13 +98,32 @@ def _additive(q_pos: torch.Tensor, first_key: int, end: int, window: int | None,
     return mask.repeat(1, 1, groups, 1)  # the query's rows are (group, position) after folding: see _attend
 
 
-def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                   depctl_rows: RowLayout | None = None, **kwargs):
+def rows_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    depctl_rows: RowLayout | None = None,
+    **kwargs,
+):
     """query: [1, heads, T, dim]; key, value: the cache's rows [rows, kv_heads, capacity, dim] (or, without a
     layout, ordinary [B, kv_heads, L, dim] tensors). Returns [1, T, heads, dim] and no weights."""
     if depctl_rows is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     lay = depctl_rows
     window = sliding_window or None
     heads, dim = query.shape[1], query.shape[3]
@@ -111,16 +132,29 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         out = query.new_empty(1, query.shape[2], heads, dim)
         for b in range(len(lay.widths)):
             lo, hi = lay.offsets[b], lay.offsets[b + 1]
-            out[:, lo:hi] = rows_attention(module, query[:, :, lo:hi], key, value, None, scaling=scaling,
-                                           sliding_window=sliding_window, depctl_rows=lay.alone(b))[0]
+            out[:, lo:hi] = rows_attention(
+                module,
+                query[:, :, lo:hi],
+                key,
+                value,
+                None,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                depctl_rows=lay.alone(b),
+            )[0]
         return out, None
     per_position = lay.per_position and max(lay.widths) <= PER_POSITION_MAX_WIDTH
     if lay.uniform:
         rows, width = len(lay.widths), lay.widths[0]
         q = query[0].reshape(heads, rows, width, dim).transpose(0, 1)  # [B, heads, S, dim]
         if rows == 1 and (width == 1 or per_position):  # one query at a time: exactly a one-token step's call
-            out = torch.cat([_one_query(q[:, :, j : j + 1], key[lay.first], value[lay.first], lay.starts[0] + j,
-                                        window, scaling) for j in range(width)], 2)
+            out = torch.cat(
+                [
+                    _one_query(q[:, :, j : j + 1], key[lay.first], value[lay.first], lay.starts[0] + j, window, scaling)
+                    for j in range(width)
+                ],
+                2,
+            )
         else:
             k = key[lay.first : lay.first + rows, :, : lay.kv_len]  # [B, kv_heads, L, dim]
             v = value[lay.first : lay.first + rows, :, : lay.kv_len]
@@ -140,7 +174,8 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 
 def _one_query(q, key, value, position, window, scale):
-    """One query at ``position`` of one cache row: q [1, heads, 1, dim], key/value [kv_heads, capacity, dim]. The keys it
+    """One query at ``position`` of one cache row: q [1, heads, 1, dim], key/value [kv_heads, capacity, dim]. The keys
+    it
     sees are a contiguous range (a sliding window only moves its start), so there is no mask: SDPA keeps its fast path,
     and a verify pass's position-by-position calls are shaped exactly like the one-token steps they must equal."""
     lo = 0 if window is None else max(0, position - window + 1)

@@ -1,39 +1,20 @@
 """Compiled decode and verify passes: a fused model's forward (``runtime.model.decoder``) compiled ahead of time.
 
-Why: on a CPU, a decode step of SmolLM2 with int8 weights spends ~5.5 ms in its 121 matrix products and as long again
-in the ~20 small ops per layer between them (norms, RoPE, the cache write, residuals) and the Python that calls them.
-Compiled, those ops become a few fused C++ loops called from C++, and the products are called directly (the int8
-kernel, oneDNN's linear in bf16, ours in float32): eager -> compiled, a one-token step 11.2 -> 7.3 ms in int8, 14.6 ->
-10.0 in bf16, 17.8 -> 13.4 in float32; a 9-token verify pass 1.3-1.4x, a batch of 8 1.4-1.5x (``benchmarks/passes.py``,
-one run; this machine's absolute speed drifts by 20%).
+Why: on a CPU, between a step's matrix products sit ~20 small ops a layer (norms, RoPE, the cache write, residuals)
+and the Python that calls them; compiled, they become a few fused C++ loops and the products are called directly.
 
-How (the choices, and what each one avoids):
-- **AOTInductor, not ``torch.compile``.** ``torch.export`` traces the pass once and AOTInductor builds a shared
-  library from it. A ``torch.compile``d pass evaluates guards over its ~300 weights and cache tensors on every call
-  (1.1 ms a step here, a third of what it saved); the exported library has no guards and no Python between kernels.
-  The package is a file: the next load of the same model and precision opens it in about a second (``package_path``).
-- **One graph for every pass.** The token count, the cache's rows and its capacity are symbolic, so a plain step of
-  one row, a 9-token verify pass and a batch of 8 rows all run the same kernels: nothing recompiles in steady state,
-  and a row's arithmetic is the same code whatever else is in the pass (kernels specialised for one token rounded
-  differently from the rest: 0.5 in SmolLM2's logits).
-- **The weights stay the model's.** The package is built without its constants and borrows the model's tensors
-  (``load_constants(user_managed=True)``): no second copy in memory, a 4 MB file instead of 200 MB, and the eager
-  model (prefill, ``model.generate``) and the compiled pass read the same bytes. oneDNN's reordered (bf16) weights
-  (``surgery.OneDNNLinear``) do not trace, so the trace sees plain stand-ins of their shape
-  (``surgery.plain_stand_ins``) and the library is handed the reordered ones at load: oneDNN's linear takes either.
-- **Attention is one C++ op a layer** (``depctl_native::token_attention``, ``runtime.kernels.native``). Writing the
-  step's keys and values into the cache is in the graph (an in-place ``index_put_`` on the cache tensors, which are
-  inputs: no copies). Reading them is the op: every token attends its own row up to its own position, alone, with
-  the same loops whatever else is in the pass, so a verify pass rounds like the one-token steps it checks. It used to
-  be a Python op over the step's ``RowLayout`` (the library called back into Python 30 times a step, ~26 us a layer),
-  then ATen's SDPA once per token (its flash kernel's set-up, ~18 us a call for ~2 of arithmetic, cost a 9-token
-  verify pass at 500 positions a fifth of its time in int8). It rounds differently from the eager pass's SDPA
-  (within 1e-5 in float32, tested); exactness only needs a verify pass and the steps it checks to take the same path, and they do.
+- **AOTInductor, not ``torch.compile``**: the exported library has no guards to evaluate over ~300 tensors a call
+  and no Python between kernels; it is a file the next load opens in about a second (``package_path``).
+- **One graph for every pass**: token count, cache rows and capacity are symbolic, so a plain step, a verify pass and
+  a batch run the same kernels, nothing recompiles, and a row's arithmetic never depends on what else is in the pass
+  (kernels specialised for one token round differently).
+- **The weights stay the model's**: the library is built without constants and borrows the model's tensors. oneDNN's
+  reordered weights do not trace, so the trace sees plain stand-ins (``surgery.plain_stand_ins``).
+- **Attention is one C++ op a layer** (``depctl_native::token_attention``): every token attends its own row up to its
+  own position with the same loops whatever else is in the pass, so a verify pass rounds like the steps it checks.
 
-Prompts are still read eagerly (a prefill chunk's products want another kernel, see ``surgery.prefill_pass``); plain
-and speculative decoding prefill alike, so both see the same cache. ``check`` proves at load, on this CPU, that a
-verify pass through the library is bit-identical to one-token steps through it; the loader keeps the eager pass if
-not.
+Prompts are read eagerly (plain and speculative decoding prefill alike). ``check`` proves at load that a verify pass
+through the library is bit-identical to one-token steps through it; the loader keeps the eager pass if not.
 """
 
 from __future__ import annotations
@@ -52,12 +33,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.kernels import surgery
-from runtime.model import attention, decoder
-from runtime.kernels import native
+from runtime.kernels import native, surgery
 from runtime.kernels.surgery import plain_stand_ins
+from runtime.model import attention, decoder
 
 log = logging.getLogger("depctl.compiled")
+
 
 class _Pass(nn.Module):
     """What is exported: ``decoder.forward`` over cache tensors given as inputs, one [rows, kv_heads, capacity, dim]
@@ -87,19 +68,36 @@ class CompiledPass:
         device = next(model.parameters()).device
         # torch's Python loader (torch._inductor.aoti_load_package) keeps the GIL for the whole pass: in the daemon
         # the event loop then waited out every pass (see compiled_pass.cpp). Ours releases it, as an op does.
-        self.runner = torch.classes.depctl_native.CompiledPass(str(package), -1 if device.index is None else device.index)
+        self.runner = torch.classes.depctl_native.CompiledPass(
+            str(package), -1 if device.index is None else device.index
+        )
         named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
         named.update(model.named_buffers(remove_duplicate=False))
         prefix = "model."
         names = self.runner.constant_names()
         self.runner.borrow_constants(names, [named[fqn.removeprefix(prefix)] for fqn in names])
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, cache) -> torch.Tensor:
-        """input_ids, positions, rows: [T]; returns the final norm's output [T, hidden] (the output layer is the
-        runner's: ``runner.Scores``). The inputs in the order the export flattened
-        ``_Pass.forward``'s arguments: the three [T] tensors, every layer's keys, every layer's values."""
-        inputs = [input_ids, positions, rows, *(layer.keys for layer in cache.layers),
-                  *(layer.values for layer in cache.layers)]
+    returns_hidden = True  # the output layer is the runner's (``runner.Scores``)
+
+    def fits(self, first: int, widths: list[int], keep: list[int] | None) -> bool:
+        return keep is None  # every token's output: a decode or verify pass
+
+    def set_widths(self, widths: tuple[int, ...]) -> None:
+        pass  # every size is symbolic
+
+    def describe(self) -> str:
+        return f"AOTInductor library {self.package.name}"
+
+    def __call__(self, input_ids: torch.Tensor, layout, cache, keep=None) -> torch.Tensor:
+        """input_ids: [T]; returns the final norm's output [T, hidden]. The library's inputs in the order the export
+        flattened ``_Pass.forward``'s arguments: ids, positions, rows ([T] each), every layer's keys, then values."""
+        inputs = [
+            input_ids,
+            cache.step.positions,
+            cache.step.rows,
+            *(layer.keys for layer in cache.layers),
+            *(layer.values for layer in cache.layers),
+        ]
         return torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
 
 
@@ -111,8 +109,13 @@ def code_fingerprint(text: str, cpp: bool = False) -> str:
     tree = ast.parse(text)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
-                isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(getattr(body[0], "value", None), ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
     return ast.dump(tree)
 
@@ -125,16 +128,20 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
         sources.update(code_fingerprint(Path(module.__file__).read_text()).encode())
     for source in (native.SOURCE, native.LINEAR_SOURCE):  # the ops the library calls
         sources.update(code_fingerprint(source.read_text(), cpp=True).encode())
-    key = json.dumps({
-        "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
-        "precision": precision,
-        "dtype": str(next(model.parameters()).dtype),
-        "modules": sorted({type(m).__name__ for m in model.modules()}),
-        "torch": torch.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
-        "sources": sources.hexdigest(),
-    }, sort_keys=True, default=str)
+    key = json.dumps(
+        {
+            "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
+            "precision": precision,
+            "dtype": str(next(model.parameters()).dtype),
+            "modules": sorted({type(m).__name__ for m in model.modules()}),
+            "torch": torch.__version__,
+            "cpu": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(),
+            "sources": sources.hexdigest(),
+        },
+        sort_keys=True,
+        default=str,
+    )
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
 
@@ -160,11 +167,15 @@ def build(model: nn.Module, cache, package: Path) -> float:
     partial = package.with_name(f".{package.stem}.{os.getpid()}.partial.pt2")
     try:
         with plain_stand_ins(model):  # oneDNN's reordered weights do not trace; the library borrows them at load
-            exported = torch.export.export(_Pass(model), (tokens, positions, rows, keys, values),
-                                           dynamic_shapes=({0: t}, {0: t}, {0: t}, cache_dims, cache_dims),
-                                           strict=False)
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            exported = torch.export.export(
+                _Pass(model),
+                (tokens, positions, rows, keys, values),
+                dynamic_shapes=({0: t}, {0: t}, {0: t}, cache_dims, cache_dims),
+                strict=False,
+            )
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(partial), inductor_configs={"aot_inductor.package_constants_in_so": False}
+            )
         os.replace(partial, package)
     finally:
         partial.unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 
 transformers' forward is general and pays for it on every step: a decorated decoder layer with keyword plumbing, a
 causal mask built and thrown away (our attention reads the ``RowLayout``), three projections where one would do.
-On a CPU, where a step of SmolLM2 in int8 reads 135 MB in ~8 ms, those small ops were half the step. For the
+On a CPU, once the weights are few bytes, those small ops are a large part of a step. For the
 architectures whose layer is exactly ``x += attn(norm(x)); x += mlp(norm(x))`` with RoPE and RMSNorm (Llama,
 SmolLM2, Mistral and Qwen2 without sliding windows), the loader fuses the projections (``fuse_projections``: q, k, v
 into one ``qkv_proj``, gate and up into one ``gate_up_proj``) and the runner steps through ``forward`` below instead of
@@ -52,8 +52,9 @@ class FusedAttention(nn.Module):
         v = qkv[:, self.num_heads + self.num_kv_heads :].transpose(0, 1)[None]
         return q, k, v
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
-                **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None, **kwargs
+    ):
         """transformers' calling convention (``model.generate`` on a fused model): [B, T, hidden] in and out. The cache
         comes as ``cache`` from transformers 5.24 on, as ``past_key_values`` before."""
         cache = cache if cache is not None else past_key_values
@@ -66,8 +67,9 @@ class FusedAttention(nn.Module):
         q, k, v = torch.cat(q), torch.cat(k), torch.cat(v)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out, _ = rows_attention(self, q, k, v, attention_mask, scaling=self.scaling,
-                                sliding_window=self.sliding_window, **kwargs)
+        out, _ = rows_attention(
+            self, q, k, v, attention_mask, scaling=self.scaling, sliding_window=self.sliding_window, **kwargs
+        )
         return self.o_proj(out.reshape(b, t, -1)), None
 
 
@@ -97,8 +99,11 @@ def supports(model: nn.Module) -> bool:
         return False
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    return bool(layers) and all(hasattr(layer.self_attn, "q_proj") or isinstance(layer.self_attn, FusedAttention)
-                                for layer in layers) and hasattr(model, "lm_head")
+    return (
+        bool(layers)
+        and all(hasattr(layer.self_attn, "q_proj") or isinstance(layer.self_attn, FusedAttention) for layer in layers)
+        and hasattr(model, "lm_head")
+    )
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -121,8 +126,14 @@ def is_fused(model: nn.Module) -> bool:
     return bool(layers) and all(isinstance(layer.self_attn, FusedAttention) for layer in layers)
 
 
-def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attend,
-            keep: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+def forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attend,
+    keep: torch.Tensor | None = None,
+    head: bool = True,
+) -> torch.Tensor:
     """One pass of a fused model over the flat token stream: input_ids and positions [T]; returns logits [T, vocab],
     or [len(keep), vocab] for the stream indices in ``keep``; with ``head=False`` the final norm's output [T, hidden]
     instead, for the caller to apply the output layer (``runner.Scores``: a greedy token may not need all of it).
@@ -150,8 +161,9 @@ def cache_attention(cache, layout: RowLayout):
 
     def attend(i, attn, q, k, v):
         keys, values = cache.layers[i].update(k, v)
-        return rows_attention(attn, q, keys, values, None, scaling=attn.scaling, sliding_window=attn.sliding_window,
-                              depctl_rows=layout)[0]
+        return rows_attention(
+            attn, q, keys, values, None, scaling=attn.scaling, sliding_window=attn.sliding_window, depctl_rows=layout
+        )[0]
 
     return attend
 
@@ -171,12 +183,23 @@ def _concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     are dropped with the modules that held them)."""
     first = linears[0]
     bias = [lin.bias for lin in linears]
-    fused = nn.Linear(first.in_features, sum(lin.out_features for lin in linears), bias=bias[0] is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    fused = nn.Linear(
+        first.in_features,
+        sum(lin.out_features for lin in linears),
+        bias=bias[0] is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
         if fused.bias is not None:
-            fused.bias.copy_(torch.cat([b if b is not None else torch.zeros(lin.out_features, dtype=fused.bias.dtype)
-                                        for b, lin in zip(bias, linears)]))
+            fused.bias.copy_(
+                torch.cat(
+                    [
+                        b if b is not None else torch.zeros(lin.out_features, dtype=fused.bias.dtype)
+                        for b, lin in zip(bias, linears)
+                    ]
+                )
+            )
     fused.requires_grad_(False)
     return fused

@@ -60,7 +60,9 @@ class FixedShapePass:
         self.inputs = {w: self._padding(w) for w in self.widths}
         self.graphs.clear()
 
-    def fits(self, first: int, widths: list[int]) -> bool:
+    returns_hidden = False
+
+    def fits(self, first: int, widths: list[int], keep: list[int] | None = None) -> bool:
         return first == 0 and len(widths) <= self.rows and max(widths) <= self.widths[-1]
 
     def _padding(self, width: int) -> torch.Tensor:
@@ -72,7 +74,7 @@ class FixedShapePass:
         return pad
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, layout, keep: list[int] | None = None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, layout, cache=None, keep: list[int] | None = None) -> torch.Tensor:
         """input_ids [T] (the flat stream, on the device); returns the logits [T, vocab], or of the stream indices in
         ``keep``."""
         width = next(w for w in self.widths if w >= max(layout.widths))
@@ -119,9 +121,12 @@ class FixedShapePass:
             values[rows, :, positions] = v[0].transpose(0, 1)
             heads, dim = q.shape[1], q.shape[3]
             # [1, heads, n, dim] -> [grid, kv_heads, groups * width, dim]: head h = kv_head * groups + g
-            folded = q[0].view(heads, grid, width, dim).transpose(0, 1).reshape(grid, heads // groups, groups * width, dim)
-            out = torch.nn.functional.scaled_dot_product_attention(folded, keys[:grid], values[:grid], attn_mask=mask,
-                                                                   scale=attn.scaling)
+            folded = (
+                q[0].view(heads, grid, width, dim).transpose(0, 1).reshape(grid, heads // groups, groups * width, dim)
+            )
+            out = torch.nn.functional.scaled_dot_product_attention(
+                folded, keys[:grid], values[:grid], attn_mask=mask, scale=attn.scaling
+            )
             return out.view(grid, heads, width, dim).transpose(1, 2).reshape(1, grid * width, heads, dim)
 
         return decoder.forward(self.model, ids, positions, attend)
@@ -157,8 +162,12 @@ class FixedShapePass:
             logits = self._pass(inputs, width)
         inputs.copy_(real)
         self.recordings += 1
-        log.info("recorded a CUDA graph of %d rows x %d tokens over %d cached positions", self.rows, width,
-                 self.cache.capacity)
+        log.info(
+            "recorded a CUDA graph of %d rows x %d tokens over %d cached positions",
+            self.rows,
+            width,
+            self.cache.capacity,
+        )
         return graph, logits
 
     def describe(self) -> str:

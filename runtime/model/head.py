@@ -1,11 +1,10 @@
 """A float32 target's output layer on a CPU with bf16 instructions: greedy choices screened in bf16.
 
-Why: a float32 decode step of SmolLM2 reads 540 MB, and 113 MB of it is the output layer (49152 x 576, tied to the
-embeddings); on this project's 2-core EPYC the layer alone took 2.4 ms of an 11-13 ms step with the cache cold, and
-the same product over a bf16 copy 1.3 ms. Greedy decoding needs only each token's argmax, which a handful of
-tokens can win. ``ScreenedHead.argmax`` computes every logit in bf16, bounds how far each can be from its float32
+Why: a small model's output layer is a fifth of the bytes a float32 step reads, and greedy decoding needs only each
+token's argmax, which a handful of tokens can win. ``ScreenedHead.argmax`` computes every logit in bf16, bounds how far
+each can be from its float32
 value, and recomputes in float32 only the tokens whose bound reaches the best (``depctl_native::screened_argmax``,
-whose header has the bound): 1 to 20 of 49152 on SmolLM2, median 1.
+whose header has the bound): a few of the vocabulary, typically one.
 
 What stays as it was: ``forward`` is the full float32 product (a ``BlockedLinear``), which transformers' calling
 convention, a prompt's first token, a draft and every sampling row read. The greedy choice of a decode or verify
@@ -15,7 +14,7 @@ each other it may pick the other one than the full product would, as two GEMM li
 
 Where: the loader's surgery swaps a float32 target's output layer for one when the CPU has bf16 dot products
 (AVX-512 BF16, AMX), depctl's C++ ops build, and the layer is tied to the embeddings (their table is the plain copy
-the op reads, so nothing is duplicated but the bf16 copy: 57 MB for SmolLM2). The screen is switched on with the
+the op reads, so nothing is duplicated but the bf16 copy). The screen is switched on with the
 compiled passes, which load the native ops (``screen``); until then greedy choices come from the full product
 (``runner.Scores``).
 """
@@ -64,8 +63,9 @@ class ScreenedHead(nn.Module):
         """hidden: [T, hidden] float32 (after the final norm) -> ([T] int64 greedy choices among the screened rows,
         [T] how many tokens each recomputed in float32). Only once ``screen`` ran."""
         approx = self.approx(hidden.to(torch.bfloat16))  # [T, vocab] bf16
-        return torch.ops.depctl_native.screened_argmax(approx, hidden, self.table[: approx.shape[-1]], self.norms,
-                                                       self.errors, self.max_norm, self.max_error)
+        return torch.ops.depctl_native.screened_argmax(
+            approx, hidden, self.table[: approx.shape[-1]], self.norms, self.errors, self.max_norm, self.max_error
+        )
 
 
 def screen_output_layer(model: nn.Module) -> bool:

@@ -1,7 +1,8 @@
 """ModelRunner: one model plus the one KV cache it owns (a ``SlotCache``: a row per running sequence).
 
 A forward takes a contiguous range of rows and a list of new tokens per row (ragged, not padded: the model sees one
-flat stream of all of them), writes them at each row's length, and returns their logits. The engine keeps one invariant with ``set_length`` after every
+flat stream of all of them), writes them at each row's length, and returns their logits. The engine keeps one invariant
+with ``set_length`` after every
 step, for the target and the draft alike: a row holds a prefix of its accepted sequence, and for the target exactly
 ``len(tokens) - 1`` positions, so that the last accepted token is the next forward's first input. A draft row may be
 *shorter* (after a full accept it never saw ``d_k``); it catches up by feeding ``tokens[length:]`` next time.
@@ -11,36 +12,47 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Protocol
 
 import torch
 
+from runtime.kernels.surgery import Int8WeightLinear, prefill_pass
 from runtime.model import decoder
 from runtime.model.attention import NAME as ROWS_ATTENTION
 from runtime.model.cache import SlotCache
 from runtime.model.head import ScreenedHead
-from runtime.kernels.surgery import prefill_pass
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[..., vocab] -> [...]: each row's greedy token, the first index of its largest logit (``argmax``'s choice, ties
-    and NaN alike). ``max`` finds it 2-5x faster than ``argmax`` on a CPU (bf16 logits of a 40-token pass over a
-    49152-token vocabulary: 0.66 against 3.08 ms, a tenth of the pass)."""
+    and NaN alike). ``max`` finds it several times faster than ``argmax`` on a CPU."""
     return logits.max(-1).indices
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, max_rows: int = 1,
-                 max_context: int | None = None, slack: int = 64):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vocab_size: int | None = None,
+        max_rows: int = 1,
+        max_context: int | None = None,
+        slack: int = 64,
+        cache: SlotCache | None = None,
+        fast_pass: FastPass | None = None,
+    ):
         self.model = model
         self.device = next(model.parameters()).device
-        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        config = (
+            model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        )
         max_context = max_context or getattr(config, "max_position_embeddings", 2048)
         # Logit rows beyond the tokenizer's vocabulary are padding (Qwen pads its tables); sliced off so target
         # and draft probabilities line up.
         self.vocab_size = vocab_size
         self.max_rows = max_rows
         # slack: a verify writes up to K + 1 positions past a row's length
-        self.cache = SlotCache(model.config, max_rows, max_context + slack)
+        self.max_context, self.slack = max_context, slack
+        self.cache = cache if cache is not None else SlotCache(model.config, max_rows, max_context + slack)
         # on a CPU, verify passes attend position by position, so that they round as plain steps do: SDPA's CPU kernels
         # round a query differently beside more queries, in float32 too (with the loader's row-invariant linears this
         # makes a 9-token verify pass bit-identical to 9 one-token steps; tests/real checks it on SmolLM2)
@@ -53,10 +65,20 @@ class ModelRunner:
         # transformers 5.24 renamed the forward's cache argument (``past_key_values`` -> ``cache``, the old name
         # deprecated): pass it under the name this version reads
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # decode and verify passes through a compiled library (runtime.model.compiled), when the loader attached one
-        self.compiled = None
-        # or, on a GPU, at a fixed shape replayed from CUDA graphs (runtime.model.graphs.FixedShapePass)
-        self.graphed = None
+        # decode and verify passes through a compiled library or CUDA graphs, where the loader proved them exact
+        self.fast_pass = fast_pass
+        self._prefill_linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+
+    def with_pass(self, fast_pass: FastPass | None) -> ModelRunner:
+        """A runner over the same model and cache whose decode and verify passes go through ``fast_pass``."""
+        return ModelRunner(
+            self.model, self.vocab_size, self.max_rows, self.max_context, self.slack, self.cache, fast_pass
+        )
+
+    def set_max_width(self, width: int) -> None:
+        """The most tokens a row verifies changed (``deployment update --draft-token-count``)."""
+        if self.fast_pass is not None:
+            self.fast_pass.set_widths((width,))
 
     def length(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -68,8 +90,9 @@ class ModelRunner:
         self.cache.move_row(src, dst)
 
     @torch.inference_mode()
-    def forward(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
-                prefill: bool = False) -> torch.Tensor:
+    def forward(
+        self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False, prefill: bool = False
+    ) -> torch.Tensor:
         """Append ``inputs[b]`` to row ``first + b`` for every b and return the logits.
 
         inputs: B lists of token ids (ragged), or a [B, S] tensor already on the device (no host round trip)
@@ -79,12 +102,15 @@ class ModelRunner:
         kernel that is faster for many rows (``surgery.prefill_pass``)
         """
         scores = self.score(first, inputs, last_only, prefill)
-        with prefill_pass() if prefill else contextlib.nullcontext():  # the output layer is part of the pass
+        with (
+            prefill_pass(self._prefill_linears) if prefill else contextlib.nullcontext()
+        ):  # the output layer is part of the pass
             return scores.logits()
 
     @torch.inference_mode()
-    def score(self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False,
-              prefill: bool = False) -> "Scores":
+    def score(
+        self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False, prefill: bool = False
+    ) -> "Scores":
         """``forward``, returning the pass's ``Scores``: its greedy choices, and its logits only where asked for."""
         if isinstance(inputs, torch.Tensor):
             widths = [inputs.shape[1]] * inputs.shape[0]
@@ -95,16 +121,16 @@ class ModelRunner:
         layout = self.cache.begin(first, widths, self.device, self.per_position)
         keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
         try:
-            if self.graphed is not None and not prefill and self.cache.allocated and self.graphed.fits(first, widths):
-                logits = self.graphed(input_ids[0], layout, keep)
-                return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+            fast = self.fast_pass
+            if fast is not None and not prefill and self.cache.allocated and fast.fits(first, widths, keep):
+                out = fast(input_ids[0], layout, self.cache, keep)  # [T or len(keep), hidden or vocab]
+                if fast.returns_hidden:
+                    return Scores(self.model.lm_head, self.vocab_size, hidden=out)
+                return Scores(self.model.lm_head, self.vocab_size, logits=out)
             position_ids = self.cache.step.positions[None]  # [1, T]
             if keep is not None:
                 keep = torch.tensor(keep, device=self.device)
-            if self.compiled is not None and keep is None and not prefill and self.cache.allocated:
-                hidden = self.compiled(input_ids[0], position_ids[0], self.cache.step.rows, self.cache)
-                return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
-            with prefill_pass() if prefill else contextlib.nullcontext():
+            with prefill_pass(self._prefill_linears) if prefill else contextlib.nullcontext():
                 return self._forward(input_ids, position_ids, layout, keep)
         finally:
             self.cache.advance(first, widths)
@@ -115,9 +141,30 @@ class ModelRunner:
             attend = decoder.cache_attention(self.cache, layout)
             hidden = decoder.forward(self.model, input_ids[0], position_ids[0], attend, keep, head=False)
             return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
-        logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, depctl_rows=layout,
-                            logits_to_keep=0 if keep is None else keep, **{self.cache_kwarg: self.cache}).logits[0]
+        logits = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=True,
+            depctl_rows=layout,
+            logits_to_keep=0 if keep is None else keep,
+            **{self.cache_kwarg: self.cache},
+        ).logits[0]
         return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+
+
+class FastPass(Protocol):
+    """A decode and verify pass faster than the eager one, proven exact against it at load: a compiled library
+    (``runtime.model.compiled``) or CUDA graphs (``runtime.model.graphs``). Prompt chunks always run eagerly."""
+
+    returns_hidden: bool  # the final norm's output (the runner applies the output layer), else logits
+
+    def fits(self, first: int, widths: list[int], keep: list[int] | None) -> bool: ...
+
+    def __call__(self, input_ids: torch.Tensor, layout, cache: SlotCache, keep: list[int] | None) -> torch.Tensor: ...
+
+    def set_widths(self, widths: tuple[int, ...]) -> None: ...
+
+    def describe(self) -> str: ...
 
 
 class Scores:
@@ -127,8 +174,13 @@ class Scores:
     step never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
     whatever rows are beside it: ``surgery.BlockedLinear``)."""
 
-    def __init__(self, head: torch.nn.Module, vocab_size: int | None, hidden: torch.Tensor | None = None,
-                 logits: torch.Tensor | None = None):
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        vocab_size: int | None,
+        hidden: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+    ):
         self.head, self.vocab_size = head, vocab_size
         self.hidden = hidden  # [T, hidden], the final norm's output; None where the model's own forward ran
         self._logits = logits if logits is None else self._fit(logits)  # [T, vocab] once computed

@@ -7,18 +7,20 @@ without drafts runs a plain decode step inside the same pass, so "speculation of
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence as Seq
+from typing import Callable
+from typing import Sequence as Seq
 
 import torch
 
-from runtime.speculation.stats import SpecDecodeStats
-from runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
-from runtime.speculation.proposers import PredictionTracker, Proposer
 from runtime.model.runner import ModelRunner, greedy
+from runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
+from runtime.speculation.proposers import DraftModelProposer, PredictionTracker, Proposer
 from runtime.speculation.sampling import probs_from_logits
 from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from runtime.speculation.stats import SpecDecodeStats
 from runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
 
 
@@ -31,28 +33,42 @@ class EngineConfig:
     prediction_draft_tokens: int = 8  # K for a request's predicted output (drafting from it is free)
 
 
+class DraftSource(enum.Enum):
+    """Where a row's drafts come from this step."""
+
+    PREDICTION = "prediction"  # the request's predicted output
+    FREE = "free"  # the deployment's free proposer (n-gram, suffix)
+    MODEL = "model"  # the draft model, run after the width is chosen
+
+
 @dataclass
 class Guess:
     """A row's drafts for this step before the width is known: a free guess, or room for a draft model's."""
 
     tokens: list[int]
     acceptance: RequestAcceptance
-    source: str | None  # "prediction" | "ngram" | "suffix" | "model" | None (no speculation for this row)
+    source: DraftSource | None  # None: no speculation for this row
     available: int = 0
 
 
 class SpeculativeEngine:
-    def __init__(self, target: ModelRunner, proposer: Proposer | None = None, config: EngineConfig | None = None,
-                 prediction_tracker: Callable[[Seq[int]], PredictionTracker] = PredictionTracker):
+    def __init__(
+        self,
+        target: ModelRunner,
+        proposer: Proposer | None = None,
+        config: EngineConfig | None = None,
+        prediction_tracker: Callable[[Seq[int]], PredictionTracker] = PredictionTracker,
+    ):
         self.target = target
         self.prediction_tracker = prediction_tracker  # how a request follows its predicted output
         self.proposer = proposer
         self.config = config or EngineConfig()
         self.stats = SpecDecodeStats()  # the deployment's totals
         # the proposer that owns a KV cache with the target's rows (None for free proposers)
-        self.draft_model = proposer if proposer is not None and proposer.cost_per_token else None
-        self.policy = DraftLengthPolicy(max_k=self.config.num_draft_tokens if proposer else 0,
-                                        adaptive=self.config.adaptive)
+        self.draft_model = proposer if isinstance(proposer, DraftModelProposer) else None
+        self.policy = DraftLengthPolicy(
+            max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
+        )
 
     @property
     def max_rows(self) -> int:
@@ -62,8 +78,7 @@ class SpeculativeEngine:
         """Change K in place (``depctl deployment update --draft-token-count``): no model is reloaded."""
         self.config.num_draft_tokens = k
         self.policy.max_k = k if self.proposer else 0
-        if self.target.graphed is not None:  # every target pass keeps one shape, now this wide
-            self.target.graphed.set_widths((1 + self.policy.max_k,))
+        self.target.set_max_width(1 + self.policy.max_k)
 
     # ---- a sequence's life: new -> prefill (in chunks) -> step ... -> finish ----
     def new_sequence(self, prompt_ids: Seq[int], params: GenerationParams) -> Sequence:
@@ -75,8 +90,16 @@ class SpeculativeEngine:
         limit = min(params.max_tokens, self.config.max_context - len(prompt_ids))
         prediction = self.prediction_tracker(params.prediction) if params.prediction else None
         prediction_prior = self.policy.new_request(prior=0.8) if params.prediction else None
-        return Sequence(list(prompt_ids), params, limit, frozenset(stop_ids), self.policy.new_request(),
-                        prediction, prediction_prior, self.target.device)
+        return Sequence(
+            list(prompt_ids),
+            params,
+            limit,
+            frozenset(stop_ids),
+            self.policy.new_request(),
+            prediction,
+            prediction_prior,
+            self.target.device,
+        )
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, budget: int) -> StepOutput | None:
@@ -102,7 +125,9 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         # propose: free guesses first, then one draft width for the batch (policy), then the draft model
         guesses = [self._guess(seq) for seq in batch]
-        width, predicted = self.policy.width([RowPlan(g.acceptance, g.available, g.source == "model") for g in guesses])
+        width, predicted = self.policy.width(
+            [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses]
+        )
         drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
         t1 = time.perf_counter()
         # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
@@ -149,9 +174,11 @@ class SpeculativeEngine:
         room = seq.room if params.max_draft_tokens is None else min(seq.room, params.max_draft_tokens)
         rejoin_guess: list[int] = []
         if seq.prediction is not None:
-            tokens = seq.prediction.propose(seq.tokens[seq.prompt_len :], min(room, self.config.prediction_draft_tokens))
+            tokens = seq.prediction.propose(
+                seq.tokens[seq.prompt_len :], min(room, self.config.prediction_draft_tokens)
+            )
             if tokens and (seq.prediction.following or self.proposer is None):
-                return Guess(tokens, seq.prediction_acceptance, "prediction", len(tokens))
+                return Guess(tokens, seq.prediction_acceptance, DraftSource.PREDICTION, len(tokens))
             # off the prediction: a guess at where the output rejoins it comes after the deployment's own proposer,
             # whose match is measured against the text just written
             rejoin_guess = tokens
@@ -159,12 +186,12 @@ class SpeculativeEngine:
             return Guess([], seq.acceptance, None)
         k = min(room, self.policy.max_k)
         if self.draft_model is not None:
-            guess = Guess([], seq.acceptance, "model", max(k, 0))
+            guess = Guess([], seq.acceptance, DraftSource.MODEL, max(k, 0))
         else:
             tokens = self.proposer.propose(seq, k) if k > 0 else []
             if rejoin_guess and not tokens:
-                return Guess(rejoin_guess, seq.prediction_acceptance, "prediction", len(rejoin_guess))
-            guess = Guess(tokens, seq.acceptance, self.proposer.name, len(tokens))
+                return Guess(rejoin_guess, seq.prediction_acceptance, DraftSource.PREDICTION, len(rejoin_guess))
+            guess = Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens))
         if rejoin_guess:
             seq.prediction.unused()
         return guess
@@ -173,12 +200,12 @@ class SpeculativeEngine:
         """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), and the draft model's
         own tokens per row when it ran (its cache keeps only the part the target accepted)."""
         model_tokens, model_probs = [None] * len(batch), [None] * len(batch)
-        if width and any(g.source == "model" and g.available for g in guesses):
+        if width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
             model_tokens, model_probs = self.draft_model.propose(batch, width)
         drafts, probs = [], []
         for g, tokens, q in zip(guesses, model_tokens, model_probs):
             k = min(width, g.available)
-            if g.source == "model":
+            if g.source == DraftSource.MODEL:
                 drafts.append(tokens[:k] if k else [])
                 probs.append(q[:k] if q is not None and k else None)
             else:
@@ -213,7 +240,7 @@ class SpeculativeEngine:
             guess.acceptance.observe(n, n + (1 if n < k else 0))
         elif guess.tokens:  # a free guess not drafted this step still tells whether it would have been right
             guess.acceptance.observe(int(guess.tokens[0] == token), 1)
-        pd = k if guess.source == "prediction" else 0
+        pd = k if guess.source == DraftSource.PREDICTION else 0
         pa = seq.prediction.observe(n if pd else 0, token) if seq.prediction is not None else 0
         return self._emit(seq, emitted, k, n, pd, pa)
 
@@ -243,7 +270,7 @@ class SpeculativeEngine:
         # (rows, tokens a row): every width one request can verify (kernels take rows in blocks, so costs step: int8
         # weights four rows at a time, SmolLM2's 5 tokens ~1.5x 4 of them), then batch passes of up to the widest
         shapes = {(1, n) for n in range(1, widest + 1)}
-        for n in {2 ** i for i in range(10)} | {rows, rows * widest}:
+        for n in {2**i for i in range(10)} | {rows, rows * widest}:
             if widest < n <= rows * widest:
                 b = min(rows, n)
                 shapes.add((b, n // b))

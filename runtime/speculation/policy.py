@@ -34,23 +34,22 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-
 WINDOW = 5  # a cost is the median of this many recent measurements
 REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
 PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
 PROBE_EVERY = 8
 REALISM_DECAY = 0.97  # per drafting step: the realised/predicted ratio follows the last ~30 drafting steps
 MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decoding by at least 3%
-# in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and at batch 8 a pass of 9
-# tokens a row costs ~3x a plain step, so a 3% predicted gain was a measured loss (SmolLM2, 2 cores: 0.84x)
+# in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and a batch's wide pass costs
+# several plain steps, so a small predicted gain can be a real loss
 MIN_GAIN_BATCH = 1.10
 
 
 def _estimate(recent: deque, old: float | None, sample: float) -> float:
     """Follow a cost with the median of its last ``WINDOW`` samples (the lower one of an even count), seeded with the
-    previous estimate. One slow pass (one of 44 ms among 4-token passes of 7-9 ms, SmolLM2 int8 in-process) is
-    outvoted, where an average of 0.2 moved the estimate 2x and left a width that is rarely drafted, and so rarely
-    re-measured, priced out for good; a lasting change wins within a few passes. A sample under half the estimate
+    previous estimate. One slow pass (a page fault, a busy moment) is outvoted, where an average would leave a width
+    that is rarely drafted, and so rarely re-measured, priced out for good; a lasting change wins within a few
+    passes. A sample under half the estimate
     replaces it at once: a calibration taken on a busy machine (contention can make a pass 10x slower) must not
     switch speculation off for good. Not a running minimum, which would favour whichever count is measured most
     often (its luckiest sample) over counts measured rarely."""
@@ -194,9 +193,9 @@ class DraftLengthPolicy:
         if longest <= 0:
             return 0, 0.0
         batch = len(rows)
-        # extra[w]: the tokens beyond one a row that drafts of width w bring, sum_i E_i(min(w, k_i)) - 1 with
-        # E(k) - 1 = a + ... + a^k (a clamped to [0, 0.999]), and tokens[w]: the pass's token count, both built up one width at a time (this
-        # runs every step: the same sums written per width were ~50 us a step for 8 rows and K = 8)
+        # extra[w]: the tokens beyond one a row that drafts of width w bring, sum_i E_i(min(w, k_i)) - 1 with E(k) - 1 =
+        # a + ... + a^k (a clamped to [0, 0.999]), and tokens[w]: the pass's token count, both built up one width at a
+        # time (this runs every step)
         drafting = [(min(max(r.acceptance.rate, 0.0), 0.999), r.available) for r in rows if r.available > 0]
         powers = [a for a, _ in drafting]
         extra, tokens = [0.0] * (longest + 1), [batch] * (longest + 1)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Iterator, Sequence as Seq
+from typing import Iterator
+from typing import Sequence as Seq
 
 from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 
@@ -131,8 +132,9 @@ class Scheduler:
                 got[s.id] += o.token_ids
         return [got[s.id] for s in seqs]
 
-    def generate(self, prompt_ids: Seq[int], params: GenerationParams,
-                 cancel: threading.Event | None = None) -> Iterator[StepOutput]:
+    def generate(
+        self, prompt_ids: Seq[int], params: GenerationParams, cancel: threading.Event | None = None
+    ) -> Iterator[StepOutput]:
         seq = self.engine.new_sequence(prompt_ids, params)
         self.add(seq)
         try:
@@ -150,7 +152,8 @@ class Scheduler:
                 self._drop_cancelled([])
 
 
-def generate(engine, prompt_ids: Seq[int], params: GenerationParams,
-             cancel: threading.Event | None = None) -> Iterator[StepOutput]:
+def generate(
+    engine, prompt_ids: Seq[int], params: GenerationParams, cancel: threading.Event | None = None
+) -> Iterator[StepOutput]:
     """One request on its own, stepped in the calling thread (tests, benchmarks)."""
     yield from Scheduler(engine, max_batch_size=1).generate(prompt_ids, params, cancel)

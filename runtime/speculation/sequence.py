@@ -20,7 +20,9 @@ class GenerationParams:
     ignore_eos: bool = False
     prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
     speculate: bool = True  # False: no drafts at all for this request (a prediction included)
-    max_draft_tokens: int | None = None  # this request drafts at most this many tokens per step (None: the deployment's K)
+    max_draft_tokens: int | None = (
+        None  # this request drafts at most this many tokens per step (None: the deployment's K)
+    )
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,17 @@ _ids = itertools.count()
 class Sequence:
     """One request's state. ``tokens`` is prompt + accepted output; ``row`` its row in every cache (-1: none)."""
 
-    def __init__(self, prompt: list[int], params: GenerationParams, limit: int, stop_ids: frozenset[int],
-                 acceptance: RequestAcceptance, prediction: PredictionTracker | None,
-                 prediction_acceptance: RequestAcceptance | None, device: torch.device):
+    def __init__(
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        limit: int,
+        stop_ids: frozenset[int],
+        acceptance: RequestAcceptance,
+        prediction: PredictionTracker | None,
+        prediction_acceptance: RequestAcceptance | None,
+        device: torch.device,
+    ):
         self.id = next(_ids)
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)

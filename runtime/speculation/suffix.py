@@ -16,9 +16,8 @@ subtree counts of a suffix tree, read off occurrence lists). The walk stops at `
 tokens or when the probability drops under ``MIN_PROB``.
 
 Why occurrence lists and not a suffix tree: a Python suffix tree of depth d costs d node visits per indexed token
-and an object per node (hundreds of bytes each); the lists cost two entries per token. Measured on SmolLM2's
-tokens of this repository's docs (37k tokens): ~200 bytes a held token, ~15 microseconds to index a token, ~0.2 ms
-a lookup (a lookup reads at most ``MAX_CANDIDATES`` occurrences), against 30-60 ms for a decode step.
+and an object per node (hundreds of bytes each); the lists cost two entries per token, and a lookup reads at most
+``MAX_CANDIDATES`` occurrences (BENCHMARKS.md has the costs).
 
 Memory is bounded by a token budget: finished requests are evicted least recently used first (used: indexed, or
 drafted from) once the held tokens exceed it; running requests are never evicted. Evicted requests' index entries
@@ -32,7 +31,10 @@ from array import array
 from collections import Counter, OrderedDict
 from typing import Sequence
 
-KEY_LENGTHS = (3, 8)  # a match must cover at least 3 tokens (as n-gram lookup's measured best n); 8 finds long ones fast
+KEY_LENGTHS = (
+    3,
+    8,
+)  # a match must cover at least 3 tokens (as n-gram lookup's measured best n); 8 finds long ones fast
 MAX_MATCH = 32  # how far back a match is measured
 MAX_CANDIDATES = 32  # most recent live occurrences read per lookup
 # draft at most ALPHA x match length tokens (SuffixDecoding's max_spec_factor). Its default is 1 with tree drafts;
@@ -83,9 +85,15 @@ class SuffixIndex:
         return len(self._seqs)
 
     def snapshot(self) -> dict:
-        return {"requests": self.requests, "tokens": self.tokens, "budget_tokens": self.budget,
-                "index_entries": self._entries, "evicted_requests": self.evicted, "lookups": self.lookups,
-                "hits": self.hits}
+        return {
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "budget_tokens": self.budget,
+            "index_entries": self._entries,
+            "evicted_requests": self.evicted,
+            "lookups": self.lookups,
+            "hits": self.hits,
+        }
 
     # ---- updates ----
     def sync(self, rid: int, tokens: Sequence[int]) -> None:

@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_short_chaos_run(tmp_path):
     out = tmp_path / "chaos.json"
-    run = subprocess.run([sys.executable, "benchmarks/chaos.py", "--duration", "30", "--clients", "4",
-                          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "benchmarks/chaos.py", "--duration", "30", "--clients", "4", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     counts = result["counts"]

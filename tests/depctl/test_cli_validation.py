@@ -29,42 +29,103 @@ def spec_files(home) -> list:
     "flags, needle, model",
     [
         # both methods at once
-        (["--draft-model", "smollm2-135m-instruct", "--ngram-speculation-length", "3", "--draft-token-count", "4"],
-         "--draft-model and --ngram-speculation-length cannot be used together", "smollm2-135m-instruct"),
+        (
+            ["--draft-model", "smollm2-135m-instruct", "--ngram-speculation-length", "3", "--draft-token-count", "4"],
+            "--draft-model and --ngram-speculation-length cannot be used together",
+            "smollm2-135m-instruct",
+        ),
         # a method without a count
-        (["--ngram-speculation-length", "3"], "--draft-token-count is required with --ngram-speculation-length", "smollm2-135m-instruct"),
-        (["--draft-model", "smollm2-135m-instruct"], "--draft-token-count is required with --draft-model", "smollm2-135m-instruct"),
+        (
+            ["--ngram-speculation-length", "3"],
+            "--draft-token-count is required with --ngram-speculation-length",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--draft-model", "smollm2-135m-instruct"],
+            "--draft-token-count is required with --draft-model",
+            "smollm2-135m-instruct",
+        ),
         # a count without a method
-        (["--draft-token-count", "4"], "--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation", "smollm2-135m-instruct"),
+        (
+            ["--draft-token-count", "4"],
+            "--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation",
+            "smollm2-135m-instruct",
+        ),
         # bounds and types: one line naming the flag, no traceback
-        (["--ngram-speculation-length", "3", "--draft-token-count", "0"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "-2"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "33"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "99999999999999999999"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "four"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "2.5"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "0", "--draft-token-count", "4"], "--ngram-speculation-length", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "17", "--draft-token-count", "4"], "--ngram-speculation-length", "smollm2-135m-instruct"),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "0"],
+            "--draft-token-count",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "-2"],
+            "--draft-token-count",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "33"],
+            "--draft-token-count",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "99999999999999999999"],
+            "--draft-token-count",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "four"],
+            "--draft-token-count",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "2.5"],
+            "--draft-token-count",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "0", "--draft-token-count", "4"],
+            "--ngram-speculation-length",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--ngram-speculation-length", "17", "--draft-token-count", "4"],
+            "--ngram-speculation-length",
+            "smollm2-135m-instruct",
+        ),
         # a draft model that does not resolve
-        (["--draft-model", "/nowhere/model", "--draft-token-count", "4"], "--draft-model '/nowhere/model' was not found", "smollm2-135m-instruct"),
+        (
+            ["--draft-model", "/nowhere/model", "--draft-token-count", "4"],
+            "--draft-model '/nowhere/model' was not found",
+            "smollm2-135m-instruct",
+        ),
         # packaged models with different tokenizers: refused, with a suggestion
-        (["--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"], "must share a tokenizer",
-         "qwen2.5-coder-1.5b-instruct"),
+        (
+            ["--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
+            "must share a tokenizer",
+            "qwen2.5-coder-1.5b-instruct",
+        ),
         # the draft's precision belongs to a draft model
         (["--draft-precision", "int8"], "--draft-precision needs --draft-model", "smollm2-135m-instruct"),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "4", "--draft-precision", "int8"],
-         "--draft-precision applies to a draft model and cannot be used with --ngram-speculation-length",
-         "smollm2-135m-instruct"),
-        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "int4"],
-         "--draft-precision", "qwen2.5-coder-1.5b-instruct"),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "4", "--draft-precision", "int8"],
+            "--draft-precision applies to a draft model and cannot be used with --ngram-speculation-length",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "int4"],
+            "--draft-precision",
+            "qwen2.5-coder-1.5b-instruct",
+        ),
         # the batch size: bounded like the other flags
         (["--max-batch-size", "0"], "--max-batch-size", "smollm2-135m-instruct"),
         (["--max-batch-size", "257"], "--max-batch-size", "smollm2-135m-instruct"),
         (["--max-batch-size", "eight"], "--max-batch-size", "smollm2-135m-instruct"),
         # int8 weights compute in bf16 on a CPU
-        (["--quantization", "int8", "--dtype", "float32"],
-         "--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype float32",
-         "smollm2-135m-instruct"),
+        (
+            ["--quantization", "int8", "--dtype", "float32"],
+            "--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype float32",
+            "smollm2-135m-instruct",
+        ),
         (["--quantization", "int8", "--device", "cuda"], "--quantization int8 runs on a CPU", "smollm2-135m-instruct"),
         (["--quantization", "int4"], "--quantization", "smollm2-135m-instruct"),
         # what depctl's engine cannot do, and what vLLM would refuse
@@ -72,25 +133,60 @@ def spec_files(home) -> list:
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size needs --engine vllm", "smollm2-135m-instruct"),
         (["--ray-address", "auto"], "--ray-address needs --engine vllm", "smollm2-135m-instruct"),
         (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent", "smollm2-135m-instruct"),
-        (["--engine", "vllm", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4",
-          "--draft-precision", "int8"], "vLLM holds the draft in the target's dtype", "smollm2-135m-instruct"),
+        (
+            [
+                "--engine",
+                "vllm",
+                "--draft-model",
+                "smollm2-135m-instruct",
+                "--draft-token-count",
+                "4",
+                "--draft-precision",
+                "int8",
+            ],
+            "vLLM holds the draft in the target's dtype",
+            "smollm2-135m-instruct",
+        ),
         (["--engine", "sglang"], "--engine", "smollm2-135m-instruct"),
         (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size", "smollm2-135m-instruct"),
         (["--max-context-length", "8"], "--max-context-length", "smollm2-135m-instruct"),
         # suffix speculation: one method among three, with a count, a bounded index, on depctl's engine
-        (["--suffix-speculation", "--ngram-speculation-length", "3", "--draft-token-count", "4"],
-         "--ngram-speculation-length and --suffix-speculation cannot be used together", "smollm2-135m-instruct"),
-        (["--suffix-speculation", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
-         "--draft-model and --suffix-speculation cannot be used together", "smollm2-135m-instruct"),
-        (["--suffix-speculation"], "--draft-token-count is required with --suffix-speculation", "smollm2-135m-instruct"),
+        (
+            ["--suffix-speculation", "--ngram-speculation-length", "3", "--draft-token-count", "4"],
+            "--ngram-speculation-length and --suffix-speculation cannot be used together",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--suffix-speculation", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
+            "--draft-model and --suffix-speculation cannot be used together",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--suffix-speculation"],
+            "--draft-token-count is required with --suffix-speculation",
+            "smollm2-135m-instruct",
+        ),
         (["--suffix-speculation", "--draft-token-count", "33"], "--draft-token-count", "smollm2-135m-instruct"),
-        (["--suffix-cache-tokens", "4096"], "--suffix-cache-tokens needs --suffix-speculation", "smollm2-135m-instruct"),
-        (["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "10"], "--suffix-cache-tokens",
-         "smollm2-135m-instruct"),
-        (["--suffix-speculation", "--draft-token-count", "8", "--draft-precision", "int8"],
-         "--draft-precision applies to a draft model and cannot be used with --suffix-speculation", "smollm2-135m-instruct"),
-        (["--suffix-speculation", "--draft-token-count", "8", "--engine", "vllm"],
-         "--suffix-speculation runs on depctl's engine", "smollm2-135m-instruct"),
+        (
+            ["--suffix-cache-tokens", "4096"],
+            "--suffix-cache-tokens needs --suffix-speculation",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "10"],
+            "--suffix-cache-tokens",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--suffix-speculation", "--draft-token-count", "8", "--draft-precision", "int8"],
+            "--draft-precision applies to a draft model and cannot be used with --suffix-speculation",
+            "smollm2-135m-instruct",
+        ),
+        (
+            ["--suffix-speculation", "--draft-token-count", "8", "--engine", "vllm"],
+            "--suffix-speculation runs on depctl's engine",
+            "smollm2-135m-instruct",
+        ),
     ],
 )
 def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depctl_home):
@@ -102,8 +198,15 @@ def test_create_rejects_bad_flags_and_writes_nothing(flags, needle, model, depct
 
 
 def test_mismatched_packaged_draft_suggests_the_family_draft(depctl_home):
-    result = run("deployment", "create", "qwen2.5-coder-1.5b-instruct", "--draft-model", "smollm2-135m-instruct",
-                 "--draft-token-count", "4")
+    result = run(
+        "deployment",
+        "create",
+        "qwen2.5-coder-1.5b-instruct",
+        "--draft-model",
+        "smollm2-135m-instruct",
+        "--draft-token-count",
+        "4",
+    )
     assert result.exit_code == 2
     assert "--draft-model=qwen2.5-coder-0.5b-instruct" in result.stderr
 
@@ -119,18 +222,43 @@ def test_unknown_model_says_what_was_tried(depctl_home):
     "flags, speculation",
     [
         ([], {"method": "none"}),
-        (["--ngram-speculation-length", "3", "--draft-token-count", "4"],
-         {"method": "ngram", "ngram_length": 3, "num_draft_tokens": 4}),
-        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "32"],
-         {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 32,
-          "draft_precision": "auto"}),
-        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "float32"],
-         {"method": "draft_model", "draft_model": "qwen2.5-coder-0.5b-instruct", "num_draft_tokens": 4,
-          "draft_precision": "float32"}),
-        (["--suffix-speculation", "--draft-token-count", "16"],
-         {"method": "suffix", "num_draft_tokens": 16, "cache_tokens": 262144}),
-        (["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "65536"],
-         {"method": "suffix", "num_draft_tokens": 8, "cache_tokens": 65536}),
+        (
+            ["--ngram-speculation-length", "3", "--draft-token-count", "4"],
+            {"method": "ngram", "ngram_length": 3, "num_draft_tokens": 4},
+        ),
+        (
+            ["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "32"],
+            {
+                "method": "draft_model",
+                "draft_model": "qwen2.5-coder-0.5b-instruct",
+                "num_draft_tokens": 32,
+                "draft_precision": "auto",
+            },
+        ),
+        (
+            [
+                "--draft-model",
+                "qwen2.5-coder-0.5b-instruct",
+                "--draft-token-count",
+                "4",
+                "--draft-precision",
+                "float32",
+            ],
+            {
+                "method": "draft_model",
+                "draft_model": "qwen2.5-coder-0.5b-instruct",
+                "num_draft_tokens": 4,
+                "draft_precision": "float32",
+            },
+        ),
+        (
+            ["--suffix-speculation", "--draft-token-count", "16"],
+            {"method": "suffix", "num_draft_tokens": 16, "cache_tokens": 262144},
+        ),
+        (
+            ["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "65536"],
+            {"method": "suffix", "num_draft_tokens": 8, "cache_tokens": 65536},
+        ),
     ],
 )
 def test_validate_only_prints_the_spec_and_writes_nothing(flags, speculation, depctl_home):
@@ -165,21 +293,44 @@ def _seed(depctl_home, speculation) -> None:
     "flags, needle",
     [
         ([], "nothing to update"),
-        (["--draft-model", "qwen2.5-coder-0.5b-instruct", "--ngram-speculation-length", "2", "--draft-token-count", "2"],
-         "cannot be used together"),
+        (
+            [
+                "--draft-model",
+                "qwen2.5-coder-0.5b-instruct",
+                "--ngram-speculation-length",
+                "2",
+                "--draft-token-count",
+                "2",
+            ],
+            "cannot be used together",
+        ),
         (["--ngram-speculation-length", "2"], "--draft-token-count is required"),
-        (["--disable-speculative-decoding", "--draft-token-count", "2"], "--disable-speculative-decoding cannot be combined"),
+        (
+            ["--disable-speculative-decoding", "--draft-token-count", "2"],
+            "--disable-speculative-decoding cannot be combined",
+        ),
         (["--draft-token-count", "0"], "--draft-token-count"),
-        (["--draft-precision", "int8"], "--draft-precision needs --draft-model (this deployment does not use a draft model)"),
-        (["--disable-speculative-decoding", "--draft-precision", "int8"], "cannot be used with --disable-speculative-decoding"),
+        (
+            ["--draft-precision", "int8"],
+            "--draft-precision needs --draft-model (this deployment does not use a draft model)",
+        ),
+        (
+            ["--disable-speculative-decoding", "--draft-precision", "int8"],
+            "cannot be used with --disable-speculative-decoding",
+        ),
         (["--max-batch-size", "0"], "--max-batch-size"),
         (["--quantization", "int8", "--dtype", "float16"], "cannot be combined with --dtype float16"),
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size needs --engine vllm"),
         (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent"),
         (["--suffix-speculation"], "--draft-token-count is required with --suffix-speculation"),
-        (["--suffix-cache-tokens", "4096"], "--suffix-cache-tokens needs --suffix-speculation (this deployment does not "
-                                            "use suffix speculation)"),
-        (["--disable-speculative-decoding", "--suffix-speculation"], "--disable-speculative-decoding cannot be combined"),
+        (
+            ["--suffix-cache-tokens", "4096"],
+            "--suffix-cache-tokens needs --suffix-speculation (this deployment does not use suffix speculation)",
+        ),
+        (
+            ["--disable-speculative-decoding", "--suffix-speculation"],
+            "--disable-speculative-decoding cannot be combined",
+        ),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -281,7 +432,9 @@ def test_max_batch_size_defaults_to_8_and_is_kept(depctl_home, monkeypatch):
     monkeypatch.setattr(_common, "start_daemon", no_daemon)  # (it once left a daemon running on port 8642)
     result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "-o", "json")
     assert json.loads(result.stdout)["max_batch_size"] == 8
-    result = run("deployment", "create", "smollm2-135m-instruct", "--max-batch-size", "32", "--validate-only", "-o", "json")
+    result = run(
+        "deployment", "create", "smollm2-135m-instruct", "--max-batch-size", "32", "--validate-only", "-o", "json"
+    )
     assert json.loads(result.stdout)["max_batch_size"] == 32
     _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
     result = run("deployment", "update", "dep", "--no-wait", "--max-batch-size", "2")
@@ -330,7 +483,9 @@ def test_a_fifo_named_gguf_is_not_a_model(depctl_home, tmp_path):
 
 
 def test_quantization_is_kept_and_checked_against_the_spec_as_it_is(depctl_home):
-    result = run("deployment", "create", "smollm2-135m-instruct", "--validate-only", "--quantization", "int8", "-o", "json")
+    result = run(
+        "deployment", "create", "smollm2-135m-instruct", "--validate-only", "--quantization", "int8", "-o", "json"
+    )
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["quantization"] == "int8"
     assert DeploymentSpec(id="d", model="m").quantization == "none"
@@ -358,18 +513,56 @@ def test_engine_flags_round_trip_through_create_update_and_get(depctl_home):
 
 
 def _engine_flags_round_trip():
-    result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "v", "--engine", "vllm",
-                 "--tensor-parallel-size", "2", "--ray-address", "auto", "--max-context-length", "4096",
-                 "--ngram-speculation-length", "3", "--draft-token-count", "4", "--no-wait")
+    result = run(
+        "deployment",
+        "create",
+        "smollm2-135m-instruct",
+        "--deployment-id",
+        "v",
+        "--engine",
+        "vllm",
+        "--tensor-parallel-size",
+        "2",
+        "--ray-address",
+        "auto",
+        "--max-context-length",
+        "4096",
+        "--ngram-speculation-length",
+        "3",
+        "--draft-token-count",
+        "4",
+        "--no-wait",
+    )
     spec = SpecStore().get("v")
-    assert (spec.engine, spec.tensor_parallel_size, spec.ray_address, spec.max_context_length) == ("vllm", 2, "auto", 4096)
+    assert (spec.engine, spec.tensor_parallel_size, spec.ray_address, spec.max_context_length) == (
+        "vllm",
+        2,
+        "auto",
+        4096,
+    )
     # back to depctl's engine: the vLLM-only settings must go in the same update, or it is refused and nothing changes
     result = run("deployment", "update", "v", "--engine", "depctl", "--no-wait")
     assert result.exit_code != 0 and "--tensor-parallel-size needs --engine vllm" in " ".join(result.stderr.split())
     assert SpecStore().get("v").engine == "vllm"
-    run("deployment", "update", "v", "--engine", "depctl", "--tensor-parallel-size", "1", "--ray-address", "", "--no-wait")
+    run(
+        "deployment",
+        "update",
+        "v",
+        "--engine",
+        "depctl",
+        "--tensor-parallel-size",
+        "1",
+        "--ray-address",
+        "",
+        "--no-wait",
+    )
     spec = SpecStore().get("v")
-    assert (spec.engine, spec.tensor_parallel_size, spec.ray_address, spec.max_context_length) == ("depctl", 1, None, 4096)
+    assert (spec.engine, spec.tensor_parallel_size, spec.ray_address, spec.max_context_length) == (
+        "depctl",
+        1,
+        None,
+        4096,
+    )
     result = run("deployment", "get", "v", "-o", "json")
     assert '"engine": "depctl"' in result.stdout
     result = run("deployment", "list")
@@ -400,10 +593,18 @@ def test_get_shows_what_runs_the_matrix_products():
 
     from depctl.cli.deployment import _detail_table
 
-    status = {"state": "READY", "device": "cpu", "dtype": "bfloat16", "products": "depctl blocked bf16 on AMX tiles x121"}
+    status = {
+        "state": "READY",
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "products": "depctl blocked bf16 on AMX tiles x121",
+    }
     console = Console(width=200, record=True)
-    console.print(_detail_table({"id": "dep", "model": "smollm2-135m-instruct", "device": "auto", "dtype": "auto",
-                                 "status": status}))
+    console.print(
+        _detail_table(
+            {"id": "dep", "model": "smollm2-135m-instruct", "device": "auto", "dtype": "auto", "status": status}
+        )
+    )
     text = console.export_text()
     assert "Matrix products" in text and "depctl blocked bf16 on AMX tiles x121" in text
     console.print(_detail_table({"id": "dep", "model": "m", "status": {"state": "STOPPED"}}))

@@ -14,12 +14,15 @@ def test_flags_over_environment_over_defaults():
     assert (s.max_body_bytes, s.api_key, s.drain_timeout, s.default_max_tokens) == (9000, "k", 0.0, 2048)
 
 
-@pytest.mark.parametrize("flags, env, needle", [
-    ({}, {"DEPCTL_MAX_BODY_BYTES": "lots"}, "DEPCTL_MAX_BODY_BYTES must be a number"),
-    ({"max_body_bytes": "10"}, {}, "--max-body-bytes must be at least 1024"),
-    ({}, {"DEPCTL_LOAD_TIMEOUT": "0"}, "DEPCTL_LOAD_TIMEOUT must be at least 1"),
-    ({"default_max_tokens": "0"}, {}, "--default-max-tokens must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags, env, needle",
+    [
+        ({}, {"DEPCTL_MAX_BODY_BYTES": "lots"}, "DEPCTL_MAX_BODY_BYTES must be a number"),
+        ({"max_body_bytes": "10"}, {}, "--max-body-bytes must be at least 1024"),
+        ({}, {"DEPCTL_LOAD_TIMEOUT": "0"}, "DEPCTL_LOAD_TIMEOUT must be at least 1"),
+        ({"default_max_tokens": "0"}, {}, "--default-max-tokens must be at least 1"),
+    ],
+)
 def test_bad_values_name_their_source(flags, env, needle):
     with pytest.raises(ValueError, match=needle):
         Settings.resolve(flags, env)
@@ -34,6 +37,10 @@ def test_daemon_refuses_bad_settings_before_binding(depctl_home):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "runtime", "--port", "0", "--max-body-bytes", "12"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "runtime", "--port", "0", "--max-body-bytes", "12"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--max-body-bytes must be at least 1024" in r.stderr

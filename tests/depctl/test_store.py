@@ -23,9 +23,24 @@ def test_round_trip_keeps_only_intent(depctl_home):
     store.create(spec)
     assert store.get("a") == spec
     raw = yaml.safe_load((store.root / "a.yaml").read_text())
-    assert set(raw) == {"id", "display_name", "model", "speculation", "max_batch_size", "device", "dtype", "quantization", "compile",
-                        "engine", "max_context_length", "tensor_parallel_size", "pipeline_parallel_size",
-                        "ray_address", "created_at", "updated_at"}
+    assert set(raw) == {
+        "id",
+        "display_name",
+        "model",
+        "speculation",
+        "max_batch_size",
+        "device",
+        "dtype",
+        "quantization",
+        "compile",
+        "engine",
+        "max_context_length",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "ray_address",
+        "created_at",
+        "updated_at",
+    }
     assert "state" not in raw  # status belongs to the daemon
 
 
@@ -45,7 +60,9 @@ def test_create_clash_and_missing(depctl_home):
 def test_update_revalidates_and_bumps_updated_at(depctl_home):
     store = SpecStore()
     store.create(make(speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
-    updated = store.update("a", lambda s: s.model_copy(update={"speculation": DraftModelSpeculation(draft_model="x", num_draft_tokens=2)}))
+    updated = store.update(
+        "a", lambda s: s.model_copy(update={"speculation": DraftModelSpeculation(draft_model="x", num_draft_tokens=2)})
+    )
     assert updated.speculation.method == "draft_model"
     assert store.get("a") == updated
     assert updated.updated_at >= updated.created_at
@@ -82,8 +99,17 @@ def test_broken_file_is_reported_and_others_still_list(depctl_home):
         parse_spec(store.root / "bad.yaml")
 
 
-@pytest.mark.parametrize("content", [b"\x00\xff\xfe garbage", b"id: a\nmodel: \xff\n", b"\x00" * 64,
-                                     b"!!python/object/apply:os.system ['true']\n", b"a: &a [*a, *a]\n", b"- 1\n- 2\n"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x00\xff\xfe garbage",
+        b"id: a\nmodel: \xff\n",
+        b"\x00" * 64,
+        b"!!python/object/apply:os.system ['true']\n",
+        b"a: &a [*a, *a]\n",
+        b"- 1\n- 2\n",
+    ],
+)
 def test_any_bytes_are_a_broken_spec_never_an_exception(depctl_home, content):
     # undecodable bytes once raised UnicodeDecodeError out of list(), which stopped the daemon's reconciling
     store = SpecStore()

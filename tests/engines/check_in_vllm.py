@@ -22,21 +22,29 @@ def engine_args_from_argv(argv):
 
 
 def describe(engine_args, build):
-    out = {"model": engine_args.model, "dtype": str(engine_args.dtype), "max_num_seqs": engine_args.max_num_seqs,
-           "max_model_len": engine_args.max_model_len, "tensor_parallel_size": engine_args.tensor_parallel_size,
-           "pipeline_parallel_size": engine_args.pipeline_parallel_size,
-           "distributed_executor_backend": engine_args.distributed_executor_backend,
-           "speculative_config": engine_args.speculative_config, "enforce_eager": engine_args.enforce_eager}
+    out = {
+        "model": engine_args.model,
+        "dtype": str(engine_args.dtype),
+        "max_num_seqs": engine_args.max_num_seqs,
+        "max_model_len": engine_args.max_model_len,
+        "tensor_parallel_size": engine_args.tensor_parallel_size,
+        "pipeline_parallel_size": engine_args.pipeline_parallel_size,
+        "distributed_executor_backend": engine_args.distributed_executor_backend,
+        "speculative_config": engine_args.speculative_config,
+        "enforce_eager": engine_args.enforce_eager,
+    }
     if build:
         config = engine_args.create_engine_config()
         spec = config.speculative_config
-        out["built"] = {"method": spec.method if spec else None,
-                        "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
-                        "prompt_lookup_min": getattr(spec, "prompt_lookup_min", None) if spec else None,
-                        "prompt_lookup_max": getattr(spec, "prompt_lookup_max", None) if spec else None,
-                        "draft_model": spec.draft_model_config.model if spec and spec.draft_model_config else None,
-                        "max_model_len": config.model_config.max_model_len,
-                        "max_num_seqs": config.scheduler_config.max_num_seqs}
+        out["built"] = {
+            "method": spec.method if spec else None,
+            "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
+            "prompt_lookup_min": getattr(spec, "prompt_lookup_min", None) if spec else None,
+            "prompt_lookup_max": getattr(spec, "prompt_lookup_max", None) if spec else None,
+            "draft_model": spec.draft_model_config.model if spec and spec.draft_model_config else None,
+            "max_model_len": config.model_config.max_model_len,
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+        }
     return out
 
 
@@ -53,8 +61,15 @@ def main():
         from ray.serve.llm import LLMConfig
 
         config = LLMConfig(**data)
-        print(json.dumps({"model_id": config.model_id, "engine_kwargs": config.engine_kwargs,
-                          "autoscaling": config.deployment_config.get("autoscaling_config")}))
+        print(
+            json.dumps(
+                {
+                    "model_id": config.model_id,
+                    "engine_kwargs": config.engine_kwargs,
+                    "autoscaling": config.deployment_config.get("autoscaling_config"),
+                }
+            )
+        )
     else:
         sys.exit(f"unknown check {kind!r}")
 

@@ -30,15 +30,21 @@ CHECK = Path(__file__).parent / "check_in_vllm.py"
 pytestmark = pytest.mark.skipif(
     os.environ.get("DEPCTL_TEST_VLLM") != "1",
     reason="real vLLM: set DEPCTL_TEST_VLLM=1 to install it (`depctl engine install vllm --with-ray`, ~3.5 GB) and run "
-           "these (CI does)")
+    "these (CI does)",
+)
 
 
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
     env = engines.vllm_env()
     if env is None or not engines.has_ray(env.python):
-        proc = subprocess.run([sys.executable, "-m", "depctl", "engine", "install", "vllm", "--with-ray"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(
+            [sys.executable, "-m", "depctl", "engine", "install", "vllm", "--with-ray"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         env = engines.vllm_env()
     return env.python
@@ -50,18 +56,35 @@ def model_dir() -> str:
 
 
 def _check(python: str, *args: str) -> dict:
-    proc = subprocess.run([python, str(CHECK), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.run(
+        [python, str(CHECK), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     assert proc.returncode == 0, f"vLLM refused it:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("speculation", [NgramSpeculation(ngram_length=3, num_draft_tokens=4),
-                                         DraftModelSpeculation(draft_model="smollm2-135m-instruct", num_draft_tokens=3)])
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+        DraftModelSpeculation(draft_model="smollm2-135m-instruct", num_draft_tokens=3),
+    ],
+)
 def test_export_is_what_vllm_builds(vllm_python, model_dir, speculation):
     eager = isinstance(speculation, DraftModelSpeculation)  # --no-compile is vLLM's --enforce-eager
-    spec = DeploymentSpec(id="v", model="smollm2-135m-instruct", engine="vllm", speculation=speculation,
-                          max_context_length=2048, max_batch_size=4, compile=not eager)
+    spec = DeploymentSpec(
+        id="v",
+        model="smollm2-135m-instruct",
+        engine="vllm",
+        speculation=speculation,
+        max_context_length=2048,
+        max_batch_size=4,
+        compile=not eager,
+    )
     described = _check(vllm_python, "argv", json.dumps(vllm_argv(spec, model_dir, model_dir)), "--build")
     assert described["enforce_eager"] is eager
     built = described["built"]
@@ -74,24 +97,32 @@ def test_export_is_what_vllm_builds(vllm_python, model_dir, speculation):
         assert built["draft_model"] == model_dir
     # Ray Serve: the same settings as engine_kwargs, through vLLM's engine args and Ray's LLMConfig
     llm = ray_serve_config(spec, model_dir, model_dir, 1, 4)["applications"][0]["args"]["llm_configs"][0]
-    built = _check(vllm_python, "kwargs", json.dumps({"model": model_dir, "engine_kwargs": llm["engine_kwargs"]}),
-                   "--build")["built"]
+    built = _check(
+        vllm_python, "kwargs", json.dumps({"model": model_dir, "engine_kwargs": llm["engine_kwargs"]}), "--build"
+    )["built"]
     assert built["method"] == speculation.method and built["max_model_len"] == 2048
     ray = _check(vllm_python, "ray", json.dumps(llm))
     assert ray["model_id"] == "v" and ray["autoscaling"]["max_replicas"] == 4
 
 
 def test_parallel_settings_parse(vllm_python, model_dir):
-    spec = DeploymentSpec(id="v", model="smollm2-135m-instruct", engine="vllm", tensor_parallel_size=2,
-                          pipeline_parallel_size=2, ray_address="auto")
+    spec = DeploymentSpec(
+        id="v",
+        model="smollm2-135m-instruct",
+        engine="vllm",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        ray_address="auto",
+    )
     parsed = _check(vllm_python, "argv", json.dumps(vllm_argv(spec, model_dir, None)))
     assert (parsed["tensor_parallel_size"], parsed["pipeline_parallel_size"]) == (2, 2)
     assert parsed["distributed_executor_backend"] == "ray"
 
 
 def _depctl(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "depctl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "depctl", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _ours(home: Path) -> list[psutil.Process]:
@@ -107,21 +138,43 @@ def _ours(home: Path) -> list[psutil.Process]:
 
 def test_a_deployment_runs_on_vllm_through_depctl(vllm_python, depctl_home):
     try:
-        r = _depctl("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "v", "--engine", "vllm",
-                    "--ngram-speculation-length", "3", "--draft-token-count", "4", "--max-context-length", "2048",
-                    "--wait-timeout", "900", "-o", "json")
+        r = _depctl(
+            "deployment",
+            "create",
+            "smollm2-135m-instruct",
+            "--deployment-id",
+            "v",
+            "--engine",
+            "vllm",
+            "--ngram-speculation-length",
+            "3",
+            "--draft-token-count",
+            "4",
+            "--max-context-length",
+            "2048",
+            "--wait-timeout",
+            "900",
+            "-o",
+            "json",
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         status = json.loads(r.stdout)["status"]
         assert status["state"] == "READY" and status["engine"] == "vllm" and status["vllm"]["pid"]
         url = json.loads((depctl_home / "daemon.json").read_text())
-        client = openai.OpenAI(base_url=f"http://{url['host']}:{url['port']}/v1", api_key="unused", max_retries=0,
-                               timeout=300)
+        client = openai.OpenAI(
+            base_url=f"http://{url['host']}:{url['port']}/v1", api_key="unused", max_retries=0, timeout=300
+        )
         text = "the quick brown fox jumps over the lazy dog. " * 3
         messages = [{"role": "user", "content": f"Repeat exactly: {text}"}]
         r1 = client.chat.completions.create(model="v", messages=messages, max_tokens=48, temperature=0)
         assert r1.model == "v" and r1.id.startswith("chatcmpl-") and "fox" in r1.choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="v", messages=messages, max_tokens=48, temperature=0, stream=True) if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="v", messages=messages, max_tokens=48, temperature=0, stream=True
+            )
+            if c.choices
+        )
         assert streamed == r1.choices[0].message.content  # greedy: the stream says what the whole answer said
         stats = json.loads(_depctl("deployment", "get", "v", "-o", "json").stdout)["status"]["stats"]
         assert stats["source"] == "vllm" and stats["requests"] >= 2

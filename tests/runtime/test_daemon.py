@@ -36,8 +36,17 @@ def daemon(depctl_home):
 
 
 def test_create_serve_update_delete_restart(daemon, tiny_model_dir, tiny_draft_dir, depctl_home):
-    rec = cli_json("deployment", "create", str(tiny_model_dir), "--deployment-id", "tiny",
-                   "--ngram-speculation-length", "3", "--draft-token-count", "4")
+    rec = cli_json(
+        "deployment",
+        "create",
+        str(tiny_model_dir),
+        "--deployment-id",
+        "tiny",
+        "--ngram-speculation-length",
+        "3",
+        "--draft-token-count",
+        "4",
+    )
     assert rec["status"]["state"] == "READY"
     assert rec["speculation"] == {"method": "ngram", "ngram_length": 3, "num_draft_tokens": 4}
 
@@ -83,7 +92,9 @@ def test_create_serve_update_delete_restart(daemon, tiny_model_dir, tiny_draft_d
 
 def test_failures_are_reported_and_isolated(daemon, tiny_model_dir, tmp_path, depctl_home):
     # a deployment that works, next to three that cannot
-    assert cli_json("deployment", "create", str(tiny_model_dir), "--deployment-id", "good")["status"]["state"] == "READY"
+    assert (
+        cli_json("deployment", "create", str(tiny_model_dir), "--deployment-id", "good")["status"]["state"] == "READY"
+    )
 
     broken_model = tmp_path / "broken-model"
     broken_model.mkdir()
@@ -94,8 +105,17 @@ def test_failures_are_reported_and_isolated(daemon, tiny_model_dir, tmp_path, de
     assert "depctl deployment delete wontload" in " ".join(result.stderr.split())
 
     other_tok = save_tiny(tmp_path / "other-tokenizer", seed=2, byte_offset=7)
-    result = cli("deployment", "create", str(tiny_model_dir), "--deployment-id", "mismatch",
-                 "--draft-model", str(other_tok), "--draft-token-count", "4")
+    result = cli(
+        "deployment",
+        "create",
+        str(tiny_model_dir),
+        "--deployment-id",
+        "mismatch",
+        "--draft-model",
+        str(other_tok),
+        "--draft-token-count",
+        "4",
+    )
     assert result.exit_code == 1
     assert "does not use the target's tokenizer" in " ".join(result.stderr.split())
 
@@ -161,8 +181,12 @@ def test_one_daemon_per_home_however_many_start_at_once(depctl_home, monkeypatch
     import sys
 
     monkeypatch.setenv("DEPCTL_PORT", "0")
-    starts = [subprocess.Popen([sys.executable, "-m", "depctl", "daemon", "start"], stderr=subprocess.PIPE,
-                               text=True, env={**os.environ}) for _ in range(4)]
+    starts = [
+        subprocess.Popen(
+            [sys.executable, "-m", "depctl", "daemon", "start"], stderr=subprocess.PIPE, text=True, env={**os.environ}
+        )
+        for _ in range(4)
+    ]
     try:
         errs = [p.communicate(timeout=120)[1] for p in starts]
         assert all(p.returncode == 0 for p in starts), errs
@@ -170,8 +194,13 @@ def test_one_daemon_per_home_however_many_start_at_once(depctl_home, monkeypatch
         assert len(_daemon_pids(depctl_home)) == 1
         # a daemon started by hand on the same home refuses, naming the running one
         info = json.loads((depctl_home / "daemon.json").read_text())
-        hand = subprocess.run([sys.executable, "-m", "runtime", "--port", "0"], capture_output=True, text=True,
-                              timeout=60, env={**os.environ})
+        hand = subprocess.run(
+            [sys.executable, "-m", "runtime", "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ},
+        )
         assert hand.returncode == 3 and f"pid {info['pid']}" in hand.stderr
         assert cli_json("daemon", "status")["pid"] == info["pid"]
     finally:
@@ -229,8 +258,14 @@ def _stop_mid_stream(daemon) -> None:
     lines = []
 
     def long_stream():
-        body = {"model": "d", "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True,
-                "speculate": False}
+        body = {
+            "model": "d",
+            "prompt": "go",
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+            "speculate": False,
+        }
         with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):

@@ -10,14 +10,19 @@ import pytest
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.speculation import GenerationParams
 from runtime.backends.loader import load_deployment
 from runtime.manager import DeploymentManager, State
+from runtime.speculation import GenerationParams
 
 
 def _spec(dep_id, model, **kw):
-    return DeploymentSpec(id=dep_id, model=str(model), device="cpu",
-                          speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4), **kw)
+    return DeploymentSpec(
+        id=dep_id,
+        model=str(model),
+        device="cpu",
+        speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),
+        **kw,
+    )
 
 
 def _wait(manager, dep_id, states, timeout=60.0):
@@ -29,7 +34,9 @@ def _wait(manager, dep_id, states, timeout=60.0):
             return dep
         time.sleep(0.05)
     dep = manager.get(dep_id)
-    raise AssertionError(f"{dep_id} is {dep.state.value if dep else 'gone'} ({dep.reason if dep else ''}), not {states}")
+    raise AssertionError(
+        f"{dep_id} is {dep.state.value if dep else 'gone'} ({dep.reason if dep else ''}), not {states}"
+    )
 
 
 def _serves(dep) -> bool:
@@ -50,8 +57,11 @@ def test_recreate_while_the_old_engine_drains_loads_a_new_one(manager, tiny_mode
     store.create(_spec("d", tiny_model_dir, compile=False))  # eager: the 400 tokens must still be draining
     dep = _wait(manager, "d", ("READY",))
     done = threading.Event()
-    dep.backend.worker.submit(list(b"abcabcabc"), GenerationParams(max_tokens=400, ignore_eos=True),
-                      lambda out: done.set() if isinstance(out, BaseException) or out.finish_reason else None)
+    dep.backend.worker.submit(
+        list(b"abcabcabc"),
+        GenerationParams(max_tokens=400, ignore_eos=True),
+        lambda out: done.set() if isinstance(out, BaseException) or out.finish_reason else None,
+    )
     store.delete("d")
     manager.reconcile(force=True)
     assert manager.get("d").state == State.DELETING
@@ -72,7 +82,9 @@ def test_ready_always_means_serving(manager, tiny_model_dir):
         store.create(_spec("r", tiny_model_dir, display_name=f"v{i}"))
         dep = _wait(manager, "r", ("READY",))
         if i % 2 == 0:
-            dep.backend.worker.submit(list(b"hello hello"), GenerationParams(max_tokens=50, ignore_eos=True), lambda out: None)
+            dep.backend.worker.submit(
+                list(b"hello hello"), GenerationParams(max_tokens=50, ignore_eos=True), lambda out: None
+            )
         store.delete("r")
         manager.reconcile(force=True)
     store.create(_spec("r", tiny_model_dir))

@@ -1,5 +1,5 @@
 // depctl_native::blocked_linear: a float32 or bf16 target's matrix products, the same bits for a row whatever else is
-// in the pass (runtime/engine/surgery.py: BlockedLinear). float32 below; bf16 further down, through AVX-512 BF16's pair
+// in the pass (runtime/kernels/surgery.py: BlockedLinear). float32 below; bf16 further down, through AVX-512 BF16's pair
 // dot products or, where the CPU has them, AMX tiles (`blocked_kernel` says which runs here).
 //
 // Why our own: a decode step reads every weight once, so on a CPU its cost is the weights' bytes over memory

@@ -1,5 +1,5 @@
 // depctl_native::run_pass: a compiled pass's AOTInductor library, called without Python's GIL
-// (runtime/engine/compiled.py).
+// (runtime/model/compiled.py).
 //
 // torch's own Python binding of the package loader (AOTICompiledModel, AOTIModelPackageLoader.boxed_run) keeps the
 // GIL for the whole call. In the daemon that serialises the engine thread and the event loop: a pass of 6 ms held

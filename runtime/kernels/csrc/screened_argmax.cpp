@@ -1,5 +1,5 @@
 // depctl_native::screened_argmax: a float32 output layer's greedy choice, reading its weights mostly in bfloat16
-// (runtime/engine/head.py).
+// (runtime/model/head.py).
 //
 // A float32 decode step of SmolLM2 reads 540 MB, 113 MB of it the output layer (49152 x 576). Greedy decoding needs
 // only the argmax of the logits, and the argmax is decided by a handful of tokens. So the caller computes every logit

@@ -1,4 +1,4 @@
-// depctl_native::token_attention: the attention of a compiled decode or verify pass (runtime/engine/native.py).
+// depctl_native::token_attention: the attention of a compiled decode or verify pass (runtime/kernels/native.py).
 //
 // Every token of the pass's flat stream attends its own cache row, from position 0 up to its own position, alone.
 // A token's attention is one work item per kv head: its grouped query heads against the row's keys (one read of each

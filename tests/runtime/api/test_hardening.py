@@ -18,8 +18,12 @@ from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
 
 KEY = "sk-test-0123456789"
-LIMITS = {"DEPCTL_API_KEY": KEY, "DEPCTL_MAX_BODY_BYTES": "3000000", "DEPCTL_DEFAULT_MAX_TOKENS": "7",
-          "DEPCTL_MAX_PROMPT_TOKENS": "450"}  # the tiny model's context is 512
+LIMITS = {
+    "DEPCTL_API_KEY": KEY,
+    "DEPCTL_MAX_BODY_BYTES": "3000000",
+    "DEPCTL_DEFAULT_MAX_TOKENS": "7",
+    "DEPCTL_MAX_PROMPT_TOKENS": "450",
+}  # the tiny model's context is 512
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,11 @@ def daemon(tmp_path_factory, tiny_model_dir):
 
     home = tmp_path_factory.mktemp("guard-home")
     store = SpecStore(home / "deployments")
-    store.create(DeploymentSpec(id="tiny", model=str(tiny_model_dir),
-                                speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
+    store.create(
+        DeploymentSpec(
+            id="tiny", model=str(tiny_model_dir), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
+        )
+    )
     # the cancellation test needs a generation still running after 0.3 s: 4000 eager tokens of a tiny model with room
     # for them (the 512-position one, eager, once wrote all 450 tokens it had room for in under 0.3 s)
     long_context = save_tiny(tmp_path_factory.mktemp("long-context"), seed=0, max_positions=4096)
@@ -49,8 +56,14 @@ def _envelope(r: httpx.Response) -> dict:
 
 def test_api_key_on_every_route_but_health(daemon):
     assert httpx.get(daemon.url + "/health").status_code == 200
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-                         ("GET", "/depctl/v1/deployments"), ("POST", "/depctl/v1/reconcile"), ("GET", "/nope")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("GET", "/metrics"),
+        ("GET", "/depctl/v1/deployments"),
+        ("POST", "/depctl/v1/reconcile"),
+        ("GET", "/nope"),
+    ]:
         r = httpx.request(method, daemon.url + path, json={})
         assert r.status_code == 401, (path, r.text)
         assert _envelope(r)["code"] == "missing_api_key"
@@ -85,38 +98,79 @@ def test_body_limit_refuses_before_reading(daemon):
             yield b"y" * 100_000
         yield b'"}'
 
-    r = httpx.post(daemon.url + "/v1/completions", content=chunks(), timeout=30,
-                   headers={**daemon.headers, "Content-Type": "application/json"})
+    r = httpx.post(
+        daemon.url + "/v1/completions",
+        content=chunks(),
+        timeout=30,
+        headers={**daemon.headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and _envelope(r)["code"] == "request_too_large"
 
 
-@pytest.mark.parametrize("body, status, param, needle", [
-    ({"model": "tiny", "prompt": "a", "seed": 2**64}, 400, "seed", "less than or equal"),
-    ({"model": "tiny", "prompt": "a", "seed": -(2**63) - 1}, 400, "seed", "greater than or equal"),
-    ({"model": "tiny", "prompt": "a\udfffb"}, 400, "prompt", "surrogate"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages.0.content", "surrogate"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "tools"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     400, "response_format", "JSON"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs", "logprobs"),
-    ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
-    ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "presence_penalty"),
-    ({"model": "tiny", "prompt": "x" * 400, "max_tokens": 200}, 400, "max_tokens", "context"),
-    ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 1}, 400, "prompt", "DEPCTL_MAX_PROMPT_TOKENS"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages", "at most 450"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, needle",
+    [
+        ({"model": "tiny", "prompt": "a", "seed": 2**64}, 400, "seed", "less than or equal"),
+        ({"model": "tiny", "prompt": "a", "seed": -(2**63) - 1}, 400, "seed", "greater than or equal"),
+        ({"model": "tiny", "prompt": "a\udfffb"}, 400, "prompt", "surrogate"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]},
+            400,
+            "messages.0.content",
+            "surrogate",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            400,
+            "tools",
+            "tools",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "response_format",
+            "JSON",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+            400,
+            "logprobs",
+            "logprobs",
+        ),
+        ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
+        ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "presence_penalty"),
+        ({"model": "tiny", "prompt": "x" * 400, "max_tokens": 200}, 400, "max_tokens", "context"),
+        ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 1}, 400, "prompt", "DEPCTL_MAX_PROMPT_TOKENS"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages", "at most 450"),
+    ],
+)
 def test_bad_requests_get_400_in_the_envelope_naming_the_field(daemon, body, status, param, needle):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    r = httpx.post(daemon.url + path, content=json.dumps(body), timeout=30,
-                   headers={**daemon.headers, "Content-Type": "application/json"})
+    r = httpx.post(
+        daemon.url + path,
+        content=json.dumps(body),
+        timeout=30,
+        headers={**daemon.headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == status, r.text
     err = _envelope(r)
     assert err["param"] == param and needle in err["message"], err
 
 
 def test_response_format_text_and_empty_tools_are_fine(daemon):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "presence_penalty": 0}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "presence_penalty": 0,
+    }
     assert daemon.post("/v1/chat/completions", body).status_code == 200
 
 
@@ -125,17 +179,26 @@ def test_unknown_routes_methods_and_bodies_use_the_envelope(daemon):
     assert r.status_code == 404 and _envelope(r)["code"] == "not_found"
     r = daemon.get("/v1/completions")
     assert r.status_code == 405 and _envelope(r)["code"] == "method_not_allowed"
-    r = httpx.post(daemon.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "a", "max_tokens": }',
-                   headers={**daemon.headers, "Content-Type": "application/json"})
+    r = httpx.post(
+        daemon.url + "/v1/completions",
+        content=b'{"model": "tiny", "prompt": "a", "max_tokens": }',
+        headers={**daemon.headers, "Content-Type": "application/json"},
+    )
     err = _envelope(r)
-    assert r.status_code == 400 and err["code"] == "invalid_json" and err["param"] is None and "character" in err["message"]
+    assert (
+        r.status_code == 400
+        and err["code"] == "invalid_json"
+        and err["param"] is None
+        and "character" in err["message"]
+    )
     r = httpx.post(daemon.url + "/v1/completions", content=b"\xff\xfe", headers=daemon.headers)
     assert r.status_code == 400 and _envelope(r)
 
 
 def test_chat_without_max_tokens_uses_the_default(daemon):
-    r = daemon.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "go"}],
-                                             "ignore_eos": True})
+    r = daemon.post(
+        "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "ignore_eos": True}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7  # DEPCTL_DEFAULT_MAX_TOKENS
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
@@ -144,8 +207,11 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(daemon):
     stats = lambda: daemon.get("/depctl/v1/deployments/long").json()["stats"]["generated_tokens"]  # noqa: E731
     before = stats()
     with pytest.raises(httpx.ReadTimeout):
-        daemon.post("/v1/completions", {"model": "long", "prompt": "go", "max_tokens": 4000, "ignore_eos": True,
-                                        "speculate": False}, timeout=0.3)
+        daemon.post(
+            "/v1/completions",
+            {"model": "long", "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "speculate": False},
+            timeout=0.3,
+        )
     time.sleep(2.0)
     generated = stats() - before
     assert generated < 4000, generated  # without the cancel it ran to its 4000 tokens
@@ -172,7 +238,9 @@ def test_a_big_prompt_does_not_freeze_health(daemon):
 def test_a_slow_body_does_not_block_others(daemon):
     host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port))) as slow:
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"model"'
+        )
         r = daemon.post("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
         assert r.status_code == 200

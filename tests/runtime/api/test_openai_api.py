@@ -23,20 +23,35 @@ GREEDY = {"temperature": 0}
 def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     home = tmp_path_factory.mktemp("api-home")
     store = SpecStore(home / "deployments")
-    store.create(DeploymentSpec(id="ngram", model=str(tiny_model_dir),
-                                speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)))
+    store.create(
+        DeploymentSpec(
+            id="ngram", model=str(tiny_model_dir), speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4)
+        )
+    )
     store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir), compile=False))
     # a disconnect must land while the generation is still being written: 4000 eager tokens of a tiny model with room
     # for them (400 of the 512-position one can finish before the client hangs up on a quiet machine)
     long_context = save_tiny(tmp_path_factory.mktemp("long-context"), seed=0, max_positions=4096)
     store.create(DeploymentSpec(id="long", model=str(long_context), compile=False))
-    store.create(DeploymentSpec(id="suffix", model=str(tiny_model_dir),
-                                speculation=SuffixSpeculation(num_draft_tokens=8)))
-    store.create(DeploymentSpec(id="drafted", model=str(tiny_model_dir),
-                                speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3)))
+    store.create(
+        DeploymentSpec(id="suffix", model=str(tiny_model_dir), speculation=SuffixSpeculation(num_draft_tokens=8))
+    )
+    store.create(
+        DeploymentSpec(
+            id="drafted",
+            model=str(tiny_model_dir),
+            speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
+        )
+    )
     store.create(DeploymentSpec(id="broken", model=str(tiny_model_dir / "missing")))
-    store.create(DeploymentSpec(id="small", model=str(tiny_model_dir), max_batch_size=2,
-                                speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)))
+    store.create(
+        DeploymentSpec(
+            id="small",
+            model=str(tiny_model_dir),
+            max_batch_size=2,
+            speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),
+        )
+    )
     d = DaemonProcess(home).start()
     for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small", "long"):
         d.wait_state(dep)
@@ -64,8 +79,10 @@ def test_completion_shape_and_usage(client):
 
 def test_all_deployments_agree_greedily(client):
     # speculation never changes greedy output: n-gram and draft-model deployments equal the plain one
-    texts = {dep: client.completions.create(model=dep, prompt="hello hello hello", max_tokens=30, **GREEDY).choices[0].text
-             for dep in ("plain", "ngram", "suffix", "drafted")}
+    texts = {
+        dep: client.completions.create(model=dep, prompt="hello hello hello", max_tokens=30, **GREEDY).choices[0].text
+        for dep in ("plain", "ngram", "suffix", "drafted")
+    }
     assert texts["ngram"] == texts["plain"] == texts["drafted"] == texts["suffix"]
 
 
@@ -78,8 +95,16 @@ def test_chat_and_streaming_with_usage(client):
     messages = [{"role": "user", "content": "say something"}]
     full = client.chat.completions.create(model="ngram", messages=messages, max_tokens=25, **GREEDY)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model="ngram", messages=messages, max_tokens=25, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model="ngram",
+            messages=messages,
+            max_tokens=25,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -113,15 +138,21 @@ def test_predicted_outputs(client):
             break
     else:
         pytest.fail("no prompt gave an ASCII start")
-    right = client.chat.completions.create(model="plain", messages=messages, max_tokens=40,
-                                           prediction={"type": "content", "content": expected}, **GREEDY)
+    right = client.chat.completions.create(
+        model="plain", messages=messages, max_tokens=40, prediction={"type": "content", "content": expected}, **GREEDY
+    )
     assert right.choices[0].message.content == expected
     details = right.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= len(prefix)  # every token of the ASCII start came from it
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == len(expected.encode())
     # a wrong prediction costs speed, never correctness, also on top of the deployment's own speculation
-    wrong = client.chat.completions.create(model="ngram", messages=messages, max_tokens=40,
-                                           prediction={"type": "content", "content": "nothing like it " * 5}, **GREEDY)
+    wrong = client.chat.completions.create(
+        model="ngram",
+        messages=messages,
+        max_tokens=40,
+        prediction={"type": "content", "content": "nothing like it " * 5},
+        **GREEDY,
+    )
     assert wrong.choices[0].message.content == expected
 
 
@@ -147,10 +178,12 @@ def test_suffix_speculation_drafts_a_repeated_request_from_the_first(client, dae
 def test_per_request_speculation_control(client, daemon):
     prompt = "abcabcabcabcabcabcabc"
     free = client.completions.create(model="ngram", prompt=prompt, max_tokens=40, **GREEDY)
-    off = client.completions.create(model="ngram", prompt=prompt, max_tokens=40, extra_body={"speculation": {"enabled": False}},
-                                    **GREEDY)
-    capped = client.completions.create(model="ngram", prompt=prompt, max_tokens=40,
-                                       extra_body={"speculation": {"max_draft_tokens": 1}}, **GREEDY)
+    off = client.completions.create(
+        model="ngram", prompt=prompt, max_tokens=40, extra_body={"speculation": {"enabled": False}}, **GREEDY
+    )
+    capped = client.completions.create(
+        model="ngram", prompt=prompt, max_tokens=40, extra_body={"speculation": {"max_draft_tokens": 1}}, **GREEDY
+    )
     assert off.choices[0].text == capped.choices[0].text == free.choices[0].text  # only the speed changes
     usage = {name: r.usage.model_extra["speculation"] for name, r in (("free", free), ("off", off), ("capped", capped))}
     assert usage["off"]["enabled"] is False and usage["off"]["drafted_tokens"] == 0
@@ -185,17 +218,25 @@ def test_errors_map_to_sdk_exceptions(client):
 
 
 def test_unknown_fields_are_ignored(daemon):
-    r = daemon.post("/v1/completions", {"model": "plain", "prompt": "a", "max_tokens": 2, "frequency_penalty": 0,
-                                       "some_future_field": {"x": 1}})
+    r = daemon.post(
+        "/v1/completions",
+        {"model": "plain", "prompt": "a", "max_tokens": 2, "frequency_penalty": 0, "some_future_field": {"x": 1}},
+    )
     assert r.status_code == 200
 
 
 def test_concurrent_clients_get_their_solo_outputs(client):
     prompts = [f"prompt number {i} " * (i % 3 + 1) for i in range(8)]
-    solo = [client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text for p in prompts]
+    solo = [
+        client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text for p in prompts
+    ]
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(
-            lambda p: client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text, prompts))
+        together = list(
+            pool.map(
+                lambda p: client.completions.create(model="ngram", prompt=p, max_tokens=20, **GREEDY).choices[0].text,
+                prompts,
+            )
+        )
     assert together == solo
 
 
@@ -217,7 +258,9 @@ def test_requests_beyond_the_batch_size_wait_and_are_reported(client, daemon):
     watcher = threading.Thread(target=watch)
     watcher.start()
     with ThreadPoolExecutor(5) as pool:
-        together = list(pool.map(lambda p: client.completions.create(model="small", prompt=p, **body).choices[0].text, prompts))
+        together = list(
+            pool.map(lambda p: client.completions.create(model="small", prompt=p, **body).choices[0].text, prompts)
+        )
     watcher.join()
     assert together == solo
     assert max(r for r, _ in seen) == 2  # never more than the batch size...
@@ -230,8 +273,12 @@ def test_requests_beyond_the_batch_size_wait_and_are_reported(client, daemon):
 
 def test_disconnect_stops_generation(daemon):
     before = daemon.get("/depctl/v1/deployments/long").json()["stats"]["generated_tokens"]
-    with httpx.stream("POST", daemon.url + "/v1/completions", timeout=30,
-                      json={"model": "long", "prompt": "go", "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        daemon.url + "/v1/completions",
+        timeout=30,
+        json={"model": "long", "prompt": "go", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
@@ -244,15 +291,24 @@ def test_disconnect_stops_generation(daemon):
 def test_metrics(client, daemon):
     client.completions.create(model="ngram", prompt="abcabcabc", max_tokens=10, **GREEDY)
     families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics").text)}
-    for name in ("depctl:spec_decode_num_drafts", "depctl:spec_decode_num_draft_tokens",
-                 "depctl:spec_decode_num_accepted_tokens", "depctl:spec_decode_num_accepted_tokens_per_pos",
-                 "depctl:requests", "depctl:generation_tokens", "depctl:time_to_first_token_seconds",
-                 "depctl:inter_token_latency_seconds"):
+    for name in (
+        "depctl:spec_decode_num_drafts",
+        "depctl:spec_decode_num_draft_tokens",
+        "depctl:spec_decode_num_accepted_tokens",
+        "depctl:spec_decode_num_accepted_tokens_per_pos",
+        "depctl:requests",
+        "depctl:generation_tokens",
+        "depctl:time_to_first_token_seconds",
+        "depctl:inter_token_latency_seconds",
+    ):
         assert name in families, name
     drafts = {s.labels["deployment"]: s.value for s in families["depctl:spec_decode_num_draft_tokens"].samples}
     assert drafts["ngram"] > 0
-    ok = [s for s in families["depctl:requests"].samples
-          if s.name.endswith("_total") and s.labels == {"deployment": "ngram", "endpoint": "completions", "status": "ok"}]
+    ok = [
+        s
+        for s in families["depctl:requests"].samples
+        if s.name.endswith("_total") and s.labels == {"deployment": "ngram", "endpoint": "completions", "status": "ok"}
+    ]
     assert ok and ok[0].value >= 1
 
 

@@ -1,4 +1,5 @@
-"""The serving layer's pieces that need no daemon: tokenizing without holding the GIL, exactly as the tokenizer would."""
+"""The serving layer's pieces that need no daemon: tokenizing without holding the GIL, exactly as the tokenizer
+would."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ import torch
 
 from depctl.spec import DeploymentSpec
 from runtime.backends import loader
-from runtime.kernels.surgery import row_invariant_chunk
 from runtime.backends.loader import LoadError, check_memory, estimate_bytes, load_deployment
+from runtime.kernels.surgery import row_invariant_chunk
 
 
 def test_estimate_counts_weights_and_kv_cache(tiny_model_dir):
@@ -47,8 +47,12 @@ def test_draft_precision_resolution():
 def test_int8_draft_loads_quantized(tiny_model_dir, tiny_draft_dir):
     from depctl.spec import DraftModelSpeculation
 
-    spec = DeploymentSpec(id="q", model=str(tiny_model_dir), device="cpu",
-                          speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3))
+    spec = DeploymentSpec(
+        id="q",
+        model=str(tiny_model_dir),
+        device="cpu",
+        speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
+    )
     loaded = load_deployment(spec, calibrate=False)
     assert loaded.draft.precision == "int8"
     linears = [type(m).__module__ for m in loaded.draft.model.modules() if "Linear" in type(m).__name__]
@@ -82,26 +86,31 @@ def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny
     monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
     spec = DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8")
     first = load_deployment(spec, calibrate=False)
-    assert first.engine.target.compiled is not None and first.compiled.startswith("yes (AOTInductor") and "built in" in first.compiled
+    assert (
+        first.engine.target.fast_pass is not None
+        and first.compiled.startswith("yes (AOTInductor")
+        and "built in" in first.compiled
+    )
     (package,) = (tmp_path / "compiled").glob("*.pt2")
     built = package.stat().st_mtime_ns
     second = load_deployment(spec, calibrate=False)  # a restart: the package is opened, not rebuilt
-    assert second.engine.target.compiled is not None and "built in" not in second.compiled
+    assert second.engine.target.fast_pass is not None and "built in" not in second.compiled
     assert package.stat().st_mtime_ns == built
     off = load_deployment(spec.model_copy(update={"compile": False}), calibrate=False)
-    assert off.engine.target.compiled is None and off.compiled == "no (the spec says compile: false)"
+    assert off.engine.target.fast_pass is None and off.compiled == "no (the spec says compile: false)"
 
 
 @pytest.mark.skipif(row_invariant_chunk(torch.float16) is None, reason="this CPU's fp16 products are not row-invariant")
 def test_other_precisions_stay_eager_and_say_why(tiny_model_dir):
-    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="float16"),
-                             calibrate=False)
-    assert loaded.engine.target.compiled is None and loaded.compiled.startswith("no (float16 passes ")
+    loaded = load_deployment(
+        DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="float16"), calibrate=False
+    )
+    assert loaded.engine.target.fast_pass is None and loaded.compiled.startswith("no (float16 passes ")
 
 
 def test_a_compile_that_fails_leaves_the_eager_pass_and_the_deployment_serves(tiny_model_dir, tmp_path, monkeypatch):
-    from runtime.model import compiled
     from runtime.kernels.surgery import int8_row_invariant
+    from runtime.model import compiled
 
     if not int8_row_invariant():
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: int8 targets are refused")
@@ -112,9 +121,10 @@ def test_a_compile_that_fails_leaves_the_eager_pass_and_the_deployment_serves(ti
 
     monkeypatch.setattr(compiled, "build", no_compiler)
     reported = []
-    loaded = load_deployment(DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8"),
-                             report=reported.append)
-    assert loaded.engine.target.compiled is None
+    loaded = load_deployment(
+        DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8"), report=reported.append
+    )
+    assert loaded.engine.target.fast_pass is None
     assert loaded.compiled == "no (compiling failed: RuntimeError: g++: command not found)"
     assert any("compiling the decode and verify passes" in message for message in reported), reported
     assert loaded.calibration  # it went on to calibrate, and serves eagerly
@@ -124,9 +134,9 @@ def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_di
     """The build traces over plain stand-ins of oneDNN's reordered weights (a bf16 target's on a CPU without AVX-512
     BF16, made so here), the weights' size again: with less memory free than that, the deployment runs eagerly and
     says why, rather than meeting the OOM killer mid-build."""
-    from runtime.model import compiled
     from runtime.kernels import native
     from runtime.kernels.surgery import onednn_row_invariant
+    from runtime.model import compiled
 
     if not onednn_row_invariant(torch.bfloat16):
         pytest.skip("no row-invariant oneDNN bf16 linear here: no product is traced over stand-ins")
@@ -139,9 +149,10 @@ def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_di
         raise AssertionError("the build started")
 
     monkeypatch.setattr(compiled, "build", unexpected)
-    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="bfloat16"),
-                             calibrate=False)
-    assert loaded.engine.target.compiled is None
+    loaded = load_deployment(
+        DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", dtype="bfloat16"), calibrate=False
+    )
+    assert loaded.engine.target.fast_pass is None
     assert loaded.compiled.startswith("no (building the library needs about 0.00 GiB free while it compiles")
 
 
@@ -160,8 +171,11 @@ def _graph_runners(tiny_model_dir, tiny_draft_dir, rows: int = 4):
 
 def test_the_gpu_path_puts_target_and_draft_on_fixed_shapes_once_they_check_exact(tiny_model_dir, tiny_draft_dir):
     target, draft = _graph_runners(tiny_model_dir, tiny_draft_dir)
-    assert loader.graph_passes(target, 5, draft) == "yes (fixed-shape passes of 4 x 5 tokens; the draft model's forwards too)"
-    assert target.graphed.widths == (5,) and draft.graphed.widths == (1, 2)
+    passes = loader.graph_passes(target, 5, draft)
+    assert passes.kind == loader.PassKind.CUDA_GRAPHS
+    assert passes.describe() == "yes (fixed-shape passes of 4 x 5 tokens; the draft model's forwards too)"
+    assert passes.target.fast_pass.widths == (5,) and passes.draft.fast_pass.widths == (1, 2)
+    assert target.fast_pass is None  # the eager runners are left as they were
 
 
 def test_the_gpu_path_falls_back_to_eager_and_says_why(tiny_model_dir, tiny_draft_dir, monkeypatch):
@@ -169,17 +183,21 @@ def test_the_gpu_path_falls_back_to_eager_and_says_why(tiny_model_dir, tiny_draf
 
     target, draft = _graph_runners(tiny_model_dir, tiny_draft_dir)
     monkeypatch.setattr(compiled, "check", lambda runner: False)
-    assert loader.graph_passes(target, 5, draft) == ("no (a verify pass through the CUDA graphs rounded differently "
-                                                     "from single steps on this GPU)")
-    assert target.graphed is None and draft.graphed is None
+    passes = loader.graph_passes(target, 5, draft)
+    assert passes.describe() == (
+        "no (a verify pass through the CUDA graphs rounded differently from single steps on this GPU)"
+    )
+    assert passes.target.fast_pass is None and passes.draft.fast_pass is None
 
     def broken(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(graphs, "FixedShapePass", broken)
-    assert loader.graph_passes(target, 5, draft) == ("no (recording CUDA graphs failed: RuntimeError: operation not "
-                                                     "permitted when stream is capturing)")
-    assert target.graphed is None
+    passes = loader.graph_passes(target, 5, draft)
+    assert passes.describe() == (
+        "no (recording CUDA graphs failed: RuntimeError: operation not permitted when stream is capturing)"
+    )
+    assert passes.target.fast_pass is None
 
 
 @pytest.mark.gpu
@@ -188,8 +206,13 @@ def test_a_cuda_deployment_replays_its_passes_from_graphs_and_stays_exact(tiny_m
     from depctl.spec import DraftModelSpeculation
     from runtime.speculation import GenerationParams, generate
 
-    spec = DeploymentSpec(id="g", model=str(tiny_model_dir), device="cuda", max_batch_size=4,
-                          speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=4))
+    spec = DeploymentSpec(
+        id="g",
+        model=str(tiny_model_dir),
+        device="cuda",
+        max_batch_size=4,
+        speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=4),
+    )
     loaded = load_deployment(spec)
     assert loaded.compiled == "yes (CUDA graphs of 4 x 5 tokens; the draft model's forwards too)"
     prompt = [5, 17, 42, 99, 3, 17, 42, 99, 3, 8]
@@ -199,4 +222,4 @@ def test_a_cuda_deployment_replays_its_passes_from_graphs_and_stays_exact(tiny_m
         return [t for o in generate(loaded.engine, prompt, params) for t in o.token_ids]
 
     assert run(True) == run(False)
-    assert loaded.engine.target.graphed.recordings == 1
+    assert loaded.engine.target.fast_pass.recordings == 1

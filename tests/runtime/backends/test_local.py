@@ -51,7 +51,8 @@ def _start(spec, torch_threads: set | None = None, calibrate: bool = True):
         loaded_on["thread"] = threading.current_thread()
         if torch_threads is not None:  # the output layer runs in every forward, transformers' or ours
             loaded.engine.target.model.get_output_embeddings().register_forward_hook(
-                lambda *_: torch_threads.add(threading.get_ident()))
+                lambda *_: torch_threads.add(threading.get_ident())
+            )
         return loaded
 
     owner = RecordingOwner()
@@ -71,8 +72,14 @@ def _collect(q: queue.SimpleQueue) -> list[int]:
 
 
 def test_one_thread_does_all_torch_work_and_requests_batch(tiny_model_dir):
-    spec = DeploymentSpec(id="w", model=str(tiny_model_dir), max_batch_size=4, device="cpu", dtype="float32",
-                          speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4))
+    spec = DeploymentSpec(
+        id="w",
+        model=str(tiny_model_dir),
+        max_batch_size=4,
+        device="cpu",
+        dtype="float32",
+        speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),
+    )
     torch_threads: set = set()
     backend, owner, loaded_on = _start(spec, torch_threads)
     assert backend.ready and not owner.failures

@@ -34,13 +34,20 @@ def fake_python(tmp_path) -> str:
 
 
 def _daemon(home: Path, fake_python: str, tmp_path: Path, **env) -> DaemonProcess:
-    return DaemonProcess(home, env={"DEPCTL_VLLM_PYTHON": fake_python, "FAKE_VLLM_RECORD": str(tmp_path / "bodies.jsonl"),
-                                    **env}).start()
+    return DaemonProcess(
+        home, env={"DEPCTL_VLLM_PYTHON": fake_python, "FAKE_VLLM_RECORD": str(tmp_path / "bodies.jsonl"), **env}
+    ).start()
 
 
 def _spec(tiny_model_dir, dep_id="v", **kw) -> DeploymentSpec:
-    return DeploymentSpec(id=dep_id, model=str(tiny_model_dir), engine="vllm", device="cpu",
-                          speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4), **kw)
+    return DeploymentSpec(
+        id=dep_id,
+        model=str(tiny_model_dir),
+        engine="vllm",
+        device="cpu",
+        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+        **kw,
+    )
 
 
 def _servers(home: Path) -> list[psutil.Process]:
@@ -48,8 +55,9 @@ def _servers(home: Path) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ()) and \
-                    p.environ().get("DEPCTL_HOME") == str(home):
+            if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ()) and p.environ().get(
+                "DEPCTL_HOME"
+            ) == str(home):
                 found.append(p)
         except psutil.Error:
             pass
@@ -65,7 +73,9 @@ def _gone(home: Path, timeout: float = 20.0) -> bool:
     return False
 
 
-def test_serves_through_the_daemon_with_depctls_ids_errors_and_counters(depctl_home, tiny_model_dir, fake_python, tmp_path):
+def test_serves_through_the_daemon_with_depctls_ids_errors_and_counters(
+    depctl_home, tiny_model_dir, fake_python, tmp_path
+):
     SpecStore().create(_spec(tiny_model_dir, max_context_length=64))
     d = _daemon(depctl_home, fake_python, tmp_path)
     try:
@@ -77,18 +87,25 @@ def test_serves_through_the_daemon_with_depctls_ids_errors_and_counters(depctl_h
         r = client.chat.completions.create(model="v", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         assert r.choices[0].message.content == "hello from vllm"
         assert r.model == "v" and r.id.startswith("chatcmpl-") and r.id != "chatcmpl-fromvllm"
-        raw = d.post("/v1/chat/completions", {"model": "v", "messages": [{"role": "user", "content": "hi"}],
-                                               "max_tokens": 5}).json()
+        raw = d.post(
+            "/v1/chat/completions", {"model": "v", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        ).json()
         assert set(raw) <= {"id", "object", "created", "model", "choices", "usage"}  # not vLLM's extras
         assert set(raw["choices"][0]) == {"index", "message", "finish_reason", "logprobs"}
         assert raw["choices"][0]["message"] == {"role": "assistant", "content": "hello from vllm"}
 
-        chunks = list(client.chat.completions.create(model="v", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=5, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model="v", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+            )
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "hello from vllm"
         assert all(c.usage is None for c in chunks) and len({c.id for c in chunks}) == 1
-        chunks = list(client.completions.create(model="v", prompt="abc", max_tokens=5, stream=True,
-                                                stream_options={"include_usage": True}))
+        chunks = list(
+            client.completions.create(
+                model="v", prompt="abc", max_tokens=5, stream=True, stream_options={"include_usage": True}
+            )
+        )
         assert chunks[-1].usage.completion_tokens == 3 and "".join(c.choices[0].text for c in chunks if c.choices)
 
         bodies = [json.loads(line) for line in (tmp_path / "bodies.jsonl").read_text().splitlines()]
@@ -101,15 +118,24 @@ def test_serves_through_the_daemon_with_depctls_ids_errors_and_counters(depctl_h
         with pytest.raises(openai.BadRequestError, match="n=2"):
             client.chat.completions.create(model="v", messages=[{"role": "user", "content": "hi"}], n=2)
         # vLLM's own refusals, in depctl's envelope
-        r = d.post("/v1/chat/completions", {"model": "v", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 13})
+        r = d.post(
+            "/v1/chat/completions", {"model": "v", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 13}
+        )
         assert r.status_code == 400
-        assert r.json()["error"] == {"message": "fake refusal of max_tokens=13", "type": "invalid_request_error",
-                                     "param": "max_tokens", "code": None}
+        assert r.json()["error"] == {
+            "message": "fake refusal of max_tokens=13",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": None,
+        }
 
         time.sleep(1.1)  # the daemon reads vLLM's counters at most once a second
         stats = d.get("/depctl/v1/deployments/v").json()["stats"]
-        assert stats["source"] == "vllm" and stats["drafts"] > 0 and stats["accepted_per_position"][:2] == [
-            2 * stats["requests"], 2 * stats["requests"]]
+        assert (
+            stats["source"] == "vllm"
+            and stats["drafts"] > 0
+            and stats["accepted_per_position"][:2] == [2 * stats["requests"], 2 * stats["requests"]]
+        )
         assert "depctl:spec_decode_num_drafts_total" in d.get("/metrics").text
         assert [m["id"] for m in d.get("/v1/models").json()["data"]] == ["v"]
         assert d.get("/v1/models").json()["data"][0]["max_model_len"] == 64
@@ -138,8 +164,9 @@ def test_a_crashed_server_is_failed_then_restarted(depctl_home, tiny_model_dir, 
     assert _gone(depctl_home), "daemon stop left the vLLM server running"
 
 
-def test_a_server_that_cannot_start_is_failed_with_its_error_after_three_tries(depctl_home, tiny_model_dir,
-                                                                               fake_python, tmp_path):
+def test_a_server_that_cannot_start_is_failed_with_its_error_after_three_tries(
+    depctl_home, tiny_model_dir, fake_python, tmp_path
+):
     SpecStore().create(_spec(tiny_model_dir))
     d = _daemon(depctl_home, fake_python, tmp_path, FAKE_VLLM_FAIL="1")
     try:
@@ -156,8 +183,9 @@ def test_a_server_that_cannot_start_is_failed_with_its_error_after_three_tries(d
         d.stop()
 
 
-def test_a_killed_daemon_takes_its_servers_along_and_a_new_one_starts_no_duplicate(depctl_home, tiny_model_dir,
-                                                                                    fake_python, tmp_path):
+def test_a_killed_daemon_takes_its_servers_along_and_a_new_one_starts_no_duplicate(
+    depctl_home, tiny_model_dir, fake_python, tmp_path
+):
     SpecStore().create(_spec(tiny_model_dir))
     d = _daemon(depctl_home, fake_python, tmp_path)
     d.wait_state("v")
@@ -177,8 +205,9 @@ def test_a_new_daemon_reaps_servers_an_old_one_left(depctl_home):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
         record = run_dir() / "vllm-old.json"
-        record.write_text(json.dumps({"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
-                                      "deployment": "old"}))
+        record.write_text(
+            json.dumps({"pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "deployment": "old"})
+        )
         (run_dir() / "vllm-reused.json").write_text(json.dumps({"pid": os.getpid(), "create_time": 1.0}))
         assert reap_orphans() == [proc.pid]
         assert proc.wait(20) is not None

@@ -25,8 +25,10 @@ def op():
 
 def cache(rows=3, kv_heads=2, capacity=40, dim=16, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype),
-            torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype))
+    return (
+        torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype),
+        torch.randn(rows, kv_heads, capacity, dim, generator=g).to(dtype),
+    )
 
 
 def reference(query, keys, values, starts, widths, scale=0.25):
@@ -47,11 +49,14 @@ def stream(starts, widths):
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                                 ids=["float32", "bfloat16", "float16"])
-PASSES = pytest.mark.parametrize("starts,widths", [([7], [1]), ([12], [9]), ([3, 20, 0], [1, 1, 1]),
-                                                   ([5, 30, 2], [4, 1, 6])],
-                                 ids=["one-step", "verify-of-8", "batch-of-3", "ragged"])
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
+)
+PASSES = pytest.mark.parametrize(
+    "starts,widths",
+    [([7], [1]), ([12], [9]), ([3, 20, 0], [1, 1, 1]), ([5, 30, 2], [4, 1, 6])],
+    ids=["one-step", "verify-of-8", "batch-of-3", "ragged"],
+)
 
 
 @DTYPES
@@ -68,9 +73,11 @@ def test_it_computes_the_eager_attention_it_replaces(op, dtype, starts, widths):
 
 
 @DTYPES
-@pytest.mark.parametrize("heads,kv_heads,dim", [(18, 1, 20), (6, 6, 64), (14, 2, 64), (1, 1, 3), (2, 1, 72),
-                                                (2, 2, 264)],
-                         ids=["18-heads-a-group-dim-20", "no-grouping", "7-a-group", "dim-3", "dim-72", "dim-264"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(18, 1, 20), (6, 6, 64), (14, 2, 64), (1, 1, 3), (2, 1, 72), (2, 2, 264)],
+    ids=["18-heads-a-group-dim-20", "no-grouping", "7-a-group", "dim-3", "dim-72", "dim-264"],
+)
 def test_any_grouping_and_head_size(op, heads, kv_heads, dim, dtype):
     """Query heads go through in blocks of up to 8 a kv head, head dimensions in vectors plus a masked or scalar tail
     (heads over 256 wide by the loops without the 16-key blocks); rows long enough for several blocks of keys."""
@@ -79,8 +86,8 @@ def test_any_grouping_and_head_size(op, heads, kv_heads, dim, dtype):
     starts, widths = [5, 50], [4, 2]
     rows, positions = stream(starts, widths)
     with torch.inference_mode():
-        got = op(query, keys, values, rows, positions, dim ** -0.5)
-        want = reference(query, keys, values, starts, widths, scale=dim ** -0.5)
+        got = op(query, keys, values, rows, positions, dim**-0.5)
+        want = reference(query, keys, values, starts, widths, scale=dim**-0.5)
     assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -95,8 +102,13 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_pass(op, dtype, capa
     rows, positions = stream(starts, widths)
     with torch.inference_mode():
         wide = op(query, keys, values, rows, positions, 0.125)
-        alone = torch.cat([op(query[:, :, t : t + 1].contiguous(), keys, values, rows[t : t + 1],
-                              positions[t : t + 1], 0.125) for t in range(sum(widths))], 1)
+        alone = torch.cat(
+            [
+                op(query[:, :, t : t + 1].contiguous(), keys, values, rows[t : t + 1], positions[t : t + 1], 0.125)
+                for t in range(sum(widths))
+            ],
+            1,
+        )
     assert torch.equal(wide, alone)
 
 

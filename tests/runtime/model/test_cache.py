@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
 from runtime.model.runner import ModelRunner
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, generate
 from tests.tiny import VOCAB, tiny_llama
 
 WINDOW = 8
@@ -16,10 +16,20 @@ def tiny_qwen2_sliding():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-                         layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+        tie_word_embeddings=False,
+    )
     return _widen(Qwen2ForCausalLM(config))
 
 
@@ -27,9 +37,18 @@ def tiny_gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                              sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
     return _widen(Gemma3ForCausalLM(config))
 
 
@@ -41,7 +60,7 @@ def _widen(model):
 
 def hf_greedy(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_a_ragged_forward_equals_each_row_alone():
@@ -109,9 +128,12 @@ def test_sliding_window_models_decode_past_the_window_exactly(family):
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
     params = GenerationParams(max_tokens=24, ignore_eos=True)
     plain = SpeculativeEngine(ModelRunner(model, max_context=128), None, EngineConfig(max_context=128))
-    assert [t for o in plain.generate(prompt, params) for t in o.token_ids] == expected
-    engine = SpeculativeEngine(ModelRunner(model, max_rows=3, max_context=128), NgramProposer(2),
-                               EngineConfig(num_draft_tokens=4, max_context=128, adaptive=False))
+    assert [t for o in generate(plain, prompt, params) for t in o.token_ids] == expected
+    engine = SpeculativeEngine(
+        ModelRunner(model, max_rows=3, max_context=128),
+        NgramProposer(2),
+        EngineConfig(num_draft_tokens=4, max_context=128, adaptive=False),
+    )
     got = Scheduler(engine, 3, prefill_chunk=5).run_all([prompt, prompt[:3], prompt[2:]], params)
     assert got[0] == expected
     assert got[1] == hf_greedy(model, prompt[:3], 24)

@@ -8,21 +8,24 @@ import time
 import pytest
 import torch
 
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
-from runtime.model import compiled
-from runtime.kernels import native
-from runtime.model.runner import ModelRunner
-from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
 from runtime.backends.loader import COMPILED_PRECISIONS, INT8_WEIGHTS, surgery_for
+from runtime.kernels import native
+from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
+from runtime.model import compiled
+from runtime.model.runner import ModelRunner
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, generate
 from tests.tiny import tiny_llama
 
 RUNS = {  # the precisions the loader compiles, and what each needs of this CPU
-    INT8_WEIGHTS: pytest.mark.skipif(not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant"),
+    INT8_WEIGHTS: pytest.mark.skipif(
+        not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant"
+    ),
     "float32": (),  # depctl's blocked product (surgery.BlockedLinear): row-invariant on any CPU, by construction
     "bfloat16": pytest.mark.skipif(
         not (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)),
         reason="no blocked bf16 product (AVX-512 BF16) and no row-invariant oneDNN bf16 linear here: bf16 takes "
-               "split-K linears, eager"),
+        "split-K linears, eager",
+    ),
 }
 PRECISIONS = [pytest.param(p, marks=RUNS[p], id=p.replace(" ", "-")) for p in COMPILED_PRECISIONS]
 
@@ -57,7 +60,7 @@ def compiled_runner(package, rows: int = 3, model=None) -> ModelRunner:
     path, make = package
     model = model or make()
     runner = runner_for(model, rows)
-    runner.compiled = compiled.CompiledPass(path, model)
+    runner.fast_pass = compiled.CompiledPass(path, model)
     return runner
 
 
@@ -117,7 +120,7 @@ def test_a_verify_pass_is_bit_identical_to_one_token_steps_alone_batched_and_rag
     ragged = runner.forward(0, drafts)  # every row's drafts in one pass
     offsets = [0, 4, 5, 8]
     for row in range(3):
-        assert torch.equal(ragged[offsets[row]:offsets[row + 1]], steps[row]), f"row {row}"
+        assert torch.equal(ragged[offsets[row] : offsets[row + 1]], steps[row]), f"row {row}"
     reset()
     alone = runner.forward(0, [drafts[0]])
     assert torch.equal(alone, steps[0])
@@ -140,9 +143,9 @@ def assert_speculation_is_exact(runner: ModelRunner) -> None:
             runner.set_length(row, 0)
         return SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, adaptive=False))
 
-    plain = [[t for o in engine().generate(p, params) for t in o.token_ids] for p in prompts]
+    plain = [[t for o in generate(engine(), p, params) for t in o.token_ids] for p in prompts]
     spec = engine(NgramProposer(2), 4)
-    assert [[t for o in spec.generate(p, params) for t in o.token_ids] for p in prompts] == plain
+    assert [[t for o in generate(spec, p, params) for t in o.token_ids] for p in prompts] == plain
     assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
     assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
 
@@ -172,15 +175,19 @@ def test_other_python_threads_run_while_a_pass_does(package):
             time.sleep(0.001)
             woke.append(time.perf_counter())  # only with the GIL
 
-    passes, library = [], runner.compiled
+    passes, library = [], runner.fast_pass
 
-    def timed(*args):  # the library call alone: around it the engine's own Python may yield the GIL
-        t0 = time.perf_counter()
-        out = library(*args)
-        passes.append((t0, time.perf_counter()))
-        return out
+    class Timed(compiled.CompiledPass):
+        def __init__(self):
+            pass
 
-    runner.compiled = timed
+        def __call__(self, *args):  # the library call alone: around it the engine's own Python may yield the GIL
+            t0 = time.perf_counter()
+            out = library(*args)
+            passes.append((t0, time.perf_counter()))
+            return out
+
+    runner.fast_pass = Timed()
     thread = threading.Thread(target=wake_every_millisecond)
     thread.start()
     try:
@@ -199,14 +206,14 @@ def test_other_python_threads_run_while_a_pass_does(package):
 def test_a_qwen2_with_biases_and_tied_embeddings_compiles_and_checks_exact(tmp_path, precision):
     """The architecture of the real draft/target pair: q, k and v biases in the fused projection, the output layer
     tied to the embeddings (two tensors once the output layer is int8; in float32 one tensor under two names)."""
-    from tests.runtime.test_decoder import tiny_qwen2
+    from tests.runtime.model.test_decoder import tiny_qwen2
 
     model = prepared(tiny_qwen2(), precision)
     eager = runner_for(model)
     package = compiled.package_path(model, precision, tmp_path)
     compiled.build(model, eager.cache, package)
     fast = runner_for(model)
-    fast.compiled = compiled.CompiledPass(package, model)
+    fast.fast_pass = compiled.CompiledPass(package, model)
     assert compiled.check(fast)
     for runner in (eager, fast):
         runner.forward(0, [[7, 3, 9, 1]], prefill=True)

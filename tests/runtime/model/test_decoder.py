@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
 from runtime.model.decoder import FusedAttention, FusedMLP, fuse_projections, is_fused, supports
 from runtime.model.runner import ModelRunner
-from tests.runtime.test_cache import tiny_gemma3, tiny_qwen2_sliding
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, generate
+from tests.runtime.model.test_cache import tiny_gemma3, tiny_qwen2_sliding
 from tests.tiny import VOCAB, tiny_llama
 
 
@@ -19,9 +19,16 @@ def tiny_qwen2(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:
@@ -45,8 +52,9 @@ def test_fused_model_computes_what_transformers_computes(make):
     model = make()
     fused = copy.deepcopy(model)
     assert supports(model) and fuse_projections(fused) == 2 and is_fused(fused)
-    assert all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP)
-               for layer in fused.model.layers)
+    assert all(
+        isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP) for layer in fused.model.layers
+    )
     plain, ours = ModelRunner(model, max_rows=2), ModelRunner(fused, max_rows=2)
     assert ours.fused and not plain.fused
     for a, b in zip(_passes(plain), _passes(ours)):
@@ -55,8 +63,9 @@ def test_fused_model_computes_what_transformers_computes(make):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     # transformers' own forward still runs on the fused object (model.generate: a benchmark's reference)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
-    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False),
-                       fused.generate(ids, max_new_tokens=8, do_sample=False))
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=8, do_sample=False), fused.generate(ids, max_new_tokens=8, do_sample=False)
+    )
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
@@ -98,24 +107,28 @@ def test_speculation_over_the_fused_forward_is_exact_alone_and_batched():
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
 
     def engine(proposer, k=0):
-        return SpeculativeEngine(ModelRunner(model, max_rows=3), proposer,
-                                 EngineConfig(num_draft_tokens=k, adaptive=False))
+        return SpeculativeEngine(
+            ModelRunner(model, max_rows=3), proposer, EngineConfig(num_draft_tokens=k, adaptive=False)
+        )
 
     params = GenerationParams(max_tokens=24)
-    plain = [[t for o in engine(None).generate(p, params) for t in o.token_ids] for p in prompts]
+    plain = [[t for o in generate(engine(None), p, params) for t in o.token_ids] for p in prompts]
     spec = engine(NgramProposer(2), 4)
-    assert [[t for o in spec.generate(p, params) for t in o.token_ids] for p in prompts] == plain
+    assert [[t for o in generate(spec, p, params) for t in o.token_ids] for p in prompts] == plain
     assert spec.stats.num_draft_tokens > 0
     assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
 
 
 def test_the_loader_fuses_before_the_precision_surgery(tiny_model_dir):
     from depctl.spec import DeploymentSpec
-    from runtime.kernels.surgery import Int8WeightLinear
     from runtime.backends.loader import load_deployment
+    from runtime.kernels.surgery import Int8WeightLinear
 
-    loaded = load_deployment(DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", quantization="int8"),
-                             calibrate=False)
+    loaded = load_deployment(
+        DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", quantization="int8"), calibrate=False
+    )
     layer = loaded.target.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Int8WeightLinear) and isinstance(layer.mlp.gate_up_proj, Int8WeightLinear)
+    assert isinstance(layer.self_attn.qkv_proj, Int8WeightLinear) and isinstance(
+        layer.mlp.gate_up_proj, Int8WeightLinear
+    )
     assert loaded.engine.target.fused

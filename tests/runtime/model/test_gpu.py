@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
-from runtime.model.runner import ModelRunner
 from runtime.backends.loader import LoadError, cpu_bf16_exact, cpu_has_bf16, pick_device, pick_dtype
+from runtime.model.runner import ModelRunner
+from runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    Scheduler,
+    SpeculativeEngine,
+    generate,
+)
 from tests.tiny import tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -41,7 +49,9 @@ def test_greedy_exact_on_cuda(dtype):
 
     def run(proposer, k):
         engine = SpeculativeEngine(ModelRunner(target), proposer, EngineConfig(num_draft_tokens=k, adaptive=False))
-        return [t for o in generate(engine, prompt, GenerationParams(max_tokens=48, ignore_eos=True)) for t in o.token_ids]
+        return [
+            t for o in generate(engine, prompt, GenerationParams(max_tokens=48, ignore_eos=True)) for t in o.token_ids
+        ]
 
     plain = run(None, 0)
     for k in (1, 4, 8):
@@ -60,10 +70,16 @@ def test_batched_greedy_exact_on_cuda(method):
     params = GenerationParams(max_tokens=40, ignore_eos=True)
 
     def engine(rows):
-        proposer = {"plain": None, "ngram": NgramProposer(2),
-                    "draft": DraftModelProposer(ModelRunner(draft, max_rows=rows))}[method]
-        return SpeculativeEngine(ModelRunner(target, max_rows=rows), proposer,
-                                 EngineConfig(num_draft_tokens=4 if proposer else 0, adaptive=False))
+        proposer = {
+            "plain": None,
+            "ngram": NgramProposer(2),
+            "draft": DraftModelProposer(ModelRunner(draft, max_rows=rows)),
+        }[method]
+        return SpeculativeEngine(
+            ModelRunner(target, max_rows=rows),
+            proposer,
+            EngineConfig(num_draft_tokens=4 if proposer else 0, adaptive=False),
+        )
 
-    alone = [[t for o in engine(1).generate(p, params) for t in o.token_ids] for p in prompts]
+    alone = [[t for o in generate(engine(1), p, params) for t in o.token_ids] for p in prompts]
     assert Scheduler(engine(4), 4, prefill_chunk=8).run_all(prompts, params) == alone

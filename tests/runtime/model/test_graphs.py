@@ -9,11 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.speculation import DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine
 from runtime.model import compiled
 from runtime.model.decoder import fuse_projections
 from runtime.model.graphs import FixedShapePass
 from runtime.model.runner import ModelRunner
+from runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    Scheduler,
+    SpeculativeEngine,
+    generate,
+)
 from tests.tiny import tiny_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: recording CUDA graphs needs one")
@@ -33,7 +41,7 @@ def runner(model, rows: int = 4, width: int | None = 5, capture: bool = False) -
     r.forward(0, [[0]], prefill=True)
     r.set_length(0, 0)
     if width:
-        r.graphed = FixedShapePass(model, r.cache, rows, (width,), capture=capture)
+        r.fast_pass = FixedShapePass(model, r.cache, rows, (width,), capture=capture)
     return r
 
 
@@ -71,7 +79,7 @@ def test_padding_writes_only_to_the_scratch_row():
 def test_passes_that_do_not_fit_run_eagerly():
     model = fused()
     eager, fixed = runner(model, width=None), runner(model, width=3)
-    assert fixed.graphed.fits(0, [3, 1]) and not fixed.graphed.fits(0, [4]) and not fixed.graphed.fits(1, [1])
+    assert fixed.fast_pass.fits(0, [3, 1]) and not fixed.fast_pass.fits(0, [4]) and not fixed.fast_pass.fits(1, [1])
     for r in (eager, fixed):
         r.forward(0, [PROMPTS[0]], prefill=True)
     # wider than the grid: the eager pass, bit for bit
@@ -94,10 +102,11 @@ def assert_speculation_equals_plain_decoding(method: str, device: str, dtype, ca
             proposer = NgramProposer(2)
         elif k:
             proposer = DraftModelProposer(runner(draft, 4, width=2, capture=capture))
-        return SpeculativeEngine(runner(target, 4, width=5, capture=capture), proposer,
-                                 EngineConfig(num_draft_tokens=k, adaptive=False))
+        return SpeculativeEngine(
+            runner(target, 4, width=5, capture=capture), proposer, EngineConfig(num_draft_tokens=k, adaptive=False)
+        )
 
-    plain = [[t for o in engine(0).generate(p, params) for t in o.token_ids] for p in PROMPTS]
+    plain = [[t for o in generate(engine(0), p, params) for t in o.token_ids] for p in PROMPTS]
     assert Scheduler(engine(4), 4, prefill_chunk=8).run_all(PROMPTS, params) == plain
 
 
@@ -109,7 +118,7 @@ def test_speculation_through_fixed_shapes_equals_plain_decoding_through_them(met
 def test_a_new_draft_width_resizes_the_grid():
     engine = SpeculativeEngine(runner(fused(), width=5), NgramProposer(2), EngineConfig(num_draft_tokens=4))
     engine.set_num_draft_tokens(8)
-    assert engine.target.graphed.widths == (9,)
+    assert engine.target.fast_pass.widths == (9,)
 
 
 @pytest.mark.gpu
@@ -122,7 +131,7 @@ def test_a_replayed_graph_computes_what_the_pass_computes():
         r.forward(1, [PROMPTS[1]], prefill=True)
     for inputs in ([[4, 8, 15], [6]], [[1], [2]], [[3, 3, 3, 3, 3], [9]]):
         assert torch.equal(graphed.forward(0, inputs), eager.forward(0, inputs))
-    assert graphed.graphed.recordings == 1  # one shape: recorded once, replayed since
+    assert graphed.fast_pass.recordings == 1  # one shape: recorded once, replayed since
 
 
 @pytest.mark.gpu
@@ -137,7 +146,7 @@ def test_graphs_are_recorded_again_when_the_cache_grows():
     eager.forward(0, [[1]])
     eager.forward(0, [list(range(capacity + 10))], prefill=True)
     assert torch.equal(graphed.forward(0, [[7, 8]]), eager.forward(0, [[7, 8]]))
-    assert graphed.graphed.recordings == 2
+    assert graphed.fast_pass.recordings == 2
 
 
 @pytest.mark.gpu

@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
+from runtime.backends.loader import cpu_has_bf16, surgery_for
 from runtime.kernels import native
 from runtime.model.head import ScreenedHead, screen_output_layer
 from runtime.model.runner import ModelRunner
+from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
 from runtime.speculation.sampling import SamplingParams
-from runtime.backends.loader import cpu_has_bf16, surgery_for
-from tests.runtime.test_compiled import assert_speculation_is_exact
-from tests.runtime.test_decoder import tiny_qwen2
+from tests.runtime.model.test_compiled import assert_speculation_is_exact
+from tests.runtime.model.test_decoder import tiny_qwen2
 from tests.tiny import tiny_llama
 
 # The loader screens wherever the CPU has bf16 instructions, so these run there. (They asked for a row-invariant oneDNN
@@ -124,8 +124,9 @@ def test_a_greedy_step_never_computes_the_full_layer_and_a_sampling_row_computes
     full = head.full.forward
     monkeypatch.setattr(head.full, "forward", lambda x: rows_computed.append(x.shape[0]) or full(x))
     greedy = engine.new_sequence([1, 2, 3, 1, 2, 3, 1, 2], GenerationParams(max_tokens=8))
-    sampled = engine.new_sequence([5, 6, 7, 5, 6, 7, 5], GenerationParams(
-        max_tokens=8, sampling=SamplingParams(temperature=0.8, seed=7)))
+    sampled = engine.new_sequence(
+        [5, 6, 7, 5, 6, 7, 5], GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=0.8, seed=7))
+    )
     batch = []
     for row, seq in enumerate((greedy, sampled)):
         seq.row = row

@@ -7,10 +7,19 @@ import copy
 import pytest
 import torch
 
-from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, SpeculativeEngine, SuffixProposer
-from runtime.model.runner import ModelRunner
 from runtime.backends.loader import quantize_int8
-from tests.tiny import tiny_llama
+from runtime.model.runner import ModelRunner
+from runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    SamplingParams,
+    SpeculativeEngine,
+    SuffixProposer,
+    generate,
+)
+from runtime.speculation.engine import DraftSource
 
 EOS = 258
 # prompts with repeats (the n-gram proposer hits) and without (it misses)
@@ -38,8 +47,9 @@ def run(engine, prompt, max_tokens=40, **kw):
 def test_plain_engine_matches_transformers_generate(target):
     for prompt in PROMPTS[:3]:
         ours, _ = run(make(target), prompt, ignore_eos=True)
-        hf = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+        hf = target.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert ours == hf
 
 
@@ -81,10 +91,17 @@ def test_ngram_hits_on_repetitive_prompt(target):
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_seeded_sampling_is_reproducible(target, draft, method):
     def once(seed):
-        proposer = {"ngram": lambda: NgramProposer(2), "suffix": lambda: SuffixProposer(4096),
-                    "draft": lambda: DraftModelProposer(ModelRunner(draft))}[method]()
-        return run(make(target, proposer, 4), PROMPTS[0], sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
-                   ignore_eos=True)[0]
+        proposer = {
+            "ngram": lambda: NgramProposer(2),
+            "suffix": lambda: SuffixProposer(4096),
+            "draft": lambda: DraftModelProposer(ModelRunner(draft)),
+        }[method]()
+        return run(
+            make(target, proposer, 4),
+            PROMPTS[0],
+            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=seed),
+            ignore_eos=True,
+        )[0]
 
     assert once(7) == once(7)
     assert once(7) != once(8)
@@ -119,9 +136,10 @@ def test_context_limit_caps_output(target):
 
 
 class _FixedProposer:
-    """A free proposer with a fixed continuation, so a test chooses between the all-accepted and first-rejected paths."""
+    """A free proposer with a fixed continuation, so a test chooses between the all-accepted and first-rejected
+    paths."""
 
-    name, cost_per_token = "fixed", False
+    name = "fixed"
 
     def __init__(self, drafts):
         self.drafts = drafts
@@ -194,11 +212,11 @@ def test_off_the_prediction_the_deployments_proposer_drafts_before_a_rejoin_gues
     seq.prediction.expected, seq.prediction.left_at = -1, 3  # it left the prediction at index 3
     seq.tokens += [4, 5]  # "4 5" is in the prompt; "5" is the prediction's index 3
     guess = engine._guess(seq)
-    assert (guess.source, guess.tokens) == ("ngram", [6, 10, 11, 12])
+    assert (guess.source, guess.tokens) == (DraftSource.FREE, [6, 10, 11, 12])
     assert seq.prediction.observe(0, 6) == 0 and seq.prediction.expected == -1  # the unused guess is not judged
     seq.tokens[-2:] = [99, 5]  # no n-gram match: the output rejoins the prediction after its "5"
     guess = engine._guess(seq)
-    assert (guess.source, guess.tokens) == ("prediction", [30, 31, 32, 33])
+    assert (guess.source, guess.tokens) == (DraftSource.PREDICTION, [30, 31, 32, 33])
 
 
 def test_suffix_drafts_a_repeated_request_from_the_first(target):
@@ -245,8 +263,9 @@ def test_calibration_measures_every_pass_width_a_request_can_verify(target):
     ~20. Interpolating between powers of two hid those steps (5 tokens looked like 9.8 ms, 9 like 16), so the policy
     started out drafting widths dearer than it thought; every width up to K + 1 is measured instead."""
     for rows in (1, 4):  # in a deployment that batches too: widths were once folded into the batch's rows
-        engine = SpeculativeEngine(ModelRunner(target, max_rows=rows), NgramProposer(2),
-                                   EngineConfig(num_draft_tokens=8, max_context=512))
+        engine = SpeculativeEngine(
+            ModelRunner(target, max_rows=rows), NgramProposer(2), EngineConfig(num_draft_tokens=8, max_context=512)
+        )
         engine.calibrate()
         assert set(range(1, 10)) <= set(engine.policy.verify_cost.samples), rows
 

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from runtime.speculation.proposers import NgramIndex, NgramProposer, PredictionTracker, ngram_propose, rejoin
+from runtime.speculation.proposers import (
+    CONTEXT_LOOKBACK,
+    NgramIndex,
+    NgramProposer,
+    PredictionTracker,
+    ngram_propose,
+    rejoin,
+)
 
 
 def test_ngram_most_recent_match():
@@ -50,10 +57,32 @@ def test_ngram_repeating_pattern_proposes_itself():
     assert ngram_propose([1, 2, 3, 1, 2, 3, 1], n=1, k=4) == [2, 3, 1]
 
 
+def scan_propose(tokens, n: int, k: int) -> list[int]:
+    """The rule by brute force: every earlier occurrence of the last token, scored by agreement looking back."""
+    length = len(tokens)
+    if k <= 0 or length < 2:
+        return []
+    best, best_agree = None, -1
+    for end in range(length - 1):
+        agree = 0
+        while (
+            agree < min(CONTEXT_LOOKBACK, length - 1)
+            and end - agree >= 0
+            and tokens[end - agree] == tokens[length - 1 - agree]
+        ):
+            agree += 1
+        if agree >= best_agree and agree > 0:
+            best, best_agree = end, agree
+    if best is None or best_agree < n:
+        return []
+    return list(tokens[best + 1 : best + 1 + k])
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_ngram_index_proposes_what_a_scan_proposes(n):
-    """The engine's per-request index guesses exactly what ``ngram_propose`` finds by scanning, step after step, as
-    the tokens grow by a step's worth at a time (few distinct tokens: many candidates, ties, long agreements)."""
+    """The engine's per-request index, kept up to date step after step, guesses exactly what a brute-force scan of the
+    tokens finds, as they grow by a step's worth at a time (few distinct tokens: many candidates, ties, long
+    agreements)."""
     rng = random.Random(n)
     for trial in range(20):
         vocab = rng.choice([3, 5, 12])
@@ -61,7 +90,7 @@ def test_ngram_index_proposes_what_a_scan_proposes(n):
         index = NgramIndex(n)
         for _ in range(60):
             k = rng.randrange(0, 9)
-            assert index.propose(tokens, k) == ngram_propose(tokens, n, k), (trial, tokens, k)
+            assert index.propose(tokens, k) == scan_propose(tokens, n, k), (trial, tokens, k)
             if rng.random() < 0.3:  # copy a stretch of what came before, as accepted drafts would
                 start = rng.randrange(len(tokens))
                 tokens += tokens[start : start + rng.randrange(1, 10)]

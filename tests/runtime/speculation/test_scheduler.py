@@ -7,9 +7,19 @@ import copy
 import pytest
 import torch
 
-from runtime.speculation import generate, DraftModelProposer, EngineConfig, GenerationParams, NgramProposer, SamplingParams, Scheduler, SpeculativeEngine, SuffixProposer
 from runtime.model.runner import ModelRunner
-from tests.runtime.test_engine import PROMPTS as ENGINE_PROMPTS
+from runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    SamplingParams,
+    Scheduler,
+    SpeculativeEngine,
+    SuffixProposer,
+    generate,
+)
+from tests.runtime.speculation.test_engine import PROMPTS as ENGINE_PROMPTS
 
 PROMPTS = ENGINE_PROMPTS + [[9, 9, 9, 9, 9, 9], list(range(100, 140)), [64, 65, 66, 64, 65, 66, 64]]  # 8 in all
 
@@ -21,8 +31,11 @@ def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
         "suffix": lambda: SuffixProposer(4096),
         "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
     }[method]()
-    return SpeculativeEngine(ModelRunner(target, max_rows=rows, max_context=512), proposer,
-                             EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive))
+    return SpeculativeEngine(
+        ModelRunner(target, max_rows=rows, max_context=512),
+        proposer,
+        EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive),
+    )
 
 
 def solo(target, prompt, params):
@@ -107,14 +120,18 @@ def test_a_cancelled_neighbour_leaves_the_others_exact(target):
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_seeded_sampling_is_reproducible_whatever_the_neighbours(target, draft, method):
-    seeded = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    seeded = GenerationParams(
+        max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    )
     alone = solo(target, PROMPTS[1], seeded)  # plain decoding, batch of one
     noisy = GenerationParams(max_tokens=25, ignore_eos=True, sampling=SamplingParams(temperature=1.0))
     arrivals = [(0, PROMPTS[0], noisy), (1, PROMPTS[1], seeded), (2, PROMPTS[2], GREEDY), (4, PROMPTS[4], noisy)]
     for adaptive in (False, True):  # draft lengths chosen by measured costs must not matter either
         got, _ = drive(Scheduler(engine_for(target, method, 4, draft, adaptive=adaptive), 4, prefill_chunk=8), arrivals)
         assert got[1] == alone
-    other = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=8))
+    other = GenerationParams(
+        max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=8)
+    )
     assert solo(target, PROMPTS[1], other) != alone
 
 
@@ -126,7 +143,7 @@ def test_rollback_leaves_each_row_at_its_accepted_length(target):
     class Oracle:
         """Row 0 gets the true continuation, row 1 a wrong first draft, row 2 nothing."""
 
-        name, cost_per_token = "oracle", False
+        name = "oracle"
 
         def propose(self, seq, k):
             tokens = seq.tokens
@@ -137,8 +154,11 @@ def test_rollback_leaves_each_row_at_its_accepted_length(target):
         def finish(self, seq):
             pass
 
-    engine = SpeculativeEngine(ModelRunner(target, max_rows=3, max_context=512), Oracle(),
-                               EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False))
+    engine = SpeculativeEngine(
+        ModelRunner(target, max_rows=3, max_context=512),
+        Oracle(),
+        EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False),
+    )
     seqs = [engine.new_sequence(p, GenerationParams(max_tokens=20, ignore_eos=True)) for p in prompts]
     for row, s in enumerate(seqs):  # what the scheduler does on admission: a row each, the prompt prefilled
         s.row = row
@@ -148,7 +168,7 @@ def test_rollback_leaves_each_row_at_its_accepted_length(target):
     emitted = [len(outs[s.id].token_ids) for s in seqs]
     assert [outs[s.id].accepted for s in seqs] == [4, 0, 0] and emitted == [5, 1, 1]
     for b, s in enumerate(seqs):
-        assert s.tokens[s.prompt_len:] == plain[b][: len(s.tokens) - s.prompt_len]
+        assert s.tokens[s.prompt_len :] == plain[b][: len(s.tokens) - s.prompt_len]
         assert engine.target.length(s.row) == lengths_before[b] + emitted[b] - 1
 
 
@@ -180,8 +200,11 @@ def bf16_engines(target, speculate):
     model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
 
     def engine(rows):
-        return SpeculativeEngine(ModelRunner(model, max_rows=rows), NgramProposer(2) if speculate else None,
-                                 EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False))
+        return SpeculativeEngine(
+            ModelRunner(model, max_rows=rows),
+            NgramProposer(2) if speculate else None,
+            EngineConfig(num_draft_tokens=4 if speculate else 0, max_context=512, adaptive=False),
+        )
 
     return engine
 
