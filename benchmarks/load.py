@@ -8,7 +8,7 @@ on, through one deployment (a request can ask to decode plainly, so both modes u
     .venv/bin/python benchmarks/load.py --model qwen2.5-coder-1.5b-instruct --device cuda --workload code \
         --concurrency 1,8 --draft-model qwen2.5-coder-0.5b-instruct --k 4 --depctl auto --depctl auto+eager   # a GPU
 
-Peers (``--llama-server`` with ``--gguf``, ``--vllm-python``; ../shared/PEERS.md says how to build and install them)
+Peers (``--llama-server`` with ``--gguf``, ``--vllm-python``: a llama.cpp server build and a vLLM CPU install)
 go through the same client code, prompts and settings; their n-gram rows come from their own prompt-lookup
 speculation (llama.cpp ``ngram-simple``, vLLM ``ngram``) with the same n and K. Every server is started first and the
 cells go round them, level by level, the order rotating (an idle server takes no CPU): a slow minute on a shared
@@ -324,7 +324,7 @@ def main() -> int:
         "--llama-server",
         type=Path,
         default=None,
-        help="a llama-server binary (../shared/PEERS.md says how to build one): its rows join the tables",
+        help="a llama-server binary (llama.cpp built with its server): its rows join the tables",
     )
     parser.add_argument(
         "--gguf",

@@ -1,5 +1,5 @@
 """Repeated and agentic traffic: plain decoding, n-gram and suffix speculation side by side, and predicted outputs
-(today's tracker against the re-aligning one) on an edit loop.
+(simpler trackers against the re-aligning one) on an edit loop.
 
     .venv/bin/python benchmarks/traffic.py                       # SmolLM2, every workload, 1 and 8 clients
     .venv/bin/python benchmarks/traffic.py --workload edit-loop --concurrency 1
@@ -29,13 +29,12 @@ so nothing is learned from another row.
 Outputs are compared across configurations (they must be identical: greedy speculation is exact), then one table
 per workload: tokens/s, the ratio to plain at the same concurrency, and acceptance. Every row runs ``--rounds``
 times (3), the rows interleaved, and the table shows each row's median round: on a shared 2-core machine one
-run's plain rate moved between 29 and 45 tok/s from run to run.
+run's plain rate can move by a third from run to run.
 
-The "before re-alignment" rows run the tracker as it was before issue 15 (``LegacyTracker`` below, kept
-here as the reference): after a mismatch it looked up the last 4 generated tokens, falling back to 3, 2, then 1, in
-the prediction and drafted from the first match at or after the furthest point reached, ahead of the deployment's
-proposer. The "stops at the first mismatch" row is what issue 15 describes as today's behaviour
-(``FirstMismatchTracker``): the tracker this code had already re-synced, so both are shown.
+The "before re-alignment" rows run depctl's earlier tracker (``LegacyTracker`` below, kept as the reference): after a
+mismatch it looked up the last 4 generated tokens, falling back to 3, 2, then 1, in the prediction and drafted from
+the first match at or after the furthest point reached, ahead of the deployment's proposer. The "stops at the first
+mismatch" row (``FirstMismatchTracker``) is the simplest tracker, which never re-syncs; both are shown.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import runtime.speculation.sequence as sequence_module  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
 from runtime.speculation import (
@@ -276,14 +274,14 @@ def run(
 
 
 class FirstMismatchTracker(PredictionTracker):
-    """A prediction that stops helping at its first mismatch (what issue 15 calls today's behaviour)."""
+    """A prediction that stops helping at its first mismatch (the baseline for re-alignment)."""
 
     def propose(self, generated, k):
-        self._start = self.expected
-        return self.prediction[self.expected : self.expected + k] if k > 0 and self.expected >= 0 else []
+        start = self.expected
+        return start, (self.prediction[start : start + k] if k > 0 and start >= 0 else [])
 
-    def observe(self, accepted, next_token):
-        pos = self._start + accepted if self._start >= 0 else -1
+    def observe(self, start, accepted, next_token):
+        pos = start + accepted if start >= 0 else -1
         if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
             self.expected = pos + 1
             self.matched += accepted + 1
@@ -294,7 +292,8 @@ class FirstMismatchTracker(PredictionTracker):
 
 
 class LegacyTracker(PredictionTracker):
-    """The predicted-output tracker before issue 15 (the reference for the re-alignment rows)."""
+    """The earlier predicted-output tracker: an n-gram lookup past the furthest point reached (the reference for the
+    re-alignment rows)."""
 
     NGRAM = 4
 
@@ -308,8 +307,7 @@ class LegacyTracker(PredictionTracker):
         start = self.expected
         if start < 0 or start >= len(self.prediction):
             start = self._lookup(generated) if generated else -1
-        self._start = start
-        return self.prediction[start : start + k] if k > 0 and start >= 0 else []
+        return start, (self.prediction[start : start + k] if k > 0 and start >= 0 else [])
 
     def _lookup(self, generated) -> int:
         length, reference = len(generated), self.prediction
@@ -321,8 +319,8 @@ class LegacyTracker(PredictionTracker):
                 return later[0] if later else ends[-1]
         return -1
 
-    def observe(self, accepted, next_token):
-        pos = self._start + accepted if self._start >= 0 else -1
+    def observe(self, start, accepted, next_token):
+        pos = start + accepted if start >= 0 else -1
         if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
             self.expected = pos + 1
             self.last = max(self.last, self.expected)
@@ -360,9 +358,9 @@ def main() -> None:
     loaded = load_deployment(spec)
     ngram_engine, tok = loaded.engine, loaded.tokenizer
 
-    def fresh(proposer) -> SpeculativeEngine:
+    def fresh(proposer, tracker=PredictionTracker) -> SpeculativeEngine:
         """An engine over the same target (and its calibration) with another proposer: a new suffix index."""
-        e = SpeculativeEngine(ngram_engine.target, proposer, EngineConfig(**vars(ngram_engine.config)))
+        e = SpeculativeEngine(ngram_engine.target, proposer, EngineConfig(**vars(ngram_engine.config)), tracker)
         e.policy.verify_cost.samples = dict(ngram_engine.policy.verify_cost.samples)
         return e
 
@@ -415,9 +413,9 @@ def main() -> None:
                             "ngram": lambda: NgramProposer(args.ngram),
                             "suffix": lambda: SuffixProposer(1 << 20),
                             None: lambda: None,
-                        }[proposer]()
+                        }[proposer](),
+                        trackers.get(prediction, PredictionTracker),
                     )
-                    sequence_module.PredictionTracker = trackers.get(prediction, PredictionTracker)
                     r = run(
                         engine,
                         tok,
@@ -427,7 +425,6 @@ def main() -> None:
                         speculate=speculate,
                         use_prediction=prediction is not None,
                     )
-                    sequence_module.PredictionTracker = PredictionTracker
                     if name == "predicted-edits" and label == "plain" and not runs[label]:
                         # the first plain pass: the predictions are its answers, edited
                         prompts = [

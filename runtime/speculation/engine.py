@@ -49,6 +49,7 @@ class Guess:
     acceptance: RequestAcceptance
     source: DraftSource | None  # None: no speculation for this row
     available: int = 0
+    prediction_start: int | None = None  # where in the prediction this step's guess starts (-1: none; None: not asked)
 
 
 class SpeculativeEngine:
@@ -173,28 +174,29 @@ class SpeculativeEngine:
             return Guess([], seq.acceptance, None)
         room = seq.room if params.max_draft_tokens is None else min(seq.room, params.max_draft_tokens)
         rejoin_guess: list[int] = []
+        start = None
         if seq.prediction is not None:
-            tokens = seq.prediction.propose(
+            start, tokens = seq.prediction.propose(
                 seq.tokens[seq.prompt_len :], min(room, self.config.prediction_draft_tokens)
             )
             if tokens and (seq.prediction.following or self.proposer is None):
-                return Guess(tokens, seq.prediction_acceptance, DraftSource.PREDICTION, len(tokens))
+                return Guess(tokens, seq.prediction_acceptance, DraftSource.PREDICTION, len(tokens), start)
             # off the prediction: a guess at where the output rejoins it comes after the deployment's own proposer,
             # whose match is measured against the text just written
             rejoin_guess = tokens
         if self.proposer is None:
-            return Guess([], seq.acceptance, None)
+            return Guess([], seq.acceptance, None, prediction_start=start)
+        if rejoin_guess:  # unless drafted below, this step's output is not checked against the rejoin guess
+            start, rejoin_start = -1, start
         k = min(room, self.policy.max_k)
         if self.draft_model is not None:
-            guess = Guess([], seq.acceptance, DraftSource.MODEL, max(k, 0))
-        else:
-            tokens = self.proposer.propose(seq, k) if k > 0 else []
-            if rejoin_guess and not tokens:
-                return Guess(rejoin_guess, seq.prediction_acceptance, DraftSource.PREDICTION, len(rejoin_guess))
-            guess = Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens))
-        if rejoin_guess:
-            seq.prediction.unused()
-        return guess
+            return Guess([], seq.acceptance, DraftSource.MODEL, max(k, 0), start)
+        tokens = self.proposer.propose(seq, k) if k > 0 else []
+        if rejoin_guess and not tokens:
+            return Guess(
+                rejoin_guess, seq.prediction_acceptance, DraftSource.PREDICTION, len(rejoin_guess), rejoin_start
+            )
+        return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
 
     def _drafts(self, batch, guesses: list[Guess], width: int):
         """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), and the draft model's
@@ -241,7 +243,10 @@ class SpeculativeEngine:
         elif guess.tokens:  # a free guess not drafted this step still tells whether it would have been right
             guess.acceptance.observe(int(guess.tokens[0] == token), 1)
         pd = k if guess.source == DraftSource.PREDICTION else 0
-        pa = seq.prediction.observe(n if pd else 0, token) if seq.prediction is not None else 0
+        pa = 0
+        if seq.prediction is not None:  # not asked this step (speculation off): it follows the output passively
+            start = seq.prediction.expected if guess.prediction_start is None else guess.prediction_start
+            pa = seq.prediction.observe(start, n if pd else 0, token)
         return self._emit(seq, emitted, k, n, pd, pa)
 
     def _emit(self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0) -> StepOutput:

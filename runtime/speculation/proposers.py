@@ -102,35 +102,33 @@ class PredictionTracker:
         self.prediction = list(prediction)
         self.expected = 0
         self.left_at = 0  # where the output last left the prediction (the token it did not follow)
-        self._start = -1
         self.matched = 0  # output tokens that followed the prediction: accepted drafts and agreeing target tokens
 
-    def propose(self, generated: Sequence[int], k: int) -> list[int]:
+    def propose(self, generated: Sequence[int], k: int) -> tuple[int, list[int]]:
+        """(start, tokens): where in the prediction the guess starts (-1: nowhere) and up to ``k`` tokens from there.
+        The caller hands ``start`` back to ``observe`` with the step's outcome."""
         start = self.expected
         if start < 0:
             start = rejoin(generated, self.prediction, self.left_at)
-        self._start = start if 0 <= start < len(self.prediction) else -1
-        return self.prediction[start : start + k] if k > 0 and self._start >= 0 else []
+        if not 0 <= start < len(self.prediction):
+            return -1, []
+        return start, self.prediction[start : start + k] if k > 0 else []
 
     @property
     def following(self) -> bool:
         """The output is on the prediction: ``propose`` continues it (rather than guessing where it rejoins)."""
         return self.expected >= 0
 
-    def unused(self) -> None:
-        """This step drafts from something else: its output is not checked against the last proposal."""
-        self._start = -1
-
     def observe_first(self, token: int) -> int:
         """The prefill's token (no drafts): 1 when it is the prediction's start."""
-        self._start = self.expected
-        return self.observe(0, token)
+        return self.observe(self.expected, 0, token)
 
-    def observe(self, accepted: int, next_token: int) -> int:
-        """After verification: follow the prediction while the target's own token agrees with it.
+    def observe(self, start: int, accepted: int, next_token: int) -> int:
+        """After verification of a guess that started at ``start`` (-1: the step did not follow the prediction):
+        follow the prediction while the target's own token agrees with it.
 
         Returns how many of the step's output tokens came from the prediction."""
-        pos = self._start + accepted if self._start >= 0 else -1
+        pos = start + accepted if start >= 0 else -1
         if 0 <= pos < len(self.prediction) and self.prediction[pos] == next_token:
             self.expected = pos + 1
             self.matched += accepted + 1

@@ -3,10 +3,9 @@
 // dot products or, where the CPU has them, AMX tiles (`blocked_kernel` says which runs here).
 //
 // Why our own: a decode step reads every weight once, so on a CPU its cost is the weights' bytes over memory
-// bandwidth. oneDNN's float32 linear, the fastest library product that is row-invariant here (from two rows on),
-// read SmolLM2's 120 per-layer weights at 31-34 GB/s for one token on this project's 2-core EPYC, where llama.cpp's
-// F32 decoding reaches ~55; these loops read them at ~44 with Python calling each product, and are faster than
-// oneDNN's at every row count measured (1 to 512: ~520 GFLOP/s for a prompt chunk against ~480).
+// bandwidth. oneDNN's float32 linear, the fastest library product that is row-invariant (from two rows on), reads
+// weights well below the memory's bandwidth for one row; these loops come closer, and are faster than oneDNN's from
+// one row to a prompt chunk (BENCHMARKS.md).
 //
 // The layout: the weight [N, K] is stored in blocks of L output features (L = the vector width: 16 floats with
 // AVX-512, 8 with AVX2), each block [K, L], so that one vector load reads weight k of L consecutive outputs
@@ -319,7 +318,7 @@ at::Tensor blocked_linear_bf16(const at::Tensor& x, const at::Tensor& packed, in
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (2 * pairs * BL * M));
   if (amx_enabled()) {
     // the tiles read 16 pairs at a time and, past 16 rows, 16 rows at a time: where x is shorter, a zero-padded copy
-    // (by hand: torch's pad took 13 us a product, 1.5 ms of a 40-row SmolLM2 pass)
+    // (by hand: torch's pad costs more than a small product)
     const bool pad = K != 2 * stride || (M > 16 && M % 16 != 0);
     const int64_t rows = pad && M > 16 ? (M + 15) / 16 * 16 : M, width = 2 * stride;
     const auto xc = x.contiguous();

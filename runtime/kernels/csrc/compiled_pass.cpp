@@ -2,9 +2,8 @@
 // (runtime/model/compiled.py).
 //
 // torch's own Python binding of the package loader (AOTICompiledModel, AOTIModelPackageLoader.boxed_run) keeps the
-// GIL for the whole call. In the daemon that serialises the engine thread and the event loop: a pass of 6 ms held
-// every other Python thread off the interpreter (a thread sleeping 0.2 ms woke after 6), so the step's streamed
-// output was written only once the pass ended, and the next pass waited while it was. Called as a torch op, the pass
+// GIL for the whole call. In the daemon that serialises the engine thread and the event loop: every other Python
+// thread waits out the pass, so a step's streamed output is written only once the pass ends. Called as a torch op, the pass
 // runs with the GIL released, as every ATen op does, and the HTTP side works during it.
 //
 // The loader is held by a TorchBind class, so the op takes it as an argument; it borrows the model's weights

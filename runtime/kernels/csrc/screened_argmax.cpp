@@ -13,8 +13,8 @@
 //      below that of the token attaining the max, so it cannot be the argmax, nor tie with it;
 //   3. computes the candidates' float32 logits from the plain weight rows and returns the first largest.
 //
-// Read in that order, every step reads each row's bounds (8 bytes) beside its 2-byte logit, and a 9-token verify pass
-// spent 0.5 ms on it. So the bounds are read only where they can matter: the largest bf16 logit a_j gives a floor
+// Read in that order, every step would read each row's bounds (8 bytes) beside its 2-byte logit. So the bounds are read
+// only where they can matter: the largest bf16 logit a_j gives a floor
 // (a_j - B_j <= the floor of step 2); a row whose a_i + (the largest possible B_i) is below it cannot be a candidate,
 // so one scan of the bf16 logits against that cut keeps a few dozen rows, and steps 1-3 run exactly over those.
 //

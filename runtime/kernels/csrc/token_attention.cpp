@@ -6,10 +6,8 @@
 // whatever else is in the pass, on whichever thread, so a token rounds the same in a plain step, in a verify pass of
 // nine and beside other rows: what speculation's exactness rests on.
 //
-// Why not ATen's scaled_dot_product_attention, which an earlier version called once per token: its CPU flash kernel
-// is built for long query blocks. For one query token it allocates its buffers and calls MKL's sgemm on 3 x 64
-// matrices, ~18 us a call where the arithmetic is ~2 (SmolLM2, 200 cached positions); a 9-token verify pass at 1000
-// positions spent 16 ms of its 21 ms in it. The loops here use ATen's vector types (at::vec, built for this CPU's
+// Why not ATen's scaled_dot_product_attention once per token: its CPU flash kernel is built for long query blocks;
+// for one query token its set-up (buffers, an sgemm on tiny matrices) costs several times the arithmetic. The loops here use ATen's vector types (at::vec, built for this CPU's
 // instruction set as inductor builds its own kernels) and its exp.
 
 #include <ATen/ATen.h>
@@ -41,7 +39,7 @@ inline Vec load_float(const T* p) {
 
 // ---- scores in blocks of 16 keys (AVX-512) ----
 // The loops above reduce each key's vector of partial products to its score on its own: a horizontal sum per key
-// and query head, most of a verify pass's attention (9 tokens at 600 positions: ~5.6 us a token and kv head). Here
+// and query head, most of a verify pass's attention. Here
 // 16 keys' vectors are summed together by one fixed tree of shuffles and adds (`sum_lanes`: 15 adds for 16 keys
 // instead of 60), and a bf16 cache is multiplied by AVX-512 BF16's dot product of pairs (vdpbf16ps) without converting
 // a key. A key's score is still a function of the query and that key alone (its own lanes, in a fixed order; the

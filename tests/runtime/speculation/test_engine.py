@@ -213,10 +213,11 @@ def test_off_the_prediction_the_deployments_proposer_drafts_before_a_rejoin_gues
     seq.tokens += [4, 5]  # "4 5" is in the prompt; "5" is the prediction's index 3
     guess = engine._guess(seq)
     assert (guess.source, guess.tokens) == (DraftSource.FREE, [6, 10, 11, 12])
-    assert seq.prediction.observe(0, 6) == 0 and seq.prediction.expected == -1  # the unused guess is not judged
+    assert guess.prediction_start == -1  # the unused rejoin guess is not judged
+    assert seq.prediction.observe(guess.prediction_start, 0, 6) == 0 and seq.prediction.expected == -1
     seq.tokens[-2:] = [99, 5]  # no n-gram match: the output rejoins the prediction after its "5"
     guess = engine._guess(seq)
-    assert (guess.source, guess.tokens) == (DraftSource.PREDICTION, [30, 31, 32, 33])
+    assert (guess.source, guess.tokens, guess.prediction_start) == (DraftSource.PREDICTION, [30, 31, 32, 33], 4)
 
 
 def test_suffix_drafts_a_repeated_request_from_the_first(target):

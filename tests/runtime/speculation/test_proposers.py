@@ -122,8 +122,9 @@ def follow(prediction, output, k=4):
     tracker = PredictionTracker(prediction)
     proposals = []
     for i, token in enumerate(output):
-        proposals.append(tracker.propose(output[:i], k))
-        tracker.observe(0, token)
+        start, tokens = tracker.propose(output[:i], k)
+        proposals.append(tokens)
+        tracker.observe(start, 0, token)
     return tracker, proposals
 
 
@@ -170,10 +171,10 @@ def test_prediction_prefers_the_nearest_rejoin():
 
 def test_prediction_tracker_follows_diverges_and_resyncs():
     tracker = PredictionTracker([10, 11, 12, 13, 14, 15, 16])
-    assert tracker.propose([], 3) == [10, 11, 12]
-    assert tracker.observe(3, 13) == 4  # all accepted, and the bonus 13 follows the prediction
-    assert tracker.propose([10, 11, 12, 13], 2) == [14, 15]
-    assert tracker.observe(0, 99) == 0  # the target wrote 99 instead of 14: lost
+    assert tracker.propose([], 3) == (0, [10, 11, 12])
+    assert tracker.observe(0, 3, 13) == 4  # all accepted, and the bonus 13 follows the prediction
+    assert tracker.propose([10, 11, 12, 13], 2) == (4, [14, 15])
+    assert tracker.observe(4, 0, 99) == 0  # the target wrote 99 instead of 14: lost
     assert tracker.expected == -1
     # the output rejoins the prediction at 15: found by looking up the last generated tokens
-    assert tracker.propose([10, 11, 12, 13, 99, 15], 2) == [16]
+    assert tracker.propose([10, 11, 12, 13, 99, 15], 2) == (6, [16])
