@@ -1,13 +1,15 @@
-"""Installed without ``-e``, depctl runs from any directory: the prompt sets and the C++ sources ship as package data,
-and nothing reads the source tree. The project is installed (no dependencies: the test environment has them) into a
-folder of its own, and every command runs from another directory with only that folder added to the path."""
+"""Installed without ``-e`` into a fresh virtualenv, depctl runs from any directory: the prompt sets and the C++
+sources ship as package data, and nothing reads the source tree. The virtualenv borrows this environment's
+dependencies through a ``.pth`` line (torch and the rest are not downloaded again); depctl itself is installed there
+from the repository like any package, and every command runs from another directory."""
 
 from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
-import sys
+import venv
 from pathlib import Path
 
 import pytest
@@ -17,37 +19,41 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    site = tmp_path_factory.mktemp("site")
-    build = tmp_path_factory.mktemp("build")  # pip builds in a copy: the source tree is left as it is
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(site),
-            str(ROOT),
-        ],
+    """The fresh virtualenv's ``bin`` directory."""
+    env = tmp_path_factory.mktemp("venv")
+    venv.create(env, with_pip=False)  # pip and setuptools come from this environment, through the .pth below
+    python = env / "bin" / "python"
+    packages = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    # this environment's dependencies; its own editable depctl is not visible (a .pth line is not a site dir)
+    (Path(packages) / "depctl-test-deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    build = tmp_path_factory.mktemp("build")
+    proc = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(ROOT)],
         cwd=build,
         capture_output=True,
+        text=True,
     )
-    return site
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return env / "bin"
 
 
-def _run(site: Path, cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def _run(bin_dir: Path, cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run(
+        [str(bin_dir / args[0]), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_installed_package_is_what_runs_and_ships_its_data(installed, tmp_path):
     probe = _run(
         installed,
         tmp_path,
+        "python",
         "-c",
         "import depctl, runtime, depctl.workloads as w, runtime.kernels.native as n; "
         "print(depctl.__file__); print(runtime.__file__); print(w.names()); "
@@ -55,7 +61,8 @@ def test_the_installed_package_is_what_runs_and_ships_its_data(installed, tmp_pa
     )
     assert probe.returncode == 0, probe.stderr
     depctl_file, runtime_file, names, sources = probe.stdout.splitlines()
-    assert depctl_file.startswith(str(installed)) and runtime_file.startswith(str(installed))
+    env = str(installed.parent)
+    assert depctl_file.startswith(env) and runtime_file.startswith(env), (depctl_file, runtime_file)
     assert names == "['chat', 'code', 'grounded']" and sources == "True"
 
 
@@ -63,7 +70,6 @@ def test_deployment_bench_runs_from_another_directory(installed, tmp_path, tiny_
     create = _run(
         installed,
         tmp_path,
-        "-m",
         "depctl",
         "deployment",
         "create",
@@ -85,7 +91,6 @@ def test_deployment_bench_runs_from_another_directory(installed, tmp_path, tiny_
         bench = _run(
             installed,
             tmp_path,
-            "-m",
             "depctl",
             "deployment",
             "bench",
@@ -101,4 +106,4 @@ def test_deployment_bench_runs_from_another_directory(installed, tmp_path, tiny_
         data = json.loads(bench.stdout)
         assert data["workload"] == "grounded" and data["prompts"] == 1 and data["identical_output"] is True
     finally:
-        _run(installed, tmp_path, "-m", "depctl", "daemon", "stop")
+        _run(installed, tmp_path, "depctl", "daemon", "stop")

@@ -69,6 +69,8 @@ class LocalBackend:
             "`depctl daemon logs`; `depctl deployment update` reloads it",
             retrying=False,
         )
+        self._stopped.set()
+        self._owner.exited(self)
 
     def _exit(self) -> None:
         with self._lock:
@@ -186,7 +188,11 @@ class LocalBackend:
         handle = worker.submit(
             request.prompt_ids, request.params, lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)
         )
-        cut.add_done_callback(lambda _: outputs.put_nowait(_CUT))
+
+        def on_cut(_) -> None:
+            outputs.put_nowait(_CUT)
+
+        cut.add_done_callback(on_cut)
         finished = False
         try:
             detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(list(request.stops))
@@ -213,5 +219,6 @@ class LocalBackend:
                     return
                 yield Delta(text, n, None, **counts)
         finally:
+            cut.remove_done_callback(on_cut)  # one future for every request: leave nothing on it
             if not finished:  # a stop string, a client that went away, an error: free the batch row
                 handle.cancel()

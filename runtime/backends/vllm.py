@@ -301,8 +301,12 @@ class VLLMBackend:
             )
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
-        cut.add_done_callback(lambda _: asyncio.ensure_future(upstream.aclose()))
-        counted = 0
+
+        def on_cut(_) -> None:
+            asyncio.ensure_future(upstream.aclose())
+
+        cut.add_done_callback(on_cut)
+        counted, final, completion = 0, None, None
         try:
             if upstream.status_code != 200:
                 raise upstream_error(upstream.status_code, await upstream.aread())
@@ -311,26 +315,30 @@ class VLLMBackend:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    return
+                    break
                 chunk = json.loads(data)
                 if "error" in chunk or chunk.get("object") == "error":
                     raise upstream_error(500, data.encode())
                 choices = chunk.get("choices") or ()
-                usage = chunk.get("usage") or {}
                 if choices:
-                    finish = choices[0].get("finish_reason")
-                    text = choices[0].get("text") or ""
-                    counted += 1
-                    yield Delta(text, 1, finish)
-                elif usage:  # the last chunk: the true token count
-                    extra = usage.get("completion_tokens", counted) - counted
-                    if extra:
-                        yield Delta("", extra)
+                    text, finish = choices[0].get("text") or "", choices[0].get("finish_reason")
+                    counted += bool(text)  # a chunk a token, until the usage says exactly
+                    delta = Delta(text, int(bool(text)), finish)
+                    if finish is None:
+                        yield delta
+                    else:  # held until the usage chunk, which comes after it, gives the true token count
+                        final = delta
+                elif chunk.get("usage"):
+                    completion = chunk["usage"].get("completion_tokens")
+            if final is not None:
+                extra = completion - counted if completion is not None else 0
+                yield Delta(final.text, final.tokens + extra, final.finish_reason)
         except (httpx.HTTPError, httpx.StreamError) as exc:
             if cut.done():
                 raise Interrupted() from None
             raise self._unreachable(exc) from None
         finally:
+            cut.remove_done_callback(on_cut)  # one future for every request: leave nothing on it
             await upstream.aclose()
 
     def _unreachable(self, exc: Exception) -> BackendError:

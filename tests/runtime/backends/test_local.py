@@ -154,4 +154,4 @@ def test_an_engine_thread_that_crashes_fails_its_requests_and_reports(tiny_model
     worker.submit([5, 17, 42], GenerationParams(max_tokens=5), out.put)
     assert isinstance(out.get(timeout=30), TypeError)
     assert worker.exited.wait(10) and "engine thread failed" in owner.failures[0]
-    assert not backend.ready
+    assert not backend.ready and owner.exits == 1 and backend.wait_stopped(1)

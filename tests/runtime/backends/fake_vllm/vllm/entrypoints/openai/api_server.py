@@ -2,7 +2,8 @@
 
 Speaks just enough of it: /health, /metrics with vllm:spec_decode_* counters, chat and text completions (streamed
 or not) with vLLM's extra fields, the API key from VLLM_API_KEY. FAKE_VLLM_FAIL=1: fails at start-up as a bad model
-would. FAKE_VLLM_RECORD=FILE: each request body is appended there as a JSON line. max_tokens=13: a 400 in vLLM's shape.
+would. FAKE_VLLM_RECORD=FILE: each request body is appended there as a JSON line. max_tokens=13: a 400 in vLLM's shape;
+max_tokens=7: three chunks that carry seven tokens.
 """
 
 import argparse
@@ -64,7 +65,9 @@ def make_handler(args):
             COUNTS["requests"] += 1
             chat = self.path == "/v1/chat/completions"
             words = ["hello", " from", " vllm"]
-            usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": None}
+            # max_tokens=7: as under speculation, a chunk carries several tokens (3 chunks, 7 tokens)
+            done = 7 if body.get("max_tokens") == 7 else 3
+            usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done, "prompt_tokens_details": None}
             head = {"id": "chatcmpl-fromvllm" if chat else "cmpl-fromvllm", "created": 1, "model": body["model"],
                     "system_fingerprint": None, "prompt_token_ids": None}
             if not body.get("stream"):
