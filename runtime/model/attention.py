@@ -12,10 +12,9 @@ function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kern
 - ragged: one SDPA call per row, over that row's keys only;
 - ``per_position`` (any dtype on a CPU, set by the runner): every row is attended as if it were alone in the batch,
   and a row's tokens in a verify pass one position at a time, each call shaped exactly like the one-token step at
-  that position. The CPU's SDPA kernels round a query differently when more query rows share the call (bf16: 18
-  folded rows vs 3 changed the last bits of SmolLM2's attention; float32 too, by ~1e-5 in the logits), and a row
-  batched with others came out differently from the same row alone; this way neither a verify pass nor a batch can
-  change a row's bits.
+  that position. The CPU's SDPA kernels round a query differently when more query rows share the call (in bf16 and
+  float32 alike), so a row batched with others would come out differently from the same row alone; this way neither
+  a verify pass nor a batch can change a row's bits.
   Prefill chunks (wider than ``PER_POSITION_MAX_WIDTH``) keep one call per row: both modes prefill alike.
 
 Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.

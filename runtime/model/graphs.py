@@ -1,9 +1,8 @@
 """Decode and verify passes at a fixed shape, replayed from CUDA graphs.
 
-Why: on a GPU a decode step of a small model is kernel launches, not arithmetic. Qwen2.5-Coder-1.5B's eager pass is
-~28 layers x ~15 kernels plus the Python between them, several milliseconds a step, while the GPU needs well under
-one to read its 3 GB of bf16 weights. A CUDA graph records the kernels of one pass once and replays them with one
-launch (gpt-fast's decode step, vLLM's piecewise graphs).
+Why: on a GPU a decode step of a small model is kernel launches, not arithmetic: dozens of layers of a dozen kernels
+each, and the Python between them, take longer than reading the weights. A CUDA graph records the kernels of one
+pass once and replays them with one launch (gpt-fast's decode step, vLLM's piecewise graphs).
 
 A graph replays exactly the shapes and addresses it recorded, so a pass must look the same every step:
 - **One shape: ``rows x width`` tokens.** The step's ragged stream (row b's last token and its drafts) is placed

@@ -55,7 +55,7 @@ class ModelRunner:
         self.cache = cache if cache is not None else SlotCache(model.config, max_rows, max_context + slack)
         # on a CPU, verify passes attend position by position, so that they round as plain steps do: SDPA's CPU kernels
         # round a query differently beside more queries, in float32 too (with the loader's row-invariant linears this
-        # makes a 9-token verify pass bit-identical to 9 one-token steps; tests/real checks it on SmolLM2)
+        # makes a 9-token verify pass bit-identical to 9 one-token steps; tests/real checks it)
         self.per_position = self.device.type == "cpu"
         # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
         # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.

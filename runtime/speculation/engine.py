@@ -272,8 +272,8 @@ class SpeculativeEngine:
         runners = [self.target] + ([self.draft_model.runner] if self.draft_model is not None else [])
         for runner in runners:
             runner.forward(0, [prompt] * rows, last_only=True)
-        # (rows, tokens a row): every width one request can verify (kernels take rows in blocks, so costs step: int8
-        # weights four rows at a time, SmolLM2's 5 tokens ~1.5x 4 of them), then batch passes of up to the widest
+        # (rows, tokens a row): every width one request can verify (kernels take rows in blocks, so costs step), then
+        # batch passes of up to the widest
         shapes = {(1, n) for n in range(1, widest + 1)}
         for n in {2**i for i in range(10)} | {rows, rows * widest}:
             if widest < n <= rows * widest:

@@ -7,9 +7,8 @@
   whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a call per
   row (``runtime.model.attention``), and a 128-token chunk would make every step ragged. With nothing running, every
   chunk is read in the same iteration. A prompt is cut in the same places whatever the load: the cache a chunk leaves
-  depends on where it was cut (a 140-token prompt read in one go and in chunks of 128 differed by 0.5 in SmolLM2's
-  bf16 logits, and one of 21 benchmark prompts decoded differently when it arrived at a busy deployment), so a
-  request's output cannot depend on when it arrived. The last chunk's logits give the request its first token, and
+  depends on where it was cut (the chunks' products round differently), so a request's output cannot depend on when
+  it arrived. The last chunk's logits give the request its first token, and
   the request joins the batch in the same iteration's step.
 - A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
   always rows 0..B-1 of every cache and a pass never touches an idle row.
@@ -26,7 +25,7 @@ from typing import Sequence as Seq
 
 from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 
-PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: ~2 decode steps of SmolLM2 on 2 CPU cores
+PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: a couple of decode steps' time
 
 
 class Scheduler:
