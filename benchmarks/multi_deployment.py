@@ -3,13 +3,12 @@
     .venv/bin/python benchmarks/multi_deployment.py                     # SmolLM2, --dtype auto, 3 rounds
     .venv/bin/python benchmarks/multi_deployment.py --dtype float32 --rounds 5
 
-Why: every deployment loads on a thread of its own, and torch's CPU kernels run on one OpenMP pool per thread; a live
-idle pool beside the working one once left a core half idle (bf16: 23-26 tok/s beside an idle deployment against 41
-alone). The daemon now steps every deployment on one engine thread (runtime/backends/worker.py, EngineHost). For each
-round
-this starts a daemon with one deployment, then one with two (the second serves one request first, then sits idle),
-and times one streamed-off 128-token greedy chat request to the first, plain decoding; it also records how much CPU
-the daemon's two busiest threads used during it (both near the wall time: both cores worked). One table, medians.
+Why: every deployment loads on a thread of its own, and torch's CPU kernels run on one OpenMP pool per thread; a
+live idle pool beside the working one can leave a core half idle, so the daemon steps every deployment on one engine
+thread (runtime/backends/worker.py, EngineHost). This checks it: for each round it starts a daemon with one
+deployment, then one with two (the second serves one request first, then sits idle), and times one streamed-off
+128-token greedy chat request to the first, plain decoding; it also records how much CPU the daemon's two busiest
+threads used during it (both near the wall time: both cores worked). One table, medians.
 """
 
 from __future__ import annotations
