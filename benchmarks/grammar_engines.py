@@ -62,6 +62,37 @@ def micros(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e6, ordered[int(0.95 * (len(ordered) - 1))] * 1e6
 
 
+def timed(fn, *args):
+    """(fn's result, the seconds it took)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+def walk(tokens: list[int], fill, forced, consume) -> dict:
+    """The document token by token, as decoding would meet it: the mask, the forced continuation, then the token."""
+    out = {"masks": [], "ff": [], "forced": 0}
+    for token in tokens:
+        out["masks"].append(timed(fill)[1])
+        found, seconds = timed(forced)
+        out["forced"] += bool(found)
+        out["ff"].append(seconds)
+        assert consume(token), f"token {token} refused"
+    return out
+
+
+def rollbacks(tokens: list[int], matcher_at, after=None) -> tuple[list[float], list[float]]:
+    """Seconds to roll back 8 consumed tokens at every third position (``matcher_at(n)``: a matcher that consumed the
+    first n tokens), and what ``after(matcher, start)`` then took."""
+    rolled, then = [], []
+    for start in range(0, len(tokens) - 9, 3):
+        m = matcher_at(start + 8)
+        rolled.append(timed(m.rollback, 8)[1])
+        if after is not None:
+            then.append(after(m, start))
+    return rolled, then
+
+
 def run_llguidance(tokenizer, tokens: list[int]) -> dict:
     import llguidance
     import llguidance.hf
@@ -77,38 +108,28 @@ def run_llguidance(tokenizer, tokens: list[int]) -> dict:
     compile_s = time.perf_counter() - t0
     matcher = llguidance.LLMatcher(lltok, grammar)
     bitmask = lt.allocate_token_bitmask(1, lltok.vocab_size)
-    masks, forced, ff_times = [], 0, []
-    for token in tokens:
-        t0 = time.perf_counter()
-        lt.fill_next_token_bitmask(matcher, bitmask, 0)
-        masks.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        forced += bool(matcher.compute_ff_tokens())
-        ff_times.append(time.perf_counter() - t0)
-        assert matcher.consume_token(token), matcher.get_error()
+    r = walk(
+        tokens,
+        lambda: lt.fill_next_token_bitmask(matcher, bitmask, 0),
+        matcher.compute_ff_tokens,
+        matcher.consume_token,
+    )
     assert matcher.is_accepting(), "the document did not complete the grammar"
-    rollbacks, drafts, executor = [], [], llguidance.LLExecutor()
-    for start in range(0, len(tokens) - 9, 3):
+    executor = llguidance.LLExecutor()
+
+    def matcher_at(n: int):
         m = llguidance.LLMatcher(lltok, grammar)
-        assert m.consume_tokens(tokens[:start]) is not False
-        for t in tokens[start : start + 8]:
-            m.consume_token(t)
-        t0 = time.perf_counter()
-        m.rollback(8)
-        rollbacks.append(time.perf_counter() - t0)
-        draft_mask = lt.allocate_token_bitmask(9, lltok.vocab_size)  # the position before the drafts, and after each
-        t0 = time.perf_counter()
-        lt.fill_next_token_bitmask_par_with_draft_tokens(executor, [(m, 0, tokens[start : start + 8])], draft_mask)
-        drafts.append(time.perf_counter() - t0)
-    return {
-        "setup": setup,
-        "compile": compile_s,
-        "masks": masks,
-        "forced": forced,
-        "ff": ff_times,
-        "rollback": rollbacks,
-        "drafts": drafts,
-    }
+        assert m.consume_tokens(tokens[:n]) is not False
+        return m
+
+    def draft_masks(m, start: int) -> float:  # the position before 8 drafts, and after each
+        mask = lt.allocate_token_bitmask(9, lltok.vocab_size)
+        return timed(
+            lt.fill_next_token_bitmask_par_with_draft_tokens, executor, [(m, 0, tokens[start : start + 8])], mask
+        )[1]
+
+    r["rollback"], r["drafts"] = rollbacks(tokens, matcher_at, draft_masks)
+    return {"setup": setup, "compile": compile_s, **r}
 
 
 def run_xgrammar(tokenizer, tokens: list[int], vocab_size: int) -> dict:
@@ -123,32 +144,17 @@ def run_xgrammar(tokenizer, tokens: list[int], vocab_size: int) -> dict:
     compile_s = time.perf_counter() - t0
     matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=16)
     bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
-    masks, forced, ff_times = [], 0, []
-    for token in tokens:
-        t0 = time.perf_counter()
-        matcher.fill_next_token_bitmask(bitmask)
-        masks.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        forced += bool(matcher.find_jump_forward_string())
-        ff_times.append(time.perf_counter() - t0)
-        assert matcher.accept_token(token), f"token {token} refused"
-    rollbacks = []
-    for start in range(0, len(tokens) - 9, 3):
+    r = walk(
+        tokens, lambda: matcher.fill_next_token_bitmask(bitmask), matcher.find_jump_forward_string, matcher.accept_token
+    )
+
+    def matcher_at(n: int):
         m = xgr.GrammarMatcher(compiled, max_rollback_tokens=16)
-        for t in tokens[: start + 8]:
-            m.accept_token(t)
-        t0 = time.perf_counter()
-        m.rollback(8)
-        rollbacks.append(time.perf_counter() - t0)
-    return {
-        "setup": setup,
-        "compile": compile_s,
-        "masks": masks,
-        "forced": forced,
-        "ff": ff_times,
-        "rollback": rollbacks,
-        "drafts": [],
-    }
+        assert all(m.accept_token(t) for t in tokens[:n])
+        return m
+
+    r["rollback"], r["drafts"] = rollbacks(tokens, matcher_at)[0], []
+    return {"setup": setup, "compile": compile_s, **r}
 
 
 def main() -> None:

@@ -68,10 +68,6 @@ class Deployment:
         return backend is not None and backend.ready
 
     @property
-    def tokenizer(self):
-        return self.backend.tokenizer if self.backend is not None else None
-
-    @property
     def max_context(self) -> int | None:
         return self.backend.max_context if self.backend is not None else None
 

@@ -27,7 +27,7 @@ from runtime.api.errors import APIError
 from runtime.api.metrics import Metrics
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted
-from runtime.manager import Deployment, DeploymentManager, State
+from runtime.manager import DeploymentManager, State
 from runtime.speculation import GenerationParams
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
@@ -79,7 +79,9 @@ class Service:
         return self._cut
 
     # ---- looking up the deployment ----
-    def deployment(self, model: str) -> Deployment:
+    def deployment(self, model: str) -> tuple[str, Backend]:
+        """The deployment ``model`` names, and the backend serving it now (read once: a job keeps the backend that
+        checked it, whatever an update swaps in meanwhile)."""
         dep_id = model.split("#", 1)[1] if "#" in model else model  # firectl's MODEL#DEPLOYMENT_ID form
         dep = self.manager.get(dep_id)
         if dep is None:  # before the stopping check: a retry after the restart would not find it either
@@ -93,7 +95,8 @@ class Service:
             raise APIError(
                 503, "the daemon is stopping; retry once it is back (`depctl daemon start`)", code="daemon_stopping"
             )
-        if dep.state not in SERVING_STATES or not dep.serving:
+        backend = dep.backend
+        if dep.state not in SERVING_STATES or backend is None or not backend.ready:
             why = f": {dep.reason}" if dep.reason else ""
             raise APIError(
                 503,
@@ -101,13 +104,13 @@ class Service:
                 param="model",
                 code=f"deployment_{dep.state.value.lower()}",
             )
-        return dep
+        return dep.id, backend
 
     # ---- building jobs ----
     def completion_job(self, req: CompletionRequest) -> Job:
         req.check_supported()
-        dep = self.deployment(req.model)
-        tokenizer = dep.tokenizer
+        dep_id, backend = self.deployment(req.model)
+        tokenizer = backend.tokenizer
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -119,16 +122,16 @@ class Service:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
-        return self._job("text_completion", dep, req, prompt_ids, req.max_tokens or 16, ())
+        return self._job("text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, ())
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check_supported()
-        dep = self.deployment(req.model)
-        tokenizer = dep.tokenizer
+        dep_id, backend = self.deployment(req.model)
+        tokenizer = backend.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(
                 400,
-                f"deployment {dep.id!r} has no chat template (a base model?): use /v1/completions",
+                f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions",
                 param="messages",
             )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -140,9 +143,9 @@ class Service:
         prediction = ()
         if req.prediction is not None:
             prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
-        return self._job("chat.completion", dep, req, prompt_ids, req.token_budget, prediction)
+        return self._job("chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction)
 
-    def _job(self, kind, dep, req, prompt_ids, max_tokens, prediction) -> Job:
+    def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction) -> Job:
         prompt_param = "prompt" if kind == "text_completion" else "messages"
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -155,7 +158,7 @@ class Service:
                 param=prompt_param,
                 code="prompt_too_long",
             )
-        max_context = dep.max_context
+        max_context = backend.max_context
         room = max_context - len(prompt_ids)
         if max_tokens is None:  # a chat request without max_tokens: the daemon's default, within the context
             max_tokens = min(self.settings.default_max_tokens, room)
@@ -179,9 +182,8 @@ class Service:
             speculate=req.speculation_enabled,
             max_draft_tokens=req.max_draft_tokens,
         )
-        return Job(
-            kind, dep.id, req.model, GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings)), dep.backend
-        )
+        request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings))
+        return Job(kind, dep_id, req.model, request, backend)
 
     # ---- running ----
     async def run(self, job: Job) -> AsyncIterator[Delta]:

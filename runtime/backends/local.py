@@ -31,7 +31,7 @@ class LocalBackend:
         self._loader = loader
         self._worker: EngineWorker | None = None
         self._lock = threading.Lock()  # the worker's arrival vs. a stop that comes first
-        self._stop: Stop | None = None  # a stop asked for before the worker existed
+        self._stop_asked = False  # before the worker existed: the load's result is dropped
         self._stopped = threading.Event()
 
     # ---- lifecycle ----
@@ -42,8 +42,8 @@ class LocalBackend:
         """Load, calibrate and hand the engine to the engine thread; this thread then ends, and its OpenMP pool."""
         try:
             with self._owner.load_turn():
-                if not self._owner.wanted(self) or self._stop is not None:
-                    return self._exit()
+                if not self._owner.wanted(self) or self._stop_asked:
+                    return self._gone()
                 loaded = self._loader(self.spec, report=lambda message: self._owner.progress(self, message))
         except BaseException as exc:  # noqa: BLE001 - every failure ends in FAILED with its reason
             if isinstance(exc, (LoadError, DepctlError)):
@@ -52,29 +52,27 @@ class LocalBackend:
                 log.error("loading %s failed", self.spec.id, exc_info=exc)
                 reason = first_line(exc)
             self._owner.failed(self, reason, retrying=False)
-            return self._exit()
+            return self._gone()
         worker = EngineWorker(self.spec.id, loaded, self.spec.max_batch_size, EngineHost.get(), self._crashed)
         with self._lock:
-            if self._stop is None:
+            if not self._stop_asked:
                 self._worker = worker
         if self._worker is None or not self._owner.ready(self):  # stopped or superseded while loading
-            self._worker = None
-            return self._exit()
+            self._gone()
 
     def _crashed(self, exc: BaseException) -> None:
-        self._worker = None
         self._owner.failed(
             self,
             f"the engine thread failed ({first_line(exc)}); see "
             "`depctl daemon logs`; `depctl deployment update` reloads it",
             retrying=False,
         )
-        self._stopped.set()
-        self._owner.exited(self)
+        self._gone()
 
-    def _exit(self) -> None:
+    def _gone(self) -> None:
+        """Nothing of this backend runs any more (a load that ended without serving, a stop, a crash)."""
         with self._lock:
-            self._stop = self._stop or Stop(drain=False)
+            self._worker, self._stop_asked = None, True
         self._stopped.set()
         self._owner.exited(self)
 
@@ -82,16 +80,14 @@ class LocalBackend:
         with self._lock:
             worker = self._worker
             if worker is None:  # loading (its result is dropped when it ends) or gone: nothing to drain
-                self._stop = self._stop or Stop(drain)
+                self._stop_asked = True
         if worker is None:
             if then is not None:
                 then()
             return
 
         def stopped() -> None:
-            self._worker = None
-            self._stopped.set()
-            self._owner.exited(self)
+            self._gone()
             if then is not None:
                 then()
 
