@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 from typing import Sequence as Seq
 
 import torch
 
 from runtime.model.runner import ModelRunner, greedy
+from runtime.speculation.grammar import RowGrammar
 from runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
 from runtime.speculation.proposers import DraftModelProposer, PredictionTracker, Proposer
-from runtime.speculation.sampling import probs_from_logits
+from runtime.speculation.sampling import probs_from_logits, token_logprobs
 from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 from runtime.speculation.stats import SpecDecodeStats
 from runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
@@ -31,6 +32,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()
     adaptive: bool = True  # let DraftLengthPolicy pick the draft width each step
     prediction_draft_tokens: int = 8  # K for a request's predicted output (drafting from it is free)
+    grammar_draft_tokens: int = 8  # most tokens a grammar's forced continuation drafts in one step
 
 
 class DraftSource(enum.Enum):
@@ -39,6 +41,7 @@ class DraftSource(enum.Enum):
     PREDICTION = "prediction"  # the request's predicted output
     FREE = "free"  # the deployment's free proposer (n-gram, suffix)
     MODEL = "model"  # the draft model, run after the width is chosen
+    GRAMMAR = "grammar"  # the tokens the request's grammar forces next
 
 
 @dataclass
@@ -91,6 +94,8 @@ class SpeculativeEngine:
         limit = min(params.max_tokens, self.config.max_context - len(prompt_ids))
         prediction = self.prediction_tracker(params.prediction) if params.prediction else None
         prediction_prior = self.policy.new_request(prior=0.8) if params.prediction else None
+        # a forced token is rejected only where the grammar allows other spellings of the same text
+        grammar_prior = self.policy.new_request(prior=0.95) if params.grammar is not None else None
         return Sequence(
             list(prompt_ids),
             params,
@@ -100,6 +105,7 @@ class SpeculativeEngine:
             prediction,
             prediction_prior,
             self.target.device,
+            grammar_prior,
         )
 
     @torch.inference_mode()
@@ -115,10 +121,11 @@ class SpeculativeEngine:
         if seq.prefilled < seq.prompt_len:
             return None
         # the first output token, chosen as a step with no drafts would choose it
-        _, token = self._accept(seq, [], None, lambda rows: logits[rows], slice(0, 1), greedy(logits).tolist())
+        rows = slice(0, 1)
+        _, token = self._accept(seq, [], None, lambda rows: logits[rows], rows, greedy(logits).tolist())
         seq.tokens.append(token)
         pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
-        return self._emit(seq, [token], pa=pa)
+        return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], logits[rows]))
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence]) -> list[StepOutput]:
@@ -142,7 +149,10 @@ class SpeculativeEngine:
             # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
             n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
-            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b]))
+            logprobs = self._logprobs(
+                seq, drafts[b][:n] + [token], scores.logits(slice(rows.start, rows.start + n + 1))
+            )
+            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
@@ -169,6 +179,23 @@ class SpeculativeEngine:
 
     # ---- the parts of a step ----
     def _guess(self, seq: Sequence) -> Guess:
+        guess = self._proposed(seq)
+        return guess if seq.grammar is None else self._constrain(seq, seq.grammar, guess)
+
+    def _constrain(self, seq: Sequence, grammar: RowGrammar, guess: Guess) -> Guess:
+        """A guess within the row's grammar: cut at the first token it forbids, and led by the tokens it forces
+        (free, and nearly always accepted). A draft model's drafts are masked as they are drafted instead."""
+        if guess.source is DraftSource.MODEL:
+            return guess
+        tokens = guess.tokens[: grammar.valid_prefix(guess.tokens)]
+        limit = seq.room if seq.params.max_draft_tokens is None else min(seq.room, seq.params.max_draft_tokens)
+        forced = grammar.forced(min(limit, self.config.grammar_draft_tokens)) if seq.params.speculate else []
+        if len(forced) > len(tokens) or tokens[: len(forced)] != forced:
+            start = guess.prediction_start if guess.source is not DraftSource.PREDICTION else -1
+            return Guess(forced, seq.grammar_acceptance, DraftSource.GRAMMAR, len(forced), start)
+        return replace(guess, tokens=tokens, available=len(tokens))
+
+    def _proposed(self, seq: Sequence) -> Guess:
         params = seq.params
         if not params.speculate:
             return Guess([], seq.acceptance, None)
@@ -205,9 +232,11 @@ class SpeculativeEngine:
         if width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
             model_tokens, model_probs = self.draft_model.propose(batch, width)
         drafts, probs = [], []
-        for g, tokens, q in zip(guesses, model_tokens, model_probs):
+        for seq, g, tokens, q in zip(batch, guesses, model_tokens, model_probs):
             k = min(width, g.available)
             if g.source == DraftSource.MODEL:
+                if seq.grammar is not None and k:  # masked while drafted: only what follows an end token is cut
+                    k = seq.grammar.valid_prefix(tokens[:k])
                 drafts.append(tokens[:k] if k else [])
                 probs.append(q[:k] if q is not None and k else None)
             else:
@@ -218,15 +247,60 @@ class SpeculativeEngine:
     def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int]):
         """(accepted, the target's token after them). rows: this row's k + 1 tokens in the pass; argmax: the pass's
         greedy choices; logits(rows) -> [k + 1, vocab], asked for only when the row samples."""
-        sampling = seq.sampling
+        sampling, grammar, penalties = seq.sampling, seq.grammar, seq.params.penalties
+        if sampling.greedy and not penalties.active:
+            if grammar is None:
+                return verify_greedy(drafts, argmax[rows])
+            return self._greedy_in_grammar(
+                grammar, drafts, argmax[rows], lambda j: logits(slice(rows.start + j, rows.start + j + 1))[0]
+            )
+        target_logits = logits(rows).float()  # [k + 1, vocab]
+        if penalties.active:
+            target_logits = penalties.apply(
+                target_logits, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], drafts
+            )
+        if grammar is not None:
+            allowed = grammar.masks(drafts).to(target_logits.device)  # [k + 1, vocab]
+            target_logits = target_logits.masked_fill(~allowed, float("-inf"))
         if sampling.greedy:
-            return verify_greedy(drafts, argmax[rows])
-        target_probs = probs_from_logits(logits(rows), sampling)  # [k + 1, vocab]
+            return verify_greedy(drafts, greedy(target_logits).tolist())
+        target_probs = probs_from_logits(target_logits, sampling)  # [k + 1, vocab]
         if sampling.seed is not None:
             return verify_seeded(drafts, target_probs, sampling.seed, seq.produced)
         return verify_sampled(drafts, draft_probs, target_probs, seq.generator)
 
-    def _advance(self, seq: Sequence, guess: Guess, drafts: list[int], n: int, token: int, model_drafts) -> StepOutput:
+    @staticmethod
+    def _greedy_in_grammar(grammar: RowGrammar, drafts: list[int], argmax: list[int], logits) -> tuple[int, int]:
+        """``verify_greedy`` against the masked target, asking for masks only where needed: where the grammar allows
+        the target's own choice, that is the masked choice too (a mask only removes tokens); elsewhere, the best
+        allowed token. logits(j) -> [vocab]: position j's."""
+        choices: list[int] = []
+        taken = 0
+        for j in range(len(drafts) + 1):
+            best = argmax[j]
+            if not grammar.allows(best):
+                row = logits(j)
+                best = int(greedy(row.masked_fill(~grammar.allowed().to(row.device), float("-inf"))))
+            choices.append(best)
+            if j == len(drafts) or drafts[j] != best:
+                break
+            if grammar.complete:  # best is an end token: the row ends here, whatever the next position says
+                choices.append(best)
+                break
+            grammar.advance([best])
+            taken += 1
+        grammar.rollback(taken)
+        return verify_greedy(drafts, choices)
+
+    def _logprobs(self, seq: Sequence, emitted: list[int], logits: torch.Tensor):
+        """logits: [len(emitted), vocab], the positions the emitted tokens were chosen at"""
+        if seq.params.logprobs is None:
+            return None
+        return token_logprobs(logits, emitted, seq.params.logprobs)
+
+    def _advance(
+        self, seq: Sequence, guess: Guess, drafts: list[int], n: int, token: int, model_drafts, logprobs=None
+    ) -> StepOutput:
         emitted = drafts[:n] + [token]
         before = len(seq.tokens)
         seq.tokens.extend(emitted)
@@ -247,9 +321,12 @@ class SpeculativeEngine:
         if seq.prediction is not None:  # not asked this step (speculation off): it follows the output passively
             start = seq.prediction.expected if guess.prediction_start is None else guess.prediction_start
             pa = seq.prediction.observe(start, n if pd else 0, token)
-        return self._emit(seq, emitted, k, n, pd, pa)
+        gd = k if guess.source == DraftSource.GRAMMAR else 0
+        return self._emit(seq, emitted, k, n, pd, pa, gd, n if gd else 0, logprobs)
 
-    def _emit(self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0) -> StepOutput:
+    def _emit(
+        self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0, gd=0, ga=0, logprobs=None
+    ) -> StepOutput:
         for i, t in enumerate(emitted):
             if t in seq.stop_ids:
                 emitted, seq.finish_reason = emitted[:i], "stop"
@@ -257,8 +334,13 @@ class SpeculativeEngine:
         else:
             if seq.produced >= seq.limit:
                 seq.finish_reason = "length"
+        if seq.grammar is not None:  # the tokens after a stop are never taken: the request ends there
+            seq.grammar.advance(emitted)
+            self.stats.record_grammar(gd, ga, seq.grammar.take_seconds())
         self.stats.record_row(drafted, accepted, len(emitted))
-        return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa)
+        if logprobs is not None:
+            logprobs = logprobs[: len(emitted)]
+        return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa, gd, ga, logprobs)
 
     # ---- load time ----
     @torch.inference_mode()

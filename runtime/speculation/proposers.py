@@ -251,7 +251,21 @@ class DraftModelProposer:
         logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
         drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
         probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
+        # the draft proposes within a row's grammar (its drafts are then never cut), up to an end token
+        taken = {b: 0 for b, seq in enumerate(batch) if seq.grammar is not None}  # tokens each matcher advanced
         for i in range(width):
+            if taken:
+                logits = logits.clone()
+                for b in list(taken):
+                    grammar = batch[b].grammar
+                    if i:
+                        token = int(drafted[-1][b])
+                        if token in batch[b].stop_ids or not grammar.allows(token):
+                            grammar.rollback(taken.pop(b))
+                            continue
+                        grammar.advance([token])
+                        taken[b] += 1
+                    logits[b].masked_fill_(~grammar.allowed().to(logits.device), float("-inf"))
             token = greedy(logits)  # [B]
             for b, seq in enumerate(batch):
                 if not seq.sampling.greedy:
@@ -261,6 +275,8 @@ class DraftModelProposer:
             drafted.append(token)
             if i + 1 < width:  # d_k is never fed: the target checks it, and catch-up feeds it if accepted
                 logits = runner.forward(0, token[:, None])  # [B, vocab]
+        for b, n in taken.items():
+            batch[b].grammar.rollback(n)
         tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
         return tokens, [torch.stack(p) if p else None for p in probs]
 

@@ -49,3 +49,64 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's ``logit_bias``, ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty``:
+    changes to the target's logits that depend on the output so far. At verified position ``j`` the output so far
+    includes the drafts before ``j``, so a step's positions see what plain decoding would have seen."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence: float = 0.0  # subtracted once from every token already in the output
+    frequency: float = 0.0  # subtracted per occurrence in the output
+    repetition: float = 1.0  # divides positive logits and multiplies negative ones of tokens in the prompt or output
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias) or self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+
+    def apply(self, logits: torch.Tensor, prompt: list[int], output: list[int], drafts: list[int]) -> torch.Tensor:
+        """logits: [k + 1, vocab] float32 for the positions after ``output`` and after each of the k drafts."""
+        n, vocab = logits.shape
+        device = logits.device
+        if self.presence or self.frequency or self.repetition != 1.0:
+            counts = torch.zeros(n, vocab, device=device)  # [k + 1, vocab]: occurrences in the output at each position
+            if output:
+                counts += torch.bincount(torch.tensor(output, device=device), minlength=vocab)[:vocab].float()
+            for j, token in enumerate(drafts):
+                counts[j + 1 :, token] += 1
+            logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
+            if self.repetition != 1.0:
+                seen = counts > 0
+                if prompt:
+                    seen[:, torch.tensor(prompt, device=device)] = True
+                penalised = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+                logits = torch.where(seen, penalised, logits)
+        if self.logit_bias:
+            ids = torch.tensor([t for t, _ in self.logit_bias], device=device)
+            bias = torch.tensor([b for _, b in self.logit_bias], device=device, dtype=logits.dtype)
+            logits = logits.index_add(1, ids, bias.expand(n, -1).contiguous())
+        return logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target, and the ``top`` most likely tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The target's raw log-probabilities (before temperature, penalties and any grammar mask, as vLLM reports them
+    by default) of ``tokens``, one per row of ``logits`` ([len(tokens), vocab])."""
+    logprobs = logits.float().log_softmax(-1)  # [n, vocab]
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [()] * len(tokens)
+    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.speculation.grammar import Grammar, RowGrammar
 from runtime.speculation.policy import RequestAcceptance
 from runtime.speculation.proposers import PredictionTracker
-from runtime.speculation.sampling import SamplingParams
+from runtime.speculation.sampling import Penalties, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class GenerationParams:
     max_draft_tokens: int | None = (
         None  # this request drafts at most this many tokens per step (None: the deployment's K)
     )
+    grammar: Grammar | None = None  # the output must match it (structured outputs)
+    penalties: Penalties = field(default_factory=Penalties)
+    logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely (0-20)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class StepOutput:
     accepted: int = 0
     prediction_drafted: int = 0  # of ``drafted``, tokens drafted from the request's prediction
     prediction_accepted: int = 0  # of ``token_ids``, tokens that followed the prediction
+    grammar_drafted: int = 0  # of ``drafted``, tokens the grammar forced
+    grammar_accepted: int = 0  # of ``accepted``, forced tokens the target agreed with
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids``, when the request asked
 
 
 _ids = itertools.count()
@@ -51,6 +58,7 @@ class Sequence:
         prediction: PredictionTracker | None,
         prediction_acceptance: RequestAcceptance | None,
         device: torch.device,
+        grammar_acceptance: RequestAcceptance | None = None,
     ):
         self.id = next(_ids)
         self.prompt_len = len(prompt)
@@ -64,6 +72,9 @@ class Sequence:
         self.prediction = prediction
         self.prediction_acceptance = prediction_acceptance
         self.finish_reason: str | None = None
+        # the row's place in its grammar: the one matcher state of this request (None: unconstrained)
+        self.grammar: RowGrammar | None = params.grammar.start() if params.grammar is not None else None
+        self.grammar_acceptance = grammar_acceptance  # how often the target takes the tokens the grammar forces
         sampling = params.sampling
         self.generator = None
         if not sampling.greedy:

@@ -4,6 +4,8 @@
 - ``num_draft_tokens``: draft tokens verified
 - ``num_accepted_tokens``: draft tokens accepted
 - ``accepted_per_position[i]``: drafts whose token at position i (0-based) was accepted
+- ``num_grammar_draft_tokens`` / ``num_grammar_accepted_tokens``: of those, tokens a grammar forced (counted apart
+  from the proposer's); ``grammar_seconds``: time in grammar matchers (masks, checks, advancing)
 - acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts (the 1 is the
   recovered-or-bonus token every verified step adds)
 """
@@ -26,6 +28,9 @@ class SpecDecodeStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     num_requests: int = 0
+    num_grammar_draft_tokens: int = 0
+    num_grammar_accepted_tokens: int = 0
+    grammar_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_row(self, drafted: int, accepted: int, emitted: int) -> None:
@@ -40,6 +45,12 @@ class SpecDecodeStats:
                     self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
                 for i in range(accepted):
                     self.accepted_per_position[i] += 1
+
+    def record_grammar(self, drafted: int, accepted: int, seconds: float) -> None:
+        with self._lock:
+            self.num_grammar_draft_tokens += drafted
+            self.num_grammar_accepted_tokens += accepted
+            self.grammar_seconds += seconds
 
     def record_step(self, draft_s: float, verify_s: float) -> None:
         """One batch step's time (a target pass, and the draft model's forwards)."""
@@ -78,5 +89,8 @@ class SpecDecodeStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "grammar_draft_tokens": self.num_grammar_draft_tokens,
+            "grammar_accepted_tokens": self.num_grammar_accepted_tokens,
+            "grammar_seconds": round(self.grammar_seconds, 4),
             "decode_tokens_per_second": self.tokens_per_second,
         }

@@ -1,0 +1,164 @@
+"""Structured output: a request's grammar, compiled once, and each running row's place in it (llguidance).
+
+- ``GrammarCompiler``: built once per deployment from its tokenizer (llguidance's table of every token's bytes);
+  ``compile`` turns a grammar (from a JSON schema, a regex or Lark) into a ``Grammar``, or raises ``GrammarError``
+  naming what is wrong. Compiling takes milliseconds, so it runs where requests are built, never on the engine thread.
+- ``Grammar``: compiled and never advanced; each request that uses it starts its own ``RowGrammar`` from a copy.
+- ``RowGrammar``: one row's matcher state, owned by its ``Sequence`` and touched only on the engine thread. The engine
+  cuts drafts at the first token it forbids, drafts the tokens it forces, and asks for the allowed set at each
+  verified position (advancing through the drafts and rolling back to the accepted length).
+
+Once the grammar is complete the matcher allows only end-of-sequence tokens, so a row's mask is never empty.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+# JSON as Python's json.dumps writes it: one space after ',' and ':', and nowhere else. Flexible whitespace lets a
+# small model pad with newlines until max_tokens runs out, and fixed separators become forced, draftable tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile: the message says where."""
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        """tokenizer: the deployment's (fast) transformers tokenizer; vocab_size: the width of the logits"""
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
+
+    @staticmethod
+    def from_json_schema(schema: dict | bool | None) -> str:
+        """A grammar for JSON that matches ``schema`` (None: any JSON object)."""
+        from llguidance import LLMatcher
+
+        if schema is None:
+            schema = {"type": "object"}
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+
+    @staticmethod
+    def from_regex(pattern: str) -> str:
+        from llguidance import LLMatcher
+
+        return LLMatcher.grammar_from_regex(pattern)
+
+    @staticmethod
+    def from_lark(lark: str) -> str:
+        from llguidance import LLMatcher
+
+        return LLMatcher.grammar_from_lark(lark)
+
+    def compile(self, grammar: str) -> Grammar:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Grammar(matcher, self.vocab_size)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a byte-level token may hold part of a character)."""
+        return self.tokenizer.decode_bytes([token])
+
+
+class Grammar:
+    """A compiled grammar. Shared by every row that uses it; never advanced itself."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._prototype = matcher
+        self.vocab_size = vocab_size
+
+    def start(self) -> RowGrammar:
+        return RowGrammar(self._prototype.deep_copy(), self.vocab_size)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class RowGrammar:
+    """One row's matcher. ``seconds`` totals the time spent in it (masks, checks, advancing)."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # [words]: one bit per token
+        self.seconds = 0.0
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar forces from here (a key, a closing quote): drafts that cost no proposer."""
+        if limit <= 0:
+            return []
+        t0 = time.perf_counter()
+        tokens = self._matcher.compute_ff_tokens()[:limit]
+        self.seconds += time.perf_counter() - t0
+        return tokens
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar allows in a row from here (nothing after an end-of-sequence token)."""
+        if not tokens:
+            return 0
+        t0 = time.perf_counter()
+        n = self._matcher.validate_tokens(list(tokens))
+        self.seconds += time.perf_counter() - t0
+        return n
+
+    def allows(self, token: int) -> bool:
+        return self.valid_prefix([token]) == 1
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens allowed next."""
+        t0 = time.perf_counter()
+        bits = self._bits
+        self._matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        mask = ((bits[:, None] >> _BITS) & 1).bool().flatten()[: self.vocab_size]
+        self.seconds += time.perf_counter() - t0
+        return mask
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Take ``tokens`` (the engine cuts them at the first end-of-sequence token, so they are all allowed)."""
+        if not tokens:
+            return
+        t0 = time.perf_counter()
+        ok = self._matcher.consume_tokens(list(tokens))
+        self.seconds += time.perf_counter() - t0
+        if not ok:
+            raise GrammarError(f"the grammar refused tokens {list(tokens)}: {self._matcher.get_error()}")
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._matcher.rollback(n)
+
+    def masks(self, drafts: Sequence[int]) -> torch.Tensor:
+        """[k + 1, vocab] bool: the allowed tokens at each verified position, the one after the last accepted token and
+        the one after each draft (the matcher is advanced through the drafts and rolled back)."""
+        masks = [self.allowed()]
+        taken = 0
+        for token in drafts:
+            if self.complete:  # the token is an end token: the row ends at it, whatever follows
+                masks.append(masks[-1])
+                continue
+            self.advance([token])
+            taken += 1
+            masks.append(self.allowed())
+        self.rollback(taken)
+        return torch.stack(masks)
+
+    def take_seconds(self) -> float:
+        """The time spent in the matcher since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    @property
+    def complete(self) -> bool:
+        """Nothing may follow but an end-of-sequence token."""
+        return self._matcher.is_stopped()
