@@ -296,6 +296,17 @@ def _detail_table(r: dict) -> Table:
                 if "draft_seconds" in stats
                 else []
             ),
+            *(
+                [
+                    (
+                        "Grammar: forced drafts / accepted / time",
+                        f"{stats['grammar_draft_tokens']} / {stats['grammar_accepted_tokens']} / "
+                        f"{stats['grammar_seconds']:.2f}s",
+                    )
+                ]
+                if "grammar_seconds" in stats
+                else []
+            ),
         ]
     policy = status.get("policy")
     if policy and policy.get("max_draft_tokens"):

@@ -41,6 +41,19 @@ class SpecDecodeCollector:
             "Draft tokens accepted at each draft position",
             labels=["deployment", "position"],
         )
+        grammar_tokens = CounterMetricFamily(
+            "depctl:spec_decode_num_grammar_draft_tokens",
+            "Of the draft tokens verified, those a request's grammar forced",
+            labels=["deployment"],
+        )
+        grammar_accepted = CounterMetricFamily(
+            "depctl:spec_decode_num_grammar_accepted_tokens",
+            "Of the draft tokens accepted, those a request's grammar forced",
+            labels=["deployment"],
+        )
+        grammar_seconds = CounterMetricFamily(
+            "depctl:grammar_seconds", "Time spent in grammar matchers (masks, draft checks)", labels=["deployment"]
+        )
         running = GaugeMetricFamily(
             "depctl:num_requests_running", "Requests in the running batch (prefilling included)", labels=["deployment"]
         )
@@ -64,6 +77,9 @@ class SpecDecodeCollector:
             for pos, count in enumerate(c.accepted_per_position):
                 per_pos.add_metric([dep.id, str(pos)], count)
             for family, value in (
+                (grammar_tokens, c.grammar_draft_tokens),
+                (grammar_accepted, c.grammar_accepted_tokens),
+                (grammar_seconds, c.grammar_seconds),
                 (running, c.running),
                 (waiting, c.waiting),
                 (suffix_tokens, c.suffix_tokens),
@@ -72,6 +88,7 @@ class SpecDecodeCollector:
                 if value is not None:
                     family.add_metric([dep.id], value)
         yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos, suffix_tokens, suffix_requests)
+        yield from (grammar_tokens, grammar_accepted, grammar_seconds)
 
 
 class Metrics:

@@ -1,6 +1,11 @@
 """OpenAI request bodies. Unknown fields are ignored, as OpenAI clients expect; known ones are checked, and the known
-ones depctl does not implement, which would change what the client gets back (tools, a JSON response format,
-logprobs, logit biases, penalties), are refused with 400 naming the field rather than silently ignored."""
+ones depctl does not implement, which would change what the client gets back, are refused with 400 naming the field
+rather than silently ignored.
+
+depctl extensions, as vLLM spells them where vLLM has them: ``top_k``, ``ignore_eos``, ``repetition_penalty``,
+``structured_outputs`` (``{"json": schema}``, ``{"regex": ...}``, ``{"grammar": lark}`` or ``{"choice": [...]}``),
+and ``speculation`` (this request's drafting).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from depctl.spec import MAX_DRAFT_TOKENS
 from runtime.api.errors import APIError
+from runtime.backends import Constraint
 from runtime.speculation import SamplingParams
+from runtime.speculation.sampling import Penalties
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
 
 
 def _unicode(text: str) -> str:
@@ -55,6 +63,43 @@ class SpeculationControl(BaseModel):
     max_draft_tokens: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)  # per step; 0 is off
 
 
+class JSONSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | bool | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """depctl extension (vLLM's name and keys): exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None  # Lark, llguidance's dialect
+    choice: list[str] | None = Field(default=None, min_length=1)
+    json_object: bool | None = None
+
+    def constraint(self) -> Constraint:
+        given = {k: v for k, v in self.model_dump(by_alias=True).items() if v not in (None, False)}
+        if len(given) != 1:
+            raise APIError(
+                400,
+                "structured_outputs takes exactly one of json, regex, grammar, choice, json_object; "
+                f"got {sorted(given) or 'none'}",
+                param="structured_outputs",
+            )
+        (kind, value), param = next(iter(given.items())), f"structured_outputs.{next(iter(given))}"
+        if kind == "json_object":
+            return Constraint("json", None, param)
+        return Constraint(kind, value, param)
+
+
 class _Common(_Request):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -67,11 +112,12 @@ class _Common(_Request):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    logprobs: bool | int | None = None
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    response_format: dict | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # vLLM extension
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     ignore_eos: bool = False  # vLLM extension: benchmarks use it to force a length
     speculate: bool = True  # depctl extension, kept for old clients: false is speculation.enabled = false
     speculation: SpeculationControl | None = None
@@ -79,21 +125,47 @@ class _Common(_Request):
     def check_supported(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: depctl returns one choice per request", param="n")
-        if self.logprobs:
-            _unsupported("logprobs", self.logprobs)
-        if self.logit_bias:
-            _unsupported("logit_bias", self.logit_bias)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                _unsupported(name, getattr(self, name), " (only 0)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            _unsupported(
-                "response_format",
-                self.response_format,
-                f" (type {self.response_format.get('type')!r}: only 'text'; depctl cannot constrain output to JSON)",
-            )
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+        if self.constraint() is not None and self.ignore_eos:
+            raise APIError(
+                400,
+                "ignore_eos cannot be combined with a constrained output, which ends where its grammar does",
+                param="ignore_eos",
+            )
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match: ``response_format`` or the ``structured_outputs`` extension (not both)."""
+        fmt = self.response_format
+        from_format = None
+        if fmt is not None and fmt.type == "json_object":
+            from_format = Constraint("json", None, "response_format")
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(
+                    400,
+                    "response_format of type json_schema needs a json_schema object with a schema",
+                    param="response_format.json_schema",
+                )
+            from_format = Constraint("json", fmt.json_schema.schema_, "response_format.json_schema.schema")
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise APIError(400, "send response_format or structured_outputs, not both", param="structured_outputs")
+        return self.structured_outputs.constraint()
+
+    def penalties(self) -> Penalties:
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise APIError(400, f"logit_bias keys are token ids; got {key!r}", param="logit_bias")
+            bias.append((int(key), float(value)))
+        return Penalties(
+            logit_bias=tuple(bias),
+            presence=self.presence_penalty or 0.0,
+            frequency=self.frequency_penalty or 0.0,
+            repetition=self.repetition_penalty or 1.0,
+        )
 
     @property
     def stop_strings(self) -> list[str]:
@@ -125,9 +197,14 @@ class _Common(_Request):
 
 class CompletionRequest(_Common):
     prompt: Union[Text, list[Text], list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the top alternatives per token
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -172,7 +249,8 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     prediction: Prediction | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
@@ -188,12 +266,16 @@ class ChatCompletionRequest(_Common):
             value = getattr(self, name)
             if value not in (None, "none", "auto"):
                 _unsupported(name, value, " (no tool calling yet)")
-        if self.top_logprobs:
-            _unsupported("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.modalities and set(self.modalities) != {"text"}:
             _unsupported("modalities", self.modalities, " (text only)")
         if any(m.tool_calls for m in self.messages):
             _unsupported("messages.tool_calls", None, " (no tool calling yet)")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_budget(self) -> int | None:

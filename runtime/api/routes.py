@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from runtime.api.errors import APIError
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.api.render import chat_logprobs, completion_logprobs
 from runtime.api.serving import Job, Service
 from runtime.manager import State
 
@@ -78,9 +79,12 @@ async def _respond(service: Service, job: Job, body, request: Request):
     stream, include_usage = body.stream, body.include_usage
     if stream:
         return EventSourceResponse(_stream(service, job, include_usage), ping=15)
-    text, finish = await _unless_disconnected(service.collect(job), request)
+    text, finish, logprobs = await _unless_disconnected(service.collect(job), request)
+    chat = job.kind == "chat.completion"
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if job.kind == "chat.completion":
+    if job.request.params.logprobs is not None:
+        choice["logprobs"] = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs)
+    if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -121,13 +125,18 @@ async def _stream(service: Service, job: Job, include_usage: bool):
     """
     chat = job.kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
+    with_logprobs = job.request.params.logprobs is not None
+    offset = 0  # where the next chunk's text starts (completions' text_offset)
 
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+    def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
+        shown = None
+        if with_logprobs and not first:
+            shown = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, offset)
         if chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shown}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": shown}
         body = {**_head(job, obj), "choices": [choice]}
         if include_usage:
             body["usage"] = None
@@ -138,8 +147,9 @@ async def _stream(service: Service, job: Job, include_usage: bool):
     try:
         async with aclosing(service.run(job)) as deltas:
             async for item in deltas:
-                if item.text or item.finish_reason:
-                    yield {"data": chunk(item.text, item.finish_reason)}
+                if item.text or item.finish_reason or item.logprobs:
+                    yield {"data": chunk(item.text, item.finish_reason, logprobs=item.logprobs)}
+                    offset += len(item.text)
     except APIError as exc:
         yield {"data": json.dumps(exc.body())}
     except Exception as exc:  # reported in the stream: the status line has already gone out

@@ -26,7 +26,7 @@ from depctl.spec import describe_speculation
 from runtime.api.errors import APIError
 from runtime.api.metrics import Metrics
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted
+from runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from runtime.manager import DeploymentManager, State
 from runtime.speculation import GenerationParams
 
@@ -174,6 +174,11 @@ class Service:
             sampling = req.sampling_params()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+        penalties = req.penalties()
+        vocab = len(backend.tokenizer)
+        bad = [t for t, _ in penalties.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}", param="logit_bias")
         params = GenerationParams(
             max_tokens=max_tokens,
             sampling=sampling,
@@ -181,8 +186,14 @@ class Service:
             prediction=prediction,
             speculate=req.speculation_enabled,
             max_draft_tokens=req.max_draft_tokens,
+            penalties=penalties,
+            logprobs=req.logprobs_count,
         )
-        request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings))
+        request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), req.constraint())
+        try:
+            request = backend.prepare(request)  # compiles a constraint: milliseconds, on this worker thread
+        except BackendError as exc:
+            raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
         return Job(kind, dep_id, req.model, request, backend)
 
     # ---- running ----
@@ -190,7 +201,7 @@ class Service:
         endpoint = "chat" if job.kind == "chat.completion" else "completions"
         t0 = time.perf_counter()
         status, completion, first_at, last_at = "error", 0, None, None
-        drafted = accepted = pred_accepted = 0
+        drafted = accepted = pred_accepted = grammar_drafted = grammar_accepted = 0
         try:
             async with aclosing(job.backend.generate(job.request, self.cut)) as deltas:
                 async for delta in deltas:
@@ -205,10 +216,14 @@ class Service:
                     drafted += delta.drafted
                     accepted += delta.accepted
                     pred_accepted += delta.prediction_accepted
+                    grammar_drafted += delta.grammar_drafted
+                    grammar_accepted += delta.grammar_accepted
                     yield delta
                     if delta.finish_reason:
                         status = "ok"
-                        job.usage = self._usage(job, completion, drafted, accepted, pred_accepted)
+                        job.usage = self._usage(
+                            job, completion, drafted, accepted, pred_accepted, grammar_drafted, grammar_accepted
+                        )
                         return
             status = "cancelled"
         except Interrupted:
@@ -231,7 +246,9 @@ class Service:
                 time.perf_counter() - t0,
             )
 
-    def _usage(self, job: Job, completion: int, drafted: int, accepted: int, pred_accepted: int) -> dict:
+    def _usage(
+        self, job: Job, completion: int, drafted: int, accepted: int, pred_accepted: int, gd: int, ga: int
+    ) -> dict:
         prompt = len(job.request.prompt_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if not job.backend.per_request_speculation:
@@ -248,14 +265,18 @@ class Service:
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            # of those, the tokens the request's grammar forced (drafted for free, ahead of the proposer)
+            "grammar_drafted_tokens": gd,
+            "grammar_accepted_tokens": ga,
         }
         return usage
 
-    async def collect(self, job: Job) -> tuple[str, str]:
-        """Run to the end; (text, finish_reason)."""
-        parts, finish = [], "length"
+    async def collect(self, job: Job) -> tuple[str, str, list[Logprob]]:
+        """Run to the end; (text, finish_reason, logprobs)."""
+        parts, finish, logprobs = [], "length", []
         async for delta in self.run(job):
             parts.append(delta.text)
+            logprobs.extend(delta.logprobs)
             if delta.finish_reason:
                 finish = delta.finish_reason
-        return "".join(parts), finish
+        return "".join(parts), finish, logprobs

@@ -4,7 +4,17 @@
 from __future__ import annotations
 
 from depctl.spec import DeploymentSpec
-from runtime.backends.base import Backend, BackendError, Counters, Delta, GenerateRequest, Interrupted, Owner
+from runtime.backends.base import (
+    Backend,
+    BackendError,
+    Constraint,
+    Counters,
+    Delta,
+    GenerateRequest,
+    Interrupted,
+    Logprob,
+    Owner,
+)
 from runtime.backends.loader import load_deployment
 from runtime.backends.local import Loader, LocalBackend
 from runtime.backends.vllm import VLLMBackend
@@ -16,4 +26,15 @@ def make_backend(spec: DeploymentSpec, owner: Owner, load_timeout: float, loader
     return LocalBackend(spec, owner, loader)
 
 
-__all__ = ["Backend", "BackendError", "Counters", "Delta", "GenerateRequest", "Interrupted", "Owner", "make_backend"]
+__all__ = [
+    "Backend",
+    "BackendError",
+    "Constraint",
+    "Counters",
+    "Delta",
+    "GenerateRequest",
+    "Interrupted",
+    "Logprob",
+    "Owner",
+    "make_backend",
+]

@@ -12,10 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Literal, Protocol
 
 from depctl.spec import DeploymentSpec
 from runtime.speculation import GenerationParams
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, as the request said it: a JSON schema (``None``: any JSON object), a regular
+    expression, a Lark grammar (llguidance's dialect), or one of a list of strings."""
+
+    kind: Literal["json", "regex", "grammar", "choice"]
+    value: Any
+    param: str  # the request field it came from, named in errors
 
 
 @dataclass(frozen=True)
@@ -25,6 +35,17 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: GenerationParams
     stops: tuple[str, ...] = ()
+    constraint: Constraint | None = None  # compiled into ``params.grammar`` by the backend's ``prepare``
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """An emitted token's log-probability under the target, with the most likely tokens at its position."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+    top: tuple[tuple[str, bytes, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,6 +58,9 @@ class Delta:
     drafted: int = 0
     accepted: int = 0
     prediction_accepted: int = 0
+    grammar_drafted: int = 0  # of ``drafted``, tokens the grammar forced
+    grammar_accepted: int = 0
+    logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,9 @@ class Counters:
     waiting: int | None = None
     suffix_tokens: int | None = None  # suffix speculation's index, where there is one
     suffix_requests: int | None = None
+    grammar_draft_tokens: int | None = None  # of draft_tokens, those a grammar forced (depctl's engine only)
+    grammar_accepted_tokens: int | None = None
+    grammar_seconds: float | None = None
 
 
 class BackendError(Exception):
@@ -92,6 +119,10 @@ class Backend(Protocol):
 
     def start(self) -> None:
         """Begin loading or starting, on a thread of the backend's own; report to the owner."""
+
+    def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """The request as this backend runs it (a constraint compiled); raises ``BackendError`` (400) for one it
+        cannot run. Called where requests are built, off the event loop."""
 
     def generate(self, request: GenerateRequest, cut: asyncio.Future) -> AsyncIterator[Delta]:
         """The request's output as it is produced (on the event loop). Leaving early cancels the request; ``cut``

@@ -40,6 +40,7 @@ from runtime.model.decoder import fuse_projections
 from runtime.model.head import ScreenedHead, screen_output_layer
 from runtime.model.runner import ModelRunner
 from runtime.speculation import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
+from runtime.speculation.grammar import GrammarCompiler
 
 log = logging.getLogger("depctl.loader")
 
@@ -76,6 +77,7 @@ class LoadedDeployment:
     calibration: dict
     compiled: str = "no"  # what ``deployment get`` shows: how decode and verify passes run, and why
     products: str = ""  # and what computes the target's matrix products (``surgery.products``)
+    grammars: GrammarCompiler | None = None  # compiles requests' constraints (None: the tokenizer cannot)
 
 
 def log_progress(message: str) -> None:
@@ -538,6 +540,11 @@ def load_deployment(
         proposer,
         EngineConfig(num_draft_tokens=num_draft_tokens, max_context=max_context, eos_token_ids=tuple(sorted(eos_ids))),
     )
+    grammars = None
+    try:  # llguidance's table of every token's bytes: structured outputs and logprobs' token bytes
+        grammars = GrammarCompiler(target.tokenizer, vocab, sorted(eos_ids))
+    except ValueError as exc:  # a slow (Python) tokenizer: requests that need it get a 400 saying so
+        log.warning("no structured outputs for %s: %s", spec.id, exc)
     compiled_status = passes.describe()
     if calibrate:
         report("calibrating the speculation policy")
@@ -552,4 +559,6 @@ def load_deployment(
         kernels,
         calibration,
     )
-    return LoadedDeployment(engine, target.tokenizer, target, draft, max_context, calibration, compiled_status, kernels)
+    return LoadedDeployment(
+        engine, target.tokenizer, target, draft, max_context, calibration, compiled_status, kernels, grammars
+    )

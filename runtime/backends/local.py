@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from typing import AsyncIterator, Callable
 
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, describe_speculation
-from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Owner
+from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
 from runtime.backends.detok import IncrementalDetokenizer, StopMatcher
 from runtime.backends.loader import LoadedDeployment, LoadError, load_deployment
+from runtime.backends.structured import compile_constraint
 from runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
 from runtime.speculation import SuffixProposer
 
@@ -168,6 +170,9 @@ class LocalBackend:
             worker.num_waiting,
             index["tokens"] if index else None,
             index["requests"] if index else None,
+            stats.num_grammar_draft_tokens,
+            stats.num_grammar_accepted_tokens,
+            stats.grammar_seconds,
         )
 
     @property
@@ -175,6 +180,21 @@ class LocalBackend:
         return describe_speculation(self.spec.speculation)
 
     # ---- requests ----
+    def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        loaded = self.loaded
+        if request.constraint is None or loaded is None:
+            return request
+        grammar = compile_constraint(loaded.grammars, request.constraint)
+        return dataclasses.replace(request, params=dataclasses.replace(request.params, grammar=grammar))
+
+    def _logprobs(self, loaded: LoadedDeployment, out) -> tuple[Logprob, ...]:
+        if not out.logprobs:
+            return ()
+        return tuple(
+            Logprob(*_spell(loaded, lp.token), lp.logprob, tuple((*_spell(loaded, t), v) for t, v in lp.top))
+            for lp in out.logprobs
+        )
+
     async def generate(self, request: GenerateRequest, cut: asyncio.Future) -> AsyncIterator[Delta]:
         worker, loaded = self._worker, self.loaded
         if worker is None or loaded is None:
@@ -206,7 +226,14 @@ class LocalBackend:
                     return
                 n = len(out.token_ids)
                 text = stopper.feed(detok.add(out.token_ids))
-                counts = dict(drafted=out.drafted, accepted=out.accepted, prediction_accepted=out.prediction_accepted)
+                counts = dict(
+                    drafted=out.drafted,
+                    accepted=out.accepted,
+                    prediction_accepted=out.prediction_accepted,
+                    grammar_drafted=out.grammar_drafted,
+                    grammar_accepted=out.grammar_accepted,
+                    logprobs=self._logprobs(loaded, out),
+                )
                 if stopper.stopped:
                     yield Delta(text, n, "stop", **counts)
                     return
@@ -218,3 +245,12 @@ class LocalBackend:
             cut.remove_done_callback(on_cut)  # one future for every request: leave nothing on it
             if not finished:  # a stop string, a client that went away, an error: free the batch row
                 handle.cancel()
+
+
+def _spell(loaded: LoadedDeployment, token: int) -> tuple[str, bytes]:
+    """A token id as logprobs show it: its text and its bytes (a byte-level token may hold part of a character)."""
+    if loaded.grammars is not None:
+        raw = loaded.grammars.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), raw
+    text = loaded.tokenizer.decode([token])
+    return text, text.encode()

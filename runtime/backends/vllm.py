@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -42,7 +43,8 @@ from depctl.engines import SERVER_MODULE, EngineEnv, require_vllm_env
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
 from depctl.vllm import engine_args
-from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Owner
+from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
+from runtime.backends.structured import vllm_structured_outputs
 
 log = logging.getLogger("depctl.vllm")
 
@@ -269,6 +271,11 @@ class VLLMBackend:
             )
         return self._client
 
+    def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        if request.constraint is not None:
+            vllm_structured_outputs(request.constraint)  # a malformed schema is refused here, as by our own engine
+        return request
+
     async def generate(self, request: GenerateRequest, cut: asyncio.Future) -> AsyncIterator[Delta]:
         """The request as token ids to vLLM's completions endpoint (the chat template is already applied), streamed
         back as text; vLLM detokenizes and applies the stop strings."""
@@ -293,6 +300,17 @@ class VLLMBackend:
             payload["seed"] = sampling.seed
         if request.stops:
             payload["stop"] = list(request.stops)
+        if request.constraint is not None:
+            payload["structured_outputs"] = vllm_structured_outputs(request.constraint)
+        penalties = params.penalties
+        if penalties.active:
+            payload["presence_penalty"] = penalties.presence
+            payload["frequency_penalty"] = penalties.frequency
+            payload["repetition_penalty"] = penalties.repetition
+            if penalties.logit_bias:
+                payload["logit_bias"] = {str(t): b for t, b in penalties.logit_bias}
+        if params.logprobs is not None:
+            payload["logprobs"] = params.logprobs
         client = self._http()
         try:
             upstream = await client.send(
@@ -323,7 +341,7 @@ class VLLMBackend:
                 if choices:
                     text, finish = choices[0].get("text") or "", choices[0].get("finish_reason")
                     counted += bool(text)  # a chunk a token, until the usage says exactly
-                    delta = Delta(text, int(bool(text)), finish)
+                    delta = Delta(text, int(bool(text)), finish, logprobs=_logprobs(choices[0].get("logprobs")))
                     if finish is None:
                         yield delta
                     else:  # held until the usage chunk, which comes after it, gives the true token count
@@ -332,7 +350,7 @@ class VLLMBackend:
                     completion = chunk["usage"].get("completion_tokens")
             if final is not None:
                 extra = completion - counted if completion is not None else 0
-                yield Delta(final.text, final.tokens + extra, final.finish_reason)
+                yield dataclasses.replace(final, tokens=final.tokens + extra)
         except (httpx.HTTPError, httpx.StreamError) as exc:
             if cut.done():
                 raise Interrupted() from None
@@ -661,6 +679,17 @@ def stats_from_metrics(m: dict) -> dict:
         "accepted_per_position": [int(v) for v in m.get("vllm:spec_decode_num_accepted_tokens_per_pos_total", [])],
         "decode_tokens_per_second": None,
     }
+
+
+def _logprobs(body: dict | None) -> tuple[Logprob, ...]:
+    """vLLM's completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``) as ``Logprob``s."""
+    if not body:
+        return ()
+    tops = body.get("top_logprobs") or [None] * len(body.get("tokens") or ())
+    return tuple(
+        Logprob(token, token.encode(), lp, tuple((t, t.encode(), v) for t, v in (top or {}).items()))
+        for token, lp, top in zip(body.get("tokens") or (), body.get("token_logprobs") or (), tops)
+    )
 
 
 def upstream_error(status: int, content: bytes) -> BackendError:

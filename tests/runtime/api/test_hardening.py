@@ -18,6 +18,7 @@ from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
 
 KEY = "sk-test-0123456789"
+HI = [{"role": "user", "content": "hi"}]
 LIMITS = {
     "DEPCTL_API_KEY": KEY,
     "DEPCTL_MAX_BODY_BYTES": "3000000",
@@ -126,23 +127,64 @@ def test_body_limit_refuses_before_reading(daemon):
             "tools",
         ),
         (
-            {
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "hi"}],
-                "response_format": {"type": "json_object"},
-            },
+            {"model": "tiny", "messages": HI, "response_format": {"type": "json_schema"}},
             400,
-            "response_format",
-            "JSON",
+            "response_format.json_schema",
+            "needs a json_schema",
         ),
         (
-            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+            {
+                "model": "tiny",
+                "messages": HI,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+            },
             400,
-            "logprobs",
-            "logprobs",
+            "response_format.json_schema.schema",
+            "not a valid JSON Schema at type",
         ),
-        ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", "logit_bias"),
-        ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "presence_penalty"),
+        ({"model": "tiny", "messages": HI, "response_format": {"type": "xml"}}, 400, "response_format.type", "json"),
+        (
+            {"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "[a-"}},
+            400,
+            "structured_outputs.regex",
+            "regex",
+        ),
+        (
+            {"model": "tiny", "prompt": "a", "structured_outputs": {"grammar": "start: x"}},
+            400,
+            "structured_outputs.grammar",
+            "cannot be compiled",
+        ),
+        (
+            {"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+            400,
+            "structured_outputs",
+            "exactly one",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": HI,
+                "response_format": {"type": "json_object"},
+                "structured_outputs": {"regex": "a"},
+            },
+            400,
+            "structured_outputs",
+            "not both",
+        ),
+        (
+            {"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "a+"}, "ignore_eos": True},
+            400,
+            "ignore_eos",
+            "ignore_eos",
+        ),
+        ({"model": "tiny", "messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "20"),
+        ({"model": "tiny", "messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
+        ({"model": "tiny", "prompt": "a", "logprobs": 21}, 400, "logprobs", "20"),
+        ({"model": "tiny", "prompt": "a", "logit_bias": {"99999": 1}}, 400, "logit_bias", "token ids must be in"),
+        ({"model": "tiny", "prompt": "a", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+        ({"model": "tiny", "prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias.5", "100"),
+        ({"model": "tiny", "prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty", "2"),
         ({"model": "tiny", "prompt": "x" * 400, "max_tokens": 200}, 400, "max_tokens", "context"),
         ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 1}, 400, "prompt", "DEPCTL_MAX_PROMPT_TOKENS"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages", "at most 450"),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -300,6 +304,9 @@ def test_metrics(client, daemon):
         "depctl:generation_tokens",
         "depctl:time_to_first_token_seconds",
         "depctl:inter_token_latency_seconds",
+        "depctl:spec_decode_num_grammar_draft_tokens",
+        "depctl:spec_decode_num_grammar_accepted_tokens",
+        "depctl:grammar_seconds",
     ):
         assert name in families, name
     drafts = {s.labels["deployment"]: s.value for s in families["depctl:spec_decode_num_draft_tokens"].samples}
@@ -341,3 +348,110 @@ def test_cli_chat_keeps_the_conversation(daemon, monkeypatch):
     result = CliRunner().invoke(app, ["chat", "plain", "--max-tokens", "5"], input="hello\nand again\n\n")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.count("5 tokens in") == 2  # two replies, each with its summary line
+
+
+# ---- structured outputs, logprobs, penalties --------------------------------------------------------------------
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=120)
+    tags: list[Literal["a", "b"]] = pydantic.Field(max_length=2)
+
+
+def test_parse_with_a_pydantic_model_under_every_method(client):
+    # the SDK sends a strict json_schema response_format and parses the reply into the model
+    messages = [{"role": "user", "content": "A person as JSON"}]
+    contents = {}
+    for dep in ("plain", "ngram", "suffix", "drafted"):
+        r = client.chat.completions.parse(
+            model=dep, messages=messages, response_format=Person, max_tokens=200, **GREEDY
+        )
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert isinstance(r.choices[0].message.parsed, Person)
+        contents[dep] = r.choices[0].message.content
+    assert len(set(contents.values())) == 1, contents  # speculation never changes the output, grammar or not
+    stream = client.chat.completions.create(
+        model="ngram",
+        messages=messages,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": {**Person.model_json_schema(), "additionalProperties": False}},
+        },
+        max_tokens=200,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    chunks = list(stream)
+    Person.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    speculation = chunks[-1].usage.model_extra["speculation"]
+    assert speculation["grammar_drafted_tokens"] >= speculation["grammar_accepted_tokens"] > 0
+
+
+def test_structured_outputs_extension_on_completions(client):
+    r = client.completions.create(
+        model="ngram",
+        prompt="id: ",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}},
+        **GREEDY,
+    )
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model="drafted",
+        prompt="pick: ",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe so"]}},
+        **GREEDY,
+    )
+    assert r.choices[0].text in ("yes", "no", "maybe so")
+    lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
+    r = client.completions.create(
+        model="suffix", prompt="t: ", max_tokens=40, extra_body={"structured_outputs": {"grammar": lark}}, **GREEDY
+    )
+    assert re.fullmatch(r"\(\d{1,2}(,\d{1,2})*\)", r.choices[0].text) or r.choices[0].finish_reason == "length"
+
+
+def test_logprobs_are_the_targets_with_or_without_speculation(client):
+    messages = [{"role": "user", "content": "abcabcabc"}]
+    got = {}
+    for dep in ("plain", "ngram", "drafted"):
+        r = client.chat.completions.create(
+            model=dep, messages=messages, max_tokens=20, logprobs=True, top_logprobs=3, **GREEDY
+        )
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens == 20
+        assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+        assert all(t.token == t.top_logprobs[0].token for t in content)  # greedy: the most likely token
+        got[dep] = content
+    for dep in ("ngram", "drafted"):
+        assert [t.token for t in got[dep]] == [t.token for t in got["plain"]]
+        assert [t.logprob for t in got[dep]] == pytest.approx([t.logprob for t in got["plain"]], abs=1e-4)
+    stream = client.chat.completions.create(
+        model="ngram", messages=messages, max_tokens=20, logprobs=True, top_logprobs=3, stream=True, **GREEDY
+    )
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in got["ngram"]]
+    r = client.completions.create(model="ngram", prompt="abcabc", max_tokens=10, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_logit_bias_and_penalties_are_exact_under_speculation(client):
+    r = client.completions.create(model="ngram", prompt="abc", max_tokens=6, logit_bias={"113": 100}, **GREEDY)
+    assert r.choices[0].text == "q" * 6
+    texts = {
+        dep: client.completions.create(
+            model=dep,
+            prompt="abcabcabcabc",
+            max_tokens=30,
+            presence_penalty=0.8,
+            frequency_penalty=0.5,
+            extra_body={"repetition_penalty": 1.3},
+            **GREEDY,
+        )
+        .choices[0]
+        .text
+        for dep in ("plain", "ngram", "drafted")
+    }
+    assert texts["ngram"] == texts["plain"] == texts["drafted"]
