@@ -190,6 +190,9 @@ class SpeculativeEngine:
         tokens = guess.tokens[: grammar.valid_prefix(guess.tokens)]
         limit = seq.room if seq.params.max_draft_tokens is None else min(seq.room, seq.params.max_draft_tokens)
         forced = grammar.forced(min(limit, self.config.grammar_draft_tokens)) if seq.params.speculate else []
+        # forced text is tokenized as the tokenizer would; where the grammar wants other tokens (bytes spelled out
+        # where the tokenizer has a special token), only the part it allows is drafted
+        forced = forced[: grammar.valid_prefix(forced)]
         if len(forced) > len(tokens) or tokens[: len(forced)] != forced:
             start = guess.prediction_start if guess.source is not DraftSource.PREDICTION else -1
             return Guess(forced, seq.grammar_acceptance, DraftSource.GRAMMAR, len(forced), start)

@@ -36,6 +36,14 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
         )
+        # special tokens whose text a grammar's literal matches can be set in a mask that the matcher then refuses
+        # to take (it wants the bytes spelled out): they are checked one by one whenever a mask allows them
+        # (end tokens excepted: the mask allows them exactly when the grammar may end)
+        ends = set(eos_token_ids)
+        self.end_ids = torch.tensor(sorted(ends), dtype=torch.long)
+        self.special_ids = torch.tensor(
+            [t for t in range(vocab_size) if t not in ends and self.tokenizer.is_special_token(t)], dtype=torch.long
+        )
 
     @staticmethod
     def from_json_schema(schema: dict | bool | None) -> str:
@@ -64,7 +72,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Grammar(matcher, self.vocab_size)
+        return Grammar(matcher, self.vocab_size, self.special_ids, self.end_ids)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a byte-level token may hold part of a character)."""
@@ -74,12 +82,13 @@ class GrammarCompiler:
 class Grammar:
     """A compiled grammar. Shared by every row that uses it; never advanced itself."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, special_ids: torch.Tensor, end_ids: torch.Tensor):
         self._prototype = matcher
         self.vocab_size = vocab_size
+        self.special_ids, self.end_ids = special_ids, end_ids
 
     def start(self) -> RowGrammar:
-        return RowGrammar(self._prototype.deep_copy(), self.vocab_size)
+        return RowGrammar(self._prototype.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -88,9 +97,11 @@ _BITS = torch.arange(32, dtype=torch.int32)
 class RowGrammar:
     """One row's matcher. ``seconds`` totals the time spent in it (masks, checks, advancing)."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, special_ids: torch.Tensor, end_ids: torch.Tensor):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._special_ids, self._end_ids = special_ids, end_ids  # [n], [e]
+        self.stuck = False  # the grammar allowed no token at some point: the row was ended there
         self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # [words]: one bit per token
         self.seconds = 0.0
 
@@ -121,6 +132,12 @@ class RowGrammar:
         bits = self._bits
         self._matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
         mask = ((bits[:, None] >> _BITS) & 1).bool().flatten()[: self.vocab_size]
+        for token in self._special_ids[mask[self._special_ids]].tolist():
+            if self._matcher.validate_tokens([token]) != 1:
+                mask[token] = False
+        if not mask.any():  # a grammar no token can continue: end the row rather than sample from nothing
+            self.stuck = True
+            mask[self._end_ids] = True
         self.seconds += time.perf_counter() - t0
         return mask
 

@@ -320,7 +320,6 @@ def test_metrics(client, daemon):
 
 
 def test_cli_generate_and_bench(daemon, monkeypatch):
-    import json
 
     from typer.testing import CliRunner
 

@@ -282,3 +282,16 @@ def test_logprobs_are_the_same_with_and_without_speculation(target, draft, compi
             assert s.logprob == pytest.approx(q.logprob, abs=1e-4)
             assert [t for t, _ in s.top] == [t for t, _ in q.top] and len(s.top) == 3
             assert s.logprob <= 0 and all(lp <= 0 for _, lp in s.top)
+
+
+def test_a_special_token_the_matcher_refuses_is_never_drafted_or_chosen(target, compiler):
+    # A literal that is also a special token's text ("<|im_start|>" is token 257): llguidance forces token 257 and
+    # sets it in the mask, but its matcher refuses to take it. Such a token is neither drafted nor chosen, and a
+    # grammar left with no token ends the row instead of failing the engine.
+    grammar = compiler.compile(compiler.from_lark('start: "<|im_start|>" /[a-z]{2,4}/'))
+    row = grammar.start()
+    assert row.forced(8) == [257] and row.valid_prefix([257]) == 0
+    assert not row.allowed()[257]
+    want = run(engine_for(target, "plain", 1), [5, 6], params(grammar, speculate=False))
+    got = run(engine_for(target, "ngram", 1), [5, 6], params(grammar))
+    assert got == want == ([], "stop")
