@@ -10,11 +10,19 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# a template that renders tools and writes calls as Qwen2.5's does (Hermes style), on the same byte-level tokens
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
 
 
-def byte_tokenizer(byte_offset: int = 0):
+def byte_tokenizer(byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE):
     """A byte-level BPE tokenizer with no merges: every byte is one token; ids 256.. are special tokens.
 
     ``byte_offset`` rotates the byte ids: a tokenizer with the same tokens under different ids, i.e. one a draft
@@ -36,7 +44,7 @@ def byte_tokenizer(byte_offset: int = 0):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -81,8 +89,8 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VO
     return model.eval()
 
 
-def save_tiny(path: Path, seed: int = 0, byte_offset: int = 0, **kwargs) -> Path:
+def save_tiny(path: Path, seed: int = 0, byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE, **kwargs) -> Path:
     model = tiny_llama(seed, **kwargs)
     model.save_pretrained(path)
-    byte_tokenizer(byte_offset).save_pretrained(path)
+    byte_tokenizer(byte_offset, chat_template).save_pretrained(path)
     return path

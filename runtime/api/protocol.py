@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from depctl.spec import MAX_DRAFT_TOKENS
 from runtime.api.errors import APIError
 from runtime.backends import Constraint
+from runtime.backends.structured import schema_problem
 from runtime.speculation import SamplingParams
 from runtime.speculation.sampling import Penalties
 
@@ -223,11 +224,23 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict  # a JSON string, as OpenAI sends it back
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -245,33 +258,98 @@ class Prediction(_Request):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments (None: no arguments)
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     prediction: Prediction | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list | None = None
     function_call: str | dict | None = None
     modalities: list[str] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions"):
+        for name in ("functions", "function_call"):
             if getattr(self, name):
-                _unsupported(name, getattr(self, name), " (no tool calling yet)")
-        for name in ("tool_choice", "function_call"):
-            value = getattr(self, name)
-            if value not in (None, "none", "auto"):
-                _unsupported(name, value, " (no tool calling yet)")
+                _unsupported(name, getattr(self, name), " (deprecated by OpenAI: send tools and tool_choice)")
+        self.check_tools()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.modalities and set(self.modalities) != {"text"}:
             _unsupported("modalities", self.modalities, " (text only)")
-        if any(m.tool_calls for m in self.messages):
-            _unsupported("messages.tool_calls", None, " (no tool calling yet)")
+
+    def check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or ()]
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise APIError(
+                    400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice"
+                )
+            if self.constraint() is not None:
+                raise APIError(
+                    400,
+                    "tool_choice that requires a call cannot be combined with response_format or structured_outputs",
+                    param="tool_choice",
+                )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names function {choice.function.name!r}, which is not in tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: two functions share a name", param="tools")
+        for i, tool in enumerate(self.tools or ()):
+            schema = tool.function.parameters
+            if schema is None:
+                continue
+            problem = schema_problem(schema)
+            if problem:
+                raise APIError(
+                    400, f"tools[{i}].function.parameters is {problem}", param=f"tools.{i}.function.parameters"
+                )
+
+    @property
+    def calling_tools(self) -> bool:
+        """The model is offered the tools (and its output is read for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def required_functions(self) -> list[dict] | None:
+        """The functions the output must call (tool_choice "required" or a named function), else None."""
+        if not self.calling_tools:
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if self.tool_choice == "required":
+            return functions
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [f for f in functions if f["name"] == self.tool_choice.function.name]
+        return None
 
     @property
     def logprobs_count(self) -> int | None:

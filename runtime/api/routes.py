@@ -16,6 +16,7 @@ from runtime.api.errors import APIError
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.api.render import chat_logprobs, completion_logprobs
 from runtime.api.serving import Job, Service
+from runtime.api.tools import ToolCallParser, gather
 from runtime.manager import State
 
 router = APIRouter()
@@ -86,9 +87,23 @@ async def _respond(service: Service, job: Job, body, request: Request):
         choice["logprobs"] = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs)
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if job.tools:
+            choice["message"], choice["finish_reason"] = _with_calls(text, finish)
     else:
         choice["text"] = text
     return {**_head(job, job.kind), "choices": [choice], "usage": job.usage}
+
+
+def _with_calls(text: str, finish: str) -> tuple[dict, str]:
+    """The assistant message with the tool calls read out of ``text``, and the finish reason OpenAI gives it."""
+    parser = ToolCallParser()
+    content, deltas = parser.feed(text)
+    rest, more = parser.finish()
+    calls = gather(deltas + more)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    message = {"role": "assistant", "content": (content + rest).strip() or None, "tool_calls": calls}
+    return message, "tool_calls" if finish == "stop" else finish
 
 
 async def _unless_disconnected(work, request: Request):
@@ -128,12 +143,23 @@ async def _stream(service: Service, job: Job, include_usage: bool):
     with_logprobs = job.request.params.logprobs is not None
     offset = 0  # where the next chunk's text starts (completions' text_offset)
 
+    parser = ToolCallParser() if job.tools else None
+
     def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
         shown = None
         if with_logprobs and not first:
             shown = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, offset)
         if chat:
+            calls = []
+            if parser is not None and not first:
+                text, calls = parser.feed(text or "")
+                if finish:
+                    rest, more = parser.finish()
+                    text, calls = text + rest, calls + more
+                    finish = "tool_calls" if parser.calls and finish == "stop" else finish
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+            if calls:
+                delta["tool_calls"] = [c.to_dict() for c in calls]
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shown}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": shown}

@@ -26,6 +26,7 @@ from depctl.spec import describe_speculation
 from runtime.api.errors import APIError
 from runtime.api.metrics import Metrics
 from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.api.tools import check_tool_support, history, tool_constraint
 from runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from runtime.manager import DeploymentManager, State
 from runtime.speculation import GenerationParams
@@ -52,6 +53,7 @@ class Job:
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict | None = None  # filled in when the run ends
+    tools: bool = False  # the output is read for tool calls (runtime.api.tools)
 
 
 class Service:
@@ -122,7 +124,9 @@ class Service:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
-        return self._job("text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, ())
+        return self._job(
+            "text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, (), req.constraint()
+        )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         req.check_supported()
@@ -134,18 +138,28 @@ class Service:
                 f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions",
                 param="messages",
             )
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        extra, constraint = {}, req.constraint()
+        if req.calling_tools:
+            check_tool_support(tokenizer, dep_id)
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+            required = req.required_functions()
+            if required:
+                constraint = tool_constraint(tokenizer, required, req.parallel_tool_calls, "tool_choice")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                history(req.messages), add_generation_prompt=True, tokenize=False, **extra
+            )
         except Exception as exc:  # jinja templates raise on roles they do not support
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
         prompt_ids = encode(tokenizer, text, add_special_tokens=False)
         prediction = ()
         if req.prediction is not None:
             prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
-        return self._job("chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction)
+        job = self._job("chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint)
+        job.tools = req.calling_tools
+        return job
 
-    def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction) -> Job:
+    def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint) -> Job:
         prompt_param = "prompt" if kind == "text_completion" else "messages"
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=prompt_param)
@@ -189,7 +203,7 @@ class Service:
             penalties=penalties,
             logprobs=req.logprobs_count,
         )
-        request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), req.constraint())
+        request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), constraint)
         try:
             request = backend.prepare(request)  # compiles a constraint: milliseconds, on this worker thread
         except BackendError as exc:

@@ -18,15 +18,21 @@ def _refuse(constraint: Constraint, message: str) -> BackendError:
     return BackendError(400, f"{constraint.param}: {message}", code="invalid_grammar", param=constraint.param)
 
 
-def check_schema(constraint: Constraint) -> None:
-    """A JSON schema constraint's schema is valid JSON Schema (of the draft it names; 2020-12 if none)."""
-    if constraint.kind != "json" or constraint.value is None:
-        return
+def schema_problem(schema) -> str | None:
+    """What makes ``schema`` invalid JSON Schema (of the draft it names; 2020-12 if none), or None."""
     try:
-        jsonschema.validators.validator_for(constraint.value).check_schema(constraint.value)
+        jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
-        raise _refuse(constraint, f"not a valid JSON Schema at {where}: {exc.message}") from None
+        return f"not a valid JSON Schema at {where}: {exc.message}"
+    return None
+
+
+def check_schema(constraint: Constraint) -> None:
+    if constraint.kind == "json" and constraint.value is not None:
+        problem = schema_problem(constraint.value)
+        if problem:
+            raise _refuse(constraint, problem)
 
 
 def vllm_structured_outputs(constraint: Constraint) -> dict:

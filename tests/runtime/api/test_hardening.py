@@ -123,8 +123,8 @@ def test_body_limit_refuses_before_reading(daemon):
         (
             {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
             400,
-            "tools",
-            "tools",
+            "tools.0.function",
+            "Field required",
         ),
         (
             {"model": "tiny", "messages": HI, "response_format": {"type": "json_schema"}},

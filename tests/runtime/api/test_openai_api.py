@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import save_tiny
+from tests.tiny import TOOLS_TEMPLATE, save_tiny
 
 GREEDY = {"temperature": 0}
 
@@ -48,6 +49,14 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     store.create(DeploymentSpec(id="broken", model=str(tiny_model_dir / "missing")))
+    with_tools = save_tiny(
+        tmp_path_factory.mktemp("with-tools"), seed=0, chat_template=TOOLS_TEMPLATE, max_positions=2048
+    )
+    store.create(
+        DeploymentSpec(
+            id="tools", model=str(with_tools), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
+        )
+    )
     store.create(
         DeploymentSpec(
             id="small",
@@ -57,7 +66,7 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small", "long"):
+    for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small", "long", "tools"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -69,7 +78,15 @@ def client(daemon):
 
 
 def test_models_lists_ready_deployments(client):
-    assert sorted(m.id for m in client.models.list()) == ["drafted", "long", "ngram", "plain", "small", "suffix"]
+    assert sorted(m.id for m in client.models.list()) == [
+        "drafted",
+        "long",
+        "ngram",
+        "plain",
+        "small",
+        "suffix",
+        "tools",
+    ]
 
 
 def test_completion_shape_and_usage(client):
@@ -454,3 +471,127 @@ def test_logit_bias_and_penalties_are_exact_under_speculation(client):
         for dep in ("plain", "ngram", "drafted")
     }
     assert texts["ngram"] == texts["plain"] == texts["drafted"]
+
+
+# ---- tool calls -------------------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_choice_required_returns_calls_that_match_the_schemas(client):
+    r = client.chat.completions.create(
+        model="tools", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=300, **GREEDY
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    calls = choice.message.tool_calls
+    assert calls and choice.message.content is None
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert r.usage.model_extra["speculation"]["grammar_drafted_tokens"] > 0
+
+
+def test_a_named_function_is_called_once_and_streams_as_openai_does(client):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    full = client.chat.completions.create(
+        model="tools", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=100, **GREEDY
+    )
+    [call] = full.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(
+        client.chat.completions.create(
+            model="tools",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            max_tokens=100,
+            stream=True,
+            **GREEDY,
+        )
+    )
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].id and deltas[0].function.name == "get_time" and deltas[0].index == 0
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_parallel_tool_calls_false_allows_one_call(client):
+    r = client.chat.completions.create(
+        model="tools",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=300,
+        **GREEDY,
+    )
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_a_conversation_with_calls_and_results_renders(client):
+    messages = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+    ]
+    r = client.chat.completions.create(model="tools", messages=messages, tools=[WEATHER], max_tokens=10, **GREEDY)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(
+        model="tools", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=10, **GREEDY
+    )
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_tools_on_a_template_without_them_and_bad_tools_are_400s(client):
+    with pytest.raises(openai.BadRequestError, match="no tool support"):
+        client.chat.completions.create(model="plain", messages=ASK, tools=[WEATHER], max_tokens=5)
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters is not a valid JSON Schema"):
+        client.chat.completions.create(model="tools", messages=ASK, tools=[bad], max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(
+            model="tools",
+            messages=ASK,
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+            max_tokens=5,
+        )

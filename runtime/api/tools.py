@@ -1,0 +1,226 @@
+"""Tool calls: tools rendered by the model's own chat template, its tool-call format parsed back into OpenAI
+``tool_calls``, and ``tool_choice`` "required" or a named function constrained by a grammar built from the functions'
+JSON schemas (which also makes every forced key and tag a free draft).
+
+One format is understood today, the one Qwen2.5, Hermes and many fine-tunes write:
+``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from runtime.api.errors import APIError
+from runtime.backends import Constraint
+from runtime.speculation.grammar import JSON_OPTIONS
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+HOLD = len(CLOSE) + 8  # characters of a call held back while streaming: the wrapper's "}" and a partial close tag
+
+
+def template_text(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return template if isinstance(template, str) else "\n".join(str(t) for t in template.values())
+
+
+def check_tool_support(tokenizer, deployment: str) -> None:
+    """A 400 naming the deployment when its chat template cannot render tools or writes calls depctl cannot read."""
+    template = template_text(tokenizer)
+    if "tools" not in template:
+        raise APIError(
+            400,
+            f"deployment {deployment!r}: its model's chat template has no tool support (it never renders `tools`); "
+            "use a model whose template does (qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct) or "
+            "describe the tools in the prompt",
+            param="tools",
+            code="tools_unsupported",
+        )
+    if OPEN not in template:
+        raise APIError(
+            400,
+            f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
+            f"(depctl reads {OPEN}...{CLOSE} blocks)",
+            param="tools",
+            code="tools_unsupported",
+        )
+
+
+def _tag(tokenizer, text: str) -> str:
+    """A Lark terminal for ``text``: the model's own single token when it has one (the model writes that token, not
+    the characters spelled out), else the string."""
+    ids = tokenizer.convert_tokens_to_ids([text])
+    if ids and isinstance(ids[0], int) and ids[0] != tokenizer.unk_token_id and tokenizer.decode(ids) == text:
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def call_schema(functions: list[dict]) -> dict:
+    """The JSON of one call to any of ``functions`` (OpenAI tool ``function`` objects), keys in the model's order."""
+    options = []
+    for fn in functions:
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": JSON_OPTIONS}
+
+
+def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str) -> Constraint:
+    """The output is one call (or, with ``parallel``, one or more) to ``functions``, in the model's format."""
+    call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return Constraint("grammar", f"{start}\ncall: {call}", param)
+
+
+def history(messages) -> list[dict]:
+    """Chat messages as chat templates read them: an assistant's ``tool_calls`` with their arguments as objects
+    (templates write them with ``tojson``), a tool's reply with its ``tool_call_id``."""
+    out = []
+    for m in messages:
+        msg: dict = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                fn = call.function
+                try:
+                    arguments = json.loads(fn.arguments) if isinstance(fn.arguments, str) else fn.arguments
+                except json.JSONDecodeError:
+                    raise APIError(
+                        400,
+                        f"messages: the arguments of tool call {call.id!r} are not JSON: {fn.arguments[:80]!r}",
+                        param="messages",
+                    ) from None
+                calls.append({"id": call.id, "type": "function", "function": {"name": fn.name, "arguments": arguments}})
+            msg["tool_calls"] = calls
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+# ---- reading calls back out of the output ---------------------------------------------------------------------
+@dataclass
+class ToolCallDelta:
+    """A piece of a streamed tool call, in OpenAI's chunk form: the first carries id and name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_dict(self) -> dict:
+        out: dict = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function", function={"name": self.name, "arguments": self.arguments})
+        else:
+            out["function"] = {"arguments": self.arguments}
+        return out
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str | None = None
+    body: str = ""  # the text after OPEN
+    args_from: int = -1  # where the arguments start in ``body`` (-1: header not read yet)
+    sent: int = 0  # characters of the arguments already streamed
+
+
+@dataclass
+class ToolCallParser:
+    """Splits the output into content and tool calls as it arrives: ``feed`` returns (content, call deltas)."""
+
+    calls: list[_Call] = field(default_factory=list)
+    _text: str = ""  # content not yet given out (it may end in the start of OPEN)
+    _call: _Call | None = None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", []
+        self._text += text
+        while self._text:
+            if self._call is None:
+                at = self._text.find(OPEN)
+                if at < 0:
+                    keep = _partial_suffix(self._text, OPEN)
+                    if self.calls and not self._text[: len(self._text) - keep].strip():
+                        break  # held: the whitespace between calls, which is not content
+                    content += self._text[: len(self._text) - keep]
+                    self._text = self._text[len(self._text) - keep :]
+                    break
+                before = self._text[:at]
+                if not self.calls or before.strip():  # the newline between two calls is not content
+                    content += before
+                self._text = self._text[at + len(OPEN) :]
+                self._call = _Call(id="call_" + secrets.token_hex(12))
+                self.calls.append(self._call)
+            call = self._call
+            call.body += self._text
+            end = call.body.find(CLOSE)
+            self._text = "" if end < 0 else call.body[end + len(CLOSE) :]
+            call.body = call.body if end < 0 else call.body[:end]
+            deltas += self._advance(call, closed=end >= 0)
+            if end >= 0:
+                self._call = None
+        return content, deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """The end of the output: content held back, and the rest of an unclosed call's arguments."""
+        content, deltas = "", []
+        if self._call is not None:
+            deltas = self._advance(self._call, closed=True)
+            self._call = None
+        elif self._text.strip() or not self.calls:  # a newline after the last call is not content
+            content = self._text
+        self._text = ""
+        return content, deltas
+
+    def _advance(self, call: _Call, closed: bool) -> list[ToolCallDelta]:
+        index = len(self.calls) - 1
+        deltas = []
+        if call.args_from < 0:
+            header = _HEADER.match(call.body)
+            if header is None or (header.end() == len(call.body) and not closed):  # more space may follow
+                return []
+            call.name, call.args_from = json.loads(f'"{header.group(1)}"'), header.end()
+            deltas.append(ToolCallDelta(index, call.id, call.name))
+        args = call.body[call.args_from :]
+        if closed:  # the call's own "}" closes the wrapper object
+            args = args.rstrip()
+            args = args[:-1].rstrip() if args.endswith("}") else args
+            upto = len(args)
+        else:
+            upto = max(len(args) - HOLD, call.sent)
+        if upto > call.sent:
+            deltas.append(ToolCallDelta(index, arguments=args[call.sent : upto]))
+            call.sent = upto
+        return deltas
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def gather(deltas: list[ToolCallDelta]) -> list[dict]:
+    """Streamed call deltas joined into the message's ``tool_calls``."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d.id is not None:
+            calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+        calls[d.index]["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]

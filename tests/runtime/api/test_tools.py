@@ -1,0 +1,59 @@
+"""Tool calls: the parser that splits output into content and OpenAI tool calls, the grammar for tool_choice
+"required" and named functions, and the history as templates read it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.api.tools import ToolCallParser, call_schema, gather
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
+TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_time")
+
+
+def parse(text: str, pieces: int):
+    """Feed ``text`` in ``pieces``-character runs; (content, tool_calls)."""
+    parser, content, deltas = ToolCallParser(), "", []
+    for i in range(0, len(text), pieces):
+        c, d = parser.feed(text[i : i + pieces])
+        content += c
+        deltas += d
+    c, d = parser.finish()
+    return content + c, gather(deltas + d), deltas + d
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 7, 1000])
+def test_calls_come_out_whole_however_the_text_arrives(pieces):
+    content, calls, deltas = parse("Let me check.\n" + TWO, pieces)
+    assert content == "Let me check.\n"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris", "days": [1, 2]},
+        {"city": "Rome", "days": [1, 2]},
+    ]
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
+    # OpenAI's stream shape: the first delta of a call has its id and name, the rest only argument fragments
+    firsts = [d for d in deltas if d.id is not None]
+    assert [d.index for d in firsts] == [0, 1] and all(d.arguments == "" for d in firsts)
+    if pieces == 1:
+        assert sum(1 for d in deltas if d.index == 0 and d.id is None) > 1  # arguments stream in fragments
+
+
+def test_text_without_calls_is_content_even_when_it_looks_like_a_tag():
+    assert parse("a <tool and <tool_ca", 2)[:2] == ("a <tool and <tool_ca", [])
+    assert parse("", 1)[:2] == ("", [])
+
+
+def test_a_call_cut_by_max_tokens_keeps_what_it_has():
+    content, calls, _ = parse(CALL[:64], 4)
+    assert content == "" and calls[0]["function"]["name"] == "get_weather"
+    assert calls[0]["function"]["arguments"].startswith('{"city": "Par')
+
+
+def test_call_schema_pins_the_name_and_takes_the_parameters():
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    schema = call_schema([fn])
+    assert schema["properties"]["name"] == {"const": "f"} and schema["properties"]["arguments"] == fn["parameters"]
+    assert "anyOf" in call_schema([fn, {**fn, "name": "g"}])
