@@ -88,15 +88,15 @@ async def _respond(service: Service, job: Job, body, request: Request):
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
         if job.tools:
-            choice["message"], choice["finish_reason"] = _with_calls(text, finish)
+            choice["message"], choice["finish_reason"] = _with_calls(text, finish, job.tools)
     else:
         choice["text"] = text
     return {**_head(job, job.kind), "choices": [choice], "usage": job.usage}
 
 
-def _with_calls(text: str, finish: str) -> tuple[dict, str]:
+def _with_calls(text: str, finish: str, names: frozenset[str]) -> tuple[dict, str]:
     """The assistant message with the tool calls read out of ``text``, and the finish reason OpenAI gives it."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(names)
     content, deltas = parser.feed(text)
     rest, more = parser.finish()
     calls = gather(deltas + more)
@@ -143,7 +143,7 @@ async def _stream(service: Service, job: Job, include_usage: bool):
     with_logprobs = job.request.params.logprobs is not None
     offset = 0  # where the next chunk's text starts (completions' text_offset)
 
-    parser = ToolCallParser() if job.tools else None
+    parser = ToolCallParser(job.tools) if job.tools else None
 
     def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
         shown = None

@@ -53,7 +53,7 @@ class Job:
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict | None = None  # filled in when the run ends
-    tools: bool = False  # the output is read for tool calls (runtime.api.tools)
+    tools: frozenset[str] = frozenset()  # the functions offered: the output is read for calls to them
 
 
 class Service:
@@ -156,7 +156,8 @@ class Service:
         if req.prediction is not None:
             prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
         job = self._job("chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint)
-        job.tools = req.calling_tools
+        if req.calling_tools:
+            job.tools = frozenset(t.function.name for t in req.tools)
         return job
 
     def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint) -> Job:

@@ -140,15 +140,28 @@ class _Call:
 
 @dataclass
 class ToolCallParser:
-    """Splits the output into content and tool calls as it arrives: ``feed`` returns (content, call deltas)."""
+    """Splits the output into content and tool calls as it arrives: ``feed`` returns (content, call deltas).
 
+    Small models often skip the tags and answer with the call's JSON alone, bare or in a ```json fence. An output
+    that begins like that is held until it ends; if it is then a call to one of ``names``, it is returned as one.
+    """
+
+    names: frozenset[str] = frozenset()
     calls: list[_Call] = field(default_factory=list)
     _text: str = ""  # content not yet given out (it may end in the start of OPEN)
     _call: _Call | None = None
+    _bare: bool | None = None  # the output may be a call without tags (None: not known yet)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
         self._text += text
+        if self._bare is not False and not self.calls and self._call is None:
+            start = self._text.lstrip()
+            if not start:
+                return "", []
+            self._bare = bool(self.names) and start[0] in "{`[" and OPEN not in self._text
+            if self._bare:
+                return "", []
         while self._text:
             if self._call is None:
                 at = self._text.find(OPEN)
@@ -178,6 +191,10 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The end of the output: content held back, and the rest of an unclosed call's arguments."""
         content, deltas = "", []
+        if self._bare:
+            deltas = self._bare_calls(self._text)
+            if deltas:
+                self._text = ""
         if self._call is not None:
             deltas = self._advance(self._call, closed=True)
             self._call = None
@@ -185,6 +202,32 @@ class ToolCallParser:
             content = self._text
         self._text = ""
         return content, deltas
+
+    def _bare_calls(self, text: str) -> list[ToolCallDelta]:
+        """``text`` as calls written without tags: {"name", "arguments"} objects (one, or a list), maybe fenced."""
+        body = text.strip()
+        if body.startswith("```"):
+            body = body.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+        try:
+            found = json.loads(body)
+        except json.JSONDecodeError:
+            return []
+        found = found if isinstance(found, list) else [found]
+        valid = [
+            c
+            for c in found
+            if isinstance(c, dict) and c.get("name") in self.names and isinstance(c.get("arguments", {}), dict)
+        ]
+        if not valid or len(valid) != len(found):
+            return []
+        deltas = []
+        for c in valid:
+            call = _Call(id="call_" + secrets.token_hex(12), name=c["name"])
+            self.calls.append(call)
+            index = len(self.calls) - 1
+            arguments = json.dumps(c.get("arguments", {}), ensure_ascii=False)
+            deltas += [ToolCallDelta(index, call.id, call.name), ToolCallDelta(index, arguments=arguments)]
+        return deltas
 
     def _advance(self, call: _Call, closed: bool) -> list[ToolCallDelta]:
         index = len(self.calls) - 1

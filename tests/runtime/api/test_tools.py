@@ -13,9 +13,9 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_time")
 
 
-def parse(text: str, pieces: int):
+def parse(text: str, pieces: int, names=frozenset({"get_weather", "get_time"})):
     """Feed ``text`` in ``pieces``-character runs; (content, tool_calls)."""
-    parser, content, deltas = ToolCallParser(), "", []
+    parser, content, deltas = ToolCallParser(names), "", []
     for i in range(0, len(text), pieces):
         c, d = parser.feed(text[i : i + pieces])
         content += c
@@ -50,6 +50,28 @@ def test_a_call_cut_by_max_tokens_keeps_what_it_has():
     content, calls, _ = parse(CALL[:64], 4)
     assert content == "" and calls[0]["function"]["name"] == "get_weather"
     assert calls[0]["function"]["arguments"].startswith('{"city": "Par')
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```',
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    ],
+)
+def test_a_call_written_without_tags_is_still_a_call(text):
+    # small models (Qwen2.5-Coder-0.5B) often answer with the call's JSON alone
+    content, calls, _ = parse(text, 5)
+    assert content == "" and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize(
+    "text", ['{"name": "unknown", "arguments": {}}', '{"city": "Paris"}', "```python\nprint(1)\n```", "{not json"]
+)
+def test_json_that_is_not_a_call_stays_content(text):
+    assert parse(text, 3)[:2] == (text, [])
 
 
 def test_call_schema_pins_the_name_and_takes_the_parameters():
