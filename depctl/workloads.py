@@ -1,6 +1,8 @@
 """The prompt sets depctl ships (``depctl/data/prompts``): what ``deployment bench`` and the benchmarks run.
 
-grounded: answers that quote or edit their prompt; chat: open-ended questions; code: code to write or change.
+grounded: answers that quote or edit their prompt; chat: open-ended questions; code: code to write or change;
+structured: JSON extraction, function calls and free JSON, each line with the ``schema`` its answer must match
+(``benchmarks/structured.py`` sends it as ``response_format``).
 """
 
 from __future__ import annotations
