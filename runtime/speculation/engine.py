@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 from typing import Sequence as Seq
@@ -73,6 +74,9 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
+        # computes grammar masks during the target pass (llguidance releases the GIL): a row's matcher is lent to it
+        # only while the engine thread waits on the pass
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="depctl-grammar")
 
     @property
     def max_rows(self) -> int:
@@ -138,6 +142,12 @@ class SpeculativeEngine:
         )
         drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
         t1 = time.perf_counter()
+        # the grammar masks every verified position of a sampling row needs, computed while the pass runs
+        masks = {
+            b: self._grammar_thread.submit(seq.grammar.masks, drafts[b])
+            for b, seq in enumerate(batch)
+            if seq.grammar is not None and (not seq.sampling.greedy or seq.params.penalties.active)
+        }
         # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
         scores = self.target.score(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # T tokens
         argmax = scores.argmax()  # [T]: the step's one host sync for greedy rows
@@ -147,7 +157,8 @@ class SpeculativeEngine:
             rows = slice(at, at + len(drafts[b]) + 1)  # this row's k_b + 1 positions of the stream
             at = rows.stop
             # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
-            n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax)
+            allowed = masks[b].result() if b in masks else None
+            n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             logprobs = self._logprobs(
                 seq, drafts[b][:n] + [token], scores.logits(slice(rows.start, rows.start + n + 1))
@@ -247,9 +258,12 @@ class SpeculativeEngine:
                 probs.append(None)
         return drafts, probs, model_tokens
 
-    def _accept(self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int]):
+    def _accept(
+        self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int], allowed=None
+    ):
         """(accepted, the target's token after them). rows: this row's k + 1 tokens in the pass; argmax: the pass's
-        greedy choices; logits(rows) -> [k + 1, vocab], asked for only when the row samples."""
+        greedy choices; logits(rows) -> [k + 1, vocab], asked for only when the row samples; allowed: the row's
+        grammar masks [k + 1, vocab] when already computed."""
         sampling, grammar, penalties = seq.sampling, seq.grammar, seq.params.penalties
         if sampling.greedy and not penalties.active:
             if grammar is None:
@@ -263,8 +277,8 @@ class SpeculativeEngine:
                 target_logits, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], drafts
             )
         if grammar is not None:
-            allowed = grammar.masks(drafts).to(target_logits.device)  # [k + 1, vocab]
-            target_logits = target_logits.masked_fill(~allowed, float("-inf"))
+            allowed = grammar.masks(drafts) if allowed is None else allowed  # [k + 1, vocab]
+            target_logits = target_logits.masked_fill(~allowed.to(target_logits.device), float("-inf"))
         if sampling.greedy:
             return verify_greedy(drafts, greedy(target_logits).tolist())
         target_probs = probs_from_logits(target_logits, sampling)  # [k + 1, vocab]

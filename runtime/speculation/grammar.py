@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 # JSON as Python's json.dumps writes it: one space after ',' and ':', and nowhere else. Flexible whitespace lets a
@@ -91,18 +92,15 @@ class Grammar:
         return RowGrammar(self._prototype.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 class RowGrammar:
     """One row's matcher. ``seconds`` totals the time spent in it (masks, checks, advancing)."""
 
     def __init__(self, matcher, vocab_size: int, special_ids: torch.Tensor, end_ids: torch.Tensor):
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self._special_ids, self._end_ids = special_ids, end_ids  # [n], [e]
+        self._special_ids, self._end_ids = special_ids.numpy(), end_ids.numpy()  # [n], [e]
         self.stuck = False  # the grammar allowed no token at some point: the row was ended there
-        self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # [words]: one bit per token
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)  # [words]: one bit per token
         self.seconds = 0.0
 
     def forced(self, limit: int) -> list[int]:
@@ -127,11 +125,15 @@ class RowGrammar:
         return self.valid_prefix([token]) == 1
 
     def allowed(self) -> torch.Tensor:
-        """[vocab] bool: the tokens allowed next."""
+        """[vocab] bool: the tokens allowed next. (numpy, not torch: this may run on the mask thread during a pass,
+        where a torch op would start a second OpenMP pool beside the pass's.)"""
+        return torch.from_numpy(self._allowed())
+
+    def _allowed(self) -> np.ndarray:
         t0 = time.perf_counter()
         bits = self._bits
-        self._matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
-        mask = ((bits[:, None] >> _BITS) & 1).bool().flatten()[: self.vocab_size]
+        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
         for token in self._special_ids[mask[self._special_ids]].tolist():
             if self._matcher.validate_tokens([token]) != 1:
                 mask[token] = False
@@ -158,7 +160,7 @@ class RowGrammar:
     def masks(self, drafts: Sequence[int]) -> torch.Tensor:
         """[k + 1, vocab] bool: the allowed tokens at each verified position, the one after the last accepted token and
         the one after each draft (the matcher is advanced through the drafts and rolled back)."""
-        masks = [self.allowed()]
+        masks = [self._allowed()]
         taken = 0
         for token in drafts:
             if self.complete:  # the token is an end token: the row ends at it, whatever follows
@@ -166,9 +168,9 @@ class RowGrammar:
                 continue
             self.advance([token])
             taken += 1
-            masks.append(self.allowed())
+            masks.append(self._allowed())
         self.rollback(taken)
-        return torch.stack(masks)
+        return torch.from_numpy(np.stack(masks))
 
     def take_seconds(self) -> float:
         """The time spent in the matcher since the last call."""
