@@ -137,7 +137,8 @@ def in_process(spec: DeploymentSpec, prompts: list[str], max_tokens: int) -> tup
     return tokens / seconds, tokens
 
 
-def start_daemon(home: Path) -> tuple[subprocess.Popen, str]:
+def start_daemon(home: Path, deployments: tuple[str, ...] = ("bench",)) -> tuple[subprocess.Popen, str]:
+    """A daemon over the specs in ``home``, once ``deployments`` are READY: (process, url)."""
     env = {**os.environ, "DEPCTL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     log = open(home / "daemon.log", "ab")
     proc = subprocess.Popen(
@@ -153,9 +154,9 @@ def start_daemon(home: Path) -> tuple[subprocess.Popen, str]:
         try:
             info = json.loads((home / "daemon.json").read_text())
             url = f"http://{info['host']}:{info['port']}"
-            status = httpx.get(url + "/depctl/v1/deployments/bench", timeout=5).json()
-            if status.get("state") == "READY":
-                print(f"# {home.name}: compiled passes {status.get('compiled', '?')}", file=sys.stderr)
+            statuses = [httpx.get(f"{url}/depctl/v1/deployments/{d}", timeout=5).json() for d in deployments]
+            if all(status.get("state") == "READY" for status in statuses):
+                print(f"# {home.name}: compiled passes {statuses[0].get('compiled', '?')}", file=sys.stderr)
                 return proc, url
         except Exception:  # not up yet
             pass

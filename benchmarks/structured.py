@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from load import llama_servers, median, start_server, vllm_servers  # noqa: E402
+from load import llama_servers, median, start_daemon, start_server, vllm_servers  # noqa: E402
 
 from depctl import models  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation, NoSpeculation, SuffixSpeculation  # noqa: E402
@@ -140,42 +140,13 @@ def run_cell(url: str, model: str, items: list[dict], mode: dict, concurrency: i
 
 
 def start_depctl(home: Path, args) -> tuple[subprocess.Popen, str]:
-    import os
-
-    import httpx
-
     store = SpecStore(home / "deployments")
     common = dict(model=args.model, max_batch_size=max(args.levels))
     store.create(DeploymentSpec(id="grammar", speculation=NoSpeculation(), **common))
-    store.create(
-        DeploymentSpec(
-            id="ngram", speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k), **common
-        )
-    )
+    ngram = NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k)
+    store.create(DeploymentSpec(id="ngram", speculation=ngram, **common))
     store.create(DeploymentSpec(id="suffix", speculation=SuffixSpeculation(num_draft_tokens=args.k), **common))
-    env = {**os.environ, "DEPCTL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    log = open(home / "daemon.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"],
-        env=env,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    for _ in range(1800):
-        try:
-            info = json.loads((home / "daemon.json").read_text())
-            url = f"http://{info['host']}:{info['port']}"
-            ids = [spec.id for spec in store.list()[0]]
-            states = [httpx.get(f"{url}/depctl/v1/deployments/{d}", timeout=5).json().get("state") for d in ids]
-            if all(s == "READY" for s in states):
-                return proc, url
-        except Exception:  # not up yet
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited: {(home / 'daemon.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    raise RuntimeError("the deployments did not become READY")
+    return start_daemon(home, ("grammar", "ngram", "suffix"))
 
 
 OFF = {"speculation": {"enabled": False}}

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import openai
 import psutil
 import pytest
@@ -176,6 +178,7 @@ def test_a_deployment_runs_on_vllm_through_depctl(vllm_python, depctl_home):
             if c.choices
         )
         assert streamed == r1.choices[0].message.content  # greedy: the stream says what the whole answer said
+        _structured_fields_pass_through(client)
         stats = json.loads(_depctl("deployment", "get", "v", "-o", "json").stdout)["status"]["stats"]
         assert stats["source"] == "vllm" and stats["requests"] >= 2
         assert stats["drafts"] > 0 and stats["accepted_tokens"] > 0, stats  # vLLM's counters moved
@@ -188,3 +191,41 @@ def test_a_deployment_runs_on_vllm_through_depctl(vllm_python, depctl_home):
         _depctl("daemon", "stop", timeout=120)
     time.sleep(1)
     assert not _ours(depctl_home), "daemon stop left processes behind"
+
+
+def _structured_fields_pass_through(client) -> None:
+    """The same fields as on our engine (tests/runtime/api/test_openai_api.py), answered by vLLM."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="v",
+        messages=[{"role": "user", "content": "Paris hosted the Olympics in 1924. Reply with JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "fact", "schema": schema}},
+        max_tokens=60,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(
+        model="v",
+        prompt="id: ",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}},
+    )
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", r.choices[0].text), r.choices[0].text
+    r = client.chat.completions.create(
+        model="v",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
+    content = r.choices[0].logprobs.content
+    assert content and all(t.logprob <= 0 and len(t.top_logprobs) >= 2 for t in content)
