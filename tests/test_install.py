@@ -63,7 +63,7 @@ def test_the_installed_package_is_what_runs_and_ships_its_data(installed, tmp_pa
     depctl_file, runtime_file, names, sources = probe.stdout.splitlines()
     env = str(installed.parent)
     assert depctl_file.startswith(env) and runtime_file.startswith(env), (depctl_file, runtime_file)
-    assert names == "['chat', 'code', 'grounded']" and sources == "True"
+    assert names == "['chat', 'code', 'grounded', 'structured']" and sources == "True"
 
 
 def test_deployment_bench_runs_from_another_directory(installed, tmp_path, tiny_model_dir, depctl_home):

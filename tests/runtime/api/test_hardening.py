@@ -143,6 +143,16 @@ def test_body_limit_refuses_before_reading(daemon):
             "not a valid JSON Schema at type",
         ),
         ({"model": "tiny", "messages": HI, "response_format": {"type": "xml"}}, 400, "response_format.type", "json"),
+        (  # valid JSON Schema that the grammar engine cannot compile: the keyword is named
+            {
+                "model": "tiny",
+                "messages": HI,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
+            },
+            400,
+            "response_format.json_schema.schema",
+            'cannot be compiled: Unimplemented keys: ["not"]',
+        ),
         (
             {"model": "tiny", "prompt": "a", "structured_outputs": {"regex": "[a-"}},
             400,

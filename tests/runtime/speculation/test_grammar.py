@@ -295,3 +295,35 @@ def test_a_special_token_the_matcher_refuses_is_never_drafted_or_chosen(target, 
     want = run(engine_for(target, "plain", 1), [5, 6], params(grammar, speculate=False))
     got = run(engine_for(target, "ngram", 1), [5, 6], params(grammar))
     assert got == want == ([], "stop")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_constrained_speculation_on_cuda_equals_constrained_plain_decoding(target, compiler, temperature):
+    # masks are built on the host and moved to the logits' device; the output is the same with or without drafts
+    import copy
+
+    from runtime.model.runner import ModelRunner
+    from runtime.speculation import EngineConfig, NgramProposer, SpeculativeEngine
+
+    model = copy.deepcopy(target).cuda()
+    grammar = grammar_for(compiler, SCHEMAS["nested"])
+    sampling = SamplingParams(temperature=temperature, seed=5 if temperature else None)
+
+    def engine(proposer, k):
+        return SpeculativeEngine(ModelRunner(model), proposer, EngineConfig(num_draft_tokens=k, max_context=512))
+
+    want = run(engine(None, 0), PROMPTS[0], params(grammar, speculate=False, sampling=sampling))
+    assert run(engine(NgramProposer(2), 4), PROMPTS[0], params(grammar, sampling=sampling)) == want
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+def test_seeded_constrained_sampling_is_the_same_with_or_without_drafts(target, draft, compiler, method):
+    # a seeded request's draws depend on (seed, position) alone, masked or not: drafts change nothing
+    grammar = grammar_for(compiler, SCHEMAS["nested"])
+    p = params(grammar, sampling=SamplingParams(temperature=0.8, seed=3), max_tokens=80)
+    want = run(engine_for(target, "plain", 1), PROMPTS[0], GenerationParams(**{**p.__dict__, "speculate": False}))
+    assert run(engine_for(target, method, 1, draft), PROMPTS[0], p) == want
+    assert want[1] == "stop"
+    jsonschema.validate(json.loads(text(want[0])), SCHEMAS["nested"])
