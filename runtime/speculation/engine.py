@@ -129,7 +129,7 @@ class SpeculativeEngine:
         _, token = self._accept(seq, [], None, lambda rows: logits[rows], rows, greedy(logits).tolist())
         seq.tokens.append(token)
         pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
-        return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], logits[rows]))
+        return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], lambda: logits[rows]))
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence]) -> list[StepOutput]:
@@ -160,9 +160,7 @@ class SpeculativeEngine:
             allowed = masks[b].result() if b in masks else None
             n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
-            logprobs = self._logprobs(
-                seq, drafts[b][:n] + [token], scores.logits(slice(rows.start, rows.start + n + 1))
-            )
+            logprobs = self._logprobs(seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop)))
             outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
@@ -309,11 +307,12 @@ class SpeculativeEngine:
         grammar.rollback(taken)
         return verify_greedy(drafts, choices)
 
-    def _logprobs(self, seq: Sequence, emitted: list[int], logits: torch.Tensor):
-        """logits: [len(emitted), vocab], the positions the emitted tokens were chosen at"""
+    def _logprobs(self, seq: Sequence, emitted: list[int], logits: Callable[[], torch.Tensor]):
+        """logits() -> [>= len(emitted), vocab]: the row's positions, asked for only when the request wants logprobs
+        (a greedy step never computes the full output layer otherwise)"""
         if seq.params.logprobs is None:
             return None
-        return token_logprobs(logits, emitted, seq.params.logprobs)
+        return token_logprobs(logits()[: len(emitted)], emitted, seq.params.logprobs)
 
     def _advance(
         self, seq: Sequence, guess: Guess, drafts: list[int], n: int, token: int, model_drafts, logprobs=None
