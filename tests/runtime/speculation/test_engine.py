@@ -285,3 +285,19 @@ def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_ex
         spec = make(model, NgramProposer(2), k=4, adaptive=False)
         assert run(spec, prompt)[0] == plain
     assert spec.stats.num_draft_tokens > 0
+
+
+def test_a_greedy_step_asks_for_no_rows_logits_unless_logprobs_are_wanted(target, monkeypatch):
+    # a float32 target's screened head picks greedy tokens without the full output layer: asking a row for its
+    # logits (as logprobs need) pays for that layer, so only requests that want logprobs may ask
+    from runtime.model import runner
+
+    asked = []
+    logits = runner.Scores.logits
+    monkeypatch.setattr(
+        runner.Scores, "logits", lambda self, rows=slice(None): asked.append(rows) or logits(self, rows)
+    )
+    run(make(target, NgramProposer(2), k=4), PROMPTS[0], ignore_eos=True)
+    assert all(rows == slice(None) for rows in asked)  # argmax() of an unscreened pass reads them all, no row alone
+    run(make(target, NgramProposer(2), k=4), PROMPTS[0], ignore_eos=True, logprobs=0)
+    assert any(rows != slice(None) for rows in asked)
