@@ -46,6 +46,8 @@ class Cell:
     requests: int = 0
     tokens: int = 0
     valid: int = 0
+    complete: int = 0  # ended by the model (finish_reason "stop"), not cut by max_tokens
+    outputs: dict = field(default_factory=dict)  # item index -> text
     seconds: float = 0.0
     decode_rates: list = field(default_factory=list)
     grammar_drafted: int = 0
@@ -79,14 +81,14 @@ def valid(text: str, schema: dict | None) -> bool:
         return False
 
 
-def one_request(client, model: str, item: dict, mode: dict, max_tokens: int, cell: Cell, lock) -> None:
+def one_request(client, model: str, index: int, item: dict, mode: dict, max_tokens: int, cell: Cell, lock) -> None:
     body = dict(mode.get("extra", {}))
     kwargs = {}
     if mode["constrained"]:
         kwargs["response_format"] = response_format(item)
     t0 = time.perf_counter()
     first = last = None
-    parts, usage, chunks = [], None, 0
+    parts, usage, chunks, finish = [], None, 0, None
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": item["prompt"]}],
@@ -103,14 +105,19 @@ def one_request(client, model: str, item: dict, mode: dict, max_tokens: int, cel
             first, last = first or now, now
             parts.append(chunk.choices[0].delta.content)
             chunks += 1
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
         if chunk.usage is not None:
             usage = chunk.usage
     tokens = usage.completion_tokens if usage is not None else chunks
+    text = "".join(parts)
     spec = ((usage.model_extra or {}).get("speculation") or {}) if usage is not None else {}
     with lock:
         cell.requests += 1
         cell.tokens += tokens
-        cell.valid += valid("".join(parts), item["schema"])
+        cell.valid += valid(text, item["schema"])
+        cell.complete += finish == "stop"
+        cell.outputs[index] = text
         if first is not None and tokens > 1 and last > first:
             cell.decode_rates.append((tokens - 1) / (last - first))
         cell.grammar_drafted += spec.get("grammar_drafted_tokens") or 0
@@ -127,7 +134,8 @@ def run_cell(url: str, model: str, items: list[dict], mode: dict, concurrency: i
     def loop(c: int) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
         for i in counter:
-            one_request(client, model, items[(i + c) % len(items)], mode, max_tokens, cell, lock)
+            index = (i + c) % len(items)
+            one_request(client, model, index, items[index], mode, max_tokens, cell, lock)
 
     threads = [threading.Thread(target=loop, args=(c,)) for c in range(concurrency)]
     t0 = time.perf_counter()
@@ -164,7 +172,7 @@ def main() -> int:
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--concurrency", default="1,8,16")
     parser.add_argument("--requests", type=int, default=0, help="per cell (default: every item, at least 2 x clients)")
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -219,12 +227,13 @@ def print_table(results, args) -> None:
     base = results.get(("depctl", "plain, constrained"), {})
     levels = args.levels
     head = "| system | decoding |" + "".join(f" x{n} tok/s (vs plain constrained) |" for n in levels)
+    head += " valid / complete / requests | same text as plain constrained |"
     print(
         f"\nStructured workload ({len(load_items())} requests: extraction, function calls, free JSON), "
         f"{args.model}, greedy, max_tokens {args.max_tokens}, k={args.k}, n={args.ngram}\n"
     )
-    print(head + " valid | median request tok/s (x1) | forced drafts accepted |")
-    print("|---|---|" + "---|" * len(levels) + "---|---|---|")
+    print(head + " median request tok/s (x1) | forced drafts accepted |")
+    print("|---|---|" + "---|" * len(levels) + "---|---|---|---|")
     for (name, label), cells in results.items():
         row = f"| {name} | {label} |"
         for n in levels:
@@ -233,9 +242,16 @@ def print_table(results, args) -> None:
             row += f" {cell.aggregate:.1f}{ratio} |" if cell else " - |"
         total = sum(c.requests for c in cells.values())
         ok = sum(c.valid for c in cells.values())
+        complete = sum(c.complete for c in cells.values())
+        same = "-"
+        if name == "depctl" and "unconstrained" not in label:  # greedy: every row writes plain constrained's text
+            pairs = [(c.outputs, base[n].outputs) for n, c in cells.items() if n in base]
+            hits = [text == ref[i] for out, ref in pairs for i, text in out.items() if i in ref]
+            same = f"{sum(hits)}/{len(hits)}"
         one = cells.get(levels[0])
         forced = sum(c.grammar_accepted for c in cells.values())
-        row += f" {ok}/{total} | {median(one.decode_rates) if one else float('nan'):.1f} | {forced or '-'} |"
+        rate = median(one.decode_rates) if one else float("nan")
+        row += f" {ok} / {complete} / {total} | {same} | {rate:.1f} | {forced or '-'} |"
         print(row)
 
 
