@@ -167,6 +167,41 @@ DEPCTL_ROWS = [
 ]
 
 
+def overhead(args) -> None:
+    """Per output token, constrained against unconstrained plain decoding in this process: each item is first
+    decoded under its schema, then without it for exactly as many tokens (``ignore_eos``), so both runs decode the
+    same number of tokens at the same context lengths; the decode time (prefill excluded) is compared."""
+    from runtime.backends import Constraint
+    from runtime.backends.loader import load_deployment
+    from runtime.backends.structured import compile_constraint
+    from runtime.speculation import GenerationParams, generate
+
+    loaded = load_deployment(DeploymentSpec(id="overhead", model=args.model, speculation=NoSpeculation()))
+    tok, engine = loaded.tokenizer, loaded.engine
+    rows = []
+    for _ in range(args.repeats):
+        for item in load_items():
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": item["prompt"]}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            grammar = compile_constraint(loaded.grammars, Constraint("json", item["schema"], "response_format"))
+            timed = []
+            for params in (GenerationParams(max_tokens=args.max_tokens, grammar=grammar, speculate=False), None):
+                if params is None:  # unconstrained, as many tokens as the constrained run wrote
+                    params = GenerationParams(max_tokens=timed[0][0], ignore_eos=True, speculate=False)
+                before = engine.stats.decode_seconds, engine.stats.grammar_seconds
+                n = sum(len(o.token_ids) for o in generate(engine, ids, params))
+                timed.append((n, engine.stats.decode_seconds - before[0], engine.stats.grammar_seconds - before[1]))
+            rows.append(timed)
+    (nc, dc, gc), (nu, du, _) = [tuple(map(sum, zip(*runs))) for runs in zip(*rows)]
+    print(f"\nPer output token, plain decoding, {args.model}, {len(rows)} requests, {nc} tokens each way\n")
+    print("| decoding | decode ms/token | matcher ms/token |")
+    print("|---|---|---|")
+    print(f"| unconstrained, same lengths | {1000 * du / nu:.2f} | - |")
+    print(f"| constrained | {1000 * dc / nc:.2f} ({dc / nc / (du / nu):.3f}x) | {1000 * gc / nc:.3f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
@@ -180,7 +215,16 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path)
     parser.add_argument("--gguf", action="append", default=[], help="LABEL=FILE.gguf of the same model")
     parser.add_argument("--vllm-python", type=Path)
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="only the per-token cost of a grammar, in process (constrained against unconstrained, same lengths)",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="with --overhead: passes over the items")
     args = parser.parse_args()
+    if args.overhead:
+        overhead(args)
+        return 0
     args.levels = [int(x) for x in args.concurrency.split(",")]
     items = load_items()
     model_dir = models.materialize(models.resolve(args.model, "--model"))
