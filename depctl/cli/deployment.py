@@ -299,12 +299,12 @@ def _detail_table(r: dict) -> Table:
             *(
                 [
                     (
-                        "Grammar: forced drafts / accepted / time",
+                        "Grammar drafts / accepted / time",
                         f"{stats['grammar_draft_tokens']} / {stats['grammar_accepted_tokens']} / "
                         f"{stats['grammar_seconds']:.2f}s",
                     )
                 ]
-                if "grammar_seconds" in stats
+                if stats.get("grammar_seconds")  # shown once a request used a grammar
                 else []
             ),
         ]
