@@ -124,7 +124,7 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(target
             assert got == want, (name, method)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 5, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft"])
 def test_constrained_and_free_rows_share_a_batch_exactly(target, draft, compiler, method, batch):
     grammars = [grammar_for(compiler, s) for s in SCHEMAS.values()]
@@ -225,11 +225,13 @@ def test_masked_sampling_follows_the_masked_target(target, compiler):
     seq = engine.new_sequence([1, 2], params(grammar, sampling=SamplingParams(temperature=1.0)))
     seq.generator.manual_seed(7)
     counts = {"draft model": torch.zeros(VOCAB), "one-hot": torch.zeros(VOCAB)}
+    allowed = seq.grammar.masks([b])  # [2, vocab]: {a, b, c}, then {x} after any of them (as a step computes them)
+    assert allowed[0].nonzero().flatten().tolist() == [a, b, c]
     for _ in range(trials):
         d = int(torch.multinomial(q, 1, generator=seq.generator))
-        n, token = engine._accept(seq, [d], q[None], lambda rows: logits[rows], slice(0, 2), [])
+        n, token = engine._accept(seq, [d], q[None], lambda rows: logits[rows], slice(0, 2), [], allowed)
         counts["draft model"][d if n else token] += 1
-        n, token = engine._accept(seq, [b], None, lambda rows: logits[rows], slice(0, 2), [])
+        n, token = engine._accept(seq, [b], None, lambda rows: logits[rows], slice(0, 2), [], allowed)
         counts["one-hot"][b if n else token] += 1
     for kind, got in counts.items():
         tv = 0.5 * float((got / trials - want).abs().sum())
