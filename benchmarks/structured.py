@@ -86,7 +86,6 @@ def one_request(client, model: str, index: int, item: dict, mode: dict, max_toke
     kwargs = {}
     if mode["constrained"]:
         kwargs["response_format"] = response_format(item)
-    t0 = time.perf_counter()
     first = last = None
     parts, usage, chunks, finish = [], None, 0, None
     stream = client.chat.completions.create(
@@ -122,7 +121,6 @@ def one_request(client, model: str, index: int, item: dict, mode: dict, max_toke
             cell.decode_rates.append((tokens - 1) / (last - first))
         cell.grammar_drafted += spec.get("grammar_drafted_tokens") or 0
         cell.grammar_accepted += spec.get("grammar_accepted_tokens") or 0
-    del t0
 
 
 def run_cell(url: str, model: str, items: list[dict], mode: dict, concurrency: int, requests: int, max_tokens: int):

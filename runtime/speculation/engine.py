@@ -74,8 +74,8 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
-        # computes grammar masks during the target pass (llguidance releases the GIL): a row's matcher is lent to it
-        # only while the engine thread waits on the pass
+        # computes grammar masks during the target pass (llguidance releases the GIL); it uses a row's matcher only
+        # while the engine thread waits on that pass, so the two never touch one matcher at once
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="depctl-grammar")
 
     @property

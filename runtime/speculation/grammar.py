@@ -41,9 +41,9 @@ class GrammarCompiler:
         # to take (it wants the bytes spelled out): they are checked one by one whenever a mask allows them
         # (end tokens excepted: the mask allows them exactly when the grammar may end)
         ends = set(eos_token_ids)
-        self.end_ids = torch.tensor(sorted(ends), dtype=torch.long)
-        self.special_ids = torch.tensor(
-            [t for t in range(vocab_size) if t not in ends and self.tokenizer.is_special_token(t)], dtype=torch.long
+        self.end_ids = np.array(sorted(ends), dtype=np.int64)
+        self.special_ids = np.array(
+            [t for t in range(vocab_size) if t not in ends and self.tokenizer.is_special_token(t)], dtype=np.int64
         )
 
     @staticmethod
@@ -83,7 +83,7 @@ class GrammarCompiler:
 class Grammar:
     """A compiled grammar. Shared by every row that uses it; never advanced itself."""
 
-    def __init__(self, matcher, vocab_size: int, special_ids: torch.Tensor, end_ids: torch.Tensor):
+    def __init__(self, matcher, vocab_size: int, special_ids: np.ndarray, end_ids: np.ndarray):
         self._prototype = matcher
         self.vocab_size = vocab_size
         self.special_ids, self.end_ids = special_ids, end_ids
@@ -95,11 +95,10 @@ class Grammar:
 class RowGrammar:
     """One row's matcher. ``seconds`` totals the time spent in it (masks, checks, advancing)."""
 
-    def __init__(self, matcher, vocab_size: int, special_ids: torch.Tensor, end_ids: torch.Tensor):
+    def __init__(self, matcher, vocab_size: int, special_ids: np.ndarray, end_ids: np.ndarray):
         self._matcher = matcher
         self.vocab_size = vocab_size
-        self._special_ids, self._end_ids = special_ids.numpy(), end_ids.numpy()  # [n], [e]
-        self.stuck = False  # the grammar allowed no token at some point: the row was ended there
+        self._special_ids, self._end_ids = special_ids, end_ids  # [n], [e]
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)  # [words]: one bit per token
         self.seconds = 0.0
 
@@ -138,7 +137,6 @@ class RowGrammar:
             if self._matcher.validate_tokens([token]) != 1:
                 mask[token] = False
         if not mask.any():  # a grammar no token can continue: end the row rather than sample from nothing
-            self.stuck = True
             mask[self._end_ids] = True
         self.seconds += time.perf_counter() - t0
         return mask
