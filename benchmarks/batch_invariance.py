@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 from depctl import models  # noqa: E402
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
-from runtime.backends.loader import load_deployment  # noqa: E402
-from runtime.speculation import GenerationParams, Scheduler, generate  # noqa: E402
+from depctl_runtime.backends.loader import load_deployment  # noqa: E402
+from depctl_runtime.speculation import GenerationParams, Scheduler, generate  # noqa: E402
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
-from runtime.backends.loader import (  # noqa: E402
+from depctl_runtime.backends.loader import (  # noqa: E402
     INT8_WEIGHTS,
     compile_passes,
     load_dtype,
@@ -40,8 +40,8 @@ from runtime.backends.loader import (  # noqa: E402
     quantize_int8,
     surgery_for,
 )
-from runtime.model.runner import ModelRunner  # noqa: E402
-from runtime.speculation import (
+from depctl_runtime.model.runner import ModelRunner  # noqa: E402
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,
@@ -139,7 +139,7 @@ def main() -> int:
     parser.add_argument(
         "--no-fuse",
         action="store_true",
-        help="keep transformers' forward for our engine (no fused projections, runtime.model.decoder)",
+        help="keep transformers' forward for our engine (no fused projections, depctl_runtime.model.decoder)",
     )
     parser.add_argument(
         "--compile",
@@ -166,7 +166,7 @@ def main() -> int:
         return quantize_int8(d) if precision == "int8" else d
 
     draft = load_draft(ours=True) if args.draft else None
-    if surgery:  # what the loader does for a deployment (runtime.backends.loader.surgery_for)
+    if surgery:  # what the loader does for a deployment (depctl_runtime.backends.loader.surgery_for)
         target_precision = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
         model = surgery_for(model, target_precision, exact=True, fuse=not args.no_fuse)
     # transformers' rows get their own copies, as users run them (no module swaps)

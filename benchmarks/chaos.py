@@ -313,7 +313,7 @@ def leftover_processes(home: Path) -> list[int]:
             cmd, env = proc.info["cmdline"] or [], proc.info["environ"] or {}
         except (psutil.Error, OSError):
             continue
-        if "runtime" in cmd and env.get("DEPCTL_HOME") == str(home):
+        if "depctl_runtime" in cmd and env.get("DEPCTL_HOME") == str(home):
             left.append(proc.pid)
     return left
 

@@ -119,8 +119,8 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
 
 def in_process(spec: DeploymentSpec, prompts: list[str], max_tokens: int) -> tuple[float, int]:
     """The same engine, loaded and run in this process's main thread, one request at a time (plain decoding)."""
-    from runtime.backends.loader import load_deployment
-    from runtime.speculation import GenerationParams, generate
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.speculation import GenerationParams, generate
 
     loaded = load_deployment(spec)
     tok = loaded.tokenizer
@@ -142,7 +142,7 @@ def start_daemon(home: Path, deployments: tuple[str, ...] = ("bench",)) -> tuple
     env = {**os.environ, "DEPCTL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     log = open(home / "daemon.log", "ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "depctl_runtime", "--port", "0", "--log-level", "warning"],
         env=env,
         cwd=ROOT,
         stdout=log,

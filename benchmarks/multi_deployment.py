@@ -42,7 +42,7 @@ def measure(model: str, dtype: str, deployments: int, max_tokens: int) -> tuple[
         store.create(DeploymentSpec(id=f"d{i}", model=model, dtype=dtype))
     env = {**os.environ, "DEPCTL_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime", "--port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "depctl_runtime", "--port", "0", "--log-level", "warning"],
         env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,

@@ -10,7 +10,7 @@ batch of 8, 8x5 that batch verifying 4 drafts a row. Each precision loads the de
 loader's surgery, fused forward, its compile where it compiles), then times every shape with the compiled library
 attached and detached, the two interleaved run by run so a slow minute on a shared machine hits both; the table
 shows medians. The eager column is what a deployment with ``--no-compile`` runs. On CUDA the compiled column is
-the CUDA graphs' pass (``runtime.model.graphs``), whose one shape is the widest rows x tokens asked for.
+the CUDA graphs' pass (``depctl_runtime.model.graphs``), whose one shape is the widest rows x tokens asked for.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from runtime.backends.loader import load_deployment
-    from runtime.model.compiled import CompiledPass
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.model.compiled import CompiledPass
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = max(r for r, _ in shapes)

@@ -169,10 +169,10 @@ def overhead(args) -> None:
     """Per output token, constrained against unconstrained plain decoding in this process: each item is first
     decoded under its schema, then without it for exactly as many tokens (``ignore_eos``), so both runs decode the
     same number of tokens at the same context lengths; the decode time (prefill excluded) is compared."""
-    from runtime.backends import Constraint
-    from runtime.backends.loader import load_deployment
-    from runtime.backends.structured import compile_constraint
-    from runtime.speculation import GenerationParams, generate
+    from depctl_runtime.backends import Constraint
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.backends.structured import compile_constraint
+    from depctl_runtime.speculation import GenerationParams, generate
 
     loaded = load_deployment(DeploymentSpec(id="overhead", model=args.model, speculation=NoSpeculation()))
     tok, engine = loaded.tokenizer, loaded.engine

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
-from runtime.speculation import (
+from depctl_runtime.speculation import (
     EngineConfig,
     GenerationParams,
     NgramProposer,
@@ -60,7 +60,7 @@ from runtime.speculation import (
     SpeculativeEngine,
     SuffixProposer,
 )  # noqa: E402
-from runtime.speculation.proposers import PredictionTracker  # noqa: E402
+from depctl_runtime.speculation.proposers import PredictionTracker  # noqa: E402
 
 PROMPTS = prompts_dir()
 
@@ -344,7 +344,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of every row, interleaved; the median is shown")
     args = parser.parse_args()
 
-    from runtime.backends.loader import load_deployment
+    from depctl_runtime.backends.loader import load_deployment
 
     rows = max(int(c) for c in args.concurrency.split(","))
     spec = DeploymentSpec(

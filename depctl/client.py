@@ -91,7 +91,7 @@ def start_daemon(
 
 def _spawn(port: int | None, timeout: float, env: dict) -> tuple[DaemonInfo, bool]:
     log_path = config.daemon_log()
-    cmd = [sys.executable, "-m", "runtime"] + ([] if port is None else ["--port", str(port)])
+    cmd = [sys.executable, "-m", "depctl_runtime"] + ([] if port is None else ["--port", str(port)])
     with open(log_path, "ab") as log:
         log.write(f"\n--- depctl daemon starting {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
         log.flush()
@@ -106,7 +106,7 @@ def _spawn(port: int | None, timeout: float, env: dict) -> tuple[DaemonInfo, boo
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() == ALREADY_RUNNING:  # one started outside this lock (`python -m runtime` by hand)
+        if proc.poll() == ALREADY_RUNNING:  # one started outside this lock (`python -m depctl_runtime` by hand)
             info = daemon_info()
             if info is not None and _healthy(info):
                 return info, False

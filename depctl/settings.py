@@ -1,6 +1,6 @@
 """The daemon's settings: where it listens, its API key, and the limits that keep one request from hurting the rest.
 
-Each setting comes from a ``python -m runtime`` flag, else its environment variable, else the default below;
+Each setting comes from a ``python -m depctl_runtime`` flag, else its environment variable, else the default below;
 ``depctl daemon start`` takes the same flags and passes them on through the environment (so the key never shows in
 ``ps``). Every limit's error names the setting that raises it.
 """

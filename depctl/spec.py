@@ -116,7 +116,7 @@ class DeploymentSpec(_Strict):
     dtype: Dtype = "auto"
     quantization: Quantization = "none"
     # decode and verify passes compiled (a CPU) or recorded as CUDA graphs (a GPU) at load where that is faster and
-    # exact (runtime.backends.loader.compile_passes);
+    # exact (depctl_runtime.backends.loader.compile_passes);
     # with --engine vllm, false is vLLM's --enforce-eager
     compile: bool = True
     engine: Engine = "depctl"

@@ -1,4 +1,4 @@
-"""``python -m runtime``: the depctl daemon (``depctl daemon start`` runs this in the background).
+"""``python -m depctl_runtime``: the depctl daemon (``depctl daemon start`` runs this in the background).
 
 - **One daemon per home.** It holds ``$DEPCTL_HOME/daemon.lock`` (an OS file lock, released even on kill -9) for
   its whole life; a second one started on the same home reports the first and exits with ``ALREADY_RUNNING``.
@@ -57,7 +57,7 @@ def _remove_daemon_file() -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m runtime", description="the depctl runtime daemon")
+    parser = argparse.ArgumentParser(prog="python -m depctl_runtime", description="the depctl runtime daemon")
     parser.add_argument(
         "--port",
         type=int,
@@ -129,7 +129,7 @@ def _serve(settings: Settings, port: int) -> int:
 
     from sse_starlette.sse import AppStatus
 
-    from runtime.app import create_app
+    from depctl_runtime.app import create_app
 
     AppStatus.disable_automatic_graceful_drain()  # streams end through our drain (an error event, [DONE]), not cut
     app = create_app(settings=settings)

@@ -9,12 +9,12 @@ from fastapi import FastAPI
 from depctl import __version__
 from depctl.settings import Settings
 from depctl.store import SpecStore
-from runtime.api.errors import install_handlers
-from runtime.api.guard import Guard
-from runtime.api.metrics import Metrics
-from runtime.api.routes import router
-from runtime.api.serving import Service
-from runtime.manager import DeploymentManager
+from depctl_runtime.api.errors import install_handlers
+from depctl_runtime.api.guard import Guard
+from depctl_runtime.api.metrics import Metrics
+from depctl_runtime.api.routes import router
+from depctl_runtime.api.serving import Service
+from depctl_runtime.manager import DeploymentManager
 
 
 def create_app(

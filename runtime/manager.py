@@ -8,7 +8,7 @@ The daemon owns status; it never writes into a spec. States (as Fireworks and ds
     any -> DELETING -> (gone)         the spec file was removed; in-flight requests finish first
 
 A spec file that does not parse shows up as FAILED with the file and the problem, and touches no other
-deployment. What serves a deployment is its ``Backend`` (``runtime.backends``): depctl's own engine, or a supervised
+deployment. What serves a deployment is its ``Backend`` (``backends``): depctl's own engine, or a supervised
 vLLM server (a crash there is FAILED, then CREATING again as it restarts). A backend reports its life through its
 ``_Owner``; loads and server start-ups take turns so that two big models never load at once.
 Reconciling happens on a poll of the store (every ``POLL_SECONDS``) and at once when the CLI calls
@@ -28,10 +28,10 @@ from typing import Iterator
 
 from depctl.spec import DeploymentSpec, describe_engine, describe_speculation
 from depctl.store import SpecStore
-from runtime.backends import Backend, make_backend
-from runtime.backends.loader import load_deployment
-from runtime.backends.local import Loader
-from runtime.backends.vllm import reap_orphans
+from depctl_runtime.backends import Backend, make_backend
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.backends.local import Loader
+from depctl_runtime.backends.vllm import reap_orphans
 
 log = logging.getLogger("depctl.manager")
 
@@ -302,7 +302,7 @@ class _Turn:
 
 
 class _Owner:
-    """One backend's line to the manager (``runtime.backends.base.Owner``), for one generation of its deployment."""
+    """One backend's line to the manager (``backends.base.Owner``), for one generation of its deployment."""
 
     def __init__(self, manager: DeploymentManager, dep: Deployment, generation: int, spec: DeploymentSpec, t0: float):
         self.manager, self.dep, self.generation, self.spec, self.t0 = manager, dep, generation, spec, t0

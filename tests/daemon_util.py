@@ -1,4 +1,4 @@
-"""Run a real daemon (``python -m runtime``) in a subprocess for the end-to-end tests."""
+"""Run a real daemon (``python -m depctl_runtime``) in a subprocess for the end-to-end tests."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class DaemonProcess:
         (self.home / "daemon.json").unlink(missing_ok=True)
         self.log = open(self.home / "test-daemon.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime", "--port", "0"],
+            [sys.executable, "-m", "depctl_runtime", "--port", "0"],
             env=env,
             cwd=ROOT,
             stdout=self.log,

@@ -55,8 +55,8 @@ def test_the_installed_package_is_what_runs_and_ships_its_data(installed, tmp_pa
         tmp_path,
         "python",
         "-c",
-        "import depctl, runtime, depctl.workloads as w, runtime.kernels.native as n; "
-        "print(depctl.__file__); print(runtime.__file__); print(w.names()); "
+        "import depctl, depctl_runtime, depctl.workloads as w, depctl_runtime.kernels.native as n; "
+        "print(depctl.__file__); print(depctl_runtime.__file__); print(w.names()); "
         "print(all(p.is_file() for p in n.SOURCES))",
     )
     assert probe.returncode == 0, probe.stderr
@@ -107,3 +107,15 @@ def test_deployment_bench_runs_from_another_directory(installed, tmp_path, tiny_
         assert data["workload"] == "grounded" and data["prompts"] == 1 and data["identical_output"] is True
     finally:
         _run(installed, tmp_path, "depctl", "daemon", "stop")
+
+
+def test_a_package_named_runtime_in_the_working_directory_changes_nothing(installed, tmp_path):
+    # the bug: the runtime installed as the top-level `runtime`, so a user's own runtime/ package shadowed it
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "__init__.py").write_text("MINE = True\n")
+    for args in (("python", "-m", "depctl", "--help"), ("depctl", "daemon", "--help")):
+        proc = _run(installed, tmp_path, *args)
+        assert proc.returncode == 0, proc.stderr
+        assert "deployment" in proc.stdout or "start" in proc.stdout
+    probe = _run(installed, tmp_path, "python", "-c", "import runtime, depctl_runtime.app; print(runtime.MINE)")
+    assert probe.returncode == 0 and probe.stdout.strip() == "True", probe.stderr

@@ -17,7 +17,7 @@ import secrets
 from starlette.exceptions import HTTPException
 
 from depctl.settings import Settings, is_loopback
-from runtime.api.errors import APIError
+from depctl_runtime.api.errors import APIError
 
 OPEN_PATHS = ("/health",)
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}

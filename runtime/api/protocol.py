@@ -14,11 +14,11 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from depctl.spec import MAX_DRAFT_TOKENS
-from runtime.api.errors import APIError
-from runtime.backends import Constraint
-from runtime.backends.structured import schema_problem
-from runtime.speculation import SamplingParams
-from runtime.speculation.sampling import Penalties
+from depctl_runtime.api.errors import APIError
+from depctl_runtime.backends import Constraint
+from depctl_runtime.backends.structured import schema_problem
+from depctl_runtime.speculation import SamplingParams
+from depctl_runtime.speculation.sampling import Penalties
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.backends import Logprob
+from depctl_runtime.backends import Logprob
 
 
 def chat_logprobs(logprobs: list[Logprob] | tuple[Logprob, ...]) -> dict:

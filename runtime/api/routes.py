@@ -12,12 +12,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from runtime.api.errors import APIError
-from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.api.render import chat_logprobs, completion_logprobs
-from runtime.api.serving import Job, Service
-from runtime.api.tools import ToolCallParser, gather
-from runtime.manager import State
+from depctl_runtime.api.errors import APIError
+from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from depctl_runtime.api.render import chat_logprobs, completion_logprobs
+from depctl_runtime.api.serving import Job, Service
+from depctl_runtime.api.tools import ToolCallParser, gather
+from depctl_runtime.manager import State
 
 router = APIRouter()
 _END = object()

@@ -1,7 +1,7 @@
 """The serving layer between the routes and the backends: request -> job -> deltas -> OpenAI shapes.
 
 ``Service.run`` is an async generator on the event loop: it hands the job's ``GenerateRequest`` to the backend that
-checked it (``runtime.backends``) and passes on its ``Delta``s, recording metrics and usage; it never asks which
+checked it (``depctl_runtime.backends``) and passes on its ``Delta``s, recording metrics and usage; it never asks which
 engine answers. Leaving the generator early (the client went away) cancels the request.
 
 Building a job (chat template, tokenizing) runs on a worker thread, never on the event loop: a multi-megabyte prompt
@@ -23,13 +23,13 @@ from typing import AsyncIterator
 
 from depctl.settings import Settings
 from depctl.spec import describe_speculation
-from runtime.api.errors import APIError
-from runtime.api.metrics import Metrics
-from runtime.api.protocol import ChatCompletionRequest, CompletionRequest
-from runtime.api.tools import check_tool_support, history, tool_constraint
-from runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
-from runtime.manager import DeploymentManager, State
-from runtime.speculation import GenerationParams
+from depctl_runtime.api.errors import APIError
+from depctl_runtime.api.metrics import Metrics
+from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from depctl_runtime.api.tools import check_tool_support, history, tool_constraint
+from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
+from depctl_runtime.manager import DeploymentManager, State
+from depctl_runtime.speculation import GenerationParams
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
 

@@ -13,9 +13,9 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from runtime.api.errors import APIError
-from runtime.backends import Constraint
-from runtime.speculation.grammar import JSON_OPTIONS
+from depctl_runtime.api.errors import APIError
+from depctl_runtime.backends import Constraint
+from depctl_runtime.speculation.grammar import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')

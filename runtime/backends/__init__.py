@@ -1,10 +1,10 @@
 """Backends: what serves a deployment. ``make_backend`` picks one from the spec; everything above talks to the
-``Backend`` protocol (``runtime.backends.base``)."""
+``Backend`` protocol (``depctl_runtime.backends.base``)."""
 
 from __future__ import annotations
 
 from depctl.spec import DeploymentSpec
-from runtime.backends.base import (
+from depctl_runtime.backends.base import (
     Backend,
     BackendError,
     Constraint,
@@ -15,9 +15,9 @@ from runtime.backends.base import (
     Logprob,
     Owner,
 )
-from runtime.backends.loader import load_deployment
-from runtime.backends.local import Loader, LocalBackend
-from runtime.backends.vllm import VLLMBackend
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.backends.local import Loader, LocalBackend
+from depctl_runtime.backends.vllm import VLLMBackend
 
 
 def make_backend(spec: DeploymentSpec, owner: Owner, load_timeout: float, loader: Loader = load_deployment) -> Backend:

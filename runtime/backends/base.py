@@ -1,6 +1,6 @@
 """The seam between the daemon and an engine: what every backend offers, and what it hands back.
 
-A deployment holds one ``Backend``, made from its spec by ``runtime.backends.make_backend``. Routes, metrics and status
+A deployment holds one ``Backend``, made from its spec by ``backends.make_backend``. Routes, metrics and status
 talk to that protocol only; whether depctl's own engine or a supervised vLLM server answers is the backend's business.
 
 A backend reports its life to its ``Owner`` (the manager's side): it takes the load turn, says what it is doing,
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Literal, Protocol
 
 from depctl.spec import DeploymentSpec
-from runtime.speculation import GenerationParams
+from depctl_runtime.speculation import GenerationParams
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Interrupted(Exception):
 
 
 class Owner(Protocol):
-    """The manager's side of one backend: how it reports its life (see ``runtime.manager``)."""
+    """The manager's side of one backend: how it reports its life (see ``depctl_runtime.manager``)."""
 
     def load_turn(self) -> contextlib.AbstractContextManager[None]: ...
 

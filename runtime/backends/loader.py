@@ -19,8 +19,8 @@ import torch
 from depctl import config, models
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
-from runtime.kernels import native
-from runtime.kernels.surgery import (
+from depctl_runtime.kernels import native
+from depctl_runtime.kernels.surgery import (
     SplitKLinear,
     WeightMajorLinear,
     blocked_linears,
@@ -35,12 +35,18 @@ from runtime.kernels.surgery import (
     split_k_linears,
     weight_major_linears,
 )
-from runtime.model import compiled, graphs
-from runtime.model.decoder import fuse_projections
-from runtime.model.head import ScreenedHead, screen_output_layer
-from runtime.model.runner import ModelRunner
-from runtime.speculation import DraftModelProposer, EngineConfig, NgramProposer, SpeculativeEngine, SuffixProposer
-from runtime.speculation.grammar import GrammarCompiler
+from depctl_runtime.model import compiled, graphs
+from depctl_runtime.model.decoder import fuse_projections
+from depctl_runtime.model.head import ScreenedHead, screen_output_layer
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
+    DraftModelProposer,
+    EngineConfig,
+    NgramProposer,
+    SpeculativeEngine,
+    SuffixProposer,
+)
+from depctl_runtime.speculation.grammar import GrammarCompiler
 
 log = logging.getLogger("depctl.loader")
 
@@ -119,7 +125,7 @@ def _exact(runner: ModelRunner, make, failed: str, what: str, device: str) -> tu
 
 def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> Passes:
     """On CUDA: the target's decode and verify passes at one fixed shape, ``max_rows x width`` tokens (width = 1 +
-    the most drafts a row verifies), replayed from CUDA graphs (``runtime.model.graphs``) once proven exact on this
+    the most drafts a row verifies), replayed from CUDA graphs (``model.graphs``) once proven exact on this
     GPU; a draft model's one- and two-token forwards likewise (its output only proposes, so no check)."""
     if not runner.fused:
         return Passes(
@@ -308,8 +314,8 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
 
 def surgery(loaded: LoadedModel, exact: bool = True) -> None:
     """The loader's model surgery, explicit and in one place: fused projections for Llama-family models on any device
-    (``runtime.model.decoder``: the runner then steps our own forward), then on a CPU the module swaps that make it
-    fast and keep it exact (``runtime.kernels.surgery``). ``exact``: the model's numerics reach the output (a target),
+    (``model.decoder``: the runner then steps our own forward), then on a CPU the module swaps that make it
+    fast and keep it exact (``kernels.surgery``). ``exact``: the model's numerics reach the output (a target),
     so its products must not depend on how many rows share a pass; a draft's never do."""
     if loaded.device.type == "cpu":
         loaded.model = surgery_for(loaded.model, loaded.precision, exact)
@@ -326,7 +332,7 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     C++ ops build (else oneDNN linears where row-invariant, else weight-major linears: a handful of rows cost close
     to one), and with them, on a CPU with bf16 instructions, a target's output layer tied to its embeddings becomes a
     ``ScreenedHead`` (greedy choices without the full float32 product, once
-    the compiled passes switch it on: ``runtime.model.head``)."""
+    the compiled passes switch it on: ``depctl_runtime.model.head``)."""
     if fuse:
         fuse_projections(model)
     if precision == INT8_WEIGHTS:
@@ -352,7 +358,9 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
             split_k_linears(model, chunk)
         return model
     if native.available():  # our own row-invariant product (surgery.BlockedLinear), faster than oneDNN's here
-        if exact and cpu_has_bf16():  # greedy choices from a bf16 screen of the output layer (runtime.model.head)
+        if (
+            exact and cpu_has_bf16()
+        ):  # greedy choices from a bf16 screen of the output layer (depctl_runtime.model.head)
             screen_output_layer(model)
         blocked_linears(model)
     elif onednn_row_invariant():

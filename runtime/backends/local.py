@@ -10,12 +10,12 @@ from typing import AsyncIterator, Callable
 
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, describe_speculation
-from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
-from runtime.backends.detok import IncrementalDetokenizer, StopMatcher
-from runtime.backends.loader import LoadedDeployment, LoadError, load_deployment
-from runtime.backends.structured import compile_constraint
-from runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
-from runtime.speculation import SuffixProposer
+from depctl_runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
+from depctl_runtime.backends.detok import IncrementalDetokenizer, StopMatcher
+from depctl_runtime.backends.loader import LoadedDeployment, LoadError, load_deployment
+from depctl_runtime.backends.structured import compile_constraint
+from depctl_runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
+from depctl_runtime.speculation import SuffixProposer
 
 log = logging.getLogger("depctl.local")
 

@@ -10,8 +10,8 @@ import json
 
 import jsonschema
 
-from runtime.backends.base import BackendError, Constraint
-from runtime.speculation.grammar import Grammar, GrammarCompiler, GrammarError
+from depctl_runtime.backends.base import BackendError, Constraint
+from depctl_runtime.speculation.grammar import Grammar, GrammarCompiler, GrammarError
 
 
 def _refuse(constraint: Constraint, message: str) -> BackendError:

@@ -43,8 +43,8 @@ from depctl.engines import SERVER_MODULE, EngineEnv, require_vllm_env
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
 from depctl.vllm import engine_args
-from runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
-from runtime.backends.structured import vllm_structured_outputs
+from depctl_runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
+from depctl_runtime.backends.structured import vllm_structured_outputs
 
 log = logging.getLogger("depctl.vllm")
 
@@ -448,7 +448,7 @@ class VLLMBackend:
             return self._wait_healthy(what)
 
     def _command(self) -> tuple[list[str], dict]:
-        from runtime.backends.loader import MAX_CONTEXT_CAP, LoadError, pick_dtype
+        from depctl_runtime.backends.loader import MAX_CONTEXT_CAP, LoadError, pick_dtype
 
         spec = self.spec
         self.env = require_vllm_env()
@@ -634,7 +634,7 @@ def _kv_cache_gib(source: str, dtype: str, max_model_len: int, rows: int) -> int
     """GiB of KV cache for ``rows`` full-length requests (vLLM on a CPU reserves it up front; its default is 4)."""
     from transformers import AutoConfig
 
-    from runtime.backends.loader import kv_cache_bytes
+    from depctl_runtime.backends.loader import kv_cache_bytes
 
     try:
         kv = kv_cache_bytes(AutoConfig.from_pretrained(source), 4 if dtype == "float32" else 2, max_model_len * rows)

@@ -18,8 +18,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from runtime.backends.loader import LoadedDeployment
-from runtime.speculation import GenerationParams, Scheduler, Sequence
+from depctl_runtime.backends.loader import LoadedDeployment
+from depctl_runtime.speculation import GenerationParams, Scheduler, Sequence
 
 log = logging.getLogger("depctl.worker")
 

@@ -8,7 +8,7 @@
   differently (``blocked_refuse_amx`` is for tests).
 - ``CompiledPass(package, device_index)`` and ``run_pass(pass, inputs)``: a compiled pass's library, run without the
   GIL, which torch's own Python binding holds for the whole pass.
-- ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``runtime.model.head``).
+- ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``model.head``).
 
 Built for this CPU's vector instruction set with inductor's flags (``torch._inductor.cpu_vec_isa``), kept under the
 cache directory keyed by the sources and the torch build. It needs a C++ compiler (and ninja, a dependency); ``load``

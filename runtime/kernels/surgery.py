@@ -68,7 +68,7 @@ class OneDNNLinear(nn.Module):
     matmul does not, so no split-K is needed). So every product gets one more row, a copy of the first, whose result
     is dropped: every pass, a plain step or a verify, then rounds a row the same way, and speculation stays exact.
     The extra row is added unconditionally rather than only for one-row products, so the forward has no branch on
-    the row count and traces into one graph (``runtime.model.compiled``) that calls oneDNN directly.
+    the row count and traces into one graph (``depctl_runtime.model.compiled``) that calls oneDNN directly.
 
     The weight is reordered once, here, into oneDNN's blocked layout (``_reorder_linear_weight``), and that is the only
     copy kept (a ``weight`` buffer; the plain one goes with the module it came from): given a plain weight, oneDNN
@@ -137,7 +137,7 @@ def plain_stand_ins(model: nn.Module):
     """Inside: every ``OneDNNLinear``'s weight is an uninitialised plain tensor of its shape, for ``torch.export``,
     which
     cannot trace oneDNN's opaque tensors. The compiled library is built without its constants and borrows the
-    reordered weights at load (``runtime.model.compiled``): oneDNN's linear takes either. The stand-ins cost the
+    reordered weights at load (``depctl_runtime.model.compiled``): oneDNN's linear takes either. The stand-ins cost the
     weights' size in memory while a library is built (once per model and precision); a zero-stride stand-in would
     cost nothing, but the library then read it as a plain tensor (wrong logits: the compiled-vs-eager test caught
     it), and the meta device does not mix with the model's other tensors in a trace."""

@@ -9,7 +9,7 @@ sliding-window layer (Gemma 3, Qwen2 with ``use_sliding_window``) keeps full row
 
 It plugs into transformers through public interfaces only: a ``Cache`` subclass whose layers' ``update`` scatter
 the step's flat token stream into the rows, explicit ``position_ids``, and an attention function registered with
-``AttentionInterface`` that reads each row's keys (``runtime.model.attention``).
+``AttentionInterface`` that reads each row's keys (``depctl_runtime.model.attention``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import functools
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from runtime.model.attention import RowLayout
+from depctl_runtime.model.attention import RowLayout
 
 
 class SlotLayer(CacheLayerMixin):
@@ -51,7 +51,7 @@ class SlotLayer(CacheLayerMixin):
         else:  # advanced indices around a slice put the [T] dimension first: [T, kv_heads, head_dim]
             self.keys[step.rows, :, step.positions] = key_states[0].transpose(0, 1)
             self.values[step.rows, :, step.positions] = value_states[0].transpose(0, 1)
-        return self.keys, self.values  # all rows: the attention (runtime.model.attention) reads each its own
+        return self.keys, self.values  # all rows: the attention (depctl_runtime.model.attention) reads each its own
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._cache.get_seq_length(), 0
@@ -65,7 +65,7 @@ class SlotLayer(CacheLayerMixin):
 
 class _Step:
     """The forward in progress: its layout, and the cache row and position of every token of the flat stream (made
-    on first use: a CUDA graph's pass, ``runtime.model.graphs``, lays out its own and skips these copies)."""
+    on first use: a CUDA graph's pass, ``depctl_runtime.model.graphs``, lays out its own and skips these copies)."""
 
     def __init__(self, layout: RowLayout):
         self.layout = layout
@@ -101,7 +101,7 @@ class SlotCache(Cache):
 
     @torch.inference_mode()
     def reserve_scratch(self) -> int:
-        """Add one row past ``max_rows`` for padding to write into (``runtime.model.graphs``): no sequence owns it
+        """Add one row past ``max_rows`` for padding to write into (``model.graphs``): no sequence owns it
         and no token reads it. Returns its index."""
         if self.scratch is None:
             self.scratch = self.max_rows
@@ -114,7 +114,7 @@ class SlotCache(Cache):
 
     def begin(self, first: int, widths: list[int], device: torch.device, per_position: bool = False) -> RowLayout:
         """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens to the flat
-        stream. Returns the layout the attention needs (``runtime.model.attention``)."""
+        stream. Returns the layout the attention needs (``depctl_runtime.model.attention``)."""
         starts = [self.lengths[first + b] for b in range(len(widths))]
         offsets = [0]
         for w in widths:

@@ -1,4 +1,4 @@
-"""Compiled decode and verify passes: a fused model's forward (``runtime.model.decoder``) compiled ahead of time.
+"""Compiled decode and verify passes: a fused model's forward (``depctl_runtime.model.decoder``) compiled ahead of time.
 
 Why: on a CPU, between a step's matrix products sit ~20 small ops a layer (norms, RoPE, the cache write, residuals)
 and the Python that calls them; compiled, they become a few fused C++ loops and the products are called directly.
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.kernels import native, surgery
-from runtime.kernels.surgery import plain_stand_ins
-from runtime.model import attention, decoder
+from depctl_runtime.kernels import native, surgery
+from depctl_runtime.kernels.surgery import plain_stand_ins
+from depctl_runtime.model import attention, decoder
 
 log = logging.getLogger("depctl.compiled")
 
@@ -43,7 +43,7 @@ log = logging.getLogger("depctl.compiled")
 class _Pass(nn.Module):
     """What is exported: ``decoder.forward`` over cache tensors given as inputs, one [rows, kv_heads, capacity, dim]
     pair per layer, up to the final norm: the output layer runs outside the library, where a greedy pass can screen
-    it (``runtime.model.head``) and a sampling row computes it in full."""
+    it (``depctl_runtime.model.head``) and a sampling row computes it in full."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from runtime.model.attention import RowLayout, rows_attention
+from depctl_runtime.model.attention import RowLayout, rows_attention
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -140,7 +140,7 @@ def forward(
 
     attend(i, attn, q, k, v) -> [1, T, heads, dim]: writes layer i's new keys and values into the cache and attends
     over it. Its owner decides how: ``cache_attention`` (eager, the ``SlotCache``'s own update) or the compiled pass
-    (``runtime.model.compiled``); the rest of the layer is this one body either way."""
+    (``depctl_runtime.model.compiled``); the rest of the layer is this one body either way."""
     inner = model.model
     x = inner.embed_tokens(input_ids)[None]  # [1, T, hidden]
     cos, sin = inner.rotary_emb(x, positions[None])  # [1, T, dim] each

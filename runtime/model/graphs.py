@@ -15,7 +15,7 @@ A graph replays exactly the shapes and addresses it recorded, so a pass must loo
   next to the weights at chat lengths.
 - **Attention over the cache as it is**, not gathered: grid row b reads cache row b's keys ``[0, capacity)`` through a
   mask (a token sees its row up to its own position), with grouped heads folded into the query length as the eager
-  path does (``runtime.model.attention._attend``). Padding tokens write their keys into the cache's scratch row
+  path does (``depctl_runtime.model.attention._attend``). Padding tokens write their keys into the cache's scratch row
   (``SlotCache.reserve_scratch``), which nothing reads; padding grid rows read other rows' caches and are dropped.
 - **Static inputs.** Token ids, positions, cache rows and mask limits live in device buffers the graph reads; a call
   fills them (one small host-to-device copy) and replays. The cache's tensors are replaced when it grows (capacity
@@ -32,7 +32,7 @@ import logging
 
 import torch
 
-from runtime.model import decoder
+from depctl_runtime.model import decoder
 
 log = logging.getLogger("depctl.graphs")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.kernels.surgery import BlockedLinear, OneDNNLinear
+from depctl_runtime.kernels.surgery import BlockedLinear, OneDNNLinear
 
 
 class ScreenedHead(nn.Module):

@@ -16,11 +16,11 @@ from typing import Protocol
 
 import torch
 
-from runtime.kernels.surgery import Int8WeightLinear, prefill_pass
-from runtime.model import decoder
-from runtime.model.attention import NAME as ROWS_ATTENTION
-from runtime.model.cache import SlotCache
-from runtime.model.head import ScreenedHead
+from depctl_runtime.kernels.surgery import Int8WeightLinear, prefill_pass
+from depctl_runtime.model import decoder
+from depctl_runtime.model.attention import NAME as ROWS_ATTENTION
+from depctl_runtime.model.cache import SlotCache
+from depctl_runtime.model.head import ScreenedHead
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ class ModelRunner:
         # The cache's rows are read by our attention function (a ragged stream needs per-row attention). A public
         # switch, not a patch: model.generate() on the same object still runs transformers' SDPA attention.
         model.set_attn_implementation(ROWS_ATTENTION)
-        # a model the loader fused (runtime.model.decoder) is stepped through our own forward, not transformers'
+        # a model the loader fused (depctl_runtime.model.decoder) is stepped through our own forward, not transformers'
         self.fused = decoder.is_fused(model)
         # transformers 5.24 renamed the forward's cache argument (``past_key_values`` -> ``cache``, the old name
         # deprecated): pass it under the name this version reads
@@ -154,7 +154,7 @@ class ModelRunner:
 
 class FastPass(Protocol):
     """A decode and verify pass faster than the eager one, proven exact against it at load: a compiled library
-    (``runtime.model.compiled``) or CUDA graphs (``runtime.model.graphs``). Prompt chunks always run eagerly."""
+    (``model.compiled``) or CUDA graphs (``model.graphs``). Prompt chunks always run eagerly."""
 
     returns_hidden: bool  # the final norm's output (the runner applies the output layer), else logits
 
@@ -170,7 +170,7 @@ class FastPass(Protocol):
 class Scores:
     """What a pass gives the engine: each token's greedy choice (``argmax``, the step's host sync) and, for the rows
     that sample, logits (``logits``). The output layer is applied here, not in the pass: a float32 target's
-    ``ScreenedHead`` chooses greedy tokens without the full float32 product (``runtime.model.head``), so a greedy
+    ``ScreenedHead`` chooses greedy tokens without the full float32 product (``depctl_runtime.model.head``), so a greedy
     step never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
     whatever rows are beside it: ``surgery.BlockedLinear``)."""
 

@@ -1,11 +1,17 @@
 """The speculative engine: batched steps over token ids. It knows nothing of HTTP, text or tokenizers."""
 
-from runtime.speculation.engine import EngineConfig, SpeculativeEngine
-from runtime.speculation.proposers import DraftModelProposer, NgramProposer, Proposer, SuffixProposer, ngram_propose
-from runtime.speculation.sampling import SamplingParams
-from runtime.speculation.scheduler import Scheduler, generate
-from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
-from runtime.speculation.stats import SpecDecodeStats
+from depctl_runtime.speculation.engine import EngineConfig, SpeculativeEngine
+from depctl_runtime.speculation.proposers import (
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    SuffixProposer,
+    ngram_propose,
+)
+from depctl_runtime.speculation.sampling import SamplingParams
+from depctl_runtime.speculation.scheduler import Scheduler, generate
+from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from depctl_runtime.speculation.stats import SpecDecodeStats
 
 __all__ = [
     "DraftModelProposer",

@@ -16,14 +16,14 @@ from typing import Sequence as Seq
 
 import torch
 
-from runtime.model.runner import ModelRunner, greedy
-from runtime.speculation.grammar import RowGrammar
-from runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
-from runtime.speculation.proposers import DraftModelProposer, PredictionTracker, Proposer
-from runtime.speculation.sampling import probs_from_logits, token_logprobs
-from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
-from runtime.speculation.stats import SpecDecodeStats
-from runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
+from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.speculation.grammar import RowGrammar
+from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
+from depctl_runtime.speculation.proposers import DraftModelProposer, PredictionTracker, Proposer
+from depctl_runtime.speculation.sampling import probs_from_logits, token_logprobs
+from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from depctl_runtime.speculation.stats import SpecDecodeStats
+from depctl_runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Protocol, Sequence, Union
 import numpy as np
 import torch
 
-from runtime.model.runner import ModelRunner, greedy
-from runtime.speculation.sampling import probs_from_logits
-from runtime.speculation.suffix import SuffixIndex
+from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.speculation.sampling import probs_from_logits
+from depctl_runtime.speculation.suffix import SuffixIndex
 
 CONTEXT_LOOKBACK = 64  # how far back a candidate match's agreement with the current suffix is measured
 
@@ -202,7 +202,7 @@ class NgramProposer:
 
 
 class SuffixProposer:
-    """Suffix speculation over this deployment's recent traffic (``runtime.speculation.suffix``): each request's tokens
+    """Suffix speculation over this deployment's recent traffic (``speculation.suffix``): each request's tokens
     are indexed as it runs (the new tail, every step it drafts, and all of it when it finishes)."""
 
     name = "suffix"

@@ -5,7 +5,7 @@
   iteration, before the running batch's step: running streams keep producing while a long prompt is read, at the
   cost of one chunk's time per step. A separate pass rather than the chunk mixed into the batch's stream: a batch
   whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a call per
-  row (``runtime.model.attention``), and a 128-token chunk would make every step ragged. With nothing running, every
+  row (``model.attention``), and a 128-token chunk would make every step ragged. With nothing running, every
   chunk is read in the same iteration. A prompt is cut in the same places whatever the load: the cache a chunk leaves
   depends on where it was cut (the chunks' products round differently), so a request's output cannot depend on when
   it arrived. The last chunk's logits give the request its first token, and
@@ -13,7 +13,7 @@
 - A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
   always rows 0..B-1 of every cache and a pass never touches an idle row.
 
-The scheduler is not thread-safe: one thread owns it and its engine (see ``runtime.backends.worker``).
+The scheduler is not thread-safe: one thread owns it and its engine (see ``depctl_runtime.backends.worker``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import deque
 from typing import Iterator
 from typing import Sequence as Seq
 
-from runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 
 PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: a couple of decode steps' time
 

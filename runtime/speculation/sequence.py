@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.speculation.grammar import Grammar, RowGrammar
-from runtime.speculation.policy import RequestAcceptance
-from runtime.speculation.proposers import PredictionTracker
-from runtime.speculation.sampling import Penalties, SamplingParams, TokenLogprob
+from depctl_runtime.speculation.grammar import Grammar, RowGrammar
+from depctl_runtime.speculation.policy import RequestAcceptance
+from depctl_runtime.speculation.proposers import PredictionTracker
+from depctl_runtime.speculation.sampling import Penalties, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def test_daemon_refuses_bad_settings_before_binding(depctl_home):
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "runtime", "--port", "0", "--max-body-bytes", "12"],
+        [sys.executable, "-m", "depctl_runtime", "--port", "0", "--max-body-bytes", "12"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,9 +12,9 @@ import pytest
 from depctl import models
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.backends.loader import quantize_int8
-from runtime.model.runner import ModelRunner
-from runtime.speculation import (
+from depctl_runtime.backends.loader import quantize_int8
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,
@@ -134,7 +134,7 @@ def test_gguf_file_source(smollm2, tmp_path):
 
 
 def test_gil_free_encode_equals_the_tokenizer(loaded):
-    from runtime.api.serving import encode
+    from depctl_runtime.api.serving import encode
 
     tokenizer = loaded[1]
     chat = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
@@ -159,12 +159,12 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.backends.loader import INT8_WEIGHTS, PassKind, compile_passes, cpu_has_bf16, surgery_for
-    from runtime.kernels import native
-    from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
-    from runtime.model.decoder import is_fused
-    from runtime.model.head import ScreenedHead
-    from runtime.speculation import Scheduler
+    from depctl_runtime.backends.loader import INT8_WEIGHTS, PassKind, compile_passes, cpu_has_bf16, surgery_for
+    from depctl_runtime.kernels import native
+    from depctl_runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
+    from depctl_runtime.model.decoder import is_fused
+    from depctl_runtime.model.head import ScreenedHead
+    from depctl_runtime.speculation import Scheduler
 
     precision, _, compiled = precision.partition(", ")
     if precision == "bfloat16" and not cpu_has_bf16():

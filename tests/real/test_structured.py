@@ -10,12 +10,12 @@ import jsonschema
 import pytest
 
 from depctl import models
-from runtime.api.errors import APIError
-from runtime.api.tools import ToolCallParser, check_tool_support, gather, tool_constraint
-from runtime.backends import Constraint
-from runtime.backends.structured import compile_constraint
-from runtime.model.runner import ModelRunner
-from runtime.speculation import (
+from depctl_runtime.api.errors import APIError
+from depctl_runtime.api.tools import ToolCallParser, check_tool_support, gather, tool_constraint
+from depctl_runtime.backends import Constraint
+from depctl_runtime.backends.structured import compile_constraint
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,
@@ -24,7 +24,7 @@ from runtime.speculation import (
     SuffixProposer,
     generate,
 )
-from runtime.speculation.grammar import GrammarCompiler
+from depctl_runtime.speculation.grammar import GrammarCompiler
 
 pytestmark = pytest.mark.real_model
 

@@ -169,7 +169,7 @@ def _daemon_pids(home) -> list[int]:
             env = proc.info["environ"] or {}
         except (psutil.Error, OSError):
             continue
-        if cmd[-3:-2] == ["runtime"] or "runtime" in cmd[1:3]:
+        if "depctl_runtime" in cmd[1:3]:
             if env.get("DEPCTL_HOME") == str(home):
                 pids.append(proc.pid)
     return pids
@@ -195,7 +195,7 @@ def test_one_daemon_per_home_however_many_start_at_once(depctl_home, monkeypatch
         # a daemon started by hand on the same home refuses, naming the running one
         info = json.loads((depctl_home / "daemon.json").read_text())
         hand = subprocess.run(
-            [sys.executable, "-m", "runtime", "--port", "0"],
+            [sys.executable, "-m", "depctl_runtime", "--port", "0"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -10,9 +10,9 @@ import pytest
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.backends.loader import load_deployment
-from runtime.manager import DeploymentManager, State
-from runtime.speculation import GenerationParams
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.manager import DeploymentManager, State
+from depctl_runtime.speculation import GenerationParams
 
 
 def _spec(dep_id, model, **kw):

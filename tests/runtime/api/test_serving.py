@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from runtime.api.serving import encode
+from depctl_runtime.api.serving import encode
 from tests.tiny import byte_tokenizer
 
 
@@ -51,8 +51,8 @@ def test_a_stopping_daemon_still_says_which_deployments_do_not_exist():
 
     import pytest
 
-    from runtime.api.errors import APIError
-    from runtime.api.serving import Service
+    from depctl_runtime.api.errors import APIError
+    from depctl_runtime.api.serving import Service
 
     deps = {"real": SimpleNamespace(id="real")}
     service = Service(SimpleNamespace(get=deps.get), metrics=None)

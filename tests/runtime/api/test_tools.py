@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runtime.api.tools import ToolCallParser, call_schema, gather
+from depctl_runtime.api.tools import ToolCallParser, call_schema, gather
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
 TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_time")

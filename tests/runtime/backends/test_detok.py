@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.backends.detok import IncrementalDetokenizer, StopMatcher
+from depctl_runtime.backends.detok import IncrementalDetokenizer, StopMatcher
 from tests.tiny import byte_tokenizer
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from depctl.spec import DeploymentSpec
-from runtime.backends import loader
-from runtime.backends.loader import LoadError, check_memory, estimate_bytes, load_deployment
-from runtime.kernels.surgery import row_invariant_chunk
+from depctl_runtime.backends import loader
+from depctl_runtime.backends.loader import LoadError, check_memory, estimate_bytes, load_deployment
+from depctl_runtime.kernels.surgery import row_invariant_chunk
 
 
 def test_estimate_counts_weights_and_kv_cache(tiny_model_dir):
@@ -62,7 +62,7 @@ def test_int8_draft_loads_quantized(tiny_model_dir, tiny_draft_dir):
 
 
 def test_int8_target_loads_weight_only_int8_in_bf16(tiny_model_dir):
-    from runtime.kernels.surgery import Int8WeightLinear
+    from depctl_runtime.kernels.surgery import Int8WeightLinear
 
     spec = DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8")
     loaded = load_deployment(spec, calibrate=False)
@@ -79,7 +79,7 @@ def test_int8_target_is_refused_on_cuda_with_what_to_change():
 
 
 def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny_model_dir, tmp_path, monkeypatch):
-    from runtime.kernels.surgery import int8_row_invariant
+    from depctl_runtime.kernels.surgery import int8_row_invariant
 
     if not int8_row_invariant():
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: int8 targets are refused")
@@ -109,8 +109,8 @@ def test_other_precisions_stay_eager_and_say_why(tiny_model_dir):
 
 
 def test_a_compile_that_fails_leaves_the_eager_pass_and_the_deployment_serves(tiny_model_dir, tmp_path, monkeypatch):
-    from runtime.kernels.surgery import int8_row_invariant
-    from runtime.model import compiled
+    from depctl_runtime.kernels.surgery import int8_row_invariant
+    from depctl_runtime.model import compiled
 
     if not int8_row_invariant():
         pytest.skip("this CPU's int8 weight kernel is not row-invariant: int8 targets are refused")
@@ -134,9 +134,9 @@ def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_di
     """The build traces over plain stand-ins of oneDNN's reordered weights (a bf16 target's on a CPU without AVX-512
     BF16, made so here), the weights' size again: with less memory free than that, the deployment runs eagerly and
     says why, rather than meeting the OOM killer mid-build."""
-    from runtime.kernels import native
-    from runtime.kernels.surgery import onednn_row_invariant
-    from runtime.model import compiled
+    from depctl_runtime.kernels import native
+    from depctl_runtime.kernels.surgery import onednn_row_invariant
+    from depctl_runtime.model import compiled
 
     if not onednn_row_invariant(torch.bfloat16):
         pytest.skip("no row-invariant oneDNN bf16 linear here: no product is traced over stand-ins")
@@ -158,8 +158,8 @@ def test_a_float_build_that_would_not_fit_in_memory_is_not_started(tiny_model_di
 
 def _graph_runners(tiny_model_dir, tiny_draft_dir, rows: int = 4):
     """A target and a draft runner as load_deployment builds them for a GPU, here on the CPU (the fixed-shape passes
-    then run without recording: ``runtime.model.graphs``)."""
-    from runtime.model.runner import ModelRunner
+    then run without recording: ``depctl_runtime.model.graphs``)."""
+    from depctl_runtime.model.runner import ModelRunner
 
     runners = []
     for path in (tiny_model_dir, tiny_draft_dir):
@@ -179,7 +179,7 @@ def test_the_gpu_path_puts_target_and_draft_on_fixed_shapes_once_they_check_exac
 
 
 def test_the_gpu_path_falls_back_to_eager_and_says_why(tiny_model_dir, tiny_draft_dir, monkeypatch):
-    from runtime.model import compiled, graphs
+    from depctl_runtime.model import compiled, graphs
 
     target, draft = _graph_runners(tiny_model_dir, tiny_draft_dir)
     monkeypatch.setattr(compiled, "check", lambda runner: False)
@@ -204,7 +204,7 @@ def test_the_gpu_path_falls_back_to_eager_and_says_why(tiny_model_dir, tiny_draf
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
 def test_a_cuda_deployment_replays_its_passes_from_graphs_and_stays_exact(tiny_model_dir, tiny_draft_dir):
     from depctl.spec import DraftModelSpeculation
-    from runtime.speculation import GenerationParams, generate
+    from depctl_runtime.speculation import GenerationParams, generate
 
     spec = DeploymentSpec(
         id="g",

@@ -8,11 +8,11 @@ import queue
 import threading
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
-from runtime.backends.loader import load_deployment
-from runtime.backends.local import LocalBackend
-from runtime.backends.worker import EngineHost
-from runtime.kernels.surgery import BlockedLinear, OneDNNLinear, WeightMajorLinear
-from runtime.speculation import GenerationParams
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.backends.local import LocalBackend
+from depctl_runtime.backends.worker import EngineHost
+from depctl_runtime.kernels.surgery import BlockedLinear, OneDNNLinear, WeightMajorLinear
+from depctl_runtime.speculation import GenerationParams
 
 
 class RecordingOwner:

@@ -18,7 +18,7 @@ import pytest
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from runtime.backends.vllm import parse_metrics, reap_orphans, run_dir, stats_from_metrics
+from depctl_runtime.backends.vllm import parse_metrics, reap_orphans, run_dir, stats_from_metrics
 from tests.daemon_util import DaemonProcess
 
 FAKE = Path(__file__).parent / "fake_vllm"

@@ -1,4 +1,4 @@
-"""depctl's C++ ops (runtime.kernels.native): built with torch's extension builder, the attention the eager pass
+"""depctl's C++ ops (depctl_runtime.kernels.native): built with torch's extension builder, the attention the eager pass
 computes (to rounding), a token's bits independent of the rest of its pass, and a clear reason where they cannot be
 built."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from runtime.kernels import native
-from runtime.model.attention import RowLayout, rows_attention
+from depctl_runtime.kernels import native
+from depctl_runtime.model.attention import RowLayout, rows_attention
 
 
 @pytest.fixture(scope="module")

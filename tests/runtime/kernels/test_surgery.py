@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.kernels.surgery import SplitKLinear, WeightMajorLinear, row_invariant_chunk, split_k_linears
+from depctl_runtime.kernels.surgery import SplitKLinear, WeightMajorLinear, row_invariant_chunk, split_k_linears
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -58,7 +58,7 @@ def test_weight_major_linear_keeps_the_weights():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_weight_linear_is_close_to_the_linear_and_row_invariant(bias):
-    from runtime.kernels.surgery import Int8WeightLinear, int8_row_invariant
+    from depctl_runtime.kernels.surgery import Int8WeightLinear, int8_row_invariant
 
     torch.manual_seed(0)
     linear = nn.Linear(576, 320, bias=bias)
@@ -82,7 +82,7 @@ def test_int8_weight_linear_is_close_to_the_linear_and_row_invariant(bias):
 
 
 def test_int8_weight_linears_swaps_every_linear():
-    from runtime.kernels.surgery import Int8WeightLinear, int8_weight_linears
+    from depctl_runtime.kernels.surgery import Int8WeightLinear, int8_weight_linears
 
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).to(torch.bfloat16)
     assert int8_weight_linears(model) == 2
@@ -93,7 +93,7 @@ def test_int8_weight_linears_swaps_every_linear():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bias, dtype):
-    from runtime.kernels.surgery import OneDNNLinear, onednn_row_invariant
+    from depctl_runtime.kernels.surgery import OneDNNLinear, onednn_row_invariant
 
     torch.manual_seed(0)
     linear = nn.Linear(1536, 320, bias=bias).to(dtype)
@@ -118,7 +118,7 @@ def test_onednn_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(bi
 
 @pytest.fixture(scope="module")
 def native_ops():
-    from runtime.kernels import native
+    from depctl_runtime.kernels import native
 
     try:
         native.load()
@@ -133,7 +133,7 @@ KERNELS = [(torch.float32, "fma"), (torch.bfloat16, "avx512-bf16"), (torch.bfloa
 def kernel(native_ops):
     """use(dtype, name): run the blocked product for ``dtype`` through kernel ``name`` for the rest of the test (a CPU
     with AMX runs both bf16 kernels, one at a time), or skip where this CPU does not have it."""
-    from runtime.kernels import native
+    from depctl_runtime.kernels import native
 
     def use(dtype, name):
         if not native.blocked_supports(dtype):
@@ -152,7 +152,7 @@ def kernel(native_ops):
 def test_blocked_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(
     kernel, out_features, in_features, bias, dtype, name
 ):
-    from runtime.kernels.surgery import BlockedLinear
+    from depctl_runtime.kernels.surgery import BlockedLinear
 
     kernel(dtype, name)
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def test_blocked_linear_is_the_linear_and_rounds_a_row_alike_for_any_row_count(
 
 @pytest.mark.parametrize("dtype, name", KERNELS)
 def test_blocked_linear_spreads_a_product_over_torchs_threads_with_the_same_bits(kernel, dtype, name):
-    from runtime.kernels.surgery import BlockedLinear
+    from depctl_runtime.kernels.surgery import BlockedLinear
 
     kernel(dtype, name)
     torch.manual_seed(0)
@@ -197,7 +197,7 @@ def test_blocked_linear_spreads_a_product_over_torchs_threads_with_the_same_bits
 
 
 def test_blocked_linear_refuses_a_weight_it_did_not_pack(native_ops):
-    from runtime.kernels.surgery import BlockedLinear
+    from depctl_runtime.kernels.surgery import BlockedLinear
 
     fast = BlockedLinear(nn.Linear(64, 32))
     with pytest.raises(RuntimeError, match="pack_blocked"):
@@ -211,9 +211,9 @@ def test_blocked_linear_refuses_a_weight_it_did_not_pack(native_ops):
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ops_build", [True, False])
 def test_the_float_surgery_is_picked_by_what_the_machine_does(monkeypatch, precision, ops_build):
-    from runtime.backends.loader import surgery_for
-    from runtime.kernels import native
-    from runtime.kernels.surgery import BlockedLinear, OneDNNLinear, onednn_row_invariant, products
+    from depctl_runtime.backends.loader import surgery_for
+    from depctl_runtime.kernels import native
+    from depctl_runtime.kernels.surgery import BlockedLinear, OneDNNLinear, onednn_row_invariant, products
 
     dtype = getattr(torch, precision)
     if dtype == torch.bfloat16 and not onednn_row_invariant(dtype) and row_invariant_chunk(dtype) is None:
@@ -250,7 +250,7 @@ def test_the_float_surgery_is_picked_by_what_the_machine_does(monkeypatch, preci
 
 
 def test_products_names_each_kernel_once_per_product():
-    from runtime.kernels.surgery import Int8WeightLinear, products
+    from depctl_runtime.kernels.surgery import Int8WeightLinear, products
 
     model = nn.Sequential(
         nn.Linear(64, 64), Int8WeightLinear(nn.Linear(64, 32), torch.bfloat16), nn.ReLU(), nn.Linear(32, 8)
@@ -260,8 +260,8 @@ def test_products_names_each_kernel_once_per_product():
 
 
 def test_int8_prompt_chunks_take_the_dequantized_path_only_inside_a_prefill_pass():
-    from runtime.kernels import surgery
-    from runtime.kernels.surgery import Int8WeightLinear, prefill_pass
+    from depctl_runtime.kernels import surgery
+    from depctl_runtime.kernels.surgery import Int8WeightLinear, prefill_pass
 
     torch.manual_seed(0)
     q = Int8WeightLinear(nn.Linear(576, 320), torch.bfloat16)

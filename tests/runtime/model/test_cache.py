@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model.runner import ModelRunner
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, generate
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    Scheduler,
+    SpeculativeEngine,
+    generate,
+)
 from tests.tiny import VOCAB, tiny_llama
 
 WINDOW = 8

@@ -1,4 +1,4 @@
-"""Compiled decode and verify passes (runtime.model.compiled): exact, shared weights, one graph, cached."""
+"""Compiled decode and verify passes (depctl_runtime.model.compiled): exact, shared weights, one graph, cached."""
 
 from __future__ import annotations
 
@@ -8,12 +8,19 @@ import time
 import pytest
 import torch
 
-from runtime.backends.loader import COMPILED_PRECISIONS, INT8_WEIGHTS, surgery_for
-from runtime.kernels import native
-from runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
-from runtime.model import compiled
-from runtime.model.runner import ModelRunner
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, generate
+from depctl_runtime.backends.loader import COMPILED_PRECISIONS, INT8_WEIGHTS, surgery_for
+from depctl_runtime.kernels import native
+from depctl_runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
+from depctl_runtime.model import compiled
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    Scheduler,
+    SpeculativeEngine,
+    generate,
+)
 from tests.tiny import tiny_llama
 
 RUNS = {  # the precisions the loader compiles, and what each needs of this CPU

@@ -1,4 +1,4 @@
-"""Our own Llama-family forward (runtime.model.decoder): fused projections, the same model."""
+"""Our own Llama-family forward (depctl_runtime.model.decoder): fused projections, the same model."""
 
 from __future__ import annotations
 
@@ -7,9 +7,16 @@ import copy
 import pytest
 import torch
 
-from runtime.model.decoder import FusedAttention, FusedMLP, fuse_projections, is_fused, supports
-from runtime.model.runner import ModelRunner
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, Scheduler, SpeculativeEngine, generate
+from depctl_runtime.model.decoder import FusedAttention, FusedMLP, fuse_projections, is_fused, supports
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
+    EngineConfig,
+    GenerationParams,
+    NgramProposer,
+    Scheduler,
+    SpeculativeEngine,
+    generate,
+)
 from tests.runtime.model.test_cache import tiny_gemma3, tiny_qwen2_sliding
 from tests.tiny import VOCAB, tiny_llama
 
@@ -121,8 +128,8 @@ def test_speculation_over_the_fused_forward_is_exact_alone_and_batched():
 
 def test_the_loader_fuses_before_the_precision_surgery(tiny_model_dir):
     from depctl.spec import DeploymentSpec
-    from runtime.backends.loader import load_deployment
-    from runtime.kernels.surgery import Int8WeightLinear
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.kernels.surgery import Int8WeightLinear
 
     loaded = load_deployment(
         DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", quantization="int8"), calibrate=False

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.backends.loader import LoadError, cpu_bf16_exact, cpu_has_bf16, pick_device, pick_dtype
-from runtime.model.runner import ModelRunner
-from runtime.speculation import (
+from depctl_runtime.backends.loader import LoadError, cpu_bf16_exact, cpu_has_bf16, pick_device, pick_dtype
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,

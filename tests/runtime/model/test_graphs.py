@@ -1,4 +1,4 @@
-"""Fixed-shape passes and their CUDA graphs (runtime.model.graphs).
+"""Fixed-shape passes and their CUDA graphs (depctl_runtime.model.graphs).
 
 The padded pass is device-independent, so its bookkeeping (the grid, the scratch row, the mask, what falls back to
 the eager pass) is tested on any machine with ``capture=False``; recording and replaying need a GPU and skip, with the
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model import compiled
-from runtime.model.decoder import fuse_projections
-from runtime.model.graphs import FixedShapePass
-from runtime.model.runner import ModelRunner
-from runtime.speculation import (
+from depctl_runtime.model import compiled
+from depctl_runtime.model.decoder import fuse_projections
+from depctl_runtime.model.graphs import FixedShapePass
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,

@@ -1,4 +1,4 @@
-"""A float32 target's output layer screened in bf16 (runtime.model.head, depctl_native::screened_argmax): it finds
+"""A float32 target's output layer screened in bf16 (runtime/model/head.py, depctl_native::screened_argmax): it finds
 the float32 winner where bf16 alone picks another, chooses a token alike whatever else is in the pass, keeps
 speculation exact, and spares greedy steps the full product."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.backends.loader import cpu_has_bf16, surgery_for
-from runtime.kernels import native
-from runtime.model.head import ScreenedHead, screen_output_layer
-from runtime.model.runner import ModelRunner
-from runtime.speculation import EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
-from runtime.speculation.sampling import SamplingParams
+from depctl_runtime.backends.loader import cpu_has_bf16, surgery_for
+from depctl_runtime.kernels import native
+from depctl_runtime.model.head import ScreenedHead, screen_output_layer
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
+from depctl_runtime.speculation.sampling import SamplingParams
 from tests.runtime.model.test_compiled import assert_speculation_is_exact
 from tests.runtime.model.test_decoder import tiny_qwen2
 from tests.tiny import tiny_llama

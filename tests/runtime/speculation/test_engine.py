@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from runtime.backends.loader import quantize_int8
-from runtime.model.runner import ModelRunner
-from runtime.speculation import (
+from depctl_runtime.backends.loader import quantize_int8
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,
@@ -19,7 +19,7 @@ from runtime.speculation import (
     SuffixProposer,
     generate,
 )
-from runtime.speculation.engine import DraftSource
+from depctl_runtime.speculation.engine import DraftSource
 
 EOS = 258
 # prompts with repeats (the n-gram proposer hits) and without (it misses)
@@ -275,7 +275,7 @@ def test_calibration_measures_every_pass_width_a_request_can_verify(target):
 def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_exact(target, dtype):
     # what --dtype bfloat16 (auto on CPUs with bf16 instructions) runs: the loader's split-K surgery, and the runner
     # attends a verify pass position by position; speculation gives exactly the plain tokens of the same model
-    from runtime.backends.loader import surgery_for
+    from depctl_runtime.backends.loader import surgery_for
 
     model = surgery_for(copy.deepcopy(target).to(dtype), str(dtype).removeprefix("torch."), exact=True)
     plain_engine = make(model)
@@ -290,7 +290,7 @@ def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_ex
 def test_a_greedy_step_asks_for_no_rows_logits_unless_logprobs_are_wanted(target, monkeypatch):
     # a float32 target's screened head picks greedy tokens without the full output layer: asking a row for its
     # logits (as logprobs need) pays for that layer, so only requests that want logprobs may ask
-    from runtime.model import runner
+    from depctl_runtime.model import runner
 
     asked = []
     logits = runner.Scores.logits

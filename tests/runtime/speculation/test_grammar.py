@@ -11,9 +11,9 @@ import jsonschema
 import pytest
 import torch
 
-from runtime.speculation import GenerationParams, SamplingParams, Scheduler, generate
-from runtime.speculation.grammar import GrammarCompiler, GrammarError
-from runtime.speculation.sampling import Penalties
+from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler, generate
+from depctl_runtime.speculation.grammar import GrammarCompiler, GrammarError
+from depctl_runtime.speculation.sampling import Penalties
 from tests.runtime.speculation.test_scheduler import drive, engine_for
 from tests.tiny import VOCAB, byte_tokenizer
 
@@ -178,7 +178,7 @@ def _same_state(row, reference):
     ],
 )
 def test_greedy_verification_leaves_the_matcher_where_it_started(compiler, drafts, argmax, accepted, token):
-    from runtime.speculation.engine import SpeculativeEngine
+    from depctl_runtime.speculation.engine import SpeculativeEngine
 
     grammar = compiler.compile(compiler.from_regex("[ab]{1,8}"))
     row, reference = grammar.start(), grammar.start()
@@ -306,8 +306,8 @@ def test_constrained_speculation_on_cuda_equals_constrained_plain_decoding(targe
     # masks are built on the host and moved to the logits' device; the output is the same with or without drafts
     import copy
 
-    from runtime.model.runner import ModelRunner
-    from runtime.speculation import EngineConfig, NgramProposer, SpeculativeEngine
+    from depctl_runtime.model.runner import ModelRunner
+    from depctl_runtime.speculation import EngineConfig, NgramProposer, SpeculativeEngine
 
     model = copy.deepcopy(target).cuda()
     grammar = grammar_for(compiler, SCHEMAS["nested"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
+from depctl_runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
 
 
 def test_acceptance_is_kept_per_state():

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from runtime.speculation.proposers import (
+from depctl_runtime.speculation.proposers import (
     CONTEXT_LOOKBACK,
     NgramIndex,
     NgramProposer,

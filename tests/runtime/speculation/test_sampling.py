@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model.runner import greedy
+from depctl_runtime.model.runner import greedy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

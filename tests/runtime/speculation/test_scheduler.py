@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from runtime.model.runner import ModelRunner
-from runtime.speculation import (
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import (
     DraftModelProposer,
     EngineConfig,
     GenerationParams,
@@ -195,7 +195,7 @@ def test_a_row_in_a_batch_samples_from_the_target(target):
 
 def bf16_engines(target, speculate):
     """A factory of engines (``rows`` -> engine) over one bf16 copy of ``target`` with the loader's exact surgery."""
-    from runtime.backends.loader import surgery_for
+    from depctl_runtime.backends.loader import surgery_for
 
     model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from runtime.speculation.suffix import ALPHA, KEY_LENGTHS, MIN_PROB, SuffixIndex
+from depctl_runtime.speculation.suffix import ALPHA, KEY_LENGTHS, MIN_PROB, SuffixIndex
 
 
 def index_of(*requests, budget=10_000):

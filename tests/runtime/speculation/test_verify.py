@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from runtime.speculation.verify import inverse_cdf, position_uniform, verify_greedy, verify_sampled, verify_seeded
+from depctl_runtime.speculation.verify import (
+    inverse_cdf,
+    position_uniform,
+    verify_greedy,
+    verify_sampled,
+    verify_seeded,
+)
 
 VOCAB = 6
 TRIALS = 40_000
