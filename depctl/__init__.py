@@ -1,3 +1,8 @@
 """depctl: local speculative-decoding deployments (CLI, spec store, client)."""
 
-__version__ = "0.1.0"
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("depctl")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"

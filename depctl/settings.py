@@ -24,6 +24,7 @@ class Setting:
     default: object
     help: str
     minimum: float | None = None
+    metavar: str = "N"
 
 
 SETTINGS = {
@@ -33,9 +34,15 @@ SETTINGS = {
         str,
         config.DEFAULT_HOST,
         "address to bind; anything but a loopback address (this machine only) should come with an API key",
+        metavar="ADDRESS",
     ),
     "api_key": Setting(
-        "DEPCTL_API_KEY", "--api-key", str, None, "require `Authorization: Bearer KEY` on every route but /health"
+        "DEPCTL_API_KEY",
+        "--api-key",
+        str,
+        None,
+        "require `Authorization: Bearer KEY` on every route but /health",
+        metavar="KEY",
     ),
     "max_body_bytes": Setting(
         "DEPCTL_MAX_BODY_BYTES",
@@ -68,6 +75,7 @@ SETTINGS = {
         900.0,
         "seconds a deployment may take to load before it is FAILED",
         1,
+        "SECONDS",
     ),
     "drain_timeout": Setting(
         "DEPCTL_DRAIN_TIMEOUT",
@@ -76,6 +84,7 @@ SETTINGS = {
         10.0,
         "seconds running requests get to finish when the daemon stops",
         0,
+        "SECONDS",
     ),
 }
 

@@ -29,6 +29,7 @@ from typing import Iterator
 from depctl.spec import DeploymentSpec, describe_engine, describe_speculation
 from depctl.store import SpecStore
 from depctl_runtime.backends import Backend, make_backend
+from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.backends.local import Loader
 from depctl_runtime.backends.vllm import reap_orphans
@@ -58,6 +59,8 @@ class Deployment:
     loaded_spec: DeploymentSpec | None = None  # the spec the serving backend was built from
     generation: int = 0  # bumps on every spec change; a load for an older generation is discarded
     state_since: float = field(default_factory=time.time)
+    stage: Stage | None = None  # the step a load or start is at, while there is one
+    stage_since: float = 0.0
     ready_at: float | None = None
     load_seconds: float | None = None
 
@@ -79,6 +82,17 @@ class Deployment:
             self.state_since = time.time()
         self.state = state
         self.reason = reason
+        if state not in (State.CREATING, State.UPDATING):
+            self.stage = None
+
+    def enter(self, stage: Stage) -> None:
+        """A backend's load or start moved on (a new stage is logged with how long the last one took)."""
+        now = time.time()
+        if self.stage is None or stage.name != self.stage.name:
+            took = f"; {self.stage.name} took {now - self.stage_since:.1f}s" if self.stage else ""
+            log.info("deployment %s: %s%s", self.id, stage, took)
+            self.stage_since = now
+        self.stage = stage
 
     def status(self) -> dict:
         """What ``deployment get`` shows. A vLLM backend reads its server's counters (an HTTP call, cached a second):
@@ -94,6 +108,14 @@ class Deployment:
             "engine": describe_engine(spec) if spec else None,
             "ready_at": self.ready_at,
             "load_seconds": self.load_seconds,
+            "stage": None
+            if self.stage is None
+            else {
+                "name": self.stage.name,
+                "detail": self.stage.detail,
+                "fraction": self.stage.fraction,
+                "since": self.stage_since,
+            },
             # vLLM's gauge names: requests in the running batch (prefilling included), and queued behind it
             "num_requests_running": 0,
             "num_requests_waiting": 0,
@@ -327,15 +349,18 @@ class _Owner:
                 and (dep.generation == self.generation or dep.backend is backend)
             )
 
-    def progress(self, backend: Backend, message: str) -> None:
+    def progress(self, backend: Backend, stage: Stage) -> None:
         dep = self.dep
         with self.manager._lock:
             if not self.wanted(backend):
                 return
             if dep.state == State.UPDATING and dep.backend is not backend:
-                dep.reason = message  # the previous engine serves until this one is up
+                dep.reason = str(stage)  # the previous engine serves until this one is up
             elif dep.state in (State.CREATING, State.FAILED):
-                dep.set_state(State.CREATING, message)  # new, or restarting after a crash
+                dep.set_state(State.CREATING, str(stage))  # new, or restarting after a crash
+            else:
+                return
+            dep.enter(stage)
 
     def ready(self, backend: Backend) -> bool:
         """The backend serves from now on and the previous one, if any, is let go; False: it is not wanted."""

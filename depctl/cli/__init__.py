@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
+from depctl import __version__
 from depctl.cli import bench, daemon, deployment, engine, model, talk
 
 app = typer.Typer(
+    rich_markup_mode=None,
     name="depctl",
     help="Local speculative-decoding deployments: create them, serve them over an OpenAI-compatible API, "
     "see the speedup.",
@@ -21,6 +23,28 @@ app.add_typer(model.app, name="model")
 app.add_typer(engine.app, name="engine")
 app.command()(talk.generate)
 app.command()(talk.chat)
+
+
+def _version(value: bool) -> None:
+    if value:
+        import platform
+        from importlib import metadata
+
+        try:
+            torch = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            torch = "not installed"
+        typer.echo(f"depctl {__version__} (torch {torch}, Python {platform.python_version()})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print depctl's version and exit."
+    ),
+) -> None:
+    pass
 
 
 def main() -> None:

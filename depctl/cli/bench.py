@@ -19,12 +19,16 @@ from depctl.output import Format
 
 @handle_errors
 def bench(
-    deployment_id: str = typer.Argument(...),
-    workload: str = typer.Option("grounded", "--workload", help="A prompt set depctl ships: grounded, chat or code."),
-    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help='A JSONL file of {"prompt": ...} lines.'),
-    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N prompts."),
-    fmt: Format = typer.Option(Format.table, "--output", "-o"),
+    deployment_id: str = typer.Argument(..., metavar="ID"),
+    workload: str = typer.Option(
+        "grounded", "--workload", metavar="NAME", help="A prompt set depctl ships: grounded, chat or code."
+    ),
+    prompts_file: Optional[Path] = typer.Option(
+        None, "--prompts", metavar="FILE", help='A JSONL file of {"prompt": ...} lines.'
+    ),
+    max_tokens: int = typer.Option(128, "--max-tokens", metavar="N", min=1),
+    limit: Optional[int] = typer.Option(None, "--limit", metavar="N", min=1, help="Only the first N prompts."),
+    fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]"),
 ) -> None:
     """Measure a deployment's speedup: its prompts with speculation off and on, alternating, greedy."""
     prompts = workloads.load(workload, prompts_file)[:limit]

@@ -16,7 +16,9 @@ from depctl.output import Format
 from depctl.settings import SETTINGS, is_loopback
 
 app = typer.Typer(
-    help="Run the local runtime daemon that loads deployments and serves the OpenAI API.", no_args_is_help=True
+    rich_markup_mode=None,
+    help="Run the local runtime daemon that loads deployments and serves the OpenAI API.",
+    no_args_is_help=True,
 )
 
 
@@ -30,14 +32,16 @@ def _setting(name: str):
         if isinstance(s.default, float)
         else f" (default {s.default})"
     )
-    return typer.Option(None, s.flag, min=s.minimum, help=f"{s.help[:1].upper()}{s.help[1:]}{default}; ${s.env}.")
+    return typer.Option(
+        None, s.flag, metavar=s.metavar, min=s.minimum, help=f"{s.help[:1].upper()}{s.help[1:]}{default}; ${s.env}."
+    )
 
 
 @app.command()
 @handle_errors
 def start(
     port: Optional[int] = typer.Option(
-        None, "--port", min=0, max=65535, help=f"Default: $DEPCTL_PORT or {config.DEFAULT_PORT}."
+        None, "--port", metavar="PORT", min=0, max=65535, help=f"Default: $DEPCTL_PORT or {config.DEFAULT_PORT}."
     ),
     host: Optional[str] = _setting("host"),
     api_key: Optional[str] = _setting("api_key"),
@@ -87,7 +91,7 @@ def stop() -> None:
 
 @app.command()
 @handle_errors
-def status(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
+def status(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
     """Is the daemon running, where, and what does it serve."""
     info = daemon_info()
     if info is None:
@@ -115,7 +119,7 @@ def status(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
 @app.command()
 @handle_errors
 def logs(
-    lines: int = typer.Option(50, "--lines", "-n", min=1, help="How many lines from the end."),
+    lines: int = typer.Option(50, "--lines", "-n", metavar="N", min=1, help="How many lines from the end."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
 ) -> None:
     """Print the daemon's log."""

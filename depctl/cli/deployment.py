@@ -32,7 +32,7 @@ from depctl.spec import (
 )
 from depctl.store import SpecStore
 
-app = typer.Typer(help="Create, inspect, change and delete deployments.", no_args_is_help=True)
+app = typer.Typer(rich_markup_mode=None, help="Create, inspect, change and delete deployments.", no_args_is_help=True)
 
 
 def _choices(name: str, literal) -> type[enum.Enum]:
@@ -48,10 +48,13 @@ Engine = _choices("Engine", spec_module.Engine)
 
 
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
-DRAFT_MODEL = typer.Option(None, "--draft-model", help="A smaller model with the same tokenizer that drafts tokens.")
+DRAFT_MODEL = typer.Option(
+    None, "--draft-model", metavar="MODEL", help="A smaller model with the same tokenizer that drafts tokens."
+)
 DRAFT_COUNT = typer.Option(
     None,
     "--draft-token-count",
+    metavar="K",
     min=1,
     max=MAX_DRAFT_TOKENS,
     help=f"Most tokens drafted per step, 1-{MAX_DRAFT_TOKENS} (required with a speculation method).",
@@ -59,6 +62,7 @@ DRAFT_COUNT = typer.Option(
 NGRAM = typer.Option(
     None,
     "--ngram-speculation-length",
+    metavar="N",
     min=1,
     max=MAX_NGRAM_LENGTH,
     help=f"Prompt-lookup speculation: match the last N tokens, 1-{MAX_NGRAM_LENGTH}.",
@@ -72,6 +76,7 @@ SUFFIX = typer.Option(
 SUFFIX_CACHE = typer.Option(
     None,
     "--suffix-cache-tokens",
+    metavar="TOKENS",
     min=spec_module.MIN_SUFFIX_CACHE_TOKENS,
     max=spec_module.MAX_SUFFIX_CACHE_TOKENS,
     help=f"Tokens of recent traffic the suffix index holds (least recently used evicted first; default "
@@ -80,6 +85,7 @@ SUFFIX_CACHE = typer.Option(
 DRAFT_PRECISION = typer.Option(
     None,
     "--draft-precision",
+    metavar="[auto|float32|bfloat16|float16|int8]",
     help="How the draft model's weights are held; never changes the output. auto: int8 on CPU (about 3x faster "
     "drafting), the target's dtype on CUDA.",
 )
@@ -102,18 +108,24 @@ ENGINE_HELP = (
 CONTEXT = typer.Option(
     None,
     "--max-context-length",
+    metavar="TOKENS",
     min=spec_module.MIN_CONTEXT_LENGTH,
     help="Most tokens a request may span, prompt and output (default: the model's, up to 32768).",
 )
 
 
 def _parallel_option(flag: str, default: int | None, what: str):
-    return typer.Option(default, flag, min=1, max=spec_module.MAX_PARALLEL_SIZE, help=f"{what} (--engine vllm).")
+    return typer.Option(
+        default, flag, metavar="N", min=1, max=spec_module.MAX_PARALLEL_SIZE, help=f"{what} (--engine vllm)."
+    )
 
 
 TP_WHAT, PP_WHAT = "GPUs each layer is split over", "Pipeline stages the layers are split into"
 RAY = typer.Option(
-    None, "--ray-address", help="A Ray cluster to run on, e.g. auto or ray://head:10001 (--engine vllm)."
+    None,
+    "--ray-address",
+    metavar="ADDRESS",
+    help="A Ray cluster to run on, e.g. auto or ray://head:10001 (--engine vllm).",
 )
 
 
@@ -121,6 +133,7 @@ def _batch_option(default):
     return typer.Option(
         default,
         "--max-batch-size",
+        metavar="N",
         min=1,
         max=MAX_BATCH_SIZE,
         help=f"Most requests decoded together, 1-{MAX_BATCH_SIZE} (default {DEFAULT_BATCH_SIZE}); more wait in arrival "
@@ -129,8 +142,8 @@ def _batch_option(default):
 
 
 WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon reports READY or FAILED.")
-WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", min=1.0, help="Seconds to wait with --wait.")
-OUTPUT = typer.Option(Format.table, "--output", "-o", help="table, json or yaml.")
+WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", metavar="SECONDS", min=1.0, help="Seconds to wait with --wait.")
+OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]", help="table, json or yaml.")
 
 
 def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.ResolvedModel:
@@ -182,7 +195,9 @@ def _records(store: SpecStore, client) -> list[dict]:
 
 
 def _list_table(rows: list[dict]) -> Table:
-    table = output.make_table("ID", "MODEL", "ENGINE", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S")
+    table = output.make_table(
+        "ID", "MODEL", "ENGINE", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S", whole=2
+    )
     for r in rows:
         stats = r["status"].get("stats") or {}
         spec = r.get("speculation")
@@ -331,6 +346,16 @@ def _detail_table(r: dict) -> Table:
     return table
 
 
+def _wait_line(dep_id: str, status: dict) -> tuple[str, float | None]:
+    """What a wait shows: the state, the stage of the load with how long it has run, and how far it is if known."""
+    stage = status.get("stage")
+    if not stage:
+        return f"{dep_id}: {status['state'].lower()}", None
+    took = time.time() - stage["since"]
+    detail = f" {stage['detail']}" if stage.get("detail") else ""
+    return f"{dep_id}: {stage['name']}{detail} ({took:.0f}s)", stage.get("fraction")
+
+
 def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStore, verb: str) -> None:
     """Tell the daemon (starting it if needed), optionally wait for READY/FAILED, print the deployment."""
     try:
@@ -342,11 +367,14 @@ def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStor
         ) from None
     status = client.deployment(dep_id)
     if wait:
-        with output.err().status(f"Waiting for deployment {dep_id} ...") as spinner:
+        with output.progress() as progress:
+            task = progress.add_task(f"{dep_id}: waiting for the daemon", total=None)
 
             def show(s):
                 if s:
-                    spinner.update(f"Waiting for deployment {dep_id}: {s['state']}")
+                    description, fraction = _wait_line(dep_id, s)
+                    progress.update(task, description=description, total=1 if fraction is not None else None)
+                    progress.update(task, completed=fraction or 0)
 
             status = client.wait_settled(dep_id, timeout, on_poll=show)
     rec = record(store.get(dep_id), status, True)
@@ -362,9 +390,13 @@ def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStor
 @app.command()
 @handle_errors
 def create(
-    model: str = typer.Argument(..., help="A local model directory, a .gguf file, a packaged alias or a hub id."),
-    deployment_id: Optional[str] = typer.Option(None, "--deployment-id", help="Default: derived from MODEL."),
-    display_name: Optional[str] = typer.Option(None, "--display-name"),
+    model: str = typer.Argument(
+        ..., metavar="MODEL", help="A local model directory, a .gguf file, a packaged alias or a hub id."
+    ),
+    deployment_id: Optional[str] = typer.Option(
+        None, "--deployment-id", metavar="ID", help="Default: derived from MODEL."
+    ),
+    display_name: Optional[str] = typer.Option(None, "--display-name", metavar="NAME"),
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
@@ -372,13 +404,18 @@ def create(
     suffix_cache_tokens: Optional[int] = SUFFIX_CACHE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     max_batch_size: int = _batch_option(DEFAULT_BATCH_SIZE),
-    device: Device = typer.Option(Device.auto, "--device"),
+    device: Device = typer.Option(Device.auto, "--device", metavar="[auto|cpu|cuda]"),
     dtype: Dtype = typer.Option(
-        Dtype.auto, "--dtype", help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32."
+        Dtype.auto,
+        "--dtype",
+        metavar="[auto|float32|bfloat16|float16]",
+        help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.",
     ),
-    quantization: Quantization = typer.Option(Quantization.none, "--quantization", help=QUANTIZATION_HELP),
+    quantization: Quantization = typer.Option(
+        Quantization.none, "--quantization", metavar="[none|int8]", help=QUANTIZATION_HELP
+    ),
     compile_passes: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
-    engine: Engine = typer.Option(Engine.depctl, "--engine", help=ENGINE_HELP),
+    engine: Engine = typer.Option(Engine.depctl, "--engine", metavar="[depctl|vllm]", help=ENGINE_HELP),
     max_context_length: Optional[int] = CONTEXT,
     tensor_parallel_size: int = _parallel_option("--tensor-parallel-size", 1, TP_WHAT),
     pipeline_parallel_size: int = _parallel_option("--pipeline-parallel-size", 1, PP_WHAT),
@@ -453,7 +490,7 @@ def list_(fmt: Format = OUTPUT) -> None:
 
 @app.command()
 @handle_errors
-def get(deployment_id: str = typer.Argument(...), fmt: Format = OUTPUT) -> None:
+def get(deployment_id: str = typer.Argument(..., metavar="ID"), fmt: Format = OUTPUT) -> None:
     """Show one deployment: its spec, state and speculation statistics."""
     store = SpecStore()
     spec = store.get(deployment_id)
@@ -465,7 +502,7 @@ def get(deployment_id: str = typer.Argument(...), fmt: Format = OUTPUT) -> None:
 @app.command()
 @handle_errors
 def update(
-    deployment_id: str = typer.Argument(...),
+    deployment_id: str = typer.Argument(..., metavar="ID"),
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
@@ -475,13 +512,15 @@ def update(
     disable_speculative_decoding: bool = typer.Option(
         False, "--disable-speculative-decoding", help="Turn speculation off."
     ),
-    display_name: Optional[str] = typer.Option(None, "--display-name"),
+    display_name: Optional[str] = typer.Option(None, "--display-name", metavar="NAME"),
     max_batch_size: Optional[int] = _batch_option(None),
-    device: Optional[Device] = typer.Option(None, "--device"),
-    dtype: Optional[Dtype] = typer.Option(None, "--dtype"),
-    quantization: Optional[Quantization] = typer.Option(None, "--quantization", help=QUANTIZATION_HELP),
+    device: Optional[Device] = typer.Option(None, "--device", metavar="[auto|cpu|cuda]"),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype", metavar="[auto|float32|bfloat16|float16]"),
+    quantization: Optional[Quantization] = typer.Option(
+        None, "--quantization", metavar="[none|int8]", help=QUANTIZATION_HELP
+    ),
     compile_passes: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=COMPILE_HELP),
-    engine: Optional[Engine] = typer.Option(None, "--engine", help=ENGINE_HELP),
+    engine: Optional[Engine] = typer.Option(None, "--engine", metavar="[depctl|vllm]", help=ENGINE_HELP),
     max_context_length: Optional[int] = CONTEXT,
     tensor_parallel_size: Optional[int] = _parallel_option("--tensor-parallel-size", None, TP_WHAT),
     pipeline_parallel_size: Optional[int] = _parallel_option("--pipeline-parallel-size", None, PP_WHAT),
@@ -529,6 +568,7 @@ def update(
             "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, "
             "--max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
             "--ray-address",
+            metavar="ADDRESS",
         )
     _checked(
         lambda: DeploymentSpec.model_validate(
@@ -567,7 +607,7 @@ def update(
 @app.command()
 @handle_errors
 def delete(
-    deployment_id: str = typer.Argument(...),
+    deployment_id: str = typer.Argument(..., metavar="ID"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon has unloaded it."),
 ) -> None:
     """Delete a deployment: its spec is removed and the daemon unloads it."""
@@ -595,20 +635,26 @@ class ModelSource(str, enum.Enum):
 @app.command()
 @handle_errors
 def export(
-    deployment_id: str = typer.Argument(...),
+    deployment_id: str = typer.Argument(..., metavar="ID"),
     fmt: ExportFormat = typer.Option(
         ...,
         "--format",
         "-f",
+        metavar="[vllm|ray-serve|kserve]",
         help="vllm: the `vllm serve` command; ray-serve: a Ray Serve LLM config; kserve: an InferenceService.",
     ),
     model_source: ModelSource = typer.Option(
         ModelSource.hub,
         "--model-source",
+        metavar="[hub|local]",
         help="hub: packaged models as their original hub checkpoints (for a cluster); local: depctl's local copies.",
     ),
-    min_replicas: int = typer.Option(1, "--min-replicas", min=0, help="ray-serve and kserve: fewest replicas."),
-    max_replicas: int = typer.Option(4, "--max-replicas", min=1, help="ray-serve and kserve: most replicas."),
+    min_replicas: int = typer.Option(
+        1, "--min-replicas", metavar="N", min=0, help="ray-serve and kserve: fewest replicas."
+    ),
+    max_replicas: int = typer.Option(
+        4, "--max-replicas", metavar="N", min=1, help="ray-serve and kserve: most replicas."
+    ),
 ) -> None:
     """Print what a cluster takes to run this deployment on vLLM: the same model, speculation, context, batch size
     and parallelism. Works for either --engine."""

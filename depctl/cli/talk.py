@@ -12,8 +12,8 @@ from depctl import output
 from depctl.cli._common import daemon_client, handle_errors
 from depctl.client import Client
 
-MAX_TOKENS = typer.Option(256, "--max-tokens", min=1, help="Most tokens to generate.")
-TEMPERATURE = typer.Option(0.0, "--temperature", min=0.0, max=2.0, help="0 is greedy.")
+MAX_TOKENS = typer.Option(256, "--max-tokens", metavar="N", min=1, help="Most tokens to generate.")
+TEMPERATURE = typer.Option(0.0, "--temperature", metavar="T", min=0.0, max=2.0, help="0 is greedy.")
 
 
 def stream_reply(client: Client, path: str, body: dict) -> tuple[str, dict | None]:
@@ -61,11 +61,11 @@ def stream_reply(client: Client, path: str, body: dict) -> tuple[str, dict | Non
 
 @handle_errors
 def generate(
-    deployment_id: str = typer.Argument(...),
+    deployment_id: str = typer.Argument(..., metavar="ID"),
     prompt: str = typer.Argument(..., help="The user message (or raw text with --raw)."),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
-    system: Optional[str] = typer.Option(None, "--system", help="A system message."),
+    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", help="A system message."),
     raw: bool = typer.Option(False, "--raw", help="Send PROMPT as plain text to /v1/completions (no chat template)."),
 ) -> None:
     """One prompt, streamed, then tokens, tokens/s and acceptance rate."""
@@ -81,10 +81,10 @@ def generate(
 
 @handle_errors
 def chat(
-    deployment_id: str = typer.Argument(...),
+    deployment_id: str = typer.Argument(..., metavar="ID"),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
-    system: Optional[str] = typer.Option(None, "--system", help="A system message."),
+    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", help="A system message."),
 ) -> None:
     """Interactive chat with a deployment (empty line or Ctrl-D to quit)."""
     client = daemon_client()

@@ -80,6 +80,21 @@ class Counters:
     grammar_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A step of a long load or start, as ``deployment get`` and the CLI's wait show it: its name (resolving,
+    downloading, converting, loading, compiling, calibrating, starting vLLM, ...), what it is doing, and how far it
+    is where that is known (0-1)."""
+
+    name: str
+    detail: str = ""
+    fraction: float | None = None
+
+    def __str__(self) -> str:
+        done = f" ({self.fraction:.0%})" if self.fraction is not None else ""
+        return f"{self.name}: {self.detail}{done}" if self.detail else f"{self.name}{done}"
+
+
 class BackendError(Exception):
     """A request the backend could not run, with the HTTP status and OpenAI error code it maps to."""
 
@@ -99,7 +114,7 @@ class Owner(Protocol):
 
     def wanted(self, backend: Backend) -> bool: ...
 
-    def progress(self, backend: Backend, message: str) -> None: ...
+    def progress(self, backend: Backend, stage: Stage) -> None: ...
 
     def ready(self, backend: Backend) -> bool: ...
 

@@ -19,6 +19,7 @@ import torch
 from depctl import config, models
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
+from depctl_runtime.backends.base import Stage
 from depctl_runtime.kernels import native
 from depctl_runtime.kernels.surgery import (
     SplitKLinear,
@@ -86,8 +87,11 @@ class LoadedDeployment:
     grammars: GrammarCompiler | None = None  # compiles requests' constraints (None: the tokenizer cannot)
 
 
-def log_progress(message: str) -> None:
-    log.info("%s", message)
+Report = Callable[[Stage], None]
+
+
+def log_progress(stage: Stage) -> None:
+    log.info("%s", stage)
 
 
 class PassKind(enum.Enum):
@@ -165,7 +169,7 @@ def compile_passes(
     wanted: bool,
     width: int = 1,
     draft: ModelRunner | None = None,
-    report: Callable[[str], None] = log_progress,
+    report: Report = log_progress,
 ) -> Passes:
     """The fastest exact pass strategy for this runner: a compiled library on a CPU where it is faster
     (BENCHMARKS.md), CUDA graphs on a GPU, else eager. Split-K and weight-major linears (where oneDNN is not
@@ -209,8 +213,11 @@ def compile_passes(
         nonlocal built
         if not package.exists():
             report(
-                "compiling the decode and verify passes (once per model and precision; a minute or more on a "
-                "small CPU; later loads reuse it)"
+                Stage(
+                    "compiling",
+                    "the decode and verify passes (once per model and precision; a minute or more on a small CPU; "
+                    "later loads reuse it)",
+                )
             )
             built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
         return compiled.CompiledPass(package, runner.model)
@@ -370,11 +377,16 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     return model
 
 
-def resolve_source(ref: str, flag: str) -> str:
-    """A model reference -> what ``from_pretrained`` loads, fetching/converting first when needed."""
+def resolve_source(ref: str, flag: str, report: Report = log_progress) -> str:
+    """A model reference -> what ``from_pretrained`` loads, fetching/converting first when needed (each step reported
+    as a stage, with how far it is)."""
+
+    def progress(step: str, done: int, total: int) -> None:
+        report(Stage(step, ref, done / total if total else None))
+
     try:
         resolved = models.resolve(ref, flag)
-        return models.materialize(resolved)
+        return models.materialize(resolved, progress)
     except DepctlError as exc:
         raise LoadError(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
 
@@ -477,9 +489,7 @@ def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
 # ---- the deployment -------------------------------------------------------------------------------------------
 
 
-def load_deployment(
-    spec: DeploymentSpec, calibrate: bool = True, report: Callable[[str], None] = log_progress
-) -> LoadedDeployment:
+def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report = log_progress) -> LoadedDeployment:
     """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs)."""
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device, spec.quantization)
@@ -487,9 +497,9 @@ def load_deployment(
     draft_ref = spec_method.draft_model if isinstance(spec_method, DraftModelSpeculation) else None
 
     # fetch/convert first, then check memory, then load: a deployment too big fails before it is half-loaded
-    report("resolving the model")
-    target_source = resolve_source(spec.model, "MODEL")
-    draft_source = resolve_source(draft_ref, "--draft-model") if draft_ref else None
+    report(Stage("resolving", spec.model))
+    target_source = resolve_source(spec.model, "MODEL", report)
+    draft_source = resolve_source(draft_ref, "--draft-model", report) if draft_ref else None
     from transformers import AutoConfig
 
     try:
@@ -507,7 +517,7 @@ def load_deployment(
         needs.append(("draft", estimate_bytes(draft_source, load_dtype(precision), max_context)))
     check_memory(needs, device)
 
-    report("loading the weights")
+    report(Stage("loading", "the weights"))
     target = load_model(spec.model, "MODEL", device, dtype)
     if spec.quantization == "int8":
         target.precision = INT8_WEIGHTS
@@ -555,7 +565,7 @@ def load_deployment(
         log.warning("no structured outputs for %s: %s", spec.id, exc)
     compiled_status = passes.describe()
     if calibrate:
-        report("calibrating the speculation policy")
+        report(Stage("calibrating", "measuring pass costs for the speculation policy"))
     calibration = engine.calibrate() if calibrate else {}
     kernels = products(target.model)
     log.info(

@@ -46,7 +46,7 @@ class LocalBackend:
             with self._owner.load_turn():
                 if not self._owner.wanted(self) or self._stop_asked:
                     return self._gone()
-                loaded = self._loader(self.spec, report=lambda message: self._owner.progress(self, message))
+                loaded = self._loader(self.spec, report=lambda stage: self._owner.progress(self, stage))
         except BaseException as exc:  # noqa: BLE001 - every failure ends in FAILED with its reason
             if isinstance(exc, (LoadError, DepctlError)):
                 reason = getattr(exc, "message", None) or str(exc)

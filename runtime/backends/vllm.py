@@ -43,7 +43,16 @@ from depctl.engines import SERVER_MODULE, EngineEnv, require_vllm_env
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
 from depctl.vllm import engine_args
-from depctl_runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
+from depctl_runtime.backends.base import (
+    BackendError,
+    Counters,
+    Delta,
+    GenerateRequest,
+    Interrupted,
+    Logprob,
+    Owner,
+    Stage,
+)
 from depctl_runtime.backends.structured import vllm_structured_outputs
 
 log = logging.getLogger("depctl.vllm")
@@ -423,7 +432,7 @@ class VLLMBackend:
             if self._stopping():
                 return "stopped"
             what = "starting vLLM" if attempt == 1 and not self.restarts else "restarting vLLM"
-            self._owner.progress(self, f"{what}: preparing")
+            self._owner.progress(self, Stage(what, "preparing"))
             try:
                 cmd, env = self._command()
             except (DepctlError, OSError) as exc:
@@ -543,7 +552,7 @@ class VLLMBackend:
             except httpx.HTTPError:
                 pass
             if self.log_tail:
-                self._owner.progress(self, f"{what}: {_shorten(self.log_tail[-1], 160)}")
+                self._owner.progress(self, Stage(what, _shorten(self.log_tail[-1], 160)))
             self._stop.wait(0.5)
         return "stopped"
 

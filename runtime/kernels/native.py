@@ -85,17 +85,14 @@ def load(root: Path | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         _ninja_on_path()
         try:
+            from filelock import FileLock
             from torch.utils import cpp_extension
 
-            cpp_extension.load(
-                name="depctl_native",
-                sources=[str(s) for s in SOURCES],
-                build_directory=str(directory),
-                extra_cflags=flags,
-                extra_ldflags=[f for f in flags if f == "-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            # torch's own build lock is a plain file that a killed build leaves behind, and every later load then
+            # waits on it forever; ours is released by the OS with its process, so under it any torch lock is stale
+            with FileLock(str(directory) + ".lock"):
+                (directory / "lock").unlink(missing_ok=True)
+                _build(cpp_extension, directory, flags)
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise NativeUnavailable(
@@ -105,6 +102,18 @@ def load(root: Path | None = None) -> None:
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
         torch.library.register_fake("depctl_native::blocked_linear")(_blocked_linear_shape)
         _loaded = True
+
+
+def _build(cpp_extension, directory: Path, flags: list[str]) -> None:
+    cpp_extension.load(
+        name="depctl_native",
+        sources=[str(s) for s in SOURCES],
+        build_directory=str(directory),
+        extra_cflags=flags,
+        extra_ldflags=[f for f in flags if f == "-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def available() -> bool:

@@ -10,6 +10,7 @@ import pytest
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
+from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.manager import DeploymentManager, State
 from depctl_runtime.speculation import GenerationParams
@@ -142,7 +143,7 @@ def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_h
     release = threading.Event()
 
     def loader(spec, report):
-        report("compiling the decode and verify passes")
+        report(Stage("compiling", "the decode and verify passes"))
         release.wait(60)
         return load_deployment(spec, calibrate=False)
 
@@ -151,14 +152,17 @@ def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_h
         manager.store.create(_spec("slow", tiny_model_dir))
         manager.reconcile(force=True)
         deadline = time.monotonic() + 10
-        while manager.get("slow").reason != "compiling the decode and verify passes":
+        while manager.get("slow").reason != "compiling: the decode and verify passes":
             assert time.monotonic() < deadline, manager.get("slow").reason
             time.sleep(0.02)
         assert manager.get("slow").state == State.CREATING
-        assert manager.get("slow").status()["reason"] == "compiling the decode and verify passes"
+        status = manager.get("slow").status()
+        assert status["reason"] == "compiling: the decode and verify passes"
+        assert status["stage"]["name"] == "compiling" and time.time() - status["stage"]["since"] < 10
         release.set()
         dep = _wait(manager, "slow", ("READY",), timeout=30)
-        assert dep.reason is None and dep.status()["compiled"]  # the message goes; how the passes run stays
+        # the stage goes; how the passes run stays
+        assert dep.reason is None and dep.status()["stage"] is None and dep.status()["compiled"]
         # and what runs the target's products (ours where the C++ ops build; oneDNN's or weight-major loops without)
         assert dep.status()["products"].startswith(("depctl blocked ", "oneDNN", "weight-major")), dep.status()
     finally:

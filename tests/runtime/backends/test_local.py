@@ -28,8 +28,8 @@ class RecordingOwner:
     def wanted(self, backend) -> bool:
         return True
 
-    def progress(self, backend, message: str) -> None:
-        self.progress_messages.append(message)
+    def progress(self, backend, stage) -> None:
+        self.progress_messages.append(str(stage))
 
     def ready(self, backend) -> bool:
         self.ready_event.set()
@@ -83,7 +83,8 @@ def test_one_thread_does_all_torch_work_and_requests_batch(tiny_model_dir):
     torch_threads: set = set()
     backend, owner, loaded_on = _start(spec, torch_threads)
     assert backend.ready and not owner.failures
-    assert "calibrating the speculation policy" in owner.progress_messages  # the load's stages are reported
+    # the load's stages are reported
+    assert "calibrating: measuring pass costs for the speculation policy" in owner.progress_messages
     # the loader's surgery is a module swap, visible on the model the engine runs
     modules = backend.loaded.engine.target.model.modules()
     assert any(isinstance(m, (BlockedLinear, OneDNNLinear, WeightMajorLinear)) for m in modules)

@@ -153,3 +153,23 @@ def test_ninja_from_the_virtualenv_is_found_without_an_activated_path(monkeypatc
     monkeypatch.setenv("PATH", "/nonexistent")
     native._ninja_on_path()
     assert ninja.BIN_DIR in os.environ["PATH"].split(os.pathsep)
+
+
+def test_a_build_lock_a_killed_build_left_does_not_hang_the_next_load(op):
+    # the bug: torch's build lock is a plain file; a process killed mid-build left it, and every later load of the
+    # ops (every deployment's) waited on it forever
+    import subprocess
+    import sys
+
+    from depctl import config
+
+    directory = native.build_directory(config.cache_dir() / "compiled", native.build_flags())
+    (directory / "lock").touch()
+    proc = subprocess.run(
+        [sys.executable, "-c", "from depctl_runtime.kernels import native; native.load(); print('loaded')"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded", proc.stderr[-2000:]
+    assert not (directory / "lock").exists()
