@@ -13,6 +13,7 @@ from typing import Iterator
 
 import httpx
 from filelock import FileLock
+from httpx_sse import connect_sse
 
 from depctl import config
 from depctl.errors import DaemonError, DaemonNotRunning, DepctlError, WaitTimeout
@@ -205,19 +206,17 @@ class Client:
             time.sleep(0.25)
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
-        """POST with ``stream: true``; yields the parsed SSE data objects (stops at ``[DONE]``)."""
+        """POST with ``stream: true``; yields the parsed SSE data objects (stops at ``[DONE]``). Closing the
+        generator early closes the connection, which cancels the request in the daemon."""
         try:
-            with self.http.stream("POST", path, json={**body, "stream": True}) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise _api_error(response)
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+            with connect_sse(self.http, "POST", path, json={**body, "stream": True}) as source:
+                if source.response.status_code >= 400:
+                    source.response.read()
+                    raise _api_error(source.response)
+                for event in source.iter_sse():
+                    if event.data == "[DONE]":
                         return
-                    obj = json.loads(data)
+                    obj = event.json()
                     if "error" in obj:
                         raise DaemonError(obj["error"].get("message", "generation failed"))
                     yield obj
