@@ -33,6 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from depctl.errors import UsageError
 
 # Bounds are documented in README.md ("Flags"); the CLI and the spec share them.
+DEFAULT_DRAFT_MODEL_TOKENS = 4
+DEFAULT_MODEL_FREE_TOKENS = 8  # n-gram and suffix
 MAX_DRAFT_TOKENS = 32
 MAX_NGRAM_LENGTH = 16
 # suffix speculation's index: ~200 bytes a held token (runtime/speculation/suffix.py), so the default is ~50 MB
@@ -281,16 +283,9 @@ def speculation_from_flags(
         return NoSpeculation()
     try:
         if methods:
-            if draft_token_count is None:
-                raise UsageError(
-                    f"--draft-token-count is required with {methods[0]}",
-                    f"add --draft-token-count=N (1-{MAX_DRAFT_TOKENS}; 4 is a good start"
-                    + (
-                        "; suffix speculation drafts far only on long matches, so 8-16 pays on repeated traffic)"
-                        if suffix
-                        else ")"
-                    ),
-                )
+            if draft_token_count is None:  # the deployment's own K when it switches method, else the method's default
+                has_k = current is not None and not isinstance(current, NoSpeculation)
+                draft_token_count = current.num_draft_tokens if has_k else default_draft_tokens(methods[0])
             if draft_model is not None:
                 if not draft_model.strip():
                     raise UsageError("--draft-model must not be empty")
@@ -329,6 +324,12 @@ def speculation_from_flags(
             "or drop --draft-token-count",
         )
     return NoSpeculation() if current is None else None
+
+
+def default_draft_tokens(method_flag: str) -> int:
+    """K when the user gives none. Model-free drafts cost nothing to propose and the draft-length policy verifies
+    only as many as pay, so they get a wider cap than a draft model, whose every token is a forward pass."""
+    return DEFAULT_DRAFT_MODEL_TOKENS if method_flag == "--draft-model" else DEFAULT_MODEL_FREE_TOKENS
 
 
 def _check_count(value: int) -> int:

@@ -19,6 +19,8 @@ from depctl.errors import DepctlError, UsageError
 from depctl.output import Format, fmt_num, fmt_rate
 from depctl.spec import (
     DEFAULT_BATCH_SIZE,
+    DEFAULT_DRAFT_MODEL_TOKENS,
+    DEFAULT_MODEL_FREE_TOKENS,
     MAX_BATCH_SIZE,
     MAX_DRAFT_TOKENS,
     MAX_NGRAM_LENGTH,
@@ -57,7 +59,9 @@ DRAFT_COUNT = typer.Option(
     metavar="K",
     min=1,
     max=MAX_DRAFT_TOKENS,
-    help=f"Most tokens drafted per step, 1-{MAX_DRAFT_TOKENS} (required with a speculation method).",
+    help=f"Most tokens drafted per step, 1-{MAX_DRAFT_TOKENS}. Default: {DEFAULT_DRAFT_MODEL_TOKENS} with a draft "
+    f"model, {DEFAULT_MODEL_FREE_TOKENS} with n-gram or suffix (the policy verifies only as many as pay); on "
+    "update, the deployment's own.",
 )
 NGRAM = typer.Option(
     None,
@@ -148,6 +152,17 @@ OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]
 
 def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.ResolvedModel:
     draft = models.resolve(draft_ref, "--draft-model")
+    if draft == target:
+        raise UsageError(
+            f"--draft-model {draft.ref} is the target model itself: drafting with it costs as much as decoding",
+            "use a smaller model with the same tokenizer"
+            + (
+                f" (--draft-model={target.packaged.suggested_draft})"
+                if target.packaged and target.packaged.suggested_draft
+                else ""
+            )
+            + ", or --ngram-speculation-length=N / --suffix-speculation, which need no model",
+        )
     # Packaged models know their tokenizer family: refuse a mismatched pair before anything is written. Other
     # pairs are checked by the daemon when it loads them (vocabularies compared token by token).
     if target.packaged and draft.packaged and target.packaged.family != draft.packaged.family:
@@ -158,6 +173,31 @@ def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.Resolve
             f"use --draft-model={suggestion}" if suggestion else "use --ngram-speculation-length=N instead",
         )
     return draft
+
+
+def _check_device(device: str | None, engine: str) -> None:
+    """``--device cuda`` where torch sees no GPU fails before anything is written, like every other check."""
+    if device != "cuda" or engine != "depctl":  # vLLM runs in an environment of its own, with its own torch
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(
+            f"--device cuda: torch {torch.__version__} sees no CUDA GPU here "
+            f"({'a CUDA build' if torch.version.cuda else 'a CPU-only build'})",
+            "use --device auto (the GPU when there is one, else the CPU) or --device cpu",
+        )
+
+
+def _changes(old: DeploymentSpec, new: DeploymentSpec) -> str:
+    """What an update changed, as ``field: old -> new`` (the speculation described, timestamps left out)."""
+    skip = {"created_at", "updated_at", "speculation"}
+    before, after = old.model_dump(mode="json"), new.model_dump(mode="json")
+    parts = []
+    if old.speculation != new.speculation:
+        parts.append(f"speculation: {describe_speculation(old.speculation)} -> {describe_speculation(new.speculation)}")
+    parts += [f"{k}: {before[k]} -> {after[k]}" for k in after if k not in skip and before.get(k) != after[k]]
+    return "; ".join(parts) or "nothing changed"
 
 
 def _checked(make: typing.Callable[[], DeploymentSpec]) -> DeploymentSpec:
@@ -463,6 +503,7 @@ def create(
             ray_address=ray_address or None,
         )
     )
+    _check_device(spec.device, spec.engine)
     store = SpecStore()
     if validate_only:
         output.emit(spec.model_dump(mode="json"), Format.yaml if fmt == Format.table else fmt, lambda d: d)
@@ -568,13 +609,14 @@ def update(
             "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, "
             "--max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
             "--ray-address",
-            metavar="ADDRESS",
         )
-    _checked(
+    checked = _checked(
         lambda: DeploymentSpec.model_validate(
             {**current.model_dump(), **({"speculation": speculation} if speculation is not None else {}), **others}
         )
     )
+    if "device" in others or "engine" in others:
+        _check_device(checked.device, checked.engine)
     if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
         draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
         draft_model = draft.ref
@@ -597,10 +639,9 @@ def update(
         # validated as a whole against the spec as it is now (model_copy would skip the cross-field rules)
         return _checked(lambda: DeploymentSpec.model_validate({**spec.model_dump(), **fields}))
 
+    before = store.get(deployment_id)
     updated = store.update(deployment_id, change)
-    output.message(
-        "Updated deployment ", (deployment_id, "bold"), f" (speculation: {describe_speculation(updated.speculation)})"
-    )
+    output.message("Updated deployment ", (deployment_id, "bold"), f" ({_changes(before, updated)})")
     _apply(deployment_id, wait, wait_timeout, fmt, store, "updated")
 
 

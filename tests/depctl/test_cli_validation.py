@@ -34,17 +34,6 @@ def spec_files(home) -> list:
             "--draft-model and --ngram-speculation-length cannot be used together",
             "smollm2-135m-instruct",
         ),
-        # a method without a count
-        (
-            ["--ngram-speculation-length", "3"],
-            "--draft-token-count is required with --ngram-speculation-length",
-            "smollm2-135m-instruct",
-        ),
-        (
-            ["--draft-model", "smollm2-135m-instruct"],
-            "--draft-token-count is required with --draft-model",
-            "smollm2-135m-instruct",
-        ),
         # a count without a method
         (
             ["--draft-token-count", "4"],
@@ -138,14 +127,14 @@ def spec_files(home) -> list:
                 "--engine",
                 "vllm",
                 "--draft-model",
-                "smollm2-135m-instruct",
+                "qwen2.5-coder-0.5b-instruct",
                 "--draft-token-count",
                 "4",
                 "--draft-precision",
                 "int8",
             ],
             "vLLM holds the draft in the target's dtype",
-            "smollm2-135m-instruct",
+            "qwen2.5-coder-1.5b-instruct",
         ),
         (["--engine", "sglang"], "--engine", "smollm2-135m-instruct"),
         (["--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size", "smollm2-135m-instruct"),
@@ -159,11 +148,6 @@ def spec_files(home) -> list:
         (
             ["--suffix-speculation", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
             "--draft-model and --suffix-speculation cannot be used together",
-            "smollm2-135m-instruct",
-        ),
-        (
-            ["--suffix-speculation"],
-            "--draft-token-count is required with --suffix-speculation",
             "smollm2-135m-instruct",
         ),
         (["--suffix-speculation", "--draft-token-count", "33"], "--draft-token-count", "smollm2-135m-instruct"),
@@ -304,7 +288,6 @@ def _seed(depctl_home, speculation) -> None:
             ],
             "cannot be used together",
         ),
-        (["--ngram-speculation-length", "2"], "--draft-token-count is required"),
         (
             ["--disable-speculative-decoding", "--draft-token-count", "2"],
             "--disable-speculative-decoding cannot be combined",
@@ -322,7 +305,6 @@ def _seed(depctl_home, speculation) -> None:
         (["--quantization", "int8", "--dtype", "float16"], "cannot be combined with --dtype float16"),
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size needs --engine vllm"),
         (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent"),
-        (["--suffix-speculation"], "--draft-token-count is required with --suffix-speculation"),
         (
             ["--suffix-cache-tokens", "4096"],
             "--suffix-cache-tokens needs --suffix-speculation (this deployment does not use suffix speculation)",
@@ -383,6 +365,71 @@ def test_update_to_suffix_speculation_and_its_bound(depctl_home, monkeypatch):
     assert (spec.num_draft_tokens, spec.cache_tokens) == (6, 8192)
     result = run("deployment", "get", "dep")
     assert "suffix (k=6, cache=8192 tokens)" in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "flags, method, k",
+    [
+        (["--ngram-speculation-length", "3"], "ngram", 8),
+        (["--suffix-speculation"], "suffix", 8),
+        (["--draft-model", "qwen2.5-coder-0.5b-instruct"], "draft_model", 4),
+    ],
+)
+def test_a_method_without_a_count_takes_its_default(flags, method, k, depctl_home):
+    model = "qwen2.5-coder-1.5b-instruct" if method == "draft_model" else "smollm2-135m-instruct"
+    result = run("deployment", "create", model, *flags, "--validate-only", "-o", "json")
+    assert result.exit_code == 0, result.stderr
+    speculation = json.loads(result.stdout)["speculation"]
+    assert (speculation["method"], speculation["num_draft_tokens"]) == (method, k)
+
+
+def test_switching_method_on_update_keeps_the_deployments_count(depctl_home, monkeypatch):
+    _no_daemon(monkeypatch)
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=5))
+    result = run("deployment", "update", "dep", "--no-wait", "--suffix-speculation")  # written; no daemon to tell
+    spec = SpecStore().get("dep").speculation
+    assert (spec.method, spec.num_draft_tokens) == ("suffix", 5)
+    assert "speculation: ngram (n=3, k=5) -> suffix (k=5)" in " ".join(result.stderr.split())
+
+
+def test_update_says_what_changed_besides_the_speculation(depctl_home, monkeypatch):
+    _no_daemon(monkeypatch)
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    result = run("deployment", "update", "dep", "--no-wait", "--dtype", "float32", "--max-batch-size", "4")
+    said = " ".join(result.stderr.split())
+    assert "dtype: auto -> float32" in said and "max_batch_size: 8 -> 4" in said and "speculation" not in said
+
+
+def test_a_draft_identical_to_the_target_is_refused(depctl_home):
+    result = run("deployment", "create", "qwen2.5-coder-1.5b-instruct", "--draft-model", "qwen2.5-coder-1.5b-instruct")
+    assert result.exit_code == 2
+    said = " ".join(result.stderr.split())
+    assert "is the target model itself" in said and "--draft-model=qwen2.5-coder-0.5b-instruct" in said
+    assert spec_files(depctl_home) == []
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_writing(depctl_home, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = run("deployment", "create", "smollm2-135m-instruct", "--device", "cuda")
+    assert result.exit_code == 2 and "sees no CUDA GPU" in result.stderr, result.stderr
+    assert spec_files(depctl_home) == []
+    _seed(depctl_home, NgramSpeculation(ngram_length=3, num_draft_tokens=4))
+    before = (depctl_home / "deployments" / "dep.yaml").read_text()
+    result = run("deployment", "update", "dep", "--device", "cuda")
+    assert result.exit_code == 2 and "sees no CUDA GPU" in result.stderr, result.stderr
+    assert (depctl_home / "deployments" / "dep.yaml").read_text() == before
+
+
+def _no_daemon(monkeypatch) -> None:
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
 
 
 def test_update_count_without_method_on_a_plain_deployment(depctl_home):
