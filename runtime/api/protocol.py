@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from depctl.spec import MAX_DRAFT_TOKENS
 from depctl_runtime.api.errors import APIError
@@ -125,7 +125,12 @@ class _Common(_Request):
 
     def check_supported(self) -> None:
         if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: depctl returns one choice per request", param="n")
+            raise APIError(
+                400,
+                f"n={self.n} is not supported: depctl returns one choice per request; send n requests instead",
+                param="n",
+                code="unsupported_parameter",
+            )
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
         if self.constraint() is not None and self.ignore_eos:
@@ -210,9 +215,9 @@ class CompletionRequest(_Common):
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+            _unsupported("echo", self.echo)
         if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported", param="best_of")
+            _unsupported("best_of", self.best_of)
         if self.suffix:
             _unsupported("suffix", self.suffix, " (no fill-in-the-middle)")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) > 1:
@@ -358,3 +363,25 @@ class ChatCompletionRequest(_Common):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered by the model's template, to token ids."""
+
+    model: str
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = True  # for a prompt; rendered messages carry their template's own
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str
+    tokens: list[int]

@@ -13,7 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from depctl_runtime.api.errors import APIError
-from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from depctl_runtime.api.render import chat_logprobs, completion_logprobs
 from depctl_runtime.api.serving import Job, Service
 from depctl_runtime.api.tools import ToolCallParser, gather
@@ -36,22 +36,47 @@ async def health(request: Request) -> dict:
     return {"status": "ok", "deployments": len(deps), "ready": sum(d.state == State.READY for d in deps)}
 
 
+def _model_card(dep) -> dict:
+    return {
+        "id": dep.id,
+        "object": "model",
+        "created": int(dep.ready_at or time.time()),
+        "owned_by": "depctl",
+        "root": dep.loaded_spec.model,
+        "max_model_len": dep.max_context,
+    }
+
+
+def _listed(dep) -> bool:
+    return dep.state in (State.READY, State.UPDATING) and dep.loaded_spec is not None
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    data = []
-    for dep in request.app.state.manager.all():
-        if dep.state in (State.READY, State.UPDATING) and dep.loaded_spec is not None:
-            data.append(
-                {
-                    "id": dep.id,
-                    "object": "model",
-                    "created": int(dep.ready_at or time.time()),
-                    "owned_by": "depctl",
-                    "root": dep.loaded_spec.model,
-                    "max_model_len": dep.max_context,
-                }
-            )
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model_card(d) for d in request.app.state.manager.all() if _listed(d)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict:
+    dep = request.app.state.manager.get(model.split("#", 1)[-1])
+    if dep is None or not _listed(dep):
+        raise APIError(
+            404,
+            f"model {model!r} is not served here; GET /v1/models lists those that are",
+            param="model",
+            code="model_not_found",
+        )
+    return _model_card(dep)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    return await run_in_threadpool(_service(request).tokenize, body)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    return await run_in_threadpool(_service(request).detokenize, body)
 
 
 @router.get("/metrics")

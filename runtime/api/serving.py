@@ -25,13 +25,37 @@ from depctl.settings import Settings
 from depctl.spec import describe_speculation
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.metrics import Metrics
-from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest
+from depctl_runtime.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from depctl_runtime.api.tools import check_tool_support, history, tool_constraint
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from depctl_runtime.manager import DeploymentManager, State
 from depctl_runtime.speculation import GenerationParams
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
+
+
+def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
+    """Messages (and tools) rendered by the model's own chat template, as token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(
+            400, f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions", param="messages"
+        )
+    extra = {}
+    if tools:
+        check_tool_support(tokenizer, dep_id)
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    try:
+        text = tokenizer.apply_chat_template(
+            history(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
+    except Exception as exc:  # jinja templates raise on roles they do not support
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+    return encode(tokenizer, text, add_special_tokens=False)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -132,26 +156,14 @@ class Service:
         req.check_supported()
         dep_id, backend = self.deployment(req.model)
         tokenizer = backend.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(
-                400,
-                f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions",
-                param="messages",
-            )
-        extra, constraint = {}, req.constraint()
-        if req.calling_tools:
-            check_tool_support(tokenizer, dep_id)
-            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        constraint = req.constraint()
+        tools = req.tools if req.calling_tools else None
+        if tools:
             required = req.required_functions()
             if required:
+                check_tool_support(tokenizer, dep_id)
                 constraint = tool_constraint(tokenizer, required, req.parallel_tool_calls, "tool_choice")
-        try:
-            text = tokenizer.apply_chat_template(
-                history(req.messages), add_generation_prompt=True, tokenize=False, **extra
-            )
-        except Exception as exc:  # jinja templates raise on roles they do not support
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        prompt_ids = encode(tokenizer, text, add_special_tokens=False)
+        prompt_ids = chat_prompt_ids(tokenizer, dep_id, req.messages, tools)
         prediction = ()
         if req.prediction is not None:
             prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
@@ -159,6 +171,23 @@ class Service:
         if req.calling_tools:
             job.tools = frozenset(t.function.name for t in req.tools)
         return job
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        dep_id, backend = self.deployment(req.model)
+        tokenizer = backend.tokenizer
+        if req.messages is not None:
+            ids = chat_prompt_ids(tokenizer, dep_id, req.messages, req.tools, req.add_generation_prompt)
+        else:
+            ids = encode(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": backend.max_context, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        dep_id, backend = self.deployment(req.model)
+        vocab = len(backend.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        return {"prompt": backend.tokenizer.decode(req.tokens)}
 
     def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint) -> Job:
         prompt_param = "prompt" if kind == "text_completion" else "messages"

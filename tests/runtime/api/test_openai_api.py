@@ -89,6 +89,42 @@ def test_models_lists_ready_deployments(client):
     ]
 
 
+def test_models_retrieve_answers_for_a_served_deployment_and_404_otherwise(client):
+    model = client.models.retrieve("ngram")
+    assert model.id == "ngram" and model.owned_by == "depctl" and model.model_extra["max_model_len"] == 512
+    for missing in ("nope", "broken"):  # broken: known but never loaded
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve(missing)
+        assert err.value.body["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize_a_prompt_and_chat_messages(daemon, client):
+    prompt = daemon.post("/tokenize", {"model": "ngram", "prompt": "abcabc"}).json()
+    assert prompt["count"] == len(prompt["tokens"]) and prompt["max_model_len"] == 512
+    text = daemon.post("/detokenize", {"model": "ngram", "tokens": prompt["tokens"]}).json()["prompt"]
+    assert text.endswith("abcabc")
+    messages = [{"role": "user", "content": "abcabc"}]
+    chat = daemon.post("/tokenize", {"model": "ngram", "messages": messages}).json()
+    # the same prompt a chat completion would see: its usage counts exactly these tokens
+    usage = client.chat.completions.create(model="ngram", messages=messages, max_tokens=1, **GREEDY).usage
+    assert chat["count"] == usage.prompt_tokens and chat["count"] > prompt["count"]
+    for body, param in (
+        ({"model": "ngram"}, None),
+        ({"model": "ngram", "prompt": "a", "messages": messages}, None),
+        ({"model": "nope", "prompt": "a"}, "model"),
+    ):
+        r = daemon.post("/tokenize", body)
+        assert r.status_code in (400, 404) and r.json()["error"]["code"], r.text
+    r = daemon.post("/detokenize", {"model": "ngram", "tokens": [10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_n_above_one_is_refused_with_a_code(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="ngram", prompt="abc", max_tokens=2, n=2)
+    assert err.value.body["code"] == "unsupported_parameter" and err.value.body["param"] == "n"
+
+
 def test_completion_shape_and_usage(client):
     r = client.completions.create(model="ngram", prompt="abcabcabcabc", max_tokens=20, **GREEDY)
     assert r.object == "text_completion" and len(r.choices) == 1
