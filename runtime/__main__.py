@@ -128,8 +128,11 @@ def _serve(settings: Settings, port: int) -> int:
         log.warning("!" * 100)
 
     from sse_starlette.sse import AppStatus
+    from transformers.utils import logging as hf_logging
 
     from depctl_runtime.app import create_app
+
+    hf_logging.disable_progress_bar()  # tqdm bars in a log file are noise; load stages are logged instead
 
     AppStatus.disable_automatic_graceful_drain()  # streams end through our drain (an error event, [DONE]), not cut
     app = create_app(settings=settings)
@@ -140,6 +143,7 @@ def _serve(settings: Settings, port: int) -> int:
             timeout_graceful_shutdown=settings.drain_timeout + 5,
         )
     )
+    logging.getLogger("uvicorn.access").addFilter(_quiet_polls)  # after uvicorn configured its loggers
     # uvicorn handles SIGTERM (the drain), then re-raises it for the handler that was there before: make that one a
     # normal exit, so that the daemon file is removed and the exit status says the stop went as planned
     signal.signal(signal.SIGTERM, _stopped)
@@ -158,6 +162,17 @@ def _serve(settings: Settings, port: int) -> int:
     finally:
         _remove_daemon_file()
     return 0
+
+
+def _quiet_polls(record: logging.LogRecord) -> bool:
+    """Leave out of the access log the successful reads the CLI polls (a wait asks four times a second), health
+    checks and metric scrapes; requests, writes and every error stay."""
+    try:
+        _, method, path, _, status = record.args
+    except (TypeError, ValueError):
+        return True
+    polled = path.startswith(("/depctl/v1/deployments", "/health", "/metrics", "/v1/models"))
+    return not (method == "GET" and polled and int(status) < 400)
 
 
 def _stopped(signum, frame) -> None:

@@ -33,6 +33,7 @@ from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.backends.local import Loader
 from depctl_runtime.backends.vllm import reap_orphans
+from depctl_runtime.meter import ACCEPTANCE_WINDOW, RATE_WINDOW, SAMPLE_SECONDS, Meter
 
 log = logging.getLogger("depctl.manager")
 
@@ -61,6 +62,7 @@ class Deployment:
     state_since: float = field(default_factory=time.time)
     stage: Stage | None = None  # the step a load or start is at, while there is one
     stage_since: float = 0.0
+    meter: Meter = field(default_factory=Meter)
     ready_at: float | None = None
     load_seconds: float | None = None
 
@@ -123,7 +125,22 @@ class Deployment:
         backend = self.backend
         if backend is not None:
             out.update(backend.status())
+            out.setdefault("memory_bytes", backend.counters().memory_bytes)
+        out["recent"] = self.meter.snapshot()
         return out
+
+
+def _log_activity(dep: Deployment) -> None:
+    meter, counters = dep.meter, dep.backend.counters() if dep.backend is not None else None
+    rate, acceptance = meter.tokens_per_second(), meter.acceptance_rate()
+    log.info(
+        "deployment %s: %.1f tok/s generated, %d running, %d waiting%s",
+        dep.id,
+        rate or 0.0,
+        (counters.running or 0) if counters else 0,
+        (counters.waiting or 0) if counters else 0,
+        "" if acceptance is None else f", acceptance {acceptance:.0%} (last {ACCEPTANCE_WINDOW:.0f}s)",
+    )
 
 
 def _reload_needed(old: DeploymentSpec, new: DeploymentSpec, k_in_place: bool = True) -> bool:
@@ -162,6 +179,7 @@ class DeploymentManager:
         self.reconcile()
         self._poller = threading.Thread(target=self._poll, name="depctl-poll", daemon=True)
         self._poller.start()
+        threading.Thread(target=self._measure, name="depctl-meter", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -183,6 +201,25 @@ class DeploymentManager:
                     self.reconcile()
             except Exception:  # a poll must never die; the next one retries
                 log.exception("reconcile failed")
+
+    def _measure(self) -> None:
+        """Sample every serving deployment's counters once a second; every ``RATE_WINDOW`` seconds log a line for
+        each one that did something, as vLLM and llama.cpp's servers do."""
+        next_log = time.monotonic() + RATE_WINDOW
+        while not self._stop.wait(SAMPLE_SECONDS):
+            now = time.monotonic()
+            for dep in self.all():
+                backend = dep.backend
+                try:
+                    if backend is not None and backend.ready:
+                        dep.meter.sample(backend.counters(), now)
+                except Exception:  # a backend on its way out: the next sample finds the new one
+                    log.debug("sampling %s failed", dep.id, exc_info=True)
+            if now >= next_log:
+                next_log = now + RATE_WINDOW
+                for dep in self.all():
+                    if dep.meter.active():
+                        _log_activity(dep)
 
     # ---- reads ----
     def get(self, deployment_id: str) -> Deployment | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from depctl import __version__
-from depctl.cli import bench, daemon, deployment, engine, model, talk
+from depctl.cli import bench, daemon, deployment, engine, model, talk, watch
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -23,6 +23,8 @@ app.add_typer(model.app, name="model")
 app.add_typer(engine.app, name="engine")
 app.command()(talk.generate)
 app.command()(talk.chat)
+app.command()(watch.ps)
+app.command()(watch.top)
 
 
 def _version(value: bool) -> None:

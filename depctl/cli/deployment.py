@@ -236,7 +236,7 @@ def _records(store: SpecStore, client) -> list[dict]:
 
 def _list_table(rows: list[dict]) -> Table:
     table = output.make_table(
-        "ID", "MODEL", "ENGINE", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S", whole=2
+        "ID", "MODEL", "ENGINE", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S (10s)", whole=2
     )
     for r in rows:
         stats = r["status"].get("stats") or {}
@@ -249,7 +249,7 @@ def _list_table(rows: list[dict]) -> Table:
             _state_cell(r["status"]),
             fmt_rate(stats.get("acceptance_rate")),
             fmt_num(stats.get("mean_acceptance_length")),
-            fmt_num(stats.get("decode_tokens_per_second"), 1),
+            fmt_num((r["status"].get("recent") or {}).get("tokens_per_second"), 1),
         )
     return table
 
@@ -329,13 +329,24 @@ def _detail_table(r: dict) -> Table:
         )
     if status.get("reason"):
         rows.append(("Reason", status["reason"]))
+    recent = status.get("recent")
+    if recent and recent.get("tokens_per_second") is not None:
+        rows.append(
+            (
+                "Now",
+                f"{fmt_num(recent['tokens_per_second'], 1)} tok/s (last {recent['window_seconds']:.0f}s), acceptance "
+                f"{fmt_rate(recent['acceptance_rate'])} (last {recent['acceptance_window_seconds']:.0f}s)",
+            )
+        )
+    if status.get("memory_bytes"):
+        rows.append(("Memory", f"{output.fmt_bytes(status['memory_bytes'])} (weights and KV cache)"))
     if stats:
         source = " (vLLM's counters)" if stats.get("source") == "vllm" else ""
         rows += [
             ("Requests", str(stats["requests"])),
             ("Generated tokens", str(stats["generated_tokens"])),
             *(
-                [("Decode speed", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s")]
+                [("Decode speed (lifetime)", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s")]
                 if stats.get("decode_tokens_per_second") is not None
                 else []
             ),

@@ -78,6 +78,8 @@ class Counters:
     grammar_draft_tokens: int | None = None  # of draft_tokens, those a grammar forced (depctl's engine only)
     grammar_accepted_tokens: int | None = None
     grammar_seconds: float | None = None
+    generated_tokens: int = 0  # output tokens since the engine started (rates come from differences)
+    memory_bytes: int | None = None  # what the deployment holds: weights and KV cache, or vLLM's processes
 
 
 @dataclass(frozen=True)

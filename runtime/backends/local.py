@@ -15,6 +15,7 @@ from depctl_runtime.backends.detok import IncrementalDetokenizer, StopMatcher
 from depctl_runtime.backends.loader import LoadedDeployment, LoadError, load_deployment
 from depctl_runtime.backends.structured import compile_constraint
 from depctl_runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
+from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import SuffixProposer
 
 log = logging.getLogger("depctl.local")
@@ -35,6 +36,7 @@ class LocalBackend:
         self._lock = threading.Lock()  # the worker's arrival vs. a stop that comes first
         self._stop_asked = False  # before the worker existed: the load's result is dropped
         self._stopped = threading.Event()
+        self.memory_bytes: int | None = None  # weights and KV cache, once loaded
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -55,6 +57,7 @@ class LocalBackend:
                 reason = first_line(exc)
             self._owner.failed(self, reason, retrying=False)
             return self._gone()
+        self.memory_bytes = held_bytes(loaded.engine.target, loaded.engine.proposer)  # once: the cache is preallocated
         worker = EngineWorker(self.spec.id, loaded, self.spec.max_batch_size, EngineHost.get(), self._crashed)
         with self._lock:
             if not self._stop_asked:
@@ -146,6 +149,7 @@ class LocalBackend:
             "products": loaded.products,
             "max_context": loaded.max_context,
             "max_batch_size": worker.max_batch_size,
+            "memory_bytes": self.memory_bytes,
             "stats": engine.stats.to_dict(),
             "policy": engine.policy.snapshot(),
         }
@@ -173,6 +177,8 @@ class LocalBackend:
             stats.num_grammar_draft_tokens,
             stats.num_grammar_accepted_tokens,
             stats.grammar_seconds,
+            stats.num_generated_tokens,
+            self.memory_bytes,
         )
 
     @property

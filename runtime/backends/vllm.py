@@ -255,7 +255,20 @@ class VLLMBackend:
             stats["accepted_per_position"],
             int(m.get("vllm:num_requests_running", 0)),
             int(m.get("vllm:num_requests_waiting", 0)),
+            generated_tokens=int(m.get("vllm:generation_tokens_total", 0)),
+            memory_bytes=self._memory(),
         )
+
+    def _memory(self) -> int | None:
+        """The resident memory of the vLLM server and its workers (GPU memory is vLLM's own to report)."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return None
+        try:
+            root = psutil.Process(proc.pid)
+            return sum(p.memory_info().rss for p in (root, *root.children(recursive=True)))
+        except psutil.Error:
+            return None
 
     def metrics(self, max_age: float = METRICS_TTL, fetch: bool = True) -> dict:
         """vLLM's Prometheus samples as {name: value} (labels summed; per-position counters as a list); cached

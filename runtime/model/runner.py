@@ -23,6 +23,34 @@ from depctl_runtime.model.cache import SlotCache
 from depctl_runtime.model.head import ScreenedHead
 
 
+def held_bytes(*roots: object) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots`` (runners, models, caches) through modules,
+    containers and the attributes of depctl's, transformers' and torch's own objects: the weights as held (packed
+    ones included) and the KV cache. A tokenizer or config is never walked."""
+    seen, storages, stack = set(), {}, list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            try:
+                storage = obj.untyped_storage()
+                storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # opaque layouts (oneDNN's packed weights)
+                storages[("opaque", id(obj))] = obj.numel() * obj.element_size()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(_WALKED):
+            stack.extend(vars(obj).values())
+    return sum(storages.values())
+
+
+_WALKED = ("depctl_runtime.", "transformers.models.", "transformers.cache_utils", "torch.nn.")
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[..., vocab] -> [...]: each row's greedy token, the first index of its largest logit (``argmax``'s choice, ties
     and NaN alike). ``max`` finds it several times faster than ``argmax`` on a CPU."""
