@@ -25,6 +25,7 @@ app.command()(talk.generate)
 app.command()(talk.chat)
 app.command()(watch.ps)
 app.command()(watch.top)
+app.command()(daemon.serve)
 
 
 def _version(value: bool) -> None:

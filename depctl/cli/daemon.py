@@ -37,12 +37,20 @@ def _setting(name: str):
     )
 
 
+def _settings_env(**flags) -> dict:
+    """The daemon's settings as environment variables: the API key never shows in ``ps``."""
+    return {SETTINGS[name].env: str(value) for name, value in flags.items() if value is not None}
+
+
+PORT = typer.Option(
+    None, "--port", metavar="PORT", min=0, max=65535, help=f"Default: $DEPCTL_PORT or {config.DEFAULT_PORT}."
+)
+
+
 @app.command()
 @handle_errors
 def start(
-    port: Optional[int] = typer.Option(
-        None, "--port", metavar="PORT", min=0, max=65535, help=f"Default: $DEPCTL_PORT or {config.DEFAULT_PORT}."
-    ),
+    port: Optional[int] = PORT,
     host: Optional[str] = _setting("host"),
     api_key: Optional[str] = _setting("api_key"),
     max_body_bytes: Optional[int] = _setting("max_body_bytes"),
@@ -50,18 +58,22 @@ def start(
     default_max_tokens: Optional[int] = _setting("default_max_tokens"),
     load_timeout: Optional[float] = _setting("load_timeout"),
     drain_timeout: Optional[float] = _setting("drain_timeout"),
+    foreground: bool = typer.Option(
+        False, "--foreground", help="Run in this terminal, logging to it, as `depctl serve` does."
+    ),
 ) -> None:
     """Start the daemon in the background (bound to 127.0.0.1 unless --host)."""
-    flags = {
-        "host": host,
-        "api_key": api_key,
-        "max_body_bytes": max_body_bytes,
-        "max_prompt_tokens": max_prompt_tokens,
-        "default_max_tokens": default_max_tokens,
-        "load_timeout": load_timeout,
-        "drain_timeout": drain_timeout,
-    }
-    env = {SETTINGS[name].env: str(value) for name, value in flags.items() if value is not None}  # never in argv
+    env = _settings_env(
+        host=host,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        max_prompt_tokens=max_prompt_tokens,
+        default_max_tokens=default_max_tokens,
+        load_timeout=load_timeout,
+        drain_timeout=drain_timeout,
+    )
+    if foreground:
+        _exec_daemon(port, env)
     info, started = start_daemon(port, env=env)
     if not started:
         output.message(
@@ -79,6 +91,44 @@ def start(
             f"listening on {bound} without an API key: anyone who can reach it can "
             "use every deployment. Restart with --api-key, or without --host.",
         )
+
+
+@handle_errors
+def serve(
+    port: Optional[int] = PORT,
+    host: Optional[str] = _setting("host"),
+    api_key: Optional[str] = _setting("api_key"),
+    max_body_bytes: Optional[int] = _setting("max_body_bytes"),
+    max_prompt_tokens: Optional[int] = _setting("max_prompt_tokens"),
+    default_max_tokens: Optional[int] = _setting("default_max_tokens"),
+    load_timeout: Optional[float] = _setting("load_timeout"),
+    drain_timeout: Optional[float] = _setting("drain_timeout"),
+) -> None:
+    """Run the daemon in the foreground, logging to stderr: what a container or a systemd unit runs. SIGTERM or
+    Ctrl-C stops it as `depctl daemon stop` does (running requests get --drain-timeout seconds)."""
+    _exec_daemon(
+        port,
+        _settings_env(
+            host=host,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            max_prompt_tokens=max_prompt_tokens,
+            default_max_tokens=default_max_tokens,
+            load_timeout=load_timeout,
+            drain_timeout=drain_timeout,
+        ),
+    )
+
+
+def _exec_daemon(port: int | None, env: dict) -> None:
+    """Become the daemon (exec): signals from a container runtime or systemd reach it directly, and its exit status
+    is this command's."""
+    import sys
+
+    argv = [sys.executable, "-m", "depctl_runtime"] + ([] if port is None else ["--port", str(port)])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, {**os.environ, **env})
 
 
 @app.command()
