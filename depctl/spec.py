@@ -126,6 +126,9 @@ class DeploymentSpec(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)
     pipeline_parallel_size: int = Field(1, ge=1, le=MAX_PARALLEL_SIZE)
     ray_address: str | None = Field(None, min_length=1)
+    # seconds a deployment stays loaded with nothing to do before the daemon frees its memory; the next request
+    # loads it again (ollama's keep_alive). None: loaded for good.
+    keep_alive: float | None = Field(None, gt=0)
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 
@@ -349,6 +352,31 @@ def _flag_bounds_message(exc: ValidationError) -> str:
         field = str(err["loc"][-1]) if err["loc"] else ""
         parts.append(f"{flags.get(field, field)}: {err['msg']}")
     return "; ".join(parts)
+
+
+def parse_duration(text: str) -> float | None:
+    """``--keep-alive``: ``30s``, ``10m``, ``2h``, plain seconds, or ``forever`` (None)."""
+    value = text.strip().lower()
+    if value in ("forever", "never", "-1", "inf"):
+        return None
+    scale = {"s": 1, "m": 60, "h": 3600}.get(value[-1:], None)
+    number = value[:-1] if scale else value
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        raise UsageError(f"--keep-alive must be a duration such as 30s, 10m or 2h (or forever), got {text!r}") from None
+    if not seconds > 0:
+        raise UsageError(f"--keep-alive must be longer than 0, got {text!r}", "use forever to keep it loaded")
+    return seconds
+
+
+def describe_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "forever"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def describe_engine(spec: "DeploymentSpec") -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator
 
-from depctl.spec import DeploymentSpec, describe_engine, describe_speculation
+from depctl.spec import DeploymentSpec, describe_duration, describe_engine, describe_speculation
 from depctl.store import SpecStore
 from depctl_runtime.backends import Backend, make_backend
 from depctl_runtime.backends.base import Stage
@@ -42,12 +42,16 @@ WATCH_SECONDS = 0.25  # how often the poller checks the running load against its
 DEFAULT_LOAD_TIMEOUT = 900.0
 
 
+WAKING = "loading again for a request (it was unloaded when idle)"
+
+
 class State(str, enum.Enum):
     CREATING = "CREATING"
     READY = "READY"
     UPDATING = "UPDATING"
     DELETING = "DELETING"
     FAILED = "FAILED"
+    IDLE = "IDLE"  # unloaded after its keep-alive with nothing to do; the next request loads it again
 
 
 @dataclass
@@ -63,6 +67,8 @@ class Deployment:
     stage: Stage | None = None  # the step a load or start is at, while there is one
     stage_since: float = 0.0
     meter: Meter = field(default_factory=Meter)
+    last_active: float = field(default_factory=time.monotonic)  # a request arrived, ran or waited
+    waking: bool = False  # loading again after an idle unload: requests wait for it instead of a 503
     ready_at: float | None = None
     load_seconds: float | None = None
 
@@ -86,6 +92,7 @@ class Deployment:
         self.reason = reason
         if state not in (State.CREATING, State.UPDATING):
             self.stage = None
+        self.waking = self.waking and state == State.CREATING
 
     def enter(self, stage: Stage) -> None:
         """A backend's load or start moved on (a new stage is logged with how long the last one took)."""
@@ -148,7 +155,7 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec, k_in_place: bool = 
     weights or a new proposer."""
 
     def key(spec: DeploymentSpec) -> dict:
-        fields = spec.model_dump(exclude={"display_name", "created_at", "updated_at"})
+        fields = spec.model_dump(exclude={"display_name", "keep_alive", "created_at", "updated_at"})
         if k_in_place:
             fields["speculation"].pop("num_draft_tokens", None)
         return fields
@@ -212,14 +219,47 @@ class DeploymentManager:
                 backend = dep.backend
                 try:
                     if backend is not None and backend.ready:
-                        dep.meter.sample(backend.counters(), now)
+                        counters = backend.counters()
+                        dep.meter.sample(counters, now)
+                        if counters.running or counters.waiting or dep.meter.active(SAMPLE_SECONDS):
+                            dep.last_active = now
                 except Exception:  # a backend on its way out: the next sample finds the new one
                     log.debug("sampling %s failed", dep.id, exc_info=True)
+                self._unload_if_idle(dep, now)
             if now >= next_log:
                 next_log = now + RATE_WINDOW
                 for dep in self.all():
                     if dep.meter.active():
                         _log_activity(dep)
+
+    # ---- idle unload (a spec's keep_alive) ----
+    def _unload_if_idle(self, dep: Deployment, now: float) -> None:
+        with self._lock:
+            spec = dep.loaded_spec
+            if dep.state != State.READY or spec is None or spec.keep_alive is None:
+                return
+            if now - dep.last_active < spec.keep_alive or self.deployments.get(dep.id) is not dep:
+                return
+            idle = describe_duration(spec.keep_alive)
+            log.info("deployment %s: idle for %s (keep-alive): unloading until the next request", dep.id, idle)
+            dep.generation += 1
+            self._release(dep)
+            dep.set_state(State.IDLE, f"unloaded after {idle} idle (keep-alive); the next request loads it again")
+
+    def wake(self, dep: Deployment) -> None:
+        """A request for an IDLE deployment: load it again (requests wait for it, and ``get`` says so)."""
+        with self._lock:
+            if dep.state != State.IDLE or self.deployments.get(dep.id) is not dep:
+                return
+            log.info("deployment %s: a request arrived while idle: loading it again", dep.id)
+            dep.generation += 1
+            dep.last_active = time.monotonic()
+            dep.set_state(State.CREATING, WAKING)
+            dep.waking = True
+            self._schedule_load(dep)
+
+    def touch(self, dep: Deployment) -> None:
+        dep.last_active = time.monotonic()
 
     # ---- reads ----
     def get(self, deployment_id: str) -> Deployment | None:

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q -ra "$@"
+# the file names and a percentage as it goes, and the slowest tests at the end
+exec .venv/bin/python -m pytest -ra --durations=10 "$@"

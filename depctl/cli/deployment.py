@@ -27,9 +27,11 @@ from depctl.spec import (
     DeploymentSpec,
     DraftModelSpeculation,
     check_deployment_id,
+    describe_duration,
     describe_engine,
     describe_speculation,
     new_deployment_id,
+    parse_duration,
     speculation_from_flags,
 )
 from depctl.store import SpecStore
@@ -146,6 +148,13 @@ def _batch_option(default):
 
 
 WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon reports READY or FAILED.")
+KEEP_ALIVE = typer.Option(
+    None,
+    "--keep-alive",
+    metavar="DURATION",
+    help="Free the deployment's memory after it has been idle this long (30s, 10m, 2h); the next request loads it "
+    "again and waits for it. forever (the default) keeps it loaded. Applies without a reload.",
+)
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", metavar="SECONDS", min=1.0, help="Seconds to wait with --wait.")
 OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]", help="table, json or yaml.")
 
@@ -277,7 +286,7 @@ def _vllm_note(info: dict | None) -> str:
 
 
 def _state_cell(status: dict) -> Text:
-    colour = {"READY": "green", "FAILED": "red", "UNKNOWN": "yellow"}.get(status["state"], "cyan")
+    colour = {"READY": "green", "FAILED": "red", "UNKNOWN": "yellow", "IDLE": "blue"}.get(status["state"], "cyan")
     since = status.get("state_since")
     elapsed = f" for {time.time() - since:.0f}s" if since and status["state"] in ("CREATING", "UPDATING") else ""
     return Text(status["state"] + elapsed, style=colour)
@@ -329,6 +338,8 @@ def _detail_table(r: dict) -> Table:
         )
     if status.get("reason"):
         rows.append(("Reason", status["reason"]))
+    if r.get("keep_alive"):
+        rows.append(("Keep alive", f"{describe_duration(r['keep_alive'])}, then unloaded until the next request"))
     recent = status.get("recent")
     if recent and recent.get("tokens_per_second") is not None:
         rows.append(
@@ -471,6 +482,7 @@ def create(
     tensor_parallel_size: int = _parallel_option("--tensor-parallel-size", 1, TP_WHAT),
     pipeline_parallel_size: int = _parallel_option("--pipeline-parallel-size", 1, PP_WHAT),
     ray_address: Optional[str] = RAY,
+    keep_alive: Optional[str] = KEEP_ALIVE,
     validate_only: bool = typer.Option(
         False, "--validate-only", help="Print the spec that would be written; write nothing."
     ),
@@ -512,6 +524,7 @@ def create(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             ray_address=ray_address or None,
+            keep_alive=parse_duration(keep_alive) if keep_alive is not None else None,
         )
     )
     _check_device(spec.device, spec.engine)
@@ -577,6 +590,7 @@ def update(
     tensor_parallel_size: Optional[int] = _parallel_option("--tensor-parallel-size", None, TP_WHAT),
     pipeline_parallel_size: Optional[int] = _parallel_option("--pipeline-parallel-size", None, PP_WHAT),
     ray_address: Optional[str] = RAY,
+    keep_alive: Optional[str] = KEEP_ALIVE,
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
     fmt: Format = OUTPUT,
@@ -610,6 +624,8 @@ def update(
         "ray_address": ray_address,
     }
     others = {k: v for k, v in others.items() if v is not None}
+    if keep_alive is not None:
+        others["keep_alive"] = parse_duration(keep_alive)  # None: forever
     if "ray_address" in others and not others["ray_address"]:
         others["ray_address"] = None  # --ray-address "": back to one machine
     if speculation is None and not others:
@@ -618,8 +634,8 @@ def update(
             "pass --draft-model/--ngram-speculation-length/--suffix-speculation with --draft-token-count, "
             "--draft-token-count, --suffix-cache-tokens, --draft-precision, --disable-speculative-decoding, "
             "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, "
-            "--max-context-length, --tensor-parallel-size, --pipeline-parallel-size or "
-            "--ray-address",
+            "--max-context-length, --tensor-parallel-size, --pipeline-parallel-size, --ray-address or "
+            "--keep-alive",
         )
     checked = _checked(
         lambda: DeploymentSpec.model_validate(

@@ -42,12 +42,14 @@ def _model_card(dep) -> dict:
         "object": "model",
         "created": int(dep.ready_at or time.time()),
         "owned_by": "depctl",
-        "root": dep.loaded_spec.model,
+        "root": (dep.loaded_spec or dep.spec).model,
         "max_model_len": dep.max_context,
     }
 
 
 def _listed(dep) -> bool:
+    if dep.state == State.IDLE:  # unloaded until a request for it arrives: still served
+        return dep.spec is not None
     return dep.state in (State.READY, State.UPDATING) and dep.loaded_spec is not None
 
 

@@ -121,6 +121,9 @@ class Service:
             raise APIError(
                 503, "the daemon is stopping; retry once it is back (`depctl daemon start`)", code="daemon_stopping"
             )
+        self.manager.touch(dep)
+        if dep.state == State.IDLE or dep.waking:
+            self._wait_awake(dep)
         backend = dep.backend
         if dep.state not in SERVING_STATES or backend is None or not backend.ready:
             why = f": {dep.reason}" if dep.reason else ""
@@ -131,6 +134,13 @@ class Service:
                 code=f"deployment_{dep.state.value.lower()}",
             )
         return dep.id, backend
+
+    def _wait_awake(self, dep) -> None:
+        """Load an idle deployment again and wait for it (on a worker thread: requests are built off the loop)."""
+        self.manager.wake(dep)
+        deadline = time.monotonic() + self.manager.load_timeout
+        while dep.waking and time.monotonic() < deadline and not self.stopping:
+            time.sleep(0.05)
 
     # ---- building jobs ----
     def completion_job(self, req: CompletionRequest) -> Job:

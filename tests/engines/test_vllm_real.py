@@ -1,4 +1,4 @@
-"""The real vLLM, end to end (CI runs these: .ci/run sets DEPCTL_TEST_VLLM=1).
+"""The real vLLM, end to end: run where vLLM is installed, and by CI (.ci/run sets DEPCTL_TEST_VLLM=1).
 
 Setup goes through the project's own command, `depctl engine install vllm --with-ray` (its own virtualenv, ~3.5 GB,
 a few minutes the first time; reused after). Then: what `deployment export` prints is checked against vLLM's own
@@ -29,11 +29,25 @@ from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).parent / "check_in_vllm.py"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("DEPCTL_TEST_VLLM") != "1",
-    reason="real vLLM: set DEPCTL_TEST_VLLM=1 to install it (`depctl engine install vllm --with-ray`, ~3.5 GB) and run "
-    "these (CI does)",
-)
+
+def _wanted() -> str | None:
+    """Why these are skipped, or None to run them: on when asked (DEPCTL_TEST_VLLM=1, which installs vLLM) and
+    whenever vLLM is already installed, unless DEPCTL_TEST_VLLM=0."""
+    asked = os.environ.get("DEPCTL_TEST_VLLM")
+    if asked == "1":
+        return None
+    if asked == "0":
+        return "real vLLM: DEPCTL_TEST_VLLM=0 turns these off"
+    env = engines.vllm_env()
+    if env is not None and engines.has_ray(env.python):
+        return None
+    return (
+        "real vLLM is not installed: `depctl engine install vllm --with-ray` (~3.5 GB) runs these from then on; "
+        "DEPCTL_TEST_VLLM=1 installs it and runs them (CI does)"
+    )
+
+
+pytestmark = pytest.mark.skipif(_wanted() is not None, reason=_wanted() or "")
 
 
 @pytest.fixture(scope="module")

@@ -287,3 +287,25 @@ def _stop_mid_stream(daemon) -> None:
     daemon.log.close()
     daemon.start()
     assert daemon.wait_state("d")["state"] == "READY"
+
+
+def test_keep_alive_unloads_an_idle_deployment_and_a_request_loads_it_again(daemon, tiny_model_dir):
+    rec = cli_json(
+        "deployment", "create", str(tiny_model_dir), "--deployment-id", "nap", "--no-compile", "--keep-alive", "2s"
+    )
+    assert rec["status"]["state"] == "READY" and rec["keep_alive"] == 2.0
+    body = {"model": "nap", "prompt": "abcabcabc", "max_tokens": 8, "temperature": 0}
+    first = daemon.post("/v1/completions", body).json()["choices"][0]["text"]
+    idle = daemon.wait_state("nap", ("IDLE",), timeout=30)
+    assert "unloaded after 2s idle" in idle["reason"] and idle.get("memory_bytes") is None
+    assert [m["id"] for m in daemon.get("/v1/models").json()["data"]] == ["nap"]  # still offered
+    # the next request waits while it loads again, and gets the same answer
+    again = daemon.post("/v1/completions", body)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == first
+    assert daemon.get("/depctl/v1/deployments/nap").json()["state"] == "READY"
+    # forever: it stays loaded, applied without a reload
+    ready_at = daemon.get("/depctl/v1/deployments/nap").json()["ready_at"]
+    rec = cli_json("deployment", "update", "nap", "--keep-alive", "forever")
+    assert rec["keep_alive"] is None and rec["status"]["ready_at"] == ready_at
+    time.sleep(3.5)
+    assert daemon.get("/depctl/v1/deployments/nap").json()["state"] == "READY"
