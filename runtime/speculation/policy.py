@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 WINDOW = 5  # a cost is the median of this many recent measurements
+CONFIRMED = 3  # measurements behind a cost before it may correct the costs of other counts
 REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
 PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
 PROBE_EVERY = 8
@@ -107,6 +108,8 @@ class CostModel:
     def observe(self, n: int, seconds: float) -> None:
         recent = self._recent.setdefault(n, deque(maxlen=WINDOW))
         value = self.samples[n] = _estimate(recent, self.samples.get(n), seconds)
+        if len(recent) < CONFIRMED:
+            return  # one or two passes (a count's first, say) may be an outlier: they never reprice other counts
         # More tokens never cost less. An entry that says otherwise is older than this one (a calibration at a short
         # context, a count the policy has not picked since): the fresh estimate corrects it, upwards for larger
         # counts and downwards for smaller ones. Without this, a stale 16-token entry under a measured 15 made

@@ -153,3 +153,15 @@ def test_a_fresh_cost_corrects_stale_neighbours_that_contradict_it():
         cost.observe(20, 0.040)
     assert cost(16) <= cost(20) + 1e-9 and cost(15) <= cost(20) + 1e-9
     assert cost(8) == pytest.approx(0.023)  # below it and not contradicting it: left alone
+
+
+def test_one_slow_pass_at_a_new_count_does_not_reprice_the_larger_ones():
+    # the bug: a first, 2.5 s pass at a count never measured before became its cost, and "more tokens never cost
+    # less" copied it to every larger count, which were then too dear to draft and so never measured again
+    costs = CostModel()
+    costs.samples.update({1: 0.010, 8: 0.020, 16: 0.030, 72: 0.100})  # a calibration
+    costs.observe(12, 2.5)
+    assert costs.samples[16] == 0.030 and costs.samples[72] == 0.100
+    for _ in range(3):  # a lasting change is confirmed, and then corrects the larger counts as before
+        costs.observe(12, 0.2)
+    assert costs.samples[12] == 0.2 and costs.samples[16] == 0.2 and costs.samples[72] == 0.2
