@@ -111,3 +111,24 @@ def fmt_bytes(n: int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float | None], width: int, top: float | None = None) -> str:
+    """The last ``width`` values as block characters scaled to ``top`` (default: their maximum); None is a gap."""
+    values = values[-width:]
+    known = [v for v in values if v is not None]
+    top = top if top is not None else max(known, default=0.0)
+    if top <= 0:
+        return " " * (width - len(values)) + "".join(" " if v is None else BLOCKS[0] for v in values)
+    cells = [" " if v is None else BLOCKS[min(int(v / top * (len(BLOCKS) - 1) + 0.5), len(BLOCKS) - 1)] for v in values]
+    return " " * (width - len(values)) + "".join(cells)
+
+
+def bar(value: float, top: float, width: int) -> str:
+    """A horizontal bar of ``value`` out of ``top`` in ``width`` cells (eighths at the tip)."""
+    eighths = round(max(value, 0.0) / top * width * 8) if top > 0 else 0
+    full, rest = divmod(min(eighths, width * 8), 8)
+    return "█" * full + ("▏▎▍▌▋▊▉"[rest - 1] if rest else "")

@@ -15,20 +15,7 @@ from rich.text import Text
 from depctl import output
 from depctl.cli._common import daemon_client, handle_errors
 from depctl.client import Client
-from depctl.output import Format, fmt_bytes, fmt_num, fmt_rate
-
-BLOCKS = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: list[float | None], width: int, top: float | None = None) -> str:
-    """The last ``width`` values as block characters scaled to ``top`` (default: their maximum); None is a gap."""
-    values = values[-width:]
-    known = [v for v in values if v is not None]
-    top = top if top is not None else max(known, default=0.0)
-    if top <= 0:
-        return " " * (width - len(values)) + "".join(" " if v is None else BLOCKS[0] for v in values)
-    cells = [" " if v is None else BLOCKS[min(int(v / top * (len(BLOCKS) - 1) + 0.5), len(BLOCKS) - 1)] for v in values]
-    return " " * (width - len(values)) + "".join(cells)
+from depctl.output import Format, fmt_bytes, fmt_num, fmt_rate, sparkline
 
 
 def daemon_memory(pid: int) -> int | None:
