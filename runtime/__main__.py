@@ -65,7 +65,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"port (default $DEPCTL_PORT or {config.DEFAULT_PORT}; 0 picks a free one)",
     )
     for name, s in SETTINGS.items():
-        parser.add_argument(s.flag, dest=name, default=None, help=f"{s.help} (${s.env})")
+        parser.add_argument(s.flag, dest=name, default=None, metavar=s.metavar, help=f"{s.help} (${s.env})")
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from depctl.settings import Settings, is_loopback
+from depctl.settings import SETTINGS, Settings, is_loopback
 
 
-def test_flags_over_environment_over_defaults():
-    assert Settings.resolve({}, {}) == Settings()
-    env = {"DEPCTL_MAX_BODY_BYTES": "5000", "DEPCTL_API_KEY": "k", "DEPCTL_DRAIN_TIMEOUT": "0"}
-    s = Settings.resolve({"max_body_bytes": "9000"}, env)
+def _environ(monkeypatch, env: dict) -> None:
+    for name in SETTINGS.values():
+        monkeypatch.delenv(name.env, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_flags_over_environment_over_defaults(monkeypatch):
+    _environ(monkeypatch, {})
+    assert Settings.resolve({}) == Settings() and Settings().max_body_bytes == 4 * 1024 * 1024
+    _environ(monkeypatch, {"DEPCTL_MAX_BODY_BYTES": "5000", "DEPCTL_API_KEY": "k", "DEPCTL_DRAIN_TIMEOUT": "0"})
+    s = Settings.resolve({"max_body_bytes": "9000", "host": None})
     assert (s.max_body_bytes, s.api_key, s.drain_timeout, s.default_max_tokens) == (9000, "k", 0.0, 2048)
+    _environ(monkeypatch, {"DEPCTL_API_KEY": ""})  # empty: unset
+    assert Settings.resolve({}).api_key is None
 
 
 @pytest.mark.parametrize(
@@ -23,9 +33,21 @@ def test_flags_over_environment_over_defaults():
         ({"default_max_tokens": "0"}, {}, "--default-max-tokens must be at least 1"),
     ],
 )
-def test_bad_values_name_their_source(flags, env, needle):
+def test_bad_values_name_their_source(flags, env, needle, monkeypatch):
+    _environ(monkeypatch, env)
     with pytest.raises(ValueError, match=needle):
-        Settings.resolve(flags, env)
+        Settings.resolve(flags)
+
+
+def test_every_setting_is_a_flag_of_daemon_start_and_serve():
+    from typer.testing import CliRunner
+
+    from depctl.cli import app
+
+    for command in (["daemon", "start"], ["serve"]):
+        shown = " ".join(CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).output.split())
+        for s in SETTINGS.values():
+            assert s.flag in shown and s.env in shown, (command, s.flag)
 
 
 def test_loopback():
