@@ -54,7 +54,14 @@ def install(
 ) -> None:
     """Set up vLLM in a virtualenv of its own (it pins its own torch and transformers), so that deployments can use
     --engine vllm. Idempotent: a finished install is reused."""
-    env = engines.install_vllm(build.value, version, python, force, with_ray, say=lambda line: output.message(line))
+    with output.progress() as progress:  # minutes of pip: the step and the time it has taken
+        task = progress.add_task("vllm", total=None)
+
+        def say(line: str) -> None:
+            progress.console.print(line, highlight=False, markup=False)
+            progress.update(task, description=line)
+
+        env = engines.install_vllm(build.value, version, python, force, with_ray, say=say)
     output.message("vLLM ", (env.version, "bold"), f" ({env.build} build, torch {env.torch}) is ready: {env.python}")
 
 
