@@ -21,6 +21,7 @@ from depctl_runtime.speculation import SamplingParams
 from depctl_runtime.speculation.sampling import Penalties
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: beyond this a client should send more requests (they queue fairly)
 MAX_TOP_LOGPROBS = 20
 
 
@@ -111,7 +112,7 @@ class _Common(_Request):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, each its own row in the batch
     user: str | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -124,13 +125,6 @@ class _Common(_Request):
     speculation: SpeculationControl | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(
-                400,
-                f"n={self.n} is not supported: depctl returns one choice per request; send n requests instead",
-                param="n",
-                code="unsupported_parameter",
-            )
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
         if self.constraint() is not None and self.ignore_eos:

@@ -104,12 +104,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _respond(service: Service, job: Job, body, request: Request):
-    stream, include_usage = body.stream, body.include_usage
-    if stream:
-        return EventSourceResponse(_stream(service, job, include_usage), ping=15)
-    text, finish, logprobs = await _unless_disconnected(service.collect(job), request)
+    jobs = service.choices(job, body.n)
+    if body.stream:
+        return EventSourceResponse(_stream(service, jobs, body.include_usage), ping=15)
+    results = await _unless_disconnected(asyncio.gather(*(service.collect(j) for j in jobs)), request)
+    choices = [_choice(j, i, *result) for i, (j, result) in enumerate(zip(jobs, results))]
+    return {**_head(job, job.kind), "choices": choices, "usage": service.total_usage(jobs)}
+
+
+def _choice(job: Job, index: int, text: str, finish: str, logprobs) -> dict:
     chat = job.kind == "chat.completion"
-    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    choice = {"index": index, "finish_reason": finish, "logprobs": None}
     if job.request.params.logprobs is not None:
         choice["logprobs"] = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs)
     if chat:
@@ -118,7 +123,7 @@ async def _respond(service: Service, job: Job, body, request: Request):
             choice["message"], choice["finish_reason"] = _with_calls(text, finish, job.tools)
     else:
         choice["text"] = text
-    return {**_head(job, job.kind), "choices": [choice], "usage": job.usage}
+    return choice
 
 
 def _with_calls(text: str, finish: str, names: frozenset[str]) -> tuple[dict, str]:
@@ -159,25 +164,23 @@ def _head(job: Job, obj: str) -> dict:
     return {"id": f"{prefix}-{job.id}", "object": obj, "created": job.created, "model": job.model}
 
 
-async def _stream(service: Service, job: Job, include_usage: bool):
-    """SSE: one chunk per run of accepted tokens; usage in a last chunk when asked; then ``[DONE]``.
+class _ChoiceStream:
+    """One choice's chunks: its index, its tool-call parser and where its text has got to."""
 
-    When the client goes away, sse-starlette cancels this generator; closing ``service.run`` cancels the request,
-    which leaves the batch at the engine's next step.
-    """
-    chat = job.kind == "chat.completion"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    with_logprobs = job.request.params.logprobs is not None
-    offset = 0  # where the next chunk's text starts (completions' text_offset)
+    def __init__(self, job: Job, index: int, include_usage: bool):
+        self.job, self.index, self.include_usage = job, index, include_usage
+        self.chat = job.kind == "chat.completion"
+        self.obj = "chat.completion.chunk" if self.chat else "text_completion"
+        self.with_logprobs = job.request.params.logprobs is not None
+        self.parser = ToolCallParser(job.tools) if job.tools else None
+        self.offset = 0  # where the next chunk's text starts (completions' text_offset)
 
-    parser = ToolCallParser(job.tools) if job.tools else None
-
-    def chunk(text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
+    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
         shown = None
-        if with_logprobs and not first:
-            shown = chat_logprobs(logprobs) if chat else completion_logprobs(logprobs, offset)
-        if chat:
-            calls = []
+        if self.with_logprobs and not first:
+            shown = chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, self.offset)
+        if self.chat:
+            calls, parser = [], self.parser
             if parser is not None and not first:
                 text, calls = parser.feed(text or "")
                 if finish:
@@ -187,29 +190,65 @@ async def _stream(service: Service, job: Job, include_usage: bool):
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
             if calls:
                 delta["tool_calls"] = [c.to_dict() for c in calls]
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shown}
+            choice = {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": shown}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": shown}
-        body = {**_head(job, obj), "choices": [choice]}
-        if include_usage:
+            choice = {"index": self.index, "text": text or "", "finish_reason": finish, "logprobs": shown}
+            self.offset += len(text or "")
+        body = {**_head(self.job, self.obj), "choices": [choice]}
+        if self.include_usage:
             body["usage"] = None
         return json.dumps(body)
 
-    if chat:
-        yield {"data": chunk("", None, first=True)}
+
+async def _stream(service: Service, jobs: list[Job], include_usage: bool):
+    """SSE: one chunk per run of accepted tokens of each choice (``index`` says which); usage in a last chunk when
+    asked; then ``[DONE]``.
+
+    When the client goes away, sse-starlette cancels this generator; the choices' tasks are cancelled with it, and
+    closing ``service.run`` cancels each request, which leaves the batch at the engine's next step.
+    """
+    streams = [_ChoiceStream(job, i, include_usage) for i, job in enumerate(jobs)]
+    if streams[0].chat:
+        for s in streams:
+            yield {"data": s.chunk("", None, first=True)}
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(s: _ChoiceStream) -> None:
+        try:
+            async with aclosing(service.run(s.job)) as deltas:
+                async for item in deltas:
+                    await queue.put((s, item))
+            await queue.put((s, _END))
+        except BaseException as exc:  # noqa: BLE001 - handed to the stream, which reports it
+            await queue.put((s, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    failed = None
     try:
-        async with aclosing(service.run(job)) as deltas:
-            async for item in deltas:
-                if item.text or item.finish_reason or item.logprobs:
-                    yield {"data": chunk(item.text, item.finish_reason, logprobs=item.logprobs)}
-                    offset += len(item.text)
-    except APIError as exc:
-        yield {"data": json.dumps(exc.body())}
-    except Exception as exc:  # reported in the stream: the status line has already gone out
-        yield {"data": json.dumps(APIError(500, f"generation failed: {type(exc).__name__}: {exc}").body())}
-    else:
-        if include_usage and job.usage is not None:
-            yield {"data": json.dumps({**_head(job, obj), "choices": [], "usage": job.usage})}
+        running = len(tasks)
+        while running:
+            s, item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, BaseException):
+                failed = item
+                break
+            elif item.text or item.finish_reason or item.logprobs:
+                yield {"data": s.chunk(item.text, item.finish_reason, logprobs=item.logprobs)}
+    finally:
+        for task in tasks:
+            task.cancel()
+    if isinstance(failed, APIError):
+        yield {"data": json.dumps(failed.body())}
+    elif failed is not None:  # reported in the stream: the status line has already gone out
+        message = f"generation failed: {type(failed).__name__}: {failed}"
+        yield {"data": json.dumps(APIError(500, message).body())}
+    elif include_usage:
+        usage = service.total_usage(jobs)
+        if usage is not None:
+            yield {"data": json.dumps({**_head(jobs[0], streams[0].obj), "choices": [], "usage": usage})}
     yield {"data": "[DONE]"}
 
 

@@ -15,6 +15,7 @@ still running: each ends with a 503 error (in-stream: an error event, then ``[DO
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from contextlib import aclosing
@@ -250,6 +251,20 @@ class Service:
             raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
         return Job(kind, dep_id, req.model, request, backend)
 
+    def choices(self, job: Job, n: int) -> list[Job]:
+        """The ``n`` choices of one request: the same prompt, each its own row (and with a seed, the seeds
+        seed, seed + 1, ..., so that choices differ and a rerun repeats them all)."""
+        params = job.request.params
+        out = [job]
+        for i in range(1, n):
+            seed = params.sampling.seed
+            sampling = (
+                params.sampling if seed is None else dataclasses.replace(params.sampling, seed=(seed + i) % 2**64)
+            )
+            request = dataclasses.replace(job.request, params=dataclasses.replace(params, sampling=sampling))
+            out.append(dataclasses.replace(job, request=request, usage=None))
+        return out
+
     # ---- running ----
     async def run(self, job: Job) -> AsyncIterator[Delta]:
         endpoint = "chat" if job.kind == "chat.completion" else "completions"
@@ -299,6 +314,29 @@ class Service:
                 None if first_at is None else first_at - t0,
                 time.perf_counter() - t0,
             )
+
+    @staticmethod
+    def total_usage(jobs: list[Job]) -> dict | None:
+        """One request's usage over its choices: the prompt once, the completions and speculation summed."""
+        usages = [job.usage for job in jobs]
+        if any(u is None for u in usages):
+            return None
+        total = dict(usages[0])
+        if len(usages) == 1:
+            return total
+        total["completion_tokens"] = sum(u["completion_tokens"] for u in usages)
+        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+        for key in ("completion_tokens_details", "speculation"):
+            if key in total:
+                part = dict(total[key])
+                for name, value in part.items():
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        part[name] = sum(u[key][name] for u in usages)
+                if key == "speculation":
+                    drafted = part["drafted_tokens"]
+                    part["acceptance_rate"] = round(part["accepted_tokens"] / drafted, 4) if drafted else None
+                total[key] = part
+        return total
 
     def _usage(
         self, job: Job, completion: int, drafted: int, accepted: int, pred_accepted: int, gd: int, ga: int

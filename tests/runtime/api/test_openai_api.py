@@ -119,10 +119,38 @@ def test_tokenize_and_detokenize_a_prompt_and_chat_messages(daemon, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
-def test_n_above_one_is_refused_with_a_code(client):
+def test_n_choices_whole_and_streamed(client):
+    # greedy: n identical choices, each its own row; usage counts the prompt once and every choice's tokens
+    r = client.completions.create(model="ngram", prompt="abcabcabcabc", max_tokens=12, n=3, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 1
+    one = client.completions.create(model="ngram", prompt="abcabcabcabc", max_tokens=12, **GREEDY)
+    assert r.choices[0].text == one.choices[0].text
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens and r.usage.completion_tokens == 3 * 12
+    # sampled with a seed: choice i uses seed + i, so a rerun repeats every choice, and they differ
+    body = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "seed": 7}
+    first = client.chat.completions.create(**body, n=2, temperature=1.0)
+    again = client.chat.completions.create(**body, n=2, temperature=1.0)
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices] and texts[0] != texts[1]
+    single = client.chat.completions.create(**body, temperature=1.0)
+    assert single.choices[0].message.content == texts[0]
+    # streamed: every choice's deltas carry its index, and join to the whole answer's choices
+    parts = {0: "", 1: ""}
+    finished, usage = set(), None
+    for chunk in client.chat.completions.create(
+        **body, n=2, temperature=1.0, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert [parts[0], parts[1]] == texts and finished == {0, 1}
+    assert usage.completion_tokens == first.usage.completion_tokens
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="ngram", prompt="abc", max_tokens=2, n=2)
-    assert err.value.body["code"] == "unsupported_parameter" and err.value.body["param"] == "n"
+        client.completions.create(model="ngram", prompt="abc", max_tokens=2, n=17)
+    assert err.value.body["param"] == "n"
 
 
 def test_completion_shape_and_usage(client):
@@ -262,7 +290,7 @@ def test_errors_map_to_sdk_exceptions(client):
         client.completions.create(model="plain", prompt="x", max_tokens=10_000)
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="plain", prompt="x", n=2)
+        client.completions.create(model="plain", prompt="x", n=0)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="plain", prompt="x", temperature=-1)
@@ -391,7 +419,9 @@ def test_cli_generate_and_bench(daemon, monkeypatch):
     assert result.exit_code == 2 and "no prompt set" in result.stderr
 
 
-def test_cli_chat_keeps_the_conversation(daemon, monkeypatch):
+def test_cli_chat_answers_piped_stdin_once(daemon, monkeypatch):
+    # as `echo hi | ollama run` does: all of stdin is one message (a conversation is tested in a terminal:
+    # tests/depctl/test_terminal.py)
     from typer.testing import CliRunner
 
     from depctl.cli import app
@@ -399,7 +429,7 @@ def test_cli_chat_keeps_the_conversation(daemon, monkeypatch):
     monkeypatch.setenv("DEPCTL_HOME", str(daemon.home))
     result = CliRunner().invoke(app, ["chat", "plain", "--max-tokens", "5"], input="hello\nand again\n\n")
     assert result.exit_code == 0, result.stderr
-    assert result.stderr.count("5 tokens in") == 2  # two replies, each with its summary line
+    assert result.stderr.count("5 tokens in") == 1
 
 
 # ---- structured outputs, logprobs, penalties --------------------------------------------------------------------
