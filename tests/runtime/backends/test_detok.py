@@ -35,3 +35,18 @@ def test_earliest_stop_wins_and_flush_returns_the_rest():
     assert stop.feed("aab xyz") == "aa"
     plain = StopMatcher(["zzz"])
     assert plain.feed("hello") + plain.flush() == "hello"
+
+
+def test_tokenizers_decode_stream_and_the_prefix_path_agree():
+    # fast tokenizers decode through tokenizers' DecodeStream; slow ones through prefix decoding: the same text
+    tok = byte_tokenizer()
+    text = "naïve café ☕ ok, 日本語 🤖 and   spaces\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    outputs = []
+    for stream in (True, False):
+        detok = IncrementalDetokenizer(tok)
+        if not stream:
+            detok._stream = None
+        pieces = [detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3)] + [detok.flush()]
+        outputs.append("".join(pieces))
+    assert outputs[0] == outputs[1] == text
