@@ -37,9 +37,10 @@ def _setting(name: str):
     )
 
 
-def _settings_env(**flags) -> dict:
-    """The daemon's settings as environment variables: the API key never shows in ``ps``."""
-    return {SETTINGS[name].env: str(value) for name, value in flags.items() if value is not None}
+def _settings_env(flags: dict) -> dict:
+    """The daemon's settings among a command's arguments, as environment variables: the API key never shows in
+    ``ps``."""
+    return {SETTINGS[name].env: str(value) for name, value in flags.items() if name in SETTINGS and value is not None}
 
 
 PORT = typer.Option(
@@ -63,15 +64,7 @@ def start(
     ),
 ) -> None:
     """Start the daemon in the background (bound to 127.0.0.1 unless --host)."""
-    env = _settings_env(
-        host=host,
-        api_key=api_key,
-        max_body_bytes=max_body_bytes,
-        max_prompt_tokens=max_prompt_tokens,
-        default_max_tokens=default_max_tokens,
-        load_timeout=load_timeout,
-        drain_timeout=drain_timeout,
-    )
+    env = _settings_env(locals())
     if foreground:
         _exec_daemon(port, env)
     info, started = start_daemon(port, env=env)
@@ -106,18 +99,7 @@ def serve(
 ) -> None:
     """Run the daemon in the foreground, logging to stderr: what a container or a systemd unit runs. SIGTERM or
     Ctrl-C stops it as `depctl daemon stop` does (running requests get --drain-timeout seconds)."""
-    _exec_daemon(
-        port,
-        _settings_env(
-            host=host,
-            api_key=api_key,
-            max_body_bytes=max_body_bytes,
-            max_prompt_tokens=max_prompt_tokens,
-            default_max_tokens=default_max_tokens,
-            load_timeout=load_timeout,
-            drain_timeout=drain_timeout,
-        ),
-    )
+    _exec_daemon(port, _settings_env(locals()))
 
 
 def _exec_daemon(port: int | None, env: dict) -> None:
