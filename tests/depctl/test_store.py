@@ -38,6 +38,7 @@ def test_round_trip_keeps_only_intent(depctl_home):
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "ray_address",
+        "keep_alive",
         "created_at",
         "updated_at",
     }
