@@ -11,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from depctl.cli import app
+from depctl.spec import DeploymentSpec
+from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
 from tests.tiny import save_tiny
 
@@ -139,8 +141,14 @@ def test_cuda_request_without_cuda_fails_with_reason(daemon, tiny_model_dir):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the failure path cannot be shown here")
     result = cli("deployment", "create", str(tiny_model_dir), "--deployment-id", "gpu", "--device", "cuda")
-    assert result.exit_code == 1
-    assert "torch sees no CUDA GPU" in " ".join(result.stderr.split())
+    assert result.exit_code == 2 and "sees no CUDA GPU" in result.stderr  # the CLI refuses before writing
+    assert not (daemon.home / "deployments" / "gpu.yaml").exists()
+    # a spec written by hand gets as far as the daemon, which says why it cannot load it
+    SpecStore(daemon.home / "deployments").create(
+        DeploymentSpec(id="gpu", model=str(tiny_model_dir), device="cuda", compile=False)
+    )
+    status = daemon.wait_state("gpu")
+    assert status["state"] == "FAILED" and "torch sees no CUDA GPU" in status["reason"]
 
 
 def test_daemon_binds_localhost_and_cli_autostarts(depctl_home, tiny_model_dir, monkeypatch):
