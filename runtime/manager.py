@@ -219,7 +219,7 @@ class DeploymentManager:
                 backend = dep.backend
                 try:
                     if backend is not None and backend.ready:
-                        counters = backend.counters()
+                        counters = backend.counters(fresh=True)  # vLLM's too: keep-alive must see its load
                         dep.meter.sample(counters, now)
                         if counters.running or counters.waiting or dep.meter.active(SAMPLE_SECONDS):
                             dep.last_active = now

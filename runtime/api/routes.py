@@ -107,9 +107,19 @@ async def _respond(service: Service, job: Job, body, request: Request):
     jobs = service.choices(job, body.n)
     if body.stream:
         return EventSourceResponse(_stream(service, jobs, body.include_usage), ping=15)
-    results = await _unless_disconnected(asyncio.gather(*(service.collect(j) for j in jobs)), request)
+    results = await _unless_disconnected(_all(service.collect(j) for j in jobs), request)
     choices = [_choice(j, i, *result) for i, (j, result) in enumerate(zip(jobs, results))]
     return {**_head(job, job.kind), "choices": choices, "usage": service.total_usage(jobs)}
+
+
+async def _all(coroutines) -> list:
+    """Every choice's result; when one fails, the others are cancelled rather than left running to no one."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _choice(job: Job, index: int, text: str, finish: str, logprobs) -> dict:

@@ -151,7 +151,9 @@ class Backend(Protocol):
     def status(self) -> dict:
         """The engine's facts for ``deployment get`` (may block briefly: never call it on the event loop)."""
 
-    def counters(self) -> Counters: ...
+    def counters(self, fresh: bool = False) -> Counters:
+        """Read without blocking (a scrape on the event loop); ``fresh``: up to date even where that costs a call to
+        another process (the manager's once-a-second sampling, off the loop)."""
 
     def stop(self, drain: bool = True, then: Callable[[], None] | None = None) -> None:
         """Stop after what runs finishes (``drain``) or at once; ``then`` runs once it has stopped."""

@@ -159,7 +159,7 @@ class LocalBackend:
             out["suffix_index"] = engine.proposer.snapshot()
         return out
 
-    def counters(self) -> Counters:
+    def counters(self, fresh: bool = False) -> Counters:
         worker, loaded = self._worker, self.loaded
         if worker is None or loaded is None:
             return Counters()

@@ -244,9 +244,9 @@ class VLLMBackend:
             out["stats"] = stats_from_metrics(metrics)
         return out
 
-    def counters(self) -> Counters:
-        """vLLM's counters as last read (never an HTTP call: this runs on the event loop)."""
-        m = self.metrics(fetch=False)
+    def counters(self, fresh: bool = False) -> Counters:
+        """vLLM's counters as last read (no HTTP call: this runs on the event loop), or read now when ``fresh``."""
+        m = self.metrics(fetch=fresh)
         stats = stats_from_metrics(m)
         return Counters(
             stats["drafts"],
