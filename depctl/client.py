@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import httpx
+import psutil
 from filelock import FileLock
 from httpx_sse import connect_sse
 
@@ -40,6 +41,16 @@ class DaemonInfo:
     def headers(self) -> dict:
         key = os.environ.get("DEPCTL_API_KEY") or self.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def tree_rss(pid: int) -> int | None:
+    """Resident bytes of a process and all its descendants (the daemon with its vLLM servers, or one server with its
+    workers); None when it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in (root, *root.children(recursive=True)))
+    except psutil.Error:
+        return None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -138,14 +138,15 @@ class Deployment:
 
 
 def _log_activity(dep: Deployment) -> None:
-    meter, counters = dep.meter, dep.backend.counters() if dep.backend is not None else None
+    meter = dep.meter
     rate, acceptance = meter.tokens_per_second(), meter.acceptance_rate()
+    running, waiting = meter.queue()
     log.info(
         "deployment %s: %.1f tok/s generated, %d running, %d waiting%s",
         dep.id,
         rate or 0.0,
-        (counters.running or 0) if counters else 0,
-        (counters.waiting or 0) if counters else 0,
+        running,
+        waiting,
         "" if acceptance is None else f", acceptance {acceptance:.0%} (last {ACCEPTANCE_WINDOW:.0f}s)",
     )
 

@@ -90,6 +90,12 @@ class Meter:
             "series": self.series(),
         }
 
+    def queue(self) -> tuple[int, int]:
+        """Requests running and waiting at the last sample."""
+        with self._lock:
+            last = self._samples[-1] if self._samples else None
+        return (last.running, last.waiting) if last else (0, 0)
+
     def active(self, window: float = RATE_WINDOW) -> bool:
         """Anything generated, running or waiting in the window: worth a log line."""
         span = self._span(window)

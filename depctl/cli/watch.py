@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import typer
 from rich.console import Group
 from rich.live import Live
@@ -14,17 +13,8 @@ from rich.text import Text
 
 from depctl import output
 from depctl.cli._common import daemon_client, handle_errors
-from depctl.client import Client
+from depctl.client import Client, tree_rss
 from depctl.output import Format, fmt_bytes, fmt_num, fmt_rate, sparkline
-
-
-def daemon_memory(pid: int) -> int | None:
-    """The daemon's resident memory with its children's (vLLM servers)."""
-    try:
-        root = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in (root, *root.children(recursive=True)))
-    except psutil.Error:
-        return None
 
 
 def _rows(client: Client) -> list[dict]:
@@ -70,7 +60,7 @@ def _ps_table(data: dict) -> Table:
 def _snapshot(client: Client) -> dict:
     return {
         "pid": client.info.pid,
-        "memory_bytes": daemon_memory(client.info.pid),
+        "memory_bytes": tree_rss(client.info.pid),
         "deployments": _rows(client),
     }
 

@@ -41,15 +41,13 @@ SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with th
 
 
 def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
-    """Messages (and tools) rendered by the model's own chat template, as token ids."""
+    """Messages (and tools, which the caller has checked the template takes) rendered by the model's own chat
+    template, as token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400, f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions", param="messages"
         )
-    extra = {}
-    if tools:
-        check_tool_support(tokenizer, dep_id)
-        extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
             history(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
@@ -170,9 +168,9 @@ class Service:
         constraint = req.constraint()
         tools = req.tools if req.calling_tools else None
         if tools:
+            check_tool_support(tokenizer, dep_id)
             required = req.required_functions()
             if required:
-                check_tool_support(tokenizer, dep_id)
                 constraint = tool_constraint(tokenizer, required, req.parallel_tool_calls, "tool_choice")
         prompt_ids = chat_prompt_ids(tokenizer, dep_id, req.messages, tools)
         prediction = ()
@@ -187,6 +185,8 @@ class Service:
         dep_id, backend = self.deployment(req.model)
         tokenizer = backend.tokenizer
         if req.messages is not None:
+            if req.tools:
+                check_tool_support(tokenizer, dep_id)
             ids = chat_prompt_ids(tokenizer, dep_id, req.messages, req.tools, req.add_generation_prompt)
         else:
             ids = encode(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
@@ -254,10 +254,9 @@ class Service:
     def choices(self, job: Job, n: int) -> list[Job]:
         """The ``n`` choices of one request: the same prompt, each its own row (and with a seed, the seeds
         seed, seed + 1, ..., so that choices differ and a rerun repeats them all)."""
-        params = job.request.params
+        params, seed = job.request.params, job.request.params.sampling.seed
         out = [job]
         for i in range(1, n):
-            seed = params.sampling.seed
             sampling = (
                 params.sampling if seed is None else dataclasses.replace(params.sampling, seed=(seed + i) % 2**64)
             )

@@ -39,6 +39,7 @@ import httpx
 import psutil
 
 from depctl import config, models
+from depctl.client import tree_rss
 from depctl.engines import SERVER_MODULE, EngineEnv, require_vllm_env
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
@@ -262,13 +263,7 @@ class VLLMBackend:
     def _memory(self) -> int | None:
         """The resident memory of the vLLM server and its workers (GPU memory is vLLM's own to report)."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return None
-        try:
-            root = psutil.Process(proc.pid)
-            return sum(p.memory_info().rss for p in (root, *root.children(recursive=True)))
-        except psutil.Error:
-            return None
+        return None if proc is None or proc.poll() is not None else tree_rss(proc.pid)
 
     def metrics(self, max_age: float = METRICS_TTL, fetch: bool = True) -> dict:
         """vLLM's Prometheus samples as {name: value} (labels summed; per-position counters as a list); cached
