@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from depctl import models  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
 from depctl_runtime.backends.loader import (  # noqa: E402
-    INT8_WEIGHTS,
+    QUANTIZED,
     compile_passes,
     load_dtype,
     pick_device,
@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "int8"],
+        choices=["none", "int8", "int4"],
         help="the target's weights as --quantization holds them (transformers' rows keep bf16 weights)",
     )
     parser.add_argument(
@@ -167,7 +167,7 @@ def main() -> int:
 
     draft = load_draft(ours=True) if args.draft else None
     if surgery:  # what the loader does for a deployment (depctl_runtime.backends.loader.surgery_for)
-        target_precision = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
+        target_precision = QUANTIZED.get(args.quantization, str(dtype).removeprefix("torch."))
         model = surgery_for(model, target_precision, exact=True, fuse=not args.no_fuse)
     # transformers' rows get their own copies, as users run them (no module swaps)
     hf_model = None if args.no_hf else load(args.model, device, dtype)[0]
@@ -178,7 +178,7 @@ def main() -> int:
         hf_draft_plain = load(args.draft, device, dtype)[0]
     print(
         f"loaded in {time.perf_counter() - t0:.1f}s on {device}/{str(dtype).removeprefix('torch.')}"
-        f"{', int8 weights' if args.quantization == 'int8' else ''}, "
+        f"{', ' + QUANTIZED[args.quantization] if args.quantization in QUANTIZED else ''}, "
         f"{torch.get_num_threads()} threads",
         file=sys.stderr,
     )
@@ -186,7 +186,7 @@ def main() -> int:
     eos = sorted({tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id)))
     config = dict(eos_token_ids=tuple(eos), max_context=8192)
 
-    weights = INT8_WEIGHTS if args.quantization == "int8" else str(dtype).removeprefix("torch.")
+    weights = QUANTIZED.get(args.quantization, str(dtype).removeprefix("torch."))
 
     def engine(proposer, k, compiled=args.compile != "off"):
         passes = compile_passes(ModelRunner(model, vocab), weights, compiled)  # as the loader: compiled where faster

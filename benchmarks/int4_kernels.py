@@ -10,7 +10,9 @@ the table gives microseconds per product (median of interleaved runs) and the we
 - ``blocked f32``: depctl's own float32 product (``BlockedLinear``), what an AVX2 CPU runs today;
 - ``blocked bf16``: the same in bf16, where the CPU has AVX-512 BF16;
 - ``int8 bf16``: ``torch._weight_int8pack_mm``, depctl's ``--quantization int8`` today;
-- ``int4 gN bf16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` with group size N, bf16 activations.
+- ``int4 gN bf16``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` with group size N, bf16 activations;
+- ``depctl int4 f32`` / ``depctl int8 f32`` (and ``bf16``): depctl's own grouped product (``QuantizedLinear``: groups
+  of 32, fp16 scale and offset), what ``--quantization int4`` / ``int8`` run.
 ``invariant`` says whether row 0's bits stay the same whatever the number of rows in the product (1 to 16), which
 speculation's exactness needs.
 """
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from depctl_runtime.kernels import native  # noqa: E402
+from depctl_runtime.kernels.quantized import QuantizedLinear, packed_bytes  # noqa: E402
 from depctl_runtime.kernels.surgery import BlockedLinear, quantize_rows  # noqa: E402
 
 # (name, out features, in features) of one decoder layer's products and the output layer
@@ -78,6 +81,11 @@ def products(out_f: int, in_f: int, groups: list[int]) -> dict:
             bf16 = nn.Linear(in_f, out_f, bias=False).to(torch.bfloat16)
             bf16.weight.data = weight.to(torch.bfloat16)
             found["blocked bf16"] = (BlockedLinear(bf16), torch.bfloat16, out_f * in_f * 2)
+        for bits in (4, 8):
+            ours = QuantizedLinear(linear, bits)
+            found[f"depctl int{bits} f32"] = (ours, torch.float32, packed_bytes(ours))
+            if native.blocked_supports(torch.bfloat16):
+                found[f"depctl int{bits} bf16"] = (ours, torch.bfloat16, packed_bytes(ours))
     else:
         found["torch f32"] = (linear, torch.float32, out_f * in_f * 4)
     q8, s8 = quantize_rows(weight, torch.bfloat16)

@@ -48,13 +48,15 @@ ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # How the draft model's weights are held. The draft only proposes, so its numerics never change the output (the
-# target verifies every token); "int8" (dynamic int8 linears, CPU only) drafts ~3x faster than float32 on a CPU.
-# auto: int8 on a CPU, the target's dtype on a GPU.
-DraftPrecision = Literal["auto", "float32", "bfloat16", "float16", "int8"]
-# How the target's weights are held. "int8": weight-only int8, one scale per output channel, activations in bfloat16
-# (CPU only): half the bytes of bf16 per step. It changes the model's outputs slightly (as llama.cpp's Q8_0 does);
-# speculation stays exact against the same int8 model decoding plainly. Never picked for you.
-Quantization = Literal["none", "int8"]
+# target verifies every token); "int8" (dynamic int8 linears, CPU only) drafts ~3x faster than float32 on a CPU;
+# "int4" (depctl's 4-bit grouped weights, CPU only) reads a third of bf16's bytes. auto: int8 on a CPU, the target's
+# dtype on a GPU.
+DraftPrecision = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
+# How the target's weights are held (CPU only). "int8" and "int4": weight-only, in groups of 32 inputs with an fp16
+# scale and offset each (9 and 5 bits a weight, as GGUF's Q8_1 and Q4_1), activations in float32 or bfloat16. They
+# change the model's outputs slightly, as llama.cpp's Q8_0 and Q4_K_M do; speculation stays exact against the same
+# quantized model decoding plainly. Never picked for you.
+Quantization = Literal["none", "int8", "int4"]
 # Which engine serves the deployment: depctl's own (one device, one process), or a vLLM server the daemon starts and
 # supervises (tensor/pipeline parallel, multi-node through Ray), behind the same API.
 Engine = Literal["depctl", "vllm"]
@@ -149,19 +151,19 @@ class DeploymentSpec(_Strict):
 
 
 def check_quantization(quantization: str, dtype: str, device: str) -> None:
-    """int8 weights compute with bfloat16 activations on a CPU; raises ValueError naming the flag to change."""
-    if quantization != "int8":
+    """Quantized weights are depctl's CPU kernels, with float32 or bfloat16 activations; raises ValueError naming the
+    flag to change."""
+    if quantization == "none":
         return
-    if dtype not in ("auto", "bfloat16"):
+    if dtype == "float16":
         raise ValueError(
-            f"--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype {dtype} "
-            "(PyTorch's int8 weight kernel is 10-20x slower with float32 activations): use --dtype auto or bfloat16, "
-            "or --quantization none"
+            f"--quantization {quantization} computes with float32 or bfloat16 activations, not float16: use --dtype "
+            "auto, float32 or bfloat16, or --quantization none"
         )
     if device == "cuda":
         raise ValueError(
-            "--quantization int8 runs on a CPU in this version: use --device cpu (or auto on a machine "
-            "without a GPU), or --quantization none"
+            f"--quantization {quantization} is a CPU kernel and has no CUDA kernel in this version: use --device cpu "
+            "(or auto on a machine without a GPU), or --quantization none (bf16 on the GPU)"
         )
 
 

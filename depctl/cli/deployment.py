@@ -91,13 +91,14 @@ SUFFIX_CACHE = typer.Option(
 DRAFT_PRECISION = typer.Option(
     None,
     "--draft-precision",
-    metavar="[auto|float32|bfloat16|float16|int8]",
+    metavar="[auto|float32|bfloat16|float16|int8|int4]",
     help="How the draft model's weights are held; never changes the output. auto: int8 on CPU (about 3x faster "
-    "drafting), the target's dtype on CUDA.",
+    "drafting), the target's dtype on CUDA. int4: 4-bit grouped weights (CPU).",
 )
 QUANTIZATION_HELP = (
-    "none, or int8: weight-only int8 for the target (bfloat16 activations, CPU only), about 2x faster a "
-    "step than bfloat16; outputs change slightly, speculation stays exact against the int8 model."
+    "none, int8 or int4: weight-only int8 or 4-bit weights for the target, in groups of 32 (CPU only; 9 and 5 bits "
+    "a weight); outputs change slightly, as llama.cpp's Q8_0 and Q4_K_M do; speculation stays exact against the "
+    "quantized model."
 )
 
 COMPILE_HELP = (
@@ -474,7 +475,7 @@ def create(
         help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.",
     ),
     quantization: Quantization = typer.Option(
-        Quantization.none, "--quantization", metavar="[none|int8]", help=QUANTIZATION_HELP
+        Quantization.none, "--quantization", metavar="[none|int8|int4]", help=QUANTIZATION_HELP
     ),
     compile_passes: bool = typer.Option(True, "--compile/--no-compile", help=COMPILE_HELP),
     engine: Engine = typer.Option(Engine.depctl, "--engine", metavar="[depctl|vllm]", help=ENGINE_HELP),
@@ -582,7 +583,7 @@ def update(
     device: Optional[Device] = typer.Option(None, "--device", metavar="[auto|cpu|cuda]"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", metavar="[auto|float32|bfloat16|float16]"),
     quantization: Optional[Quantization] = typer.Option(
-        None, "--quantization", metavar="[none|int8]", help=QUANTIZATION_HELP
+        None, "--quantization", metavar="[none|int8|int4]", help=QUANTIZATION_HELP
     ),
     compile_passes: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=COMPILE_HELP),
     engine: Optional[Engine] = typer.Option(None, "--engine", metavar="[depctl|vllm]", help=ENGINE_HELP),

@@ -21,6 +21,7 @@ from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl_runtime.backends.base import Stage
 from depctl_runtime.kernels import native
+from depctl_runtime.kernels.quantized import quantized_linears
 from depctl_runtime.kernels.surgery import (
     SplitKLinear,
     WeightMajorLinear,
@@ -52,8 +53,10 @@ from depctl_runtime.speculation.grammar import GrammarCompiler
 log = logging.getLogger("depctl.loader")
 
 MAX_CONTEXT_CAP = 32768
-INT8_WEIGHTS = "int8 weights"  # a target's --quantization int8: weight-only int8, bfloat16 activations
-COMPILED_PRECISIONS = (INT8_WEIGHTS, "float32", "bfloat16")  # compiled where faster: see compile_passes
+INT8_WEIGHTS = "int8 weights"  # a target's --quantization int8: weight-only int8 in groups (kernels.quantized)
+INT4_WEIGHTS = "int4 weights"  # --quantization int4, and a draft's --draft-precision int4
+QUANTIZED = {"int8": INT8_WEIGHTS, "int4": INT4_WEIGHTS}
+COMPILED_PRECISIONS = (INT8_WEIGHTS, INT4_WEIGHTS, "float32", "bfloat16")  # compiled where faster: see compile_passes
 
 
 class LoadError(Exception):
@@ -67,7 +70,7 @@ class LoadedModel:
     source: str  # what from_pretrained loaded (a directory or a hub id)
     device: torch.device
     dtype: torch.dtype
-    # how the weights are held: the dtype's name, "int8" (a draft's dynamic int8 linears) or INT8_WEIGHTS
+    # how the weights are held: the dtype's name, "int8" (a draft's dynamic int8 linears), INT8_WEIGHTS or INT4_WEIGHTS
     precision: str = ""
 
     def __post_init__(self):
@@ -245,19 +248,17 @@ def pick_device(requested: str) -> torch.device:
 
 
 def pick_dtype(requested: str, device: torch.device, quantization: str = "none") -> torch.dtype:
-    if quantization == "int8":  # the activations' dtype: the int8 weight kernel wants bf16 (spec.check_quantization)
+    if quantization != "none":  # the activations' dtype around depctl's quantized products
         if device.type != "cpu":
             raise LoadError(
-                f"--quantization int8 runs on a CPU in this version, and this deployment resolved to "
+                f"--quantization {quantization} is a CPU kernel in this version, and this deployment resolved to "
                 f"{device.type}: update it with --device cpu, or --quantization none"
             )
-        if not int8_row_invariant(torch.bfloat16):
-            raise LoadError(
-                "this CPU's int8 weight kernel gives a row a different result depending on how many rows "
-                "share the pass, so speculation would not be exact: update the deployment with "
-                "--quantization none"
-            )
-        return torch.bfloat16
+        if not native.available():
+            return _quantized_without_native(quantization)
+        if requested != "auto":
+            return getattr(torch, requested)
+        return torch.bfloat16 if cpu_has_bf16() and native.blocked_supports(torch.bfloat16) else torch.float32
     if requested != "auto":
         return getattr(torch, requested)
     if device.type == "cuda":
@@ -268,6 +269,23 @@ def pick_dtype(requested: str, device: torch.device, quantization: str = "none")
     if cpu_has_bf16() and cpu_bf16_exact():
         return torch.bfloat16
     return torch.float32
+
+
+def _quantized_without_native(quantization: str) -> torch.dtype:
+    """Where depctl's C++ ops cannot be built: int8 through PyTorch's own int8 weight kernel (bf16 activations,
+    one scale a row); no int4."""
+    if quantization == "int4":
+        raise LoadError(
+            "--quantization int4 runs on depctl's C++ ops, which could not be built here (the log says why): "
+            "install a C++ compiler (g++ or clang++) and update the deployment to retry, or use --quantization int8"
+        )
+    if not int8_row_invariant(torch.bfloat16):
+        raise LoadError(
+            "this CPU's int8 weight kernel gives a row a different result depending on how many rows "
+            "share the pass, so speculation would not be exact: update the deployment with "
+            "--quantization none"
+        )
+    return torch.bfloat16
 
 
 def cpu_bf16_exact() -> bool:
@@ -295,17 +313,25 @@ def pick_draft_precision(requested: str, device: torch.device, target_dtype: tor
     int8 is a CPU kernel)."""
     if requested == "auto":
         return "int8" if device.type == "cpu" else str(target_dtype).removeprefix("torch.")
-    if requested == "int8" and device.type != "cpu":
+    if requested in ("int8", "int4") and device.type != "cpu":
         raise LoadError(
-            f"--draft-precision int8 runs on a CPU only, and this deployment is on {device.type}; "
+            f"--draft-precision {requested} runs on a CPU only, and this deployment is on {device.type}; "
             "update it with --draft-precision auto (the target's dtype) or bfloat16"
         )
+    if requested == "int4":
+        if not native.available():
+            raise LoadError(
+                "--draft-precision int4 runs on depctl's C++ ops, which could not be built here (the log says why): "
+                "install a C++ compiler and update the deployment to retry, or use --draft-precision int8"
+            )
+        return INT4_WEIGHTS
     return requested
 
 
 def load_dtype(precision: str) -> torch.dtype:
-    """The dtype a model of this precision is loaded in: an int8 draft is loaded in float32, then quantized."""
-    return torch.float32 if precision == "int8" else getattr(torch, precision)
+    """The dtype a model of this precision is loaded in: an int8 or int4 draft is loaded in float32, then
+    quantized."""
+    return torch.float32 if precision in ("int8", INT4_WEIGHTS) else getattr(torch, precision)
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
@@ -342,9 +368,14 @@ def surgery_for(model: torch.nn.Module, precision: str, exact: bool, fuse: bool 
     the compiled passes switch it on: ``depctl_runtime.model.head``)."""
     if fuse:
         fuse_projections(model)
-    if precision == INT8_WEIGHTS:
-        int8_weight_linears(model, torch.bfloat16)
-        return model
+    if precision in (INT8_WEIGHTS, INT4_WEIGHTS):
+        if not native.available():  # pick_dtype let only int8 through: PyTorch's kernel
+            int8_weight_linears(model, torch.bfloat16)
+            return model
+        quantized_linears(model, 4 if precision == INT4_WEIGHTS else 8)
+        # a linear the groups do not fit (inputs not a multiple of 32) keeps the dtype's own product
+        dtype = next(model.parameters()).dtype
+        return surgery_for(model, str(dtype).removeprefix("torch."), exact, fuse=False)
     if precision == "int8":
         return quantize_int8(model)
     if precision in ("bfloat16", "float16"):
@@ -519,8 +550,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
 
     report(Stage("loading", "the weights"))
     target = load_model(spec.model, "MODEL", device, dtype)
-    if spec.quantization == "int8":
-        target.precision = INT8_WEIGHTS
+    if spec.quantization != "none":
+        target.precision = QUANTIZED[spec.quantization]
     surgery(target)
     draft = None
     if draft_ref:

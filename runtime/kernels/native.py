@@ -6,6 +6,8 @@
   result for a row does not depend on the other rows (``surgery.BlockedLinear``). ``blocked_kernel(dtype)`` names the
   loops that run them ("fma", "avx512-bf16", "amx-bf16"); a process keeps one bf16 kernel, since they round
   differently (``blocked_refuse_amx`` is for tests).
+- ``quantized_linear(x, packed, scales, offsets, out_features, bits)``: products over 4- or 8-bit weights in groups
+  of 32 with fp16 scales and offsets, row-invariant likewise (``quantized.QuantizedLinear``).
 - ``CompiledPass(package, device_index)`` and ``run_pass(pass, inputs)``: a compiled pass's library, run without the
   GIL, which torch's own Python binding holds for the whole pass.
 - ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``model.head``).
@@ -31,7 +33,8 @@ import torch
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "token_attention.cpp"  # what a compiled package calls (part of its key)
 LINEAR_SOURCE = CSRC / "blocked_linear.cpp"  # also called by a compiled package
-SOURCES = (SOURCE, LINEAR_SOURCE, CSRC / "compiled_pass.cpp", CSRC / "screened_argmax.cpp")
+QUANTIZED_SOURCE = CSRC / "quantized_linear.cpp"  # likewise
+SOURCES = (SOURCE, LINEAR_SOURCE, QUANTIZED_SOURCE, CSRC / "compiled_pass.cpp", CSRC / "screened_argmax.cpp")
 
 log = logging.getLogger("depctl.native")
 _lock = threading.Lock()
@@ -101,6 +104,7 @@ def load(root: Path | None = None) -> None:
             ) from e
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
         torch.library.register_fake("depctl_native::blocked_linear")(_blocked_linear_shape)
+        torch.library.register_fake("depctl_native::quantized_linear")(_quantized_linear_shape)
         _loaded = True
 
 
@@ -138,6 +142,11 @@ def blocked_supports(dtype: torch.dtype) -> bool:
 
 
 def _blocked_linear_shape(x, packed, out_features):
+    """[rows, out_features] from x [rows, in]."""
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _quantized_linear_shape(x, packed, scales, offsets, out_features, bits):
     """[rows, out_features] from x [rows, in]."""
     return x.new_empty(x.shape[0], out_features)
 

@@ -10,8 +10,8 @@
   ``nn.Linear`` becomes a ``WeightMajorLinear`` (same weights, shared, not copied) that computes ``(W @ x^T)^T`` for a
   few rows, so that verifying k drafts costs close to one step.
 - ``int8_linears(model)``: dynamic int8 linears (a draft model only: its numerics never reach the output).
-- ``int8_weight_linears(model)``: weight-only int8 (one scale per output channel, bf16 activations) for a target
-  that asked for ``--quantization int8``: half the bytes of bf16, and exact under speculation (see the class).
+- ``int8_weight_linears(model)``: PyTorch's weight-only int8 (one scale per output channel, bf16 activations), for
+  ``--quantization int8`` where depctl's C++ ops (``kernels.quantized``) cannot be built; exact under speculation.
 - ``split_k_linears(model, chunk)``: for bfloat16/float16 on a CPU where oneDNN's linear is not row-invariant,
   every ``nn.Linear`` whose inner dimension is longer than ``chunk`` becomes a ``SplitKLinear``, so that a row's
   product does not depend on how many rows share the pass (``row_invariant_chunk`` measures ``chunk`` on this CPU).
@@ -28,6 +28,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from depctl_runtime.kernels.quantized import QuantizedLinear
 
 WEIGHT_MAJOR_MAX_ROWS = 64  # past this (a prefill chunk), F.linear's GEMM is the faster
 
@@ -273,7 +275,7 @@ PREFILL_DEQUANT_ROWS = 8
 
 
 @contextmanager
-def prefill_pass(linears: list[Int8WeightLinear]):
+def prefill_pass(linears: list[nn.Module]):
     """The forward inside reads a prompt chunk (``ModelRunner.forward(prefill=True)``): ``linears`` may take a path
     that is faster for many rows but rounds differently from the decode path. Plain and speculative decoding read
     prompts alike, so this never touches exactness."""
@@ -355,6 +357,8 @@ def _product_name(module: nn.Module) -> str | None:
         return "weight-major"
     if type(module).__name__ == "Linear" and "dynamic" in type(module).__module__:  # torch.ao's dynamic int8
         return "torch dynamic int8"
+    if isinstance(module, QuantizedLinear):
+        return f"depctl int{module.bits} grouped"
     return {
         OneDNNLinear: "oneDNN",
         SplitKLinear: "oneDNN, split inner dimension",

@@ -126,7 +126,7 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
     sources = hashlib.sha256()
     for module in (sys.modules[__name__], decoder, attention, surgery):  # the code the pass is traced from
         sources.update(code_fingerprint(Path(module.__file__).read_text()).encode())
-    for source in (native.SOURCE, native.LINEAR_SOURCE):  # the ops the library calls
+    for source in (native.SOURCE, native.LINEAR_SOURCE, native.QUANTIZED_SOURCE):  # the ops the library calls
         sources.update(code_fingerprint(source.read_text(), cpp=True).encode())
     key = json.dumps(
         {

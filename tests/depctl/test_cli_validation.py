@@ -101,7 +101,7 @@ def spec_files(home) -> list:
             "smollm2-135m-instruct",
         ),
         (
-            ["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "int4"],
+            ["--draft-model", "qwen2.5-coder-0.5b-instruct", "--draft-token-count", "4", "--draft-precision", "int2"],
             "--draft-precision",
             "qwen2.5-coder-1.5b-instruct",
         ),
@@ -109,14 +109,18 @@ def spec_files(home) -> list:
         (["--max-batch-size", "0"], "--max-batch-size", "smollm2-135m-instruct"),
         (["--max-batch-size", "257"], "--max-batch-size", "smollm2-135m-instruct"),
         (["--max-batch-size", "eight"], "--max-batch-size", "smollm2-135m-instruct"),
-        # int8 weights compute in bf16 on a CPU
+        # quantized weights are CPU kernels with float32 or bf16 activations
         (
-            ["--quantization", "int8", "--dtype", "float32"],
-            "--quantization int8 computes with bfloat16 activations and cannot be combined with --dtype float32",
+            ["--quantization", "int4", "--dtype", "float16"],
+            "--quantization int4 computes with float32 or bfloat16 activations, not float16",
             "smollm2-135m-instruct",
         ),
-        (["--quantization", "int8", "--device", "cuda"], "--quantization int8 runs on a CPU", "smollm2-135m-instruct"),
-        (["--quantization", "int4"], "--quantization", "smollm2-135m-instruct"),
+        (
+            ["--quantization", "int8", "--device", "cuda"],
+            "--quantization int8 is a CPU kernel and has no CUDA kernel",
+            "smollm2-135m-instruct",
+        ),
+        (["--quantization", "int3"], "--quantization", "smollm2-135m-instruct"),
         # what depctl's engine cannot do, and what vLLM would refuse
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size needs --engine vllm", "smollm2-135m-instruct"),
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size needs --engine vllm", "smollm2-135m-instruct"),
@@ -302,7 +306,7 @@ def _seed(depctl_home, speculation) -> None:
             "cannot be used with --disable-speculative-decoding",
         ),
         (["--max-batch-size", "0"], "--max-batch-size"),
-        (["--quantization", "int8", "--dtype", "float16"], "cannot be combined with --dtype float16"),
+        (["--quantization", "int8", "--dtype", "float16"], "activations, not float16"),
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size needs --engine vllm"),
         (["--engine", "vllm", "--quantization", "int8"], "vLLM has no equivalent"),
         (
@@ -536,10 +540,10 @@ def test_quantization_is_kept_and_checked_against_the_spec_as_it_is(depctl_home)
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["quantization"] == "int8"
     assert DeploymentSpec(id="d", model="m").quantization == "none"
-    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct", dtype="float32"))
+    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct", dtype="float16"))
     before = (depctl_home / "deployments" / "dep.yaml").read_text()
-    result = run("deployment", "update", "dep", "--no-wait", "--quantization", "int8")  # the stored dtype is float32
-    assert result.exit_code != 0 and "--dtype float32" in " ".join(result.stderr.split())
+    result = run("deployment", "update", "dep", "--no-wait", "--quantization", "int4")  # the stored dtype is float16
+    assert result.exit_code != 0 and "not float16" in " ".join(result.stderr.split())
     assert (depctl_home / "deployments" / "dep.yaml").read_text() == before
 
 
@@ -547,7 +551,7 @@ def test_a_spec_file_with_an_impossible_quantization_is_a_broken_spec(tmp_path):
     from depctl.store import parse_spec
 
     path = tmp_path / "x.yaml"
-    path.write_text("id: x\nmodel: m\ndtype: float32\nquantization: int8\n")
+    path.write_text("id: x\nmodel: m\ndtype: float16\nquantization: int8\n")
     with pytest.raises(Exception, match="--quantization int8"):
         parse_spec(path)
 

@@ -61,21 +61,36 @@ def test_int8_draft_loads_quantized(tiny_model_dir, tiny_draft_dir):
     assert not any("quantized" in type(m).__module__ for m in loaded.target.model.modules())
 
 
-def test_int8_target_loads_weight_only_int8_in_bf16(tiny_model_dir):
-    from depctl_runtime.kernels.surgery import Int8WeightLinear
+@pytest.mark.parametrize("quantization, bits", [("int8", 8), ("int4", 4)])
+def test_a_quantized_target_loads_depctls_grouped_linears(tiny_model_dir, quantization, bits):
+    from depctl_runtime.kernels.quantized import QuantizedLinear
 
-    spec = DeploymentSpec(id="w8", model=str(tiny_model_dir), device="cpu", quantization="int8")
+    spec = DeploymentSpec(id="w", model=str(tiny_model_dir), device="cpu", quantization=quantization)
     loaded = load_deployment(spec, calibrate=False)
-    assert loaded.target.precision == loader.INT8_WEIGHTS and loaded.target.dtype == torch.bfloat16
-    linears = [m for m in loaded.target.model.modules() if isinstance(m, (torch.nn.Linear, Int8WeightLinear))]
-    assert linears and all(isinstance(m, Int8WeightLinear) for m in linears)  # the output layer included
-    assert loaded.engine.target.per_position  # bf16 activations: verify passes attend position by position
+    assert loaded.target.precision == loader.QUANTIZED[quantization]
+    assert loaded.target.dtype == loader.pick_dtype("auto", torch.device("cpu"), quantization)
+    linears = [m for m in loaded.target.model.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    assert linears and all(isinstance(m, QuantizedLinear) and m.bits == bits for m in linears)  # the output layer too
+    assert f"depctl int{bits} grouped" in loaded.products
 
 
-def test_int8_target_is_refused_on_cuda_with_what_to_change():
-    with pytest.raises(LoadError, match="--quantization int8 runs on a CPU.*--device cpu, or --quantization none"):
-        loader.pick_dtype("auto", torch.device("cuda"), "int8")
-    assert loader.pick_dtype("auto", torch.device("cpu"), "int8") == torch.bfloat16
+def test_a_quantized_target_is_refused_on_cuda_with_what_to_change():
+    with pytest.raises(LoadError, match="--quantization int4 is a CPU kernel.*--device cpu, or --quantization none"):
+        loader.pick_dtype("auto", torch.device("cuda"), "int4")
+    assert loader.pick_dtype("float32", torch.device("cpu"), "int4") == torch.float32
+
+
+def test_an_int4_draft_is_depctls_4_bit_linears(tiny_model_dir, tiny_draft_dir):
+    from depctl.spec import DraftModelSpeculation
+    from depctl_runtime.kernels.quantized import QuantizedLinear
+
+    speculation = DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3, draft_precision="int4")
+    spec = DeploymentSpec(id="q4", model=str(tiny_model_dir), device="cpu", speculation=speculation)
+    loaded = load_deployment(spec, calibrate=False)
+    assert loaded.draft.precision == loader.INT4_WEIGHTS and loaded.draft.dtype == torch.float32
+    assert any(isinstance(m, QuantizedLinear) and m.bits == 4 for m in loaded.draft.model.modules())
+    with pytest.raises(LoadError, match="--draft-precision int4 runs on a CPU only"):
+        loader.pick_draft_precision("int4", torch.device("cuda"), torch.bfloat16)
 
 
 def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny_model_dir, tmp_path, monkeypatch):

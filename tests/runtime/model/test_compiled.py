@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from depctl_runtime.backends.loader import COMPILED_PRECISIONS, INT8_WEIGHTS, surgery_for
+from depctl_runtime.backends.loader import COMPILED_PRECISIONS, INT4_WEIGHTS, INT8_WEIGHTS, surgery_for
 from depctl_runtime.kernels import native
-from depctl_runtime.kernels.surgery import int8_row_invariant, onednn_row_invariant
+from depctl_runtime.kernels.surgery import onednn_row_invariant
 from depctl_runtime.model import compiled
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
@@ -24,9 +24,8 @@ from depctl_runtime.speculation import (
 from tests.tiny import tiny_llama
 
 RUNS = {  # the precisions the loader compiles, and what each needs of this CPU
-    INT8_WEIGHTS: pytest.mark.skipif(
-        not int8_row_invariant(), reason="this CPU's int8 weight kernel is not row-invariant"
-    ),
+    INT8_WEIGHTS: (),  # depctl's grouped products (kernels.quantized): row-invariant by construction
+    INT4_WEIGHTS: (),
     "float32": (),  # depctl's blocked product (surgery.BlockedLinear): row-invariant on any CPU, by construction
     "bfloat16": pytest.mark.skipif(
         not (native.blocked_supports(torch.bfloat16) or onednn_row_invariant(torch.bfloat16)),
@@ -38,9 +37,10 @@ PRECISIONS = [pytest.param(p, marks=RUNS[p], id=p.replace(" ", "-")) for p in CO
 
 
 def prepared(model, precision: str):
-    """What the loader makes of a model at ``precision``: fused projections, then int8 weights with bf16 activations,
-    float32 and bf16 through depctl's blocked product (bf16 where the CPU has AVX-512 BF16, else oneDNN's)."""
-    dtype = torch.bfloat16 if precision in (INT8_WEIGHTS, "bfloat16") else torch.float32
+    """What the loader makes of a model at ``precision``: fused projections, then int8 or int4 weights (float32
+    activations), float32 and bf16 through depctl's blocked product (bf16 where the CPU has AVX-512 BF16, else
+    oneDNN's)."""
+    dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
     return surgery_for(model.to(dtype), precision, exact=True)
 
 

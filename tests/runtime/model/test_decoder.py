@@ -129,13 +129,11 @@ def test_speculation_over_the_fused_forward_is_exact_alone_and_batched():
 def test_the_loader_fuses_before_the_precision_surgery(tiny_model_dir):
     from depctl.spec import DeploymentSpec
     from depctl_runtime.backends.loader import load_deployment
-    from depctl_runtime.kernels.surgery import Int8WeightLinear
+    from depctl_runtime.kernels.quantized import QuantizedLinear
 
     loaded = load_deployment(
         DeploymentSpec(id="f", model=str(tiny_model_dir), device="cpu", quantization="int8"), calibrate=False
     )
     layer = loaded.target.model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Int8WeightLinear) and isinstance(
-        layer.mlp.gate_up_proj, Int8WeightLinear
-    )
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
     assert loaded.engine.target.fused

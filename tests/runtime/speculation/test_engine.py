@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from depctl_runtime.backends.loader import quantize_int8
+from depctl_runtime.backends.loader import QUANTIZED, quantize_int8, surgery_for
+from depctl_runtime.kernels import native
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
     DraftModelProposer,
@@ -15,6 +16,7 @@ from depctl_runtime.speculation import (
     GenerationParams,
     NgramProposer,
     SamplingParams,
+    Scheduler,
     SpeculativeEngine,
     SuffixProposer,
     generate,
@@ -32,8 +34,10 @@ PROMPTS = [
 ]
 
 
-def make(model, proposer=None, k=0, **cfg):
-    return SpeculativeEngine(ModelRunner(model), proposer, EngineConfig(num_draft_tokens=k, max_context=512, **cfg))
+def make(model, proposer=None, k=0, rows=1, **cfg):
+    return SpeculativeEngine(
+        ModelRunner(model, max_rows=rows), proposer, EngineConfig(num_draft_tokens=k, max_context=512, **cfg)
+    )
 
 
 def run(engine, prompt, max_tokens=40, **kw):
@@ -70,6 +74,27 @@ def test_greedy_output_equals_plain_decoding(target, draft, method, k):
         spec, _ = run(engine, prompt, ignore_eos=True)
         assert spec == plain, (method, k, prompt)
     assert engine.stats.num_draft_tokens > 0
+
+
+@pytest.mark.skipif(not native.available(), reason="depctl's C++ ops could not be built here: no quantized targets")
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("method", ["ngram", "float32 draft"])
+def test_a_quantized_target_speculating_decodes_as_it_does_plainly_alone_and_batched(target, quantization, method):
+    quantized = surgery_for(copy.deepcopy(target), QUANTIZED[quantization], exact=True)
+
+    def speculative(rows=1):
+        # the float32 model it was quantized from drafts: close, so most drafts pass and some do not
+        proposer = NgramProposer(2) if method == "ngram" else DraftModelProposer(ModelRunner(target, max_rows=rows))
+        return make(quantized, proposer, 4, rows, adaptive=False)
+
+    plain = [run(make(quantized), prompt, ignore_eos=True)[0] for prompt in PROMPTS]
+    engine = speculative()
+    assert [run(engine, prompt, ignore_eos=True)[0] for prompt in PROMPTS] == plain
+    assert 0 < engine.stats.num_accepted_tokens
+    batched = Scheduler(speculative(rows=3), max_batch_size=3).run_all(
+        PROMPTS, GenerationParams(max_tokens=40, ignore_eos=True)
+    )
+    assert batched == plain
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
