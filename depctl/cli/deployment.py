@@ -351,7 +351,13 @@ def _detail_table(r: dict) -> Table:
             )
         )
     if status.get("memory_bytes"):
-        rows.append(("Memory", f"{output.fmt_bytes(status['memory_bytes'])} (weights and KV cache)"))
+        total, weights = status["memory_bytes"], status.get("weights_bytes")
+        parts = (
+            f"weights {output.fmt_bytes(weights)}, KV cache {output.fmt_bytes(total - weights)}"
+            if weights and weights <= total
+            else "weights and KV cache"
+        )
+        rows.append(("Memory", f"{output.fmt_bytes(total)} ({parts})"))
     if stats:
         source = " (vLLM's counters)" if stats.get("source") == "vllm" else ""
         rows += [

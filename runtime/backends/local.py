@@ -37,6 +37,7 @@ class LocalBackend:
         self._stop_asked = False  # before the worker existed: the load's result is dropped
         self._stopped = threading.Event()
         self.memory_bytes: int | None = None  # weights and KV cache, once loaded
+        self.weights_bytes: int | None = None  # the models' weights as held (packed ones at their packed size)
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -58,6 +59,7 @@ class LocalBackend:
             self._owner.failed(self, reason, retrying=False)
             return self._gone()
         self.memory_bytes = held_bytes(loaded.engine.target, loaded.engine.proposer)  # once: the cache is preallocated
+        self.weights_bytes = held_bytes(*(m.model for m in (loaded.target, loaded.draft) if m is not None))
         worker = EngineWorker(self.spec.id, loaded, self.spec.max_batch_size, EngineHost.get(), self._crashed)
         with self._lock:
             if not self._stop_asked:
@@ -150,6 +152,7 @@ class LocalBackend:
             "max_context": loaded.max_context,
             "max_batch_size": worker.max_batch_size,
             "memory_bytes": self.memory_bytes,
+            "weights_bytes": self.weights_bytes,
             "stats": engine.stats.to_dict(),
             "policy": engine.policy.snapshot(),
         }

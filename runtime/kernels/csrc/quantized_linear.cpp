@@ -184,12 +184,8 @@ void product(const Operands& op, int64_t M, int64_t count, float* y, int64_t N) 
 // [blocks, groups, 8] fp16.
 constexpr int64_t DOT_WIDTH = 8;
 constexpr int64_t RUN = 32;  // bytes a run
-#ifndef DOT_ROWS_TRY
-#define DOT_ROWS_TRY 4
-#define DOT_BLOCKS_TRY 2
-#endif
-constexpr int DOT_ROWS = DOT_ROWS_TRY;
-constexpr int DOT_BLOCKS = DOT_BLOCKS_TRY;
+constexpr int DOT_ROWS = 4;    // a tile's 4 rows x 1 block of int16 sums, its weights and inputs: no spills on AVX2
+constexpr int DOT_BLOCKS = 1;  // (4 x 2 and 6 x 1 measured no faster)
 constexpr int64_t DOT_PREFETCH = 8;  // groups ahead
 
 // A row's inputs as int8 per group: q (K), the groups' scales d and sums d * sum(q)
@@ -198,23 +194,58 @@ struct QuantizedRows {
   std::vector<float> d, sums;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = K / GROUP;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  for (int64_t i = 0; i < M * groups; ++i) {
-    const float* xs = x + i * GROUP;
-    float amax = 0.f;
-    for (int64_t k = 0; k < GROUP; ++k) amax = std::max(amax, std::abs(xs[k]));
-    const float d = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t total = 0;
-    for (int64_t k = 0; k < GROUP; ++k) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xs[k] * inverse));
-      r.q[i * GROUP + k] = static_cast<int8_t>(std::clamp(v, -127, 127));
-      total += r.q[i * GROUP + k];
-    }
-    r.d[i] = d;
-    r.sums[i] = d * static_cast<float>(total);
+// One group: q = round(x * 127 / max|x|) to nearest even (what cvtps2dq does under the default rounding mode), with
+// the vector loops and the plain ones giving the same bytes
+void quantize_group(const float* xs, int8_t* q, float& d, float& sum) {
+#if defined(__GNUC__) && (defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2))
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(xs + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
   }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const float top = _mm_cvtss_f32(half);
+  const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  __m256i ints[4], total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    ints[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
+    total = _mm256_add_epi32(total, ints[j]);
+  }
+  // int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back
+  const __m256i words = _mm256_packs_epi32(ints[0], ints[1]), words2 = _mm256_packs_epi32(ints[2], ints[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+  sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+  d = top / 127.f;
+  sum = d * static_cast<float>(_mm_cvtsi128_si32(sum4));
+#else
+  float top = 0.f;
+  for (int64_t k = 0; k < GROUP; ++k) top = std::max(top, std::abs(xs[k]));
+  const float inverse = top > 0.f ? 127.f / top : 0.f;
+  int32_t total = 0;
+  for (int64_t k = 0; k < GROUP; ++k) {
+    q[k] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(std::nearbyint(xs[k] * inverse)), -127, 127));
+    total += q[k];
+  }
+  d = top / 127.f;
+  sum = d * static_cast<float>(total);
+#endif
+}
+
+// Reused by the calling thread from pass to pass (a step makes ~100 products)
+const QuantizedRows& quantize_rows(const float* x, int64_t M, int64_t K) {
+  thread_local QuantizedRows r;
+  const int64_t groups = K / GROUP;
+  r.q.resize(M * K);
+  r.d.resize(M * groups);
+  r.sums.resize(M * groups);
+  for (int64_t i = 0; i < M * groups; ++i) quantize_group(x + i * GROUP, r.q.data() + i * GROUP, r.d[i], r.sums[i]);
   return r;
 }
 
@@ -342,7 +373,7 @@ void dot_rows(const QuantizedRows& x, int64_t M, int64_t K, const uint8_t* w, co
 void dot_product(const float* xf, int64_t M, int64_t K, const uint8_t* w, const at::Half* s, const at::Half* z,
                  int64_t count, float* y, int64_t N) {
   const int64_t groups = K / GROUP;
-  const QuantizedRows x = quantize_rows(xf, M, K);
+  const QuantizedRows& x = quantize_rows(xf, M, K);
   const int64_t grain = std::max<int64_t>(1, (1 << 17) / (K * DOT_WIDTH * M));
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += DOT_BLOCKS) {
@@ -350,11 +381,13 @@ void dot_product(const float* xf, int64_t M, int64_t K, const uint8_t* w, const 
       const int64_t last = std::min<int64_t>(DOT_WIDTH, N - (b + nb - 1) * DOT_WIDTH);
       const uint8_t* wb = w + b * groups * 4 * RUN;
       const at::Half *sb = s + b * groups * DOT_WIDTH, *zb = z + b * groups * DOT_WIDTH;
-      if (nb == 1) {
-        dot_rows<1>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
-      } else {
-        dot_rows<DOT_BLOCKS>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
+      if constexpr (DOT_BLOCKS > 1) {
+        if (nb < DOT_BLOCKS) {
+          dot_rows<1>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
+          continue;
+        }
       }
+      dot_rows<DOT_BLOCKS>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
     }
   });
 }

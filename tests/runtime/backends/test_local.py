@@ -156,3 +156,30 @@ def test_an_engine_thread_that_crashes_fails_its_requests_and_reports(tiny_model
     assert isinstance(out.get(timeout=30), TypeError)
     assert worker.exited.wait(10) and "engine thread failed" in owner.failures[0]
     assert not backend.ready and owner.exits == 1 and backend.wait_stopped(1)
+
+
+def test_status_counts_the_weights_as_held_packed_ones_at_their_packed_size(tiny_model_dir):
+    from depctl_runtime.kernels.quantized import packed_bytes
+
+    held = {}
+    for quantization in ("none", "int4"):
+        spec = DeploymentSpec(
+            id=f"m-{quantization}",
+            model=str(tiny_model_dir),
+            device="cpu",
+            dtype="float32",
+            compile=False,
+            quantization=quantization,
+        )
+        backend, owner, _ = _start(spec, calibrate=False)
+        assert backend.ready and not owner.failures
+        status, model = backend.status(), backend.loaded.target.model
+        assert 0 < status["weights_bytes"] <= status["memory_bytes"]  # and the KV cache, once allocated
+        tensors = {t.data_ptr(): t.nbytes for t in (*model.parameters(), *model.buffers())}  # tied ones count once
+        assert status["weights_bytes"] == sum(tensors.values())  # packed weights are buffers, at their own size
+        assert (packed_bytes(model) > 0) == (quantization == "int4")
+        held[quantization] = status["weights_bytes"]
+        done = threading.Event()
+        backend.stop(drain=True, then=done.set)
+        assert done.wait(30)
+    assert held["int4"] < held["none"]
