@@ -308,13 +308,14 @@ def main() -> int:
         default="auto",
         help="the deployment's --dtype (auto: bfloat16 on CPUs with bf16 instructions, else float32)",
     )
-    parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none or int8)")
+    parser.add_argument("--quantization", default="none", help="the deployment's --quantization (none, int8, int4)")
+    parser.add_argument("--draft-precision", default="auto", help="the draft model's --draft-precision")
     parser.add_argument(
         "--depctl",
         action="append",
         default=[],
-        metavar="DTYPE[+int8][+eager]",
-        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int8, auto+int8+eager "
+        metavar="DTYPE[+int8|+int4][+eager]",
+        help="one of our deployments to measure, e.g. float32, bfloat16, auto+int4, auto+int8+eager "
         "(--no-compile) (repeatable; default: --dtype with --quantization). Each gets a daemon of its "
         "own, running beside the others",
     )
@@ -356,9 +357,11 @@ def main() -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     workloads = args.workload.split(",")
     prompts = {w: [json.loads(line)["prompt"] for line in (prompts_dir() / f"{w}.jsonl").open()] for w in workloads}
-    configs = args.depctl or [args.dtype + ("+int8" if args.quantization == "int8" else "")]
+    configs = args.depctl or [args.dtype + (f"+{args.quantization}" if args.quantization != "none" else "")]
     if args.draft_model:
-        speculation = DraftModelSpeculation(draft_model=args.draft_model, num_draft_tokens=args.k)
+        speculation = DraftModelSpeculation(
+            draft_model=args.draft_model, num_draft_tokens=args.k, draft_precision=args.draft_precision
+        )
     else:
         speculation = NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k)
     specs = {}
@@ -370,7 +373,7 @@ def main() -> int:
             max_batch_size=max(levels),
             dtype=dtype or "auto",
             device=args.device,
-            quantization="int8" if "int8" in modifiers else "none",
+            quantization=next((m for m in modifiers if m in ("int8", "int4")), "none"),
             compile="eager" not in modifiers,
             speculation=speculation,
         )

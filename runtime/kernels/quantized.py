@@ -99,11 +99,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
 
 class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` with 4- or 8-bit weights in groups (``quantize``) through ``depctl_native::quantized_linear``.
-    Its output has the input's dtype (float32 or bf16). The packed weights are the only copy kept.
-
-    Inside ``surgery.prefill_pass`` a prompt chunk of more than ``PREFILL_DEQUANT_ROWS`` rows dequantizes the weight
-    and takes torch's GEMM: the kernel's cost grows with rows and a GEMM's far less. Plain and speculative decoding
-    read prompts alike, so exactness is untouched. Needs depctl's C++ ops loaded (``native.load``)."""
+    Its output has the input's dtype (float32 or bf16). The packed weights are the only copy kept. Prompt chunks take
+    the same kernel: it read a 200-token prompt in about half the time of dequantizing the weights for torch's GEMM
+    (BENCHMARKS.md). Needs depctl's C++ ops loaded (``native.load``)."""
 
     def __init__(self, linear: nn.Linear, bits: int):
         super().__init__()
@@ -116,17 +114,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)  # [blocks, in / 32, width] fp16
         self.register_buffer("offsets", offsets, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.prefill = False  # set by surgery.prefill_pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features)
-        if self.prefill and flat.shape[0] > PREFILL_DEQUANT_ROWS:
-            y = nn.functional.linear(flat, self.dequantized().to(flat.dtype))
-        else:
-            y = torch.ops.depctl_native.quantized_linear(
-                flat, self.packed, self.scales, self.offsets, self.out_features, self.bits
-            )
+        y = torch.ops.depctl_native.quantized_linear(
+            flat, self.packed, self.scales, self.offsets, self.out_features, self.bits
+        )
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -148,9 +142,6 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} in groups of {GROUP}"
-
-
-PREFILL_DEQUANT_ROWS = 16
 
 
 def quantized_linears(model: nn.Module, bits: int) -> int:

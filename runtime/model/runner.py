@@ -16,7 +16,6 @@ from typing import Protocol
 
 import torch
 
-from depctl_runtime.kernels.quantized import QuantizedLinear
 from depctl_runtime.kernels.surgery import Int8WeightLinear, prefill_pass
 from depctl_runtime.model import decoder
 from depctl_runtime.model.attention import NAME as ROWS_ATTENTION
@@ -96,7 +95,7 @@ class ModelRunner:
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # decode and verify passes through a compiled library or CUDA graphs, where the loader proved them exact
         self.fast_pass = fast_pass
-        self._prefill_linears = [m for m in model.modules() if isinstance(m, (Int8WeightLinear, QuantizedLinear))]
+        self._prefill_linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
 
     def with_pass(self, fast_pass: FastPass | None) -> ModelRunner:
         """A runner over the same model and cache whose decode and verify passes go through ``fast_pass``."""

@@ -15,7 +15,7 @@ from depctl_runtime.kernels.quantized import (
     quantize,
     quantized_linears,
 )
-from depctl_runtime.kernels.surgery import prefill_pass, products
+from depctl_runtime.kernels.surgery import products
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="depctl's C++ ops could not be built here")
 
@@ -76,18 +76,6 @@ def test_packing_keeps_the_weights():
         expected = dequantize(*quantize(linear.weight, bits))
         assert torch.equal(q.dequantized(), expected)
     assert packed_bytes(QuantizedLinear(nn.Linear(64, 32), 4)) == 32 * 64 // 2 + 2 * 2 * 32 * 2  # q, scales, offsets
-
-
-def test_prompt_chunks_take_the_dequantized_gemm_only_inside_a_prefill_pass():
-    torch.manual_seed(0)
-    q = QuantizedLinear(nn.Linear(64, 40), 4)
-    x = torch.randn(40, 64)
-    kernel = q(x)
-    with prefill_pass([q]):
-        gemm = q(x)
-        assert torch.equal(q(x[:3]), kernel[:3])  # a few rows stay on the kernel
-    assert not torch.equal(gemm, kernel)  # the GEMM does not round the inputs to int8
-    assert torch.allclose(gemm, kernel, atol=0.05 * kernel.abs().max().item())
 
 
 def test_quantized_linears_swaps_the_linears_the_groups_fit():
