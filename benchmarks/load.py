@@ -205,7 +205,8 @@ def free_port() -> int:
 
 
 def llama_servers(binary: Path, label: str, gguf: Path, args, parallel: int):
-    """(name, mode, argv, url, env) for llama.cpp's server on one GGUF, plain and with its n-gram speculation."""
+    """(name, mode, argv, url, env) for llama.cpp's server on one GGUF, plain and speculating: with its n-gram
+    speculation, or with ``--llama-draft``'s GGUF as its draft model."""
 
     def argv(port: int) -> list[str]:
         return [
@@ -235,11 +236,13 @@ def llama_servers(binary: Path, label: str, gguf: Path, args, parallel: int):
         "--spec-draft-n-max",
         str(args.k),
     ]
+    if args.llama_draft:
+        ngram = ["-md", str(args.llama_draft.resolve()), "--spec-draft-n-max", str(args.k)]
     env = {"LD_LIBRARY_PATH": str(binary.parent)}
     plain, spec = free_port(), free_port()
     return [
         (f"llama.cpp {label}", "plain", argv(plain), f"http://127.0.0.1:{plain}", env),
-        (f"llama.cpp {label}", "n-gram", argv(spec) + ngram, f"http://127.0.0.1:{spec}", env),
+        (f"llama.cpp {label}", spec_mode(args), argv(spec) + ngram, f"http://127.0.0.1:{spec}", env),
     ]
 
 
@@ -333,6 +336,13 @@ def main() -> int:
         default=[],
         metavar="LABEL=FILE",
         help="a GGUF of the same model for --llama-server, e.g. F32=smol-f32.gguf (repeatable)",
+    )
+    parser.add_argument(
+        "--llama-draft",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the draft model's GGUF for llama.cpp's speculative rows (with --draft-model; else its n-gram rows)",
     )
     parser.add_argument(
         "--depctl-vllm",

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from depctl_runtime.kernels import native, surgery
+from depctl_runtime.kernels import native, quantized, surgery
 from depctl_runtime.kernels.surgery import plain_stand_ins
 from depctl_runtime.model import attention, decoder
 
@@ -124,7 +124,7 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
     """Where the library for this model, precision, torch build and CPU lives. The key holds everything the
     generated code depends on, and the source of the files it was traced from; not the weights, which it borrows."""
     sources = hashlib.sha256()
-    for module in (sys.modules[__name__], decoder, attention, surgery):  # the code the pass is traced from
+    for module in (sys.modules[__name__], decoder, attention, surgery, quantized):  # the code the pass is traced from
         sources.update(code_fingerprint(Path(module.__file__).read_text()).encode())
     for source in (native.SOURCE, native.LINEAR_SOURCE, native.QUANTIZED_SOURCE):  # the ops the library calls
         sources.update(code_fingerprint(source.read_text(), cpp=True).encode())
