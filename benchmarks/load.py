@@ -150,7 +150,7 @@ def start_daemon(home: Path, deployments: tuple[str, ...] = ("bench",)) -> tuple
     )
     import httpx
 
-    for _ in range(600):
+    for _ in range(3600):  # a large model's first load compiles its passes: many minutes on 2 cores
         try:
             info = json.loads((home / "daemon.json").read_text())
             url = f"http://{info['host']}:{info['port']}"
