@@ -160,9 +160,9 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     """What the loader makes of SmolLM2 on this CPU: float32 (oneDNN linears, fused projections), bfloat16 (what
     `--dtype auto` loads with bf16 instructions: oneDNN linears, or split-K ones where those are not row-invariant) and
     `--quantization int8` / `int4` (depctl's grouped products, float32 activations), eager and through the compiled
-    pass the loader attaches (built once into the model cache: a minute or two on two cores the first time). n-gram speculation must give exactly what the same model gives
-    decoding plainly, one request at a time and in a batch (a verify pass over k + 1 tokens, or over several rows,
-    must round each row as a one-token step does)."""
+    pass the loader attaches (built once into the model cache: a minute or two on two cores the first time). n-gram
+    speculation must give exactly what the same model gives decoding plainly, one request at a time and in a batch (a
+    verify pass over k + 1 tokens, or over several rows, must round each row as a one-token step does)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
