@@ -1,11 +1,10 @@
 """Weight-only 4-bit and 8-bit linears through depctl's own product (``csrc/quantized_linear.cpp``).
 
 A weight is cut into groups of 32 inputs per output, as GGUF's Q4_1 and Q4_K's sub-blocks are; a group holds
-``w ~= scale * q + offset`` with q unsigned (0..15 or 0..254) and scale and offset in fp16: 5 bits a weight at 4
-bits, 9 at 8. Activations stay float32 or bf16 between products; inside one, each row's inputs are rounded to int8
-per group for integer dot products, as llama.cpp does. The product's result for a row does not depend on the other
-rows of the pass (the kernel's header says how), so speculation against a quantized target reproduces that target
-decoding plainly, as every other precision does.
+``w ~= scale * q + offset`` with q unsigned (0..15 or 0..255) and scale and offset in fp16: 5 bits a weight at 4
+bits, 9 at 8. Activations stay float32 or bf16. The product's result for a row does not depend on the other rows of
+the pass (the kernel's header says how), so speculation against a quantized target reproduces that target decoding
+plainly, as every other precision does.
 
 - ``quantize(weight, bits)``: the groups' q, scales and offsets, fitted by least squares around min-max.
 - ``pack(q, scales, offsets, bits)``: the kernel's blocked layout.
@@ -22,14 +21,13 @@ REFINE_STEPS = 4  # least-squares passes over the min-max grid; more changed the
 
 
 def quantize(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [out, in] (in a multiple of 32) -> q [out, in] uint8 (0..15, or 0..254 with 8 bits), scales and offsets
-    [out, in / 32] fp16.
+    """weight [out, in] (in a multiple of 32) -> q [out, in] uint8, scales and offsets [out, in / 32] fp16.
 
     Each group starts from its min-max grid; then, a few times, q is rounded against the grid and the grid refitted to
     q by least squares (the scale and offset that minimise the group's squared error for that q), keeping the best
     grid seen. A weight that already lies on a 16-level grid (a dequantized GGUF Q4 tensor) is found again exactly up
     to fp16's rounding of its scale and offset."""
-    levels = 15 if bits == 4 else 254  # 8 bits: q - 127 fits int8's symmetric range, as the kernel stores it
+    levels = (1 << bits) - 1
     w = weight.detach().float().reshape(weight.shape[0], -1, GROUP)  # [out, groups, 32]
     low, high = w.amin(-1), w.amax(-1)
     scale, offset = _half((high - low) / levels), _half(low)
@@ -77,19 +75,19 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> 
 def pack(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, width: int):
     """The kernel's layout for blocks of ``width`` outputs (``quantized_width(bits)``): (packed uint8
     [blocks, in * bits / 8, width], scales and offsets fp16 [blocks, in / 32, width]), outputs zero-padded to whole
-    blocks. Per group, runs of [width outputs, 4 inputs] (``quantized_linear.cpp``): 4 bits, 4 runs, run p's low
-    nibbles inputs 8p..8p+3 and its high nibbles 8p+4..8p+7; 8 bits, 8 runs of inputs 4p..4p+3 as q - 127 in int8."""
+    blocks. 8 bits: step k of a block is input k of its outputs. 4 bits (the dot-product layout in
+    ``quantized_linear.cpp``): per group, 4 runs of [width outputs, 4 inputs], run p's low nibbles inputs 8p..8p+3 and
+    its high nibbles 8p+4..8p+7."""
     out, inner = q.shape
     blocks = -(-out // width)
     padded = torch.zeros(blocks * width, inner, dtype=torch.uint8)
     padded[:out] = q
     if bits == 4:
         runs = padded.view(blocks, width, inner // GROUP, 4, 2, 4)  # [block, output, group, run, half, input]
-        runs = runs[..., 0, :] | (runs[..., 1, :] << 4)  # [block, output, group, run, input]
+        nibbles = runs[..., 0, :] | (runs[..., 1, :] << 4)  # [block, output, group, run, input]
+        packed = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, inner // 2, width)
     else:
-        runs = (padded.to(torch.int16) - 127).to(torch.int8).view(torch.uint8)
-        runs = runs.view(blocks, width, inner // GROUP, 8, 4)  # [block, output, group, run, input]
-    packed = runs.permute(0, 2, 3, 1, 4).reshape(blocks, inner * bits // 8, width)
+        packed = padded.view(blocks, width, -1).transpose(1, 2).contiguous()
 
     def layout(t: torch.Tensor) -> torch.Tensor:
         full = torch.zeros(blocks * width, t.shape[1], dtype=torch.half)
@@ -129,15 +127,13 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The dequantized weight [out, in], float32."""
-        blocks, _, width = self.packed.shape
+        blocks, steps, width = self.packed.shape
         if self.bits == 4:
             runs = self.packed.view(blocks, -1, 4, width, 4)  # [block, group, run, output, input]
-            runs = torch.stack([runs & 0xF, runs >> 4], dim=3)  # [block, group, run, half, output, input]
-            rows = runs.permute(0, 4, 1, 2, 3, 5).reshape(blocks * width, -1)[: self.out_features]
+            halves = torch.stack([runs & 0xF, runs >> 4], dim=3)  # [block, group, run, half, output, input]
+            rows = halves.permute(0, 4, 1, 2, 3, 5).reshape(blocks * width, -1)[: self.out_features]
         else:
-            runs = self.packed.view(torch.int8).to(torch.int16) + 127
-            runs = runs.view(blocks, -1, 8, width, 4)  # [block, group, run, output, input]
-            rows = runs.permute(0, 3, 1, 2, 4).reshape(blocks * width, -1)[: self.out_features].to(torch.uint8)
+            rows = self.packed.transpose(1, 2).reshape(blocks * width, steps)[: self.out_features]
 
         def plain(t: torch.Tensor) -> torch.Tensor:
             return t.transpose(1, 2).reshape(blocks * width, -1)[: self.out_features]

@@ -4,30 +4,30 @@
 //
 // Why our own: a decode step reads every weight once, so on a CPU its cost is bytes. 4-bit weights with fp16 scales
 // and offsets are 5 bits a weight (a third of bf16's); PyTorch's int4 CPU product unpacks them several times slower
-// than memory delivers them on AVX2, and pays for it again on every row of a verify pass (BENCHMARKS.md).
+// than memory delivers them on AVX2, and pays for it again on every row of a verify pass (BENCHMARKS.md). Here a
+// tile's weights are unpacked once for all of its rows.
 //
-// How: integer dot products. Each row's inputs are rounded to int8 per group of 32 (scale max|x| / 127, as llama.cpp's
-// Q8 activations) and a group's sum of products is taken in integers, exact: one vpmaddubsw multiplies 32 weights by
-// 32 inputs. Widening each weight to a float and spending a fused multiply-add on it per row (our first version) ran
-// out of instructions at half the memory's speed on AVX2. A tile unpacks its weights once for up to 4 rows.
+// 8 bits: each weight widened to a float, one fused multiply-add a row (layout and order below). 4 bits: integer dot
+// products over inputs rounded to int8 per group (further down), which is what makes 4 bits pay on AVX2.
 //
-// Exactness: a row's inputs are rounded from that row alone, its integer sums cannot depend on their order, and the
-// groups are folded into float32 in order (dot_tile), in one vector lane per output: a row gets the same bits alone,
-// in a verify pass and beside other rows (tested on every row count), which is what speculation's exactness rests on.
-//
-// Layout (`quantized.pack`): blocks of 8 outputs; per block and group, runs of 32 bytes, one 32-bit lane holding four
-// consecutive inputs of one output, as vpmaddubsw with a broadcast of four inputs wants. 4 bits: 4 runs, byte 4 j + i of
-// run p holds output j's inputs 8 p + i (low nibble) and 8 p + 4 + i (high nibble). 8 bits: 8 runs, byte 4 j + i of
-// run p output j's input 4 p + i, stored as q - 127 (q < 255) in int8. Scales and offsets: [blocks, groups, 8] fp16.
+// 8-bit layout (`quantized.pack`): blocks of L output features (L = the vector width in floats), each block K steps
+// of L bytes, step k holding input k's weight for the L outputs. Scales and offsets: [blocks, groups, L] in fp16.
+// Order: output n of row m is, for each group g in order, two chains of fused multiply-adds from zero over the
+// group's even and odd inputs (x[k] * q[k] with q as float), added, and folded as acc = fma(sum, scale, acc);
+// acc = fma(sum_x, offset, acc), where sum_x is the row's own sum of the group's inputs. The same instructions in one
+// vector lane whatever the tile, the thread or the number of rows in the pass: a row rounds alike alone, in a verify
+// pass and beside other rows (tested on every row count), which is what speculation's exactness rests on.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && \
@@ -37,7 +37,151 @@
 
 namespace {
 
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();
 constexpr int64_t GROUP = 32;  // inputs a scale covers, as GGUF's Q4_0, Q4_1, Q8_0 and Q4_K's sub-blocks
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int MAX_ROWS = 4;  // (2 chains + acc) x rows x blocks + the step's weights within 32 registers
+#else
+constexpr int MAX_ROWS = 2;  // ... within AVX2's 16
+#endif
+constexpr int MAX_BLOCKS = 2;
+
+// The L bytes at p as L floats
+inline Vec widen(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[L];
+  for (int64_t i = 0; i < L; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// L fp16 values at p as floats
+inline Vec halves(const at::Half* p) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  alignas(64) float f[L];
+  for (int64_t i = 0; i < L; ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// What a tile reads: MB rows of x (float32, `K` apart) and their group sums (`groups` apart), NB blocks of weights
+// (each `steps` steps of L bytes, from w), their scales and offsets (each `groups` x L, from s and z)
+struct Operands {
+  const float* x;
+  const float* x_sums;
+  const uint8_t* w;
+  const at::Half* s;
+  const at::Half* z;
+  int64_t K, groups, steps;
+};
+
+// MB rows by NB blocks into y (`y_stride` apart), the last block's first `last` outputs
+template <int MB, int NB>
+void tile(const Operands& op, float* y, int64_t y_stride, int64_t last) {
+  constexpr int64_t steps_per_group = GROUP;
+  Vec acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = Vec(0.f);
+  for (int64_t g = 0; g < op.groups; ++g) {
+    Vec even[MB][NB], odd[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) even[m][b] = odd[m][b] = Vec(0.f);
+    for (int64_t step = g * steps_per_group; step < (g + 1) * steps_per_group; ++step) {
+      // a step is one input; steps alternate between the two chains
+      Vec q[NB];
+      for (int b = 0; b < NB; ++b) q[b] = widen(op.w + (b * op.steps + step) * L);
+      for (int m = 0; m < MB; ++m) {
+        const Vec xk(op.x[m * op.K + step]);
+        for (int b = 0; b < NB; ++b) {
+          if (step % 2 == 0) {
+            even[m][b] = at::vec::fmadd(xk, q[b], even[m][b]);
+          } else {
+            odd[m][b] = at::vec::fmadd(xk, q[b], odd[m][b]);
+          }
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const Vec scale = halves(op.s + (b * op.groups + g) * L), offset = halves(op.z + (b * op.groups + g) * L);
+      for (int m = 0; m < MB; ++m) {
+        acc[m][b] = at::vec::fmadd(even[m][b] + odd[m][b], scale, acc[m][b]);
+        acc[m][b] = at::vec::fmadd(Vec(op.x_sums[m * op.groups + g]), offset, acc[m][b]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NB; ++b) {
+      float* out = y + m * y_stride + b * L;
+      if (b + 1 < NB || last == L) {
+        acc[m][b].store(out);
+      } else {
+        acc[m][b].store(out, static_cast<int>(last));
+      }
+    }
+}
+
+template <int NB>
+void over_rows(Operands op, int64_t M, float* y, int64_t N, int64_t last) {
+  int64_t m = 0;
+  const auto at_row = [&](int64_t row) {
+    Operands o = op;
+    o.x += row * op.K;
+    o.x_sums += row * op.groups;
+    return o;
+  };
+  for (; m + MAX_ROWS <= M; m += MAX_ROWS) tile<MAX_ROWS, NB>(at_row(m), y + m * N, N, last);
+  if constexpr (MAX_ROWS > 3) {
+    if (M - m == 3) tile<3, NB>(at_row(m), y + m * N, N, last), m += 3;
+  }
+  if constexpr (MAX_ROWS > 2) {
+    if (M - m == 2) tile<2, NB>(at_row(m), y + m * N, N, last), m += 2;
+  }
+  if (M - m == 1) tile<1, NB>(at_row(m), y + m * N, N, last);
+}
+
+void product(const Operands& op, int64_t M, int64_t count, float* y, int64_t N) {
+  // a thread's share of blocks worth at least ~64k multiply-adds: tiny products stay on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (op.K * L * M));
+  const int64_t block_bytes = op.steps * L, block_scales = op.groups * L;
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += MAX_BLOCKS) {
+      Operands o = op;
+      o.w += b * block_bytes;
+      o.s += b * block_scales;
+      o.z += b * block_scales;
+      const int64_t nb = std::min<int64_t>(MAX_BLOCKS, end - b);
+      const int64_t last = std::min<int64_t>(L, N - (b + nb - 1) * L);
+      if (nb == 1) {
+        over_rows<1>(o, M, y + b * L, N, last);
+      } else {
+        over_rows<MAX_BLOCKS>(o, M, y + b * L, N, last);
+      }
+    }
+  });
+  static_assert(MAX_BLOCKS == 2, "the branch above covers tiles of 1 and 2 blocks");
+}
+
+
+// ---- 4 bits: integer dot products ----
+// The float loops above unpack a weight into a float and spend a fused multiply-add on it per row: on AVX2 that runs
+// out of instructions long before memory runs out of bytes. For 4 bits, a row's inputs are rounded to int8 per group
+// of 32 (scale max|x| / 127, as llama.cpp's Q8 activations), and a group's sum of products is taken in integers,
+// exact: one vpmaddubsw multiplies 32 weights by 32 inputs. In integers the order of the sum cannot matter, so every
+// row's result is again independent of the pass.
+//
+// Layout (`quantized.pack` with 4 bits): blocks of 8 outputs; per block and group, 4 runs of 32 bytes; in run p, byte
+// 4 j + i holds output j's inputs 8 p + i (low nibble) and 8 p + 4 + i (high nibble), i < 4: one 32-bit lane is four
+// consecutive inputs of one output, as vpmaddubsw with a broadcast of four inputs wants. Scales and offsets:
+// [blocks, groups, 8] fp16.
 constexpr int64_t DOT_WIDTH = 8;
 constexpr int64_t RUN = 32;  // bytes a run
 constexpr int DOT_ROWS = 4;    // a tile's 4 rows x 1 block of int16 sums, its weights and inputs: no spills on AVX2
@@ -105,48 +249,48 @@ const QuantizedRows& quantize_rows(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-// A block's bytes for group g: 4 runs of 32 (4 bits) or 8 (8 bits)
-template <int BITS>
-constexpr int64_t group_bytes() { return GROUP * DOT_WIDTH * BITS / 8; }
-
 #if defined(__GNUC__) && (defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2))
-// A group's integer sums for MB rows by NB blocks: sum[m][b] lane j = sum_k q[n_j, k] * xq[m, k] as int32 lanes.
-// 4 bits: the 8 four-input steps are at most 2 * 15 * 127 each, at most 30480 in all: int16 until the group ends.
-// 8 bits: weights are stored as q - 127 in int8 and each step's pairs (at most 2 * 127 * 127) are widened to int32
-// at once, through vpmaddubsw's unsigned operand as |x| with x's sign moved onto the weight (as llama.cpp does).
-template <int BITS, int MB, int NB>
-inline void group_sums(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, int64_t groups, int64_t g,
-                       __m256i (&sum)[MB][NB]) {
-  const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 8
-  for (int b = 0; b < NB; ++b) {  // the hardware prefetcher alone left a row's product at half the memory's speed
-    const char* ahead = reinterpret_cast<const char*>(w + (b * groups + g + DOT_PREFETCH) * group_bytes<BITS>());
-    for (int64_t line = 0; line < group_bytes<BITS>(); line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-  }
-#pragma GCC unroll 8
+// MB rows by NB blocks (each `groups` x 128 bytes from w) into y (`N` apart), the last block's first `last` outputs
+template <int MB, int NB>
+void dot_tile(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, const at::Half* s, const at::Half* z,
+              int64_t groups, float* y, int64_t N, int64_t last) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB][NB];
+  #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) sum[m][b] = _mm256_setzero_si256();
-  if constexpr (BITS == 4) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // per group, 8 four-input steps of at most 2 * 15 * 127 each: at most 30480, within int16
+#pragma GCC unroll 8
+    for (int b = 0; b < NB; ++b) {  // the hardware prefetcher alone left a row's product at half the memory's speed
+      const char* ahead = reinterpret_cast<const char*>(w + ((b * groups + g + DOT_PREFETCH) * 4) * RUN);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
+    __m256i sum[MB][NB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+  #pragma GCC unroll 8
+      for (int b = 0; b < NB; ++b) sum[m][b] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int p = 0; p < 4; ++p) {
       __m256i lo[NB], hi[NB];
-#pragma GCC unroll 8
+  #pragma GCC unroll 8
       for (int b = 0; b < NB; ++b) {
-        const __m256i packed = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(w + (b * groups + g) * group_bytes<4>() + p * RUN));
+        const __m256i packed =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ((b * groups + g) * 4 + p) * RUN));
         lo[b] = _mm256_and_si256(packed, nibble);
         hi[b] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
       }
-#pragma GCC unroll 8
+  #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const int8_t* xq = x.q.data() + (row + m) * K + g * GROUP + 8 * p;
         int32_t first, second;
         std::memcpy(&first, xq, 4);
         std::memcpy(&second, xq + 4, 4);
         const __m256i x0 = _mm256_set1_epi32(first), x1 = _mm256_set1_epi32(second);
-#pragma GCC unroll 8
+    #pragma GCC unroll 8
         for (int b = 0; b < NB; ++b) {
           sum[m][b] = _mm256_add_epi16(sum[m][b], _mm256_maddubs_epi16(lo[b], x0));
           sum[m][b] = _mm256_add_epi16(sum[m][b], _mm256_maddubs_epi16(hi[b], x1));
@@ -154,60 +298,19 @@ inline void group_sums(const QuantizedRows& x, int64_t row, int64_t K, const uin
       }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-      for (int b = 0; b < NB; ++b) sum[m][b] = _mm256_madd_epi16(sum[m][b], ones);
-  } else {
-#pragma GCC unroll 8
-    for (int p = 0; p < 8; ++p) {
-      __m256i q[NB];
-#pragma GCC unroll 8
-      for (int b = 0; b < NB; ++b)
-        q[b] = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(w + (b * groups + g) * group_bytes<8>() + p * RUN));
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        int32_t four;
-        std::memcpy(&four, x.q.data() + (row + m) * K + g * GROUP + 4 * p, 4);
-        const __m256i xb = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(xb);
-#pragma GCC unroll 8
-        for (int b = 0; b < NB; ++b) {
-          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q[b], xb));
-          sum[m][b] = _mm256_add_epi32(sum[m][b], _mm256_madd_epi16(pairs, ones));
-        }
-      }
-    }
-  }
-}
-
-// MB rows by NB blocks into y (`N` apart), the last block's first `last` outputs: per group in order,
-// acc = fma(sum * d_x, scale, acc); acc = fma(sum_x, offset, acc), sum_x = d_x * sum(xq) (8 bits: the offset of q - 127)
-template <int BITS, int MB, int NB>
-void dot_tile(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, const at::Half* s, const at::Half* z,
-              int64_t groups, float* y, int64_t N, int64_t last) {
-  __m256 acc[MB][NB];
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i sum[MB][NB];
-    group_sums<BITS, MB, NB>(x, row, K, w, groups, g, sum);
-#pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + (b * groups + g) * 8)));
-      __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + (b * groups + g) * 8)));
-      if constexpr (BITS == 8) offset = _mm256_fmadd_ps(_mm256_set1_ps(127.f), scale, offset);
-#pragma GCC unroll 8
+      const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + (b * groups + g) * 8)));
+  #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
         const int64_t i = (row + m) * groups + g;
-        const __m256 products = _mm256_cvtepi32_ps(sum[m][b]);
+        const __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m][b], ones));
         acc[m][b] = _mm256_fmadd_ps(products, _mm256_mul_ps(_mm256_set1_ps(x.d[i]), scale), acc[m][b]);
         acc[m][b] = _mm256_fmadd_ps(_mm256_set1_ps(x.sums[i]), offset, acc[m][b]);
       }
     }
   }
-#pragma GCC unroll 8
+  #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 8
     for (int b = 0; b < NB; ++b) {
@@ -223,7 +326,7 @@ void dot_tile(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, 
 }
 #else
 // The same sums in plain C++: integers, then the same float steps in the same order
-template <int BITS, int MB, int NB>
+template <int MB, int NB>
 void dot_tile(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, const at::Half* s, const at::Half* z,
               int64_t groups, float* y, int64_t N, int64_t last) {
   for (int m = 0; m < MB; ++m)
@@ -231,22 +334,16 @@ void dot_tile(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, 
       for (int64_t j = 0; j < (b + 1 < NB ? DOT_WIDTH : last); ++j) {
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* wg = w + (b * groups + g) * group_bytes<BITS>();
-          const int8_t* xq = x.q.data() + (row + m) * K + g * GROUP;
           int32_t total = 0;
-          for (int p = 0; p < (BITS == 4 ? 4 : 8); ++p)
+          for (int p = 0; p < 4; ++p)
             for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = wg[p * RUN + 4 * j + i];
-              if constexpr (BITS == 4) {
-                total += (byte & 0x0F) * xq[8 * p + i] + (byte >> 4) * xq[8 * p + 4 + i];
-              } else {
-                total += static_cast<int8_t>(byte) * xq[4 * p + i];
-              }
+              const uint8_t byte = w[((b * groups + g) * 4 + p) * RUN + 4 * j + i];
+              const int8_t* xq = x.q.data() + (row + m) * K + g * GROUP + 8 * p;
+              total += (byte & 0x0F) * xq[i] + (byte >> 4) * xq[4 + i];
             }
           const int64_t i = (row + m) * groups + g;
           const float scale = static_cast<float>(s[(b * groups + g) * 8 + j]);
-          float offset = static_cast<float>(z[(b * groups + g) * 8 + j]);
-          if constexpr (BITS == 8) offset = std::fma(127.f, scale, offset);
+          const float offset = static_cast<float>(z[(b * groups + g) * 8 + j]);
           acc = std::fma(static_cast<float>(total), x.d[i] * scale, acc);
           acc = std::fma(x.sums[i], offset, acc);
         }
@@ -256,25 +353,23 @@ void dot_tile(const QuantizedRows& x, int64_t row, int64_t K, const uint8_t* w, 
 #endif
 
 // The rows left after whole tiles: one tile of exactly M - m rows
-template <int BITS, int MB, int NB>
+template <int MB, int NB>
 void dot_rest(const QuantizedRows& x, int64_t m, int64_t M, int64_t K, const uint8_t* w, const at::Half* s,
               const at::Half* z, int64_t groups, float* y, int64_t N, int64_t last) {
   if constexpr (MB > 0) {
-    if (M - m == MB) return dot_tile<BITS, MB, NB>(x, m, K, w, s, z, groups, y + m * N, N, last);
-    dot_rest<BITS, MB - 1, NB>(x, m, M, K, w, s, z, groups, y, N, last);
+    if (M - m == MB) return dot_tile<MB, NB>(x, m, K, w, s, z, groups, y + m * N, N, last);
+    dot_rest<MB - 1, NB>(x, m, M, K, w, s, z, groups, y, N, last);
   }
 }
 
-template <int BITS, int NB>
+template <int NB>
 void dot_rows(const QuantizedRows& x, int64_t M, int64_t K, const uint8_t* w, const at::Half* s, const at::Half* z,
               int64_t groups, float* y, int64_t N, int64_t last) {
   int64_t m = 0;
-  for (; m + DOT_ROWS <= M; m += DOT_ROWS)
-    dot_tile<BITS, DOT_ROWS, NB>(x, m, K, w, s, z, groups, y + m * N, N, last);
-  dot_rest<BITS, DOT_ROWS - 1, NB>(x, m, M, K, w, s, z, groups, y, N, last);
+  for (; m + DOT_ROWS <= M; m += DOT_ROWS) dot_tile<DOT_ROWS, NB>(x, m, K, w, s, z, groups, y + m * N, N, last);
+  dot_rest<DOT_ROWS - 1, NB>(x, m, M, K, w, s, z, groups, y, N, last);
 }
 
-template <int BITS>
 void dot_product(const float* xf, int64_t M, int64_t K, const uint8_t* w, const at::Half* s, const at::Half* z,
                  int64_t count, float* y, int64_t N) {
   const int64_t groups = K / GROUP;
@@ -284,24 +379,24 @@ void dot_product(const float* xf, int64_t M, int64_t K, const uint8_t* w, const 
     for (int64_t b = begin; b < end; b += DOT_BLOCKS) {
       const int64_t nb = std::min<int64_t>(DOT_BLOCKS, end - b);
       const int64_t last = std::min<int64_t>(DOT_WIDTH, N - (b + nb - 1) * DOT_WIDTH);
-      const uint8_t* wb = w + b * groups * group_bytes<BITS>();
+      const uint8_t* wb = w + b * groups * 4 * RUN;
       const at::Half *sb = s + b * groups * DOT_WIDTH, *zb = z + b * groups * DOT_WIDTH;
       if constexpr (DOT_BLOCKS > 1) {
         if (nb < DOT_BLOCKS) {
-          dot_rows<BITS, 1>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
+          dot_rows<1>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
           continue;
         }
       }
-      dot_rows<BITS, DOT_BLOCKS>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
+      dot_rows<DOT_BLOCKS>(x, M, K, wb, sb, zb, groups, y + b * DOT_WIDTH, N, last);
     }
   });
 }
 
 // The block width of the packed layout for `bits` here
-int64_t quantized_width(int64_t bits) { return DOT_WIDTH; }
+int64_t quantized_width(int64_t bits) { return bits == 4 ? DOT_WIDTH : L; }
 
-// x [M, K] float32 or bf16; packed uint8 [blocks, K * bits / 8, 8] (quantized.pack); scales, offsets fp16
-// [blocks, K / 32, 8] -> [M, N] in x's dtype
+// x [M, K] float32 or bf16; packed uint8 [blocks, K * bits / 8, L] (quantized.pack); scales, offsets fp16
+// [blocks, K / 32, L] -> [M, N] in x's dtype
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                             const at::Tensor& offsets, int64_t N, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: 4 or 8 bits, not ", bits);
@@ -323,9 +418,24 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y.to(x.scalar_type());
   const auto xf = x.to(at::kFloat).contiguous();
-  const auto run = bits == 4 ? dot_product<4> : dot_product<8>;
-  run(xf.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-      offsets.data_ptr<at::Half>(), count, y.data_ptr<float>(), N);
+  if (bits == 4) {
+    dot_product(xf.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                offsets.data_ptr<at::Half>(), count, y.data_ptr<float>(), N);
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+  auto sums = at::empty({M, groups}, xf.options());  // each row's group sums, in input order
+  {
+    const float* xs = xf.data_ptr<float>();
+    float* ss = sums.data_ptr<float>();
+    for (int64_t i = 0; i < M * groups; ++i) {
+      float total = 0.f;
+      for (int64_t k = 0; k < GROUP; ++k) total += xs[i * GROUP + k];
+      ss[i] = total;
+    }
+  }
+  const Operands op{xf.data_ptr<float>(), sums.data_ptr<float>(), packed.data_ptr<uint8_t>(),
+                    scales.data_ptr<at::Half>(), offsets.data_ptr<at::Half>(), K, groups, packed.size(1)};
+  product(op, M, count, y.data_ptr<float>(), N);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
