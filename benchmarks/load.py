@@ -60,6 +60,18 @@ class Cell:
     def aggregate(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def merged(self, other: Cell) -> Cell:
+        """Two runs of the same cell as one: their tokens over their seconds."""
+        return Cell(
+            self.requests + other.requests,
+            self.tokens + other.tokens,
+            self.seconds + other.seconds,
+            self.ttft + other.ttft,
+            self.decode_rates + other.decode_rates,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+        )
+
 
 def one_request(client, prompt: str, max_tokens: int, extra: dict, cell: Cell, lock: threading.Lock) -> None:
     t0 = time.perf_counter()
@@ -104,8 +116,10 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
 
     def client_loop(c: int) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        for i in counter:  # shared iterator: each request index is taken once (next() on a range iterator is atomic)
-            one_request(client, prompts[(i + c) % len(prompts)], max_tokens, extra, cell, lock)
+        # a shared iterator: each request index is taken once (next() on a range iterator is atomic). Request i is
+        # prompt i whichever client takes it, so every mode runs the same requests (greedy: the same tokens)
+        for i in counter:
+            one_request(client, prompts[i % len(prompts)], max_tokens, extra, cell, lock)
 
     threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(concurrency)]
     t0 = time.perf_counter()
@@ -293,8 +307,15 @@ def main() -> int:
         "--requests",
         type=int,
         default=0,
-        help="requests per cell (default: every prompt of the workload once, and at least 2 x concurrency; a cell "
-        "of fewer measures whichever prompts it happened to get)",
+        help="requests per cell; request i sends prompt i (default: every prompt of the workload equally often, "
+        "at least 2 x concurrency requests; a cell of fewer measures the prompts it reaches)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each cell this many times, the modes alternating, and report them together (a cell of a few "
+        "seconds moves by 10%% from run to run on a shared machine)",
     )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ngram", type=int, default=3)
@@ -468,13 +489,17 @@ def main() -> int:
             run_cell(url, prompts[workloads[0]][:1], 1, 1, 8, next(iter(modes.values())))
         for w in workloads:
             for i, c in enumerate(levels):
-                n = args.requests or max(len(prompts[w]), 2 * c)
+                m = len(prompts[w])
+                n = args.requests or m * -(-2 * c // m)  # every prompt as often as the others, >= 2 x concurrency
                 order = group[i % len(group) :] + group[: i % len(group)]
                 for name, modes, url, _ in order:
-                    for mode in list(modes) if i % 2 == 0 else list(reversed(modes)):
-                        cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
-                        results[(name, mode, w, c)] = cell
-                        print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
+                    # with --repeat, the modes alternate A B B A ...: a drift in the machine's speed hits both alike
+                    for r in range(args.repeat):
+                        for mode in list(modes) if (i + r) % 2 == 0 else list(reversed(modes)):
+                            cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
+                            key = (name, mode, w, c)
+                            results[key] = results[key].merged(cell) if key in results else cell
+                            print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
 
     def stop(group: list) -> None:
         for *_, proc in group:
@@ -535,6 +560,7 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
         "TTFT p95 s | acceptance | vs its plain (same clients) | vs depctl plain (same clients) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    mismatched = []  # greedy speculation is exact: the same requests must give the same tokens
     for c in levels:
         for name in servers:
             for mode in ("plain", spec_mode(args)):
@@ -544,11 +570,15 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
                 own = results.get((name, "plain", workload, c))
                 base = results.get((ours, "plain", workload, c))
                 acc = f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"
+                if mode != "plain" and own is not None and cell.tokens != own.tokens and name.startswith("depctl "):
+                    mismatched.append(f"{name} {c} clients: {cell.tokens} tokens against plain's {own.tokens}")
                 print(
                     f"| {name} | {c} | {mode} | {cell.requests} | {cell.aggregate:.1f} | "
                     f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
                     f"{_ratio(cell, own)} | {_ratio(cell, base)} |"
                 )
+    for line in mismatched:
+        print(f"\n**Output differs from plain decoding**: {line}")
     sys.stdout.flush()
 
 

@@ -173,6 +173,7 @@ def compile_passes(
     width: int = 1,
     draft: ModelRunner | None = None,
     report: Report = log_progress,
+    draft_precision: str | None = None,
 ) -> Passes:
     """The fastest exact pass strategy for this runner: a compiled library on a CPU where it is faster
     (BENCHMARKS.md), CUDA graphs on a GPU, else eager. Split-K and weight-major linears (where oneDNN is not
@@ -197,33 +198,15 @@ def compile_passes(
         )
     if not runner.fused:
         return eager("this architecture keeps transformers' forward, which does not compile")
-    runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
-    runner.set_length(0, 0)
-    package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
-    if not package.exists():
-        # the build traces over plain stand-ins of oneDNN's reordered weights (``surgery.plain_stand_ins``): the float
-        # weights' size again, for as long as it compiles. Better to run eagerly than to meet the OOM killer.
-        stand_ins = plain_stand_in_bytes(runner.model)
-        free = free_bytes(runner.device)
-        if stand_ins and free is not None and stand_ins > 0.8 * free:
-            return eager(
-                f"building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
-                f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile"
-            )
+    too_big = _too_big_to_build(runner, precision)
+    if too_big:
+        return eager(too_big)
     built = ""
 
     def library() -> compiled.CompiledPass:
         nonlocal built
-        if not package.exists():
-            report(
-                Stage(
-                    "compiling",
-                    "the decode and verify passes (once per model and precision; a minute or more on a small CPU; "
-                    "later loads reuse it)",
-                )
-            )
-            built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
-        return compiled.CompiledPass(package, runner.model)
+        fast, built = _library(runner, precision, "the decode and verify passes", report)
+        return fast
 
     target, refused = _exact(runner, library, "compiling failed", "a verify pass through the compiled library", "CPU")
     if refused:
@@ -232,7 +215,61 @@ def compile_passes(
     if isinstance(target.model.lm_head, ScreenedHead):  # the native ops are loaded now: switch the screen on
         target.model.lm_head.screen(target.vocab_size)
         screened = "; greedy tokens screened in bf16 before the float32 output layer"
-    return Passes(target, draft, PassKind.COMPILED, f"{target.fast_pass.describe()}{built}{screened}")
+    draft, drafts = _compiled_draft(draft, draft_precision, report)
+    return Passes(target, draft, PassKind.COMPILED, f"{target.fast_pass.describe()}{built}{screened}{drafts}")
+
+
+def _too_big_to_build(runner: ModelRunner, precision: str) -> str | None:
+    """Why a library for this runner cannot be built now, if it cannot. Its cache's tensors exist afterwards."""
+    runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
+    runner.set_length(0, 0)
+    if compiled.package_path(runner.model, precision, config.cache_dir() / "compiled").exists():
+        return None
+    # the build traces over plain stand-ins of oneDNN's reordered weights (``surgery.plain_stand_ins``): the float
+    # weights' size again, for as long as it compiles. Better to run eagerly than to meet the OOM killer.
+    stand_ins = plain_stand_in_bytes(runner.model)
+    free = free_bytes(runner.device)
+    if stand_ins and free is not None and stand_ins > 0.8 * free:
+        return (
+            f"building the library needs about {stand_ins / 2**30:.2f} GiB free while it compiles and "
+            f"{free / 2**30:.2f} GiB is; free memory and update the deployment to retry, or --no-compile"
+        )
+    return None
+
+
+def _library(runner: ModelRunner, precision: str, what: str, report: Report) -> tuple[compiled.CompiledPass, str]:
+    """The runner's compiled pass, built first where no library for its model and precision exists yet; and
+    ", built in Ns" when it was."""
+    package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
+    built = ""
+    if not package.exists():
+        report(
+            Stage(
+                "compiling",
+                f"{what} (once per model and precision; a minute or more on a small CPU; later loads reuse it)",
+            )
+        )
+        built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
+    return compiled.CompiledPass(package, runner.model), built
+
+
+def _compiled_draft(draft: ModelRunner | None, precision: str | None, report: Report) -> tuple[ModelRunner | None, str]:
+    """A CPU draft model through a library of its own where its precision compiles: eager, a 0.5B draft's forward
+    spent a third of its time between ops. Its output only proposes, so there is no exactness check; a failure
+    leaves it eager and says why."""
+    if draft is None or precision not in COMPILED_PRECISIONS or not draft.fused:
+        return draft, ""
+    if any(isinstance(m, (SplitKLinear, WeightMajorLinear)) for m in draft.model.modules()):
+        return draft, ""  # as for the target: inductor's own products would be slower
+    too_big = _too_big_to_build(draft, precision)
+    if too_big:
+        return draft, f"; the draft model runs eagerly: {too_big}"
+    try:
+        fast, built = _library(draft, precision, "the draft model's passes", report)
+        return draft.with_pass(fast), f"; the draft model through {fast.describe()}{built}"
+    except Exception as exc:  # noqa: BLE001 - any failure here means: draft eagerly
+        log.warning("compiling the draft model failed; it runs eagerly", exc_info=exc)
+        return draft, f"; the draft model runs eagerly (compiling it failed: {first_line(exc, 160)})"
 
 
 def pick_device(requested: str) -> torch.device:
@@ -572,6 +609,7 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
         width=1 + num_draft_tokens,
         draft=draft_runner,
         report=report,
+        draft_precision=precision,
     )
     proposer = None
     if passes.draft is not None:

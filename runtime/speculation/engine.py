@@ -140,7 +140,7 @@ class SpeculativeEngine:
         width, predicted = self.policy.width(
             [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses]
         )
-        drafts, draft_probs, model_drafts = self._drafts(batch, guesses, width)
+        drafts, draft_probs, model_drafts, caught_up = self._drafts(batch, guesses, width)
         t1 = time.perf_counter()
         # the grammar masks every verified position of a sampling row needs, computed while the pass runs
         masks = {
@@ -165,7 +165,9 @@ class SpeculativeEngine:
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
-        if model_drafts[0] is not None and width:
+        # a draft forward's cost, from steps that fed the draft its usual one or two tokens: after plain steps it
+        # first catches up on every token it missed, a prefill that says nothing of what drafting costs
+        if model_drafts[0] is not None and width and caught_up <= 2:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         self.stats.record_step(t1 - t0, time.perf_counter() - t1)
         return outputs
@@ -238,11 +240,12 @@ class SpeculativeEngine:
         return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
 
     def _drafts(self, batch, guesses: list[Guess], width: int):
-        """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), and the draft model's
-        own tokens per row when it ran (its cache keeps only the part the target accepted)."""
-        model_tokens, model_probs = [None] * len(batch), [None] * len(batch)
+        """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), the draft model's own
+        tokens per row when it ran (its cache keeps only the part the target accepted), and the most tokens a row
+        fed it to catch up."""
+        model_tokens, model_probs, caught_up = [None] * len(batch), [None] * len(batch), 0
         if width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
-            model_tokens, model_probs = self.draft_model.propose(batch, width)
+            model_tokens, model_probs, caught_up = self.draft_model.propose(batch, width)
         drafts, probs = [], []
         for seq, g, tokens, q in zip(batch, guesses, model_tokens, model_probs):
             k = min(width, g.available)
@@ -254,7 +257,7 @@ class SpeculativeEngine:
             else:
                 drafts.append(g.tokens[:k])
                 probs.append(None)
-        return drafts, probs, model_tokens
+        return drafts, probs, model_tokens, caught_up
 
     def _accept(
         self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int], allowed=None

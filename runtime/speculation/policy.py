@@ -22,9 +22,9 @@ all.
   extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
   (``realism``): per-row rates run optimistic when hits come in bursts, and a batch amplifies the error. A row that
   does not draft still has its free guess compared with the token the target produced, so the estimate keeps
-  moving; after ``PROBE_EVERY`` x B plain steps the batch drafts once anyway (one token for a draft model; K for
-  a single request whose free guesses keep hitting), re-measuring a cost that may have been taken on a busy
-  machine.
+  moving; after ``PROBE_EVERY`` x B plain steps the batch drafts once anyway (one token for a draft model, where
+  drafts that were all accepted would pay; K for a single request whose free guesses keep hitting), re-measuring a
+  cost that may have been taken on a busy machine.
 """
 
 from __future__ import annotations
@@ -234,10 +234,20 @@ class DraftLengthPolicy:
         # draft keep the costs measured).
         if self.plain_steps % (PROBE_EVERY * batch) == 0:
             if uses_model:
-                return 1, extra[1]
+                return (1, extra[1]) if self._perfect_drafts_pay(batch, tokens, draft_seconds) else (0, 0.0)
             if batch == 1 and any(r.acceptance.rate >= 0.5 and r.available for r in rows):
                 return longest, extra[longest]
         return 0, 0.0
+
+    def _perfect_drafts_pay(self, batch: int, tokens: list[int], draft_seconds: float) -> bool:
+        """Whether drafts that were all accepted would beat a plain step by the margin asked of any drafting. Where
+        not even they would (4-bit products on a CPU are compute-bound: a pass costs in proportion to its tokens),
+        probing a draft model's acceptance pays its forwards, and its catch-up on every token it missed, for
+        nothing."""
+        margin = (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * batch / self.verify_cost(batch)
+        return any(
+            tokens[w] / (self.verify_cost(tokens[w]) + w * draft_seconds) >= margin for w in range(1, len(tokens))
+        )
 
     def snapshot(self) -> dict:
         return {

@@ -15,7 +15,7 @@ Draft probabilities are ``None`` for a deterministic (one-hot) guess.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, Union
+from typing import NamedTuple, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -222,6 +222,12 @@ class SuffixProposer:
         return self.index.snapshot()
 
 
+class ModelDrafts(NamedTuple):
+    tokens: list[list[int]]  # [B][width]
+    probs: list[torch.Tensor | None]  # per row [width, vocab]; None for a greedy row (one-hot)
+    caught_up: int  # the most tokens a row fed before drafting: 1 or 2 when it drafted last step, more after a gap
+
+
 class DraftModelProposer:
     """A small model with the target's tokenizer drafts autoregressively, for every running row at once."""
 
@@ -240,10 +246,8 @@ class DraftModelProposer:
         self.runner.move_row(src, dst)
 
     @torch.inference_mode()
-    def propose(self, batch, width: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``).
-
-        Returns drafts [B][width] and, per row, draft_probs [width, vocab] (None for greedy rows: one-hot)."""
+    def propose(self, batch, width: int) -> ModelDrafts:
+        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``)."""
         runner = self.runner
         # Catch up: a row holds a prefix of its tokens; feed the rest. Normally that is the last accepted token;
         # after a full accept also d_k, which was never fed; more after steps that did not draft.
@@ -278,7 +282,7 @@ class DraftModelProposer:
         for b, n in taken.items():
             batch[b].grammar.rollback(n)
         tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
-        return tokens, [torch.stack(p) if p else None for p in probs]
+        return ModelDrafts(tokens, [torch.stack(p) if p else None for p in probs], max(map(len, pending)))
 
 
 Proposer = Union[NgramProposer, SuffixProposer, DraftModelProposer, FreeProposer]

@@ -115,6 +115,37 @@ def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny
     assert off.engine.target.fast_pass is None and off.compiled == "no (the spec says compile: false)"
 
 
+def test_an_int4_draft_on_a_cpu_drafts_through_a_compiled_library_of_its_own(
+    tiny_model_dir, tiny_draft_dir, tmp_path, monkeypatch
+):
+    """Eager, a 0.5B int4 draft spent a third of each forward between ops, and drafting cost more than it saved."""
+    from depctl.spec import DraftModelSpeculation
+    from depctl_runtime.kernels import native
+    from depctl_runtime.speculation import GenerationParams, generate
+
+    if not native.available():
+        pytest.skip("depctl's C++ ops could not be built here: no int4 draft, and nothing compiles")
+    monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
+    speculation = DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3, draft_precision="int4")
+    spec = DeploymentSpec(
+        id="d4", model=str(tiny_model_dir), device="cpu", quantization="int4", speculation=speculation
+    )
+    loaded = load_deployment(spec, calibrate=False)
+    runner = loaded.engine.draft_model.runner
+    assert runner.fast_pass is not None and loaded.engine.target.fast_pass is not None
+    assert "; the draft model through AOTInductor library" in loaded.compiled
+    assert len(list((tmp_path / "compiled").glob("*.pt2"))) == 2  # one library per model
+    prompt = [5, 17, 42, 99, 3, 17, 42, 99, 3, 8]
+
+    def run(params):
+        return [t for o in generate(loaded.engine, prompt, params) for t in o.token_ids]
+
+    loaded.engine.policy.adaptive = False  # draft K every step
+    spec_out = run(GenerationParams(max_tokens=24, ignore_eos=True))
+    assert loaded.engine.stats.num_draft_tokens > 0
+    assert spec_out == run(GenerationParams(max_tokens=24, ignore_eos=True, speculate=False))
+
+
 @pytest.mark.skipif(row_invariant_chunk(torch.float16) is None, reason="this CPU's fp16 products are not row-invariant")
 def test_other_precisions_stay_eager_and_say_why(tiny_model_dir):
     loaded = load_deployment(

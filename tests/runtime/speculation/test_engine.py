@@ -209,6 +209,24 @@ def test_draft_model_cache_catches_up_after_full_accept(target):
     gen.close()
 
 
+def test_a_draft_model_catching_up_after_plain_steps_is_not_priced_as_its_drafting(target, draft):
+    """After plain steps the draft model feeds every token it missed before it drafts (a prefill of them). Priced
+    as that step's per-token draft cost, the catch-up once made a 0.5B draft look 10x dearer than it is, and the
+    policy stopped drafting where drafting paid; only steps whose catch-up is the usual one or two tokens count."""
+    engine = make(target, DraftModelProposer(ModelRunner(draft)), 3)
+    widths = iter([0] * 6 + [3] * 6)
+    engine.policy.width = lambda rows: (next(widths), 1.0)
+    seen = []
+    engine.policy.draft_cost.observe = lambda n, seconds: seen.append(step)
+    gen = generate(engine, PROMPTS[1], GenerationParams(max_tokens=40, ignore_eos=True))
+    next(gen)  # the prefill
+    for step in range(12):
+        next(gen)
+    gen.close()
+    assert 6 not in seen  # the first drafting step fed seven tokens first
+    assert seen and set(seen) <= set(range(7, 12))
+
+
 def test_update_draft_count_in_place(target):
     engine = make(target, NgramProposer(2), 4)
     engine.set_num_draft_tokens(1)

@@ -104,6 +104,25 @@ def test_draft_cost_shortens_drafts():
     assert cheap > dear >= 1
 
 
+def test_a_draft_model_is_not_probed_where_even_perfect_drafts_would_lose():
+    # 4-bit weights on a CPU: the products are compute-bound, so a pass costs in proportion to its tokens and a
+    # batch of 4 gains nothing from drafts that are all accepted. A probe there pays a draft forward and the draft's
+    # catch-up on every token it missed, for nothing
+    policy = DraftLengthPolicy(max_k=4)
+    for n in range(1, 21):
+        policy.verify_cost.observe(n, 0.05 * n)
+    policy.draft_cost.observe(4, 0.02)
+    rows = _rows(policy, [(0.9, 4)] * 4, model=True)
+    assert [policy.width(rows)[0] for _ in range(200)] == [0] * 200
+    # where perfect drafts would pay, a draft model is still probed now and then (its acceptance is only learned
+    # by drafting)
+    policy = DraftLengthPolicy(max_k=4)
+    _cpu_like(policy)
+    policy.draft_cost.observe(4, 0.02)
+    rows = _rows(policy, [(0.05, 4)] * 4, model=True)
+    assert 0 < sum(policy.width(rows)[0] for _ in range(200)) <= 200 // (4 * 8) + 1
+
+
 def test_cost_model_interpolates_and_extrapolates_upwards():
     cost = CostModel()
     cost.observe(8, 0.08)
