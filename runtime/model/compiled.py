@@ -80,7 +80,7 @@ class CompiledPass:
     returns_hidden = True  # the output layer is the runner's (``runner.Scores``)
 
     def fits(self, first: int, widths: list[int], keep: list[int] | None) -> bool:
-        return keep is None  # every token's output: a decode or verify pass
+        return True  # every size is symbolic, and ``keep`` picks rows of the output (a draft's catch-up wants them)
 
     def set_widths(self, widths: tuple[int, ...]) -> None:
         pass  # every size is symbolic
@@ -89,8 +89,9 @@ class CompiledPass:
         return f"AOTInductor library {self.package.name}"
 
     def __call__(self, input_ids: torch.Tensor, layout, cache, keep=None) -> torch.Tensor:
-        """input_ids: [T]; returns the final norm's output [T, hidden]. The library's inputs in the order the export
-        flattened ``_Pass.forward``'s arguments: ids, positions, rows ([T] each), every layer's keys, then values."""
+        """input_ids: [T]; returns the final norm's output [T, hidden] (or the ``keep`` rows of it). The library's
+        inputs in the order the export flattened ``_Pass.forward``'s arguments: ids, positions, rows ([T] each),
+        every layer's keys, then values."""
         inputs = [
             input_ids,
             cache.step.positions,
@@ -98,7 +99,8 @@ class CompiledPass:
             *(layer.keys for layer in cache.layers),
             *(layer.values for layer in cache.layers),
         ]
-        return torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
+        hidden = torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
+        return hidden if keep is None else hidden[keep]
 
 
 def code_fingerprint(text: str, cpp: bool = False) -> str:

@@ -237,7 +237,7 @@ class DraftModelProposer:
         self.runner = runner
 
     def prefill(self, row: int, tokens: list[int]) -> None:
-        self.runner.forward(row, [tokens], last_only=True)
+        self.runner.forward(row, [tokens], last_only=True, prefill=True)
 
     def set_length(self, row: int, length: int) -> None:
         self.runner.set_length(row, min(length, self.runner.length(row)))

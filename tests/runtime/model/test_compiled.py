@@ -95,6 +95,25 @@ def test_the_compiled_pass_computes_what_the_eager_pass_computes(package):
     assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
 
 
+def test_a_pass_that_wants_each_rows_last_token_runs_compiled(package, monkeypatch):
+    """A draft model catching up feeds one or more tokens a row and wants only each row's last logits: eager, that
+    pass cost a 0.5B int4 draft 50% more than the same forward through its library."""
+    runner = compiled_runner(package)
+    for row, p in enumerate([[3, 1, 4], [9, 2], [5, 3, 5, 8]]):
+        runner.forward(row, [p], prefill=True)
+    lengths = [runner.length(r) for r in range(3)]
+
+    def eager(*args):
+        raise AssertionError("the eager pass ran")
+
+    monkeypatch.setattr(runner, "_forward", eager)
+    last = runner.forward(0, [[2, 7], [1], [8, 1, 8]], last_only=True)
+    for r, n in enumerate(lengths):
+        runner.set_length(r, n)
+    full = runner.forward(0, [[2, 7], [1], [8, 1, 8]])
+    assert last.shape[0] == 3 and torch.equal(last, full[[1, 2, 5]])
+
+
 def test_it_borrows_the_models_weights_and_the_package_holds_none(package):
     model = package[1]()
     runner = compiled_runner(package, model=model)
