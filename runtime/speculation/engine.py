@@ -118,8 +118,6 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
         logits = self.target.forward(seq.row, [chunk], last_only=True, prefill=True)  # [1, vocab]
-        if self.draft_model is not None:
-            self.draft_model.prefill(seq.row, chunk)
         seq.prefilled += len(chunk)
         self.stats.prefill_seconds += time.perf_counter() - t0
         if seq.prefilled < seq.prompt_len:

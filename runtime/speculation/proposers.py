@@ -7,8 +7,9 @@ Two kinds:
   Computing its guess costs nothing next to a forward pass, so the engine asks before it decides how long this step's
   drafts are.
 - a **draft model** costs a forward per drafted token, batched over the running rows:
-  ``propose(batch, width) -> (drafts, draft_probs)``; it owns a KV cache with the same rows as the target's
-  (``prefill``, ``set_length`` and ``move_row`` keep them in step).
+  ``propose(batch, width) -> ModelDrafts``; it owns a KV cache with the same rows as the target's, each holding a
+  prefix of the row's tokens (``set_length`` and ``move_row`` keep them in step). A row's prompt is read when the
+  row first drafts, so where the policy does not draft the draft model costs nothing.
 
 Draft probabilities are ``None`` for a deterministic (one-hot) guess.
 """
@@ -232,12 +233,10 @@ class DraftModelProposer:
     """A small model with the target's tokenizer drafts autoregressively, for every running row at once."""
 
     name = "draft_model"
+    catch_up_chunk = 128  # tokens a row reads alone before the batched catch-up: one row's prompt does not widen all
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-
-    def prefill(self, row: int, tokens: list[int]) -> None:
-        self.runner.forward(row, [tokens], last_only=True, prefill=True)
 
     def set_length(self, row: int, length: int) -> None:
         self.runner.set_length(row, min(length, self.runner.length(row)))
@@ -252,6 +251,11 @@ class DraftModelProposer:
         # Catch up: a row holds a prefix of its tokens; feed the rest. Normally that is the last accepted token;
         # after a full accept also d_k, which was never fed; more after steps that did not draft.
         pending = [list(seq.tokens[runner.length(b) :]) for b, seq in enumerate(batch)]
+        caught_up = max(map(len, pending))
+        for b, tokens in enumerate(pending):  # a prompt (read lazily) or a long gap: a prefill of the row alone
+            while len(tokens) > self.catch_up_chunk:
+                runner.forward(b, [tokens[: self.catch_up_chunk]], last_only=True, prefill=True)
+                del tokens[: self.catch_up_chunk]
         logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
         drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
         probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
@@ -282,7 +286,7 @@ class DraftModelProposer:
         for b, n in taken.items():
             batch[b].grammar.rollback(n)
         tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
-        return ModelDrafts(tokens, [torch.stack(p) if p else None for p in probs], max(map(len, pending)))
+        return ModelDrafts(tokens, [torch.stack(p) if p else None for p in probs], caught_up)
 
 
 Proposer = Union[NgramProposer, SuffixProposer, DraftModelProposer, FreeProposer]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -225,6 +226,28 @@ def test_a_draft_model_catching_up_after_plain_steps_is_not_priced_as_its_drafti
     gen.close()
     assert 6 not in seen  # the first drafting step fed seven tokens first
     assert seen and set(seen) <= set(range(7, 12))
+
+
+def test_a_draft_model_reads_a_prompt_only_when_its_row_first_drafts(target, draft):
+    """Where the policy does not draft (a batch too large for drafts to pay), the draft model costs nothing: it reads
+    a row's prompt when the row first drafts, in prompt-sized chunks, and the output stays the target's."""
+    plain, _ = run(make(target), PROMPTS[4], ignore_eos=True)
+    runner = ModelRunner(draft)
+    proposer = DraftModelProposer(runner)
+    proposer.catch_up_chunk = 8
+    engine = make(target, proposer, 3)
+    widths = itertools.chain([0] * 5, itertools.repeat(3))
+    engine.policy.width = lambda rows: (next(widths), 1.0)
+    passes = []
+    forward = runner.forward
+    runner.forward = lambda first, inputs, **kw: passes.append([len(x) for x in inputs]) or forward(first, inputs, **kw)
+    gen = generate(engine, PROMPTS[4], GenerationParams(max_tokens=40, ignore_eos=True))
+    tokens = [t for _ in range(6) for t in next(gen).token_ids]  # the prefill's token and five plain steps
+    assert runner.length(0) == 0 and not passes
+    tokens += [t for out in gen for t in out.token_ids]
+    assert tokens == plain
+    assert engine.stats.num_draft_tokens > 0
+    assert max(w for p in passes for w in p) <= 8  # 51 tokens to catch up, read 8 at a time
 
 
 def test_update_draft_count_in_place(target):
