@@ -130,6 +130,7 @@ def _serve(settings: Settings, port: int) -> int:
     from sse_starlette.sse import AppStatus
     from transformers.utils import logging as hf_logging
 
+    from depctl_runtime.api.guard import HttpProtocol
     from depctl_runtime.app import create_app
 
     hf_logging.disable_progress_bar()  # tqdm bars in a log file are noise; load stages are logged instead
@@ -139,6 +140,7 @@ def _serve(settings: Settings, port: int) -> int:
     server = _DrainingServer(
         uvicorn.Config(
             app,
+            http=HttpProtocol,
             log_level=logging.getLevelName(log.getEffectiveLevel()).lower(),
             timeout_graceful_shutdown=settings.drain_timeout + 5,
         )

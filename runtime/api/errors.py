@@ -26,10 +26,14 @@ TYPES = {
     500: "server_error",
 }
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+# pydantic's error types that OpenAI names otherwise; the rest are invalid_type (a *_type error) or invalid_value
+VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    """``code`` is required: a client branches on it, and OpenAI's own 400s name one."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -59,7 +63,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {detail} at character {where}", code="invalid_json")
     param = _param(first.get("loc", ())) or None
     message = "; ".join(f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in errors[:5])
-    return APIError(400, message, param=param, code="invalid_value")
+    kind = first.get("type", "")
+    code = VALIDATION_CODES.get(kind, "invalid_type" if kind.endswith("_type") else "invalid_value")
+    return APIError(400, message, param=param, code=code)
 
 
 def _param(loc) -> str:
@@ -77,9 +83,12 @@ def _http_error(request: Request, exc: HTTPException) -> APIError:
         )
     elif exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}"
+    elif exc.status_code == 400:  # FastAPI's body parsing failed outside the JSON decoder's own errors
+        message = f"the request body could not be read as JSON ({exc.detail}; nested too deeply?)"
+        return APIError(400, message, code="invalid_json")
     else:
         message = str(exc.detail)
-    return APIError(exc.status_code, message, code=HTTP_CODES.get(exc.status_code))
+    return APIError(exc.status_code, message, code=HTTP_CODES.get(exc.status_code, "invalid_request"))
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -1,8 +1,9 @@
 """The daemon's front door, as one pure ASGI middleware (no buffering, streams pass straight through):
 
-1. **Host header**: on a loopback address only ``localhost``, ``127.0.0.1``, ``::1`` and the bound address are
-   answered, so a web page that rebinds its own domain to 127.0.0.1 (DNS rebinding) cannot drive the API from a
-   browser. Bound elsewhere, the API key is the protection.
+1. **Host header**: on a loopback address a request is answered only with exactly one ``Host`` naming ``localhost``,
+   ``127.0.0.1``, ``[::1]`` or the bound address (with a numeric port or none), and a request line in absolute form
+   only to one of those, so a web page that rebinds its own domain to 127.0.0.1 (DNS rebinding) cannot drive the API
+   from a browser. Bound elsewhere, the API key is the protection.
 2. **API key**: with one configured, every route but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise).
 3. **Body size**: a body over ``max_body_bytes`` is refused with 413 from its ``Content-Length``, or as soon as a
    chunked body passes the limit, before it is buffered or parsed.
@@ -13,8 +14,10 @@ Refusals use OpenAI's error envelope like every other error.
 from __future__ import annotations
 
 import secrets
+from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from depctl.settings import Settings, is_loopback
 from depctl_runtime.api.errors import APIError
@@ -31,11 +34,29 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, _too_large(size, limit).message)
 
 
-def _hostname(host_header: str) -> str:
-    host = host_header.strip().lower()
-    if host.startswith("["):  # [::1]:8642
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+TARGET = "depctl.request_target"  # the scope extension HttpProtocol fills in
+
+
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol, which also hands the app the request line's target as sent: for
+    ``GET http://evil.example/v1/models`` the scope's path is ``/v1/models`` and the host it named is lost."""
+
+    def on_headers_complete(self) -> None:
+        self.scope.setdefault("extensions", {})[TARGET] = self.url.decode("latin-1")
+        super().on_headers_complete()
+
+
+def _hostname(authority: str) -> str | None:
+    """The host of ``host[:port]`` (``[v6]:port`` for IPv6), lower case; None where it is not one."""
+    host = authority.strip().lower()
+    if host.startswith("["):
+        name, bracket, rest = host[1:].partition("]")
+        if not bracket:
+            return None
+    else:
+        name, colon, rest = host.partition(":")
+        rest = colon + rest
+    return name if name and (not rest or (rest[0] == ":" and rest[1:].isdigit())) else None
 
 
 class Guard:
@@ -49,7 +70,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self._refusal(scope, headers)
+        hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
+        refusal = self._foreign_host(scope, hosts) or self._unauthorized(scope, headers)
         if refusal is None:
             limit = self.settings.max_body_bytes
             length = headers.get("content-length", "")
@@ -79,15 +101,26 @@ class Guard:
             if not started:
                 await _send_error(scope, receive, send, _too_large(received, limit))
 
-    def _refusal(self, scope, headers: dict) -> APIError | None:
-        host = headers.get("host")
-        if self.allowed_hosts is not None and host is not None and _hostname(host) not in self.allowed_hosts:
-            return APIError(
-                400,
-                f"the Host header {host!r} is not this daemon's address; it answers requests to "
-                f"localhost or {self.settings.host} only (a guard against DNS rebinding)",
-                code="invalid_host",
-            )
+    def _foreign_host(self, scope, hosts: list[str]) -> APIError | None:
+        if self.allowed_hosts is None:
+            return None
+        target = scope.get("extensions", {}).get(TARGET, scope["path"])
+        if len(hosts) != 1:
+            problem = f"{len(hosts)} Host headers" if hosts else "no Host header"
+        elif _hostname(hosts[0]) not in self.allowed_hosts:
+            problem = f"the Host header {hosts[0]!r}"
+        elif not target.startswith("/") and _hostname(urlsplit(target).netloc) not in self.allowed_hosts:
+            problem = f"the request line's URL {target!r}"
+        else:
+            return None
+        return APIError(
+            400,
+            f"{problem}: this daemon answers requests with one Host header naming localhost, 127.0.0.1, [::1] or "
+            f"{self.settings.host} only (a guard against DNS rebinding)",
+            code="invalid_host",
+        )
+
+    def _unauthorized(self, scope, headers: dict) -> APIError | None:
         if self._key is None or scope["path"] in OPEN_PATHS:
             return None
         auth = headers.get("authorization", "")

@@ -50,7 +50,8 @@ def _unsupported(name: str, value: Any, why: str = "") -> None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict, as OpenAI is: `"max_tokens": "8"` or `true` is a 400, not 8 or 1 (an integer is still a float)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -60,7 +61,7 @@ class StreamOptions(_Request):
 class SpeculationControl(BaseModel):
     """depctl extension: this request's speculation. Unknown keys are refused (a typo must not silently do nothing)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     enabled: bool = True  # false: no drafts at all (a prediction included); the output is the same either way
     max_draft_tokens: int | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)  # per step; 0 is off
 
@@ -80,7 +81,7 @@ class ResponseFormat(_Request):
 class StructuredOutputs(BaseModel):
     """depctl extension (vLLM's name and keys): exactly one constraint on the output."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     json_: dict | bool | None = Field(default=None, alias="json")
     regex: str | None = None
     grammar: str | None = None  # Lark, llguidance's dialect
@@ -95,6 +96,7 @@ class StructuredOutputs(BaseModel):
                 "structured_outputs takes exactly one of json, regex, grammar, choice, json_object; "
                 f"got {sorted(given) or 'none'}",
                 param="structured_outputs",
+                code="invalid_value",
             )
         (kind, value), param = next(iter(given.items())), f"structured_outputs.{next(iter(given))}"
         if kind == "json_object":
@@ -126,12 +128,15 @@ class _Common(_Request):
 
     def check_supported(self) -> None:
         if len(self.stop_strings) > MAX_STOP_STRINGS:
-            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+            raise APIError(
+                400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop", code="invalid_value"
+            )
         if self.constraint() is not None and self.ignore_eos:
             raise APIError(
                 400,
                 "ignore_eos cannot be combined with a constrained output, which ends where its grammar does",
                 param="ignore_eos",
+                code="unsupported_value",
             )
 
     def constraint(self) -> Constraint | None:
@@ -146,19 +151,27 @@ class _Common(_Request):
                     400,
                     "response_format of type json_schema needs a json_schema object with a schema",
                     param="response_format.json_schema",
+                    code="missing_required_parameter",
                 )
             from_format = Constraint("json", fmt.json_schema.schema_, "response_format.json_schema.schema")
         if self.structured_outputs is None:
             return from_format
         if from_format is not None:
-            raise APIError(400, "send response_format or structured_outputs, not both", param="structured_outputs")
+            raise APIError(
+                400,
+                "send response_format or structured_outputs, not both",
+                param="structured_outputs",
+                code="invalid_value",
+            )
         return self.structured_outputs.constraint()
 
     def penalties(self) -> Penalties:
         bias = []
         for key, value in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit():
-                raise APIError(400, f"logit_bias keys are token ids; got {key!r}", param="logit_bias")
+                raise APIError(
+                    400, f"logit_bias keys are token ids; got {key!r}", param="logit_bias", code="invalid_value"
+                )
             bias.append((int(key), float(value)))
         return Penalties(
             logit_bias=tuple(bias),
@@ -215,7 +228,12 @@ class CompletionRequest(_Common):
         if self.suffix:
             _unsupported("suffix", self.suffix, " (no fill-in-the-middle)")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) > 1:
-            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+            raise APIError(
+                400,
+                "batched prompts are not supported: send one prompt per request",
+                param="prompt",
+                code="unsupported_value",
+            )
 
 
 class TextPart(_Request):
@@ -298,7 +316,7 @@ class ChatCompletionRequest(_Common):
                 _unsupported(name, getattr(self, name), " (deprecated by OpenAI: send tools and tool_choice)")
         self.check_tools()
         if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if self.modalities and set(self.modalities) != {"text"}:
             _unsupported("modalities", self.modalities, " (text only)")
 
@@ -308,22 +326,27 @@ class ChatCompletionRequest(_Common):
         if choice in ("required",) or isinstance(choice, NamedToolChoice):
             if not names:
                 raise APIError(
-                    400, "tool_choice asks for a tool call, but the request has no tools", param="tool_choice"
+                    400,
+                    "tool_choice asks for a tool call, but the request has no tools",
+                    param="tool_choice",
+                    code="invalid_value",
                 )
             if self.constraint() is not None:
                 raise APIError(
                     400,
                     "tool_choice that requires a call cannot be combined with response_format or structured_outputs",
                     param="tool_choice",
+                    code="unsupported_value",
                 )
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise APIError(
                 400,
                 f"tool_choice names function {choice.function.name!r}, which is not in tools ({', '.join(names)})",
                 param="tool_choice",
+                code="invalid_value",
             )
         if len(set(names)) != len(names):
-            raise APIError(400, "tools: two functions share a name", param="tools")
+            raise APIError(400, "tools: two functions share a name", param="tools", code="invalid_value")
         for i, tool in enumerate(self.tools or ()):
             schema = tool.function.parameters
             if schema is None:
@@ -331,7 +354,10 @@ class ChatCompletionRequest(_Common):
             problem = schema_problem(schema)
             if problem:
                 raise APIError(
-                    400, f"tools[{i}].function.parameters is {problem}", param=f"tools.{i}.function.parameters"
+                    400,
+                    f"tools[{i}].function.parameters is {problem}",
+                    param=f"tools.{i}.function.parameters",
+                    code="invalid_value",
                 )
 
     @property

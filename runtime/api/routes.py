@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from depctl_runtime.api.render import chat_logprobs, completion_logprobs
-from depctl_runtime.api.serving import Job, Service
+from depctl_runtime.api.serving import Job, Service, named_deployment
 from depctl_runtime.api.tools import ToolCallParser, gather
 from depctl_runtime.manager import State
 
@@ -60,8 +60,8 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
-    dep = request.app.state.manager.get(model.split("#", 1)[-1])
-    if dep is None or not _listed(dep):
+    dep = named_deployment(request.app.state.manager, model)
+    if not _listed(dep):
         raise APIError(
             404,
             f"model {model!r} is not served here; GET /v1/models lists those that are",
@@ -254,7 +254,7 @@ async def _stream(service: Service, jobs: list[Job], include_usage: bool):
         yield {"data": json.dumps(failed.body())}
     elif failed is not None:  # reported in the stream: the status line has already gone out
         message = f"generation failed: {type(failed).__name__}: {failed}"
-        yield {"data": json.dumps(APIError(500, message).body())}
+        yield {"data": json.dumps(APIError(500, message, code="internal_error").body())}
     elif include_usage:
         usage = service.total_usage(jobs)
         if usage is not None:

@@ -45,7 +45,10 @@ def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation
     template, as token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
-            400, f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions", param="messages"
+            400,
+            f"deployment {dep_id!r} has no chat template (a base model?): use /v1/completions",
+            param="messages",
+            code="no_chat_template",
         )
     extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
     try:
@@ -53,7 +56,9 @@ def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation
             history(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as exc:  # jinja templates raise on roles they do not support
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        raise APIError(
+            400, f"the chat template rejected the messages: {exc}", param="messages", code="invalid_value"
+        ) from None
     return encode(tokenizer, text, add_special_tokens=False)
 
 
@@ -64,6 +69,33 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if backend is None:
         return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def named_deployment(manager: DeploymentManager, model: str):
+    """The deployment a request's ``model`` names: a deployment id, or firectl's ``MODEL#DEPLOYMENT_ID``, whose MODEL
+    must name what the deployment serves (its model as the spec gives it, or that name's last path segment, as in
+    ``accounts/me/models/smollm2-135m-instruct``). 404 otherwise."""
+    named, _, dep_id = model.rpartition("#")
+    dep = manager.get(dep_id)
+    if dep is None:
+        raise APIError(
+            404,
+            f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
+            param="model",
+            code="model_not_found",
+        )
+    if not named:
+        return dep
+    spec = dep.loaded_spec or dep.spec
+    served = spec.model if spec is not None else named  # a broken spec: its state says so
+    if named != served and named.rstrip("/").rsplit("/", 1)[-1] != served.rstrip("/").rsplit("/", 1)[-1]:
+        raise APIError(
+            404,
+            f"deployment {dep_id!r} serves {served!r}, not {named!r}: send model {dep_id!r} or '{served}#{dep_id}'",
+            param="model",
+            code="model_not_found",
+        )
+    return dep
 
 
 @dataclass
@@ -107,15 +139,8 @@ class Service:
     def deployment(self, model: str) -> tuple[str, Backend]:
         """The deployment ``model`` names, and the backend serving it now (read once: a job keeps the backend that
         checked it, whatever an update swaps in meanwhile)."""
-        dep_id = model.split("#", 1)[1] if "#" in model else model  # firectl's MODEL#DEPLOYMENT_ID form
-        dep = self.manager.get(dep_id)
-        if dep is None:  # before the stopping check: a retry after the restart would not find it either
-            raise APIError(
-                404,
-                f"deployment {dep_id!r} does not exist; list them with GET /v1/models or `depctl deployment list`",
-                param="model",
-                code="model_not_found",
-            )
+        dep = named_deployment(self.manager, model)  # before the stopping check: a retry would not find it either
+        dep_id = dep.id
         if self.stopping:
             raise APIError(
                 503, "the daemon is stopping; retry once it is back (`depctl daemon start`)", code="daemon_stopping"
@@ -156,7 +181,12 @@ class Service:
             vocab = len(tokenizer)
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+                raise APIError(
+                    400,
+                    f"prompt token ids must be in [0, {vocab}); got {bad[:5]}",
+                    param="prompt",
+                    code="invalid_value",
+                )
         return self._job(
             "text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, (), req.constraint()
         )
@@ -197,13 +227,15 @@ class Service:
         vocab = len(backend.tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+            raise APIError(
+                400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens", code="invalid_value"
+            )
         return {"prompt": backend.tokenizer.decode(req.tokens)}
 
     def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint) -> Job:
         prompt_param = "prompt" if kind == "text_completion" else "messages"
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", param=prompt_param)
+            raise APIError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
         limit = self.settings.max_prompt_tokens
         if limit is not None and len(prompt_ids) > limit:
             raise APIError(
@@ -228,12 +260,17 @@ class Service:
         try:
             sampling = req.sampling_params()
         except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), code="invalid_value") from None
         penalties = req.penalties()
         vocab = len(backend.tokenizer)
         bad = [t for t, _ in penalties.logit_bias if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}", param="logit_bias")
+            raise APIError(
+                400,
+                f"logit_bias token ids must be in [0, {vocab}); got {bad[:5]}",
+                param="logit_bias",
+                code="invalid_value",
+            )
         params = GenerationParams(
             max_tokens=max_tokens,
             sampling=sampling,

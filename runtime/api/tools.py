@@ -99,6 +99,7 @@ def history(messages) -> list[dict]:
                         400,
                         f"messages: the arguments of tool call {call.id!r} are not JSON: {fn.arguments[:80]!r}",
                         param="messages",
+                        code="invalid_value",
                     ) from None
                 calls.append({"id": call.id, "type": "function", "function": {"name": fn.name, "arguments": arguments}})
             msg["tool_calls"] = calls

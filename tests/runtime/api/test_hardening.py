@@ -86,6 +86,42 @@ def test_foreign_host_headers_are_refused(daemon):
         assert daemon.get("/v1/models", headers={**daemon.headers, "Host": host}).status_code == 200
 
 
+def _raw(daemon, request: bytes) -> tuple[int, bytes]:
+    """Send bytes as they are (httpx would fix the Host header) and return the status and the body."""
+    host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_host_headers_a_browser_cannot_send_or_a_rebinding_page_would_are_refused(daemon):
+    auth = b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n"
+    refused = {
+        "two Host headers, the last local": b"GET /v1/models HTTP/1.1\r\nHost: evil.example\r\nHost: localhost\r\n",
+        "two Host headers, the first local": b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n",
+        "no Host header (HTTP/1.1)": b"GET /v1/models HTTP/1.1\r\n",
+        "no Host header (HTTP/1.0)": b"GET /v1/models HTTP/1.0\r\n",
+        "a port that is a name": b"GET /v1/models HTTP/1.1\r\nHost: localhost:evil.example\r\n",
+        "an absolute URI to another host": b"GET http://evil.example/v1/models HTTP/1.1\r\nHost: localhost\r\n",
+    }
+    for what, head in refused.items():
+        status, body = _raw(daemon, head + auth + b"\r\n")
+        assert status == 400, (what, body)
+        assert json.loads(body)["error"]["code"] == "invalid_host", (what, body)
+    port = daemon.url.rsplit(":", 1)[1].encode()
+    for head in (
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost:" + port + b"\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: [::1]:" + port + b"\r\n",
+        b"GET http://127.0.0.1:" + port + b"/v1/models HTTP/1.1\r\nHost: 127.0.0.1:" + port + b"\r\n",
+    ):
+        status, body = _raw(daemon, head + auth + b"\r\n")
+        assert status == 200, (head, body)
+
+
 def test_body_limit_refuses_before_reading(daemon):
     big = {"model": "tiny", "prompt": "x" * 3_100_000}
     r = daemon.post("/v1/completions", big)
@@ -211,6 +247,56 @@ def test_bad_requests_get_400_in_the_envelope_naming_the_field(daemon, body, sta
     assert r.status_code == status, r.text
     err = _envelope(r)
     assert err["param"] == param and needle in err["message"], err
+    assert err["code"], err  # a client branches on it
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [  # OpenAI refuses each of these; a lax parser once read them as 1, 8, 7 and "off"
+        ({"model": "tiny", "prompt": "a", "max_tokens": True}, "max_tokens", "invalid_type"),
+        ({"model": "tiny", "prompt": "a", "max_tokens": "8"}, "max_tokens", "invalid_type"),
+        ({"model": "tiny", "prompt": "a", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
+        ({"model": "tiny", "prompt": "a", "seed": "7"}, "seed", "invalid_type"),
+        ({"model": "tiny", "prompt": "a", "stream": "yes"}, "stream", "invalid_type"),
+        ({"model": "tiny", "prompt": "a", "speculation": {"enabled": "no"}}, "speculation.enabled", "invalid_type"),
+        ({"model": "tiny", "prompt": "a", "speculation": {"enable": False}}, "speculation.enable", "unknown_parameter"),
+        ({"model": "tiny", "messages": [{"role": "user"}], "n": 2}, None, None),  # valid: n and no content
+        ({"model": "tiny", "prompt": "a", "n": 0}, "n", "invalid_value"),
+        ({"model": "tiny", "prompt": "a", "best_of": 2}, "best_of", "unsupported_parameter"),
+        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", "unsupported_value"),
+        ({"model": "tiny", "prompt": ""}, "prompt", "invalid_value"),
+        ({"model": "tiny", "prompt": [1, 10**6]}, "prompt", "invalid_value"),
+        ({"prompt": "a"}, "model", "missing_required_parameter"),
+        ({"model": "bogus#tiny", "prompt": "a"}, "model", "model_not_found"),
+    ],
+)
+def test_types_are_strict_and_every_refusal_names_a_code(daemon, body, param, code):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = daemon.post(path, {"max_tokens": 2, **body})
+    if code is None:
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code in (400, 404), r.text
+    err = _envelope(r)
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_a_body_nested_too_deeply_for_the_parser_is_invalid_json(daemon):
+    r = httpx.post(
+        daemon.url + "/v1/completions",
+        content=b'{"model": "tiny", "prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        headers={**daemon.headers, "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and _envelope(r)["code"] == "invalid_json", r.text
+
+
+def test_the_firectl_form_must_name_the_deployments_model(daemon, tiny_model_dir):
+    ok = daemon.post("/v1/completions", {"model": f"accounts/me/models/{tiny_model_dir.name}#tiny", "prompt": "a"})
+    assert ok.status_code == 200, ok.text
+    r = daemon.post("/v1/completions", {"model": "someone-elses-model#tiny", "prompt": "a"})
+    assert r.status_code == 404 and _envelope(r)["code"] == "model_not_found"
+    assert tiny_model_dir.name in _envelope(r)["message"]
 
 
 def test_response_format_text_and_empty_tools_are_fine(daemon):

@@ -171,8 +171,9 @@ def test_all_deployments_agree_greedily(client):
     assert texts["ngram"] == texts["plain"] == texts["drafted"] == texts["suffix"]
 
 
-def test_firectl_model_form(client):
-    r = client.completions.create(model="accounts/me/models/tiny#ngram", prompt="ab", max_tokens=3, **GREEDY)
+def test_firectl_model_form(client, tiny_model_dir):
+    model = f"accounts/me/models/{tiny_model_dir.name}#ngram"
+    r = client.completions.create(model=model, prompt="ab", max_tokens=3, **GREEDY)
     assert r.usage.completion_tokens == 3
 
 
