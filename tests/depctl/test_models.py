@@ -147,6 +147,26 @@ def test_a_converted_gguf_is_reused_without_converting_again(tmp_path, cache, mo
     assert (Path(first) / models.DONE_MARKER).is_file()
 
 
+def test_a_forced_pull_drops_the_cached_copy_and_converts_again(tmp_path, cache, monkeypatch):
+    gguf = tmp_path / "w.gguf"
+    gguf.write_bytes(b"GGUF" * 10)
+    converted = []
+
+    def fake_convert(src, out, progress):
+        converted.append(src)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert", fake_convert)
+    first = Path(models.materialize(models.resolve(str(gguf))))
+    (first / "model.safetensors").write_bytes(b"cut short")  # a damaged copy: a plain pull keeps it
+    assert models.materialize(models.resolve(str(gguf))) == str(first) and len(converted) == 1
+    models.forget(models.resolve(str(gguf)))
+    assert not first.exists()
+    assert models.materialize(models.resolve(str(gguf))) == str(first) and len(converted) == 2
+    assert not (first / "model.safetensors").exists()
+
+
 def test_model_list_shows_every_alias_and_converted_files(tmp_path, cache):
     rows = models.cached_models()
     assert {r["name"] for r in rows} == set(models.PACKAGED) and not any(r["cached"] for r in rows)

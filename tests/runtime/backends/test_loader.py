@@ -111,6 +111,9 @@ def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny
     second = load_deployment(spec, calibrate=False)  # a restart: the package is opened, not rebuilt
     assert second.engine.target.fast_pass is not None and "built in" not in second.compiled
     assert package.stat().st_mtime_ns == built
+    package.write_bytes(package.read_bytes()[:1000])  # a disk filled up, a copy cut short: rebuilt, not run eagerly
+    third = load_deployment(spec, calibrate=False)
+    assert third.engine.target.fast_pass is not None and "built in" in third.compiled
     off = load_deployment(spec.model_copy(update={"compile": False}), calibrate=False)
     assert off.engine.target.fast_pass is None and off.compiled == "no (the spec says compile: false)"
 
@@ -269,3 +272,20 @@ def test_a_cuda_deployment_replays_its_passes_from_graphs_and_stays_exact(tiny_m
 
     assert run(True) == run(False)
     assert loaded.engine.target.fast_pass.recordings == 1
+
+
+def test_a_damaged_cached_model_says_how_to_fetch_it_again(tiny_model_dir, tmp_path, monkeypatch):
+    """`deployment update` cannot mend a cached copy cut short; the message names the command that can."""
+    import shutil
+
+    from depctl import models
+
+    monkeypatch.setenv("DEPCTL_CACHE", str(tmp_path))
+    cached = models.models_cache() / "smollm2-135m-instruct"
+    shutil.copytree(tiny_model_dir, cached)
+    (cached / models.DONE_MARKER).write_text("{}")
+    weights = cached / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(LoadError) as err:
+        loader.load_model("smollm2-135m-instruct", "MODEL", torch.device("cpu"), torch.float32)
+    assert "depctl model pull smollm2-135m-instruct --force" in str(err.value)
