@@ -492,7 +492,10 @@ def _freeze_heap() -> None:
 
 
 def _free_memory() -> None:
-    """After an engine let go of its model: collect everything, its reference cycles included, then freeze again."""
+    """After an engine let go of its model: collect everything, its reference cycles included, then freeze again;
+    and hand the freed heap back to the system. glibc keeps freed blocks below its mmap threshold (a model's weights,
+    after the first large free raises it) in its arenas, and a daemon grew by about that much a reload."""
+    import ctypes
     import gc
 
     import torch
@@ -501,3 +504,7 @@ def _free_memory() -> None:
     _freeze_heap()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator decides
+        pass

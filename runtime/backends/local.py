@@ -65,6 +65,7 @@ class LocalBackend:
             if not self._stop_asked:
                 self._worker = worker
         if self._worker is None or not self._owner.ready(self):  # stopped or superseded while loading
+            loaded.release()
             self._gone()
 
     def _crashed(self, exc: BaseException) -> None:

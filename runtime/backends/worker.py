@@ -204,7 +204,8 @@ class EngineWorker:
                 thens.append(msg.then)
             else:
                 _refuse(msg)
-        self.loaded = self.scheduler = None  # the model is freed once nothing else holds it
+        self.loaded.release()  # every request has ended: nothing runs this engine again
+        self.loaded = self.scheduler = None
         for then in thens:
             if then is not None:
                 then()

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import itertools
 import json
 import logging
 import os
 import platform
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +61,13 @@ class _Pass(nn.Module):
         return decoder.forward(self.model, input_ids, positions, attend, head=False)  # [T, hidden]
 
 
+# Loaded libraries whose engine is gone, by (package, device index): the next load of the same package takes one.
+# Each load maps a fresh copy of the library's .so that stays mapped for the life of the process, so a daemon that
+# reloads a deployment reuses them rather than growing by one copy a reload.
+_SPARE: dict[tuple[str, int], list] = {}
+_SPARE_LOCK = threading.Lock()
+
+
 class CompiledPass:
     """A fused model's decode/verify pass as an AOTInductor library, called like ``decoder.forward``."""
 
@@ -66,18 +75,34 @@ class CompiledPass:
         self.package = package
         native.load()  # the library calls depctl_native::token_attention; run_pass calls the library
         device = next(model.parameters()).device
-        # torch's Python loader (torch._inductor.aoti_load_package) keeps the GIL for the whole pass: in the daemon
-        # the event loop then waited out every pass (see compiled_pass.cpp). Ours releases it, as an op does.
-        self.runner = torch.classes.depctl_native.CompiledPass(
-            str(package), -1 if device.index is None else device.index
-        )
+        self._key = (str(package), -1 if device.index is None else device.index)
+        with _SPARE_LOCK:
+            spare = _SPARE.get(self._key)
+            self.runner = spare.pop() if spare else None
+        if self.runner is None:
+            # torch's Python loader (torch._inductor.aoti_load_package) keeps the GIL for the whole pass: in the
+            # daemon the event loop then waited out every pass (see compiled_pass.cpp). Ours releases it, as an op
+            # does.
+            self.runner = torch.classes.depctl_native.CompiledPass(*self._key)
         named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
         named.update(model.named_buffers(remove_duplicate=False))
         prefix = "model."
         names = self.runner.constant_names()
-        self.runner.borrow_constants(names, [named[fqn.removeprefix(prefix)] for fqn in names])
+        lent = [named[fqn.removeprefix(prefix)] for fqn in names]
+        for tensor in lent:  # mapped from the weights file: a copy of our own, which ``release_weights`` can free
+            if not tensor.untyped_storage().resizable():
+                tensor.data = tensor.data.clone()
+        self.runner.borrow_constants(names, lent)
 
     returns_hidden = True  # the output layer is the runner's (``runner.Scores``)
+
+    def release(self) -> None:
+        """Nothing runs this pass again: the library goes back for the next load of its package to borrow new
+        weights (which replace these in full: ``load_constants`` checks every constant is given)."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            with _SPARE_LOCK:
+                _SPARE.setdefault(self._key, []).append(runner)
 
     def fits(self, first: int, widths: list[int], keep: list[int] | None) -> bool:
         return True  # every size is symbolic, and ``keep`` picks rows of the output (a draft's catch-up wants them)
@@ -101,6 +126,17 @@ class CompiledPass:
         ]
         hidden = torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
         return hidden if keep is None else hidden[keep]
+
+
+def release_weights(model: nn.Module) -> None:
+    """Empty the storage of every weight of a model nothing will run again. A library keeps an alias of each tensor
+    lent to it (``borrow_constants``) that torch's AOTInductor runtime never deletes (pytorch#194480, in the headers
+    compiled into every library): the alias shares the storage, so emptying the storage is what frees the memory.
+    ``CompiledPass`` lends no memory-mapped tensor, whose storage cannot be emptied."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.resizable():  # an opaque oneDNN tensor or a memory-mapped one has no storage to empty
+            storage.resize_(0)
 
 
 def code_fingerprint(text: str, cpp: bool = False) -> str:
