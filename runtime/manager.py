@@ -450,6 +450,7 @@ class _Owner:
             dep.backend, dep.loaded_spec = backend, self.spec
             dep.load_seconds = round(time.time() - self.t0, 2)
             dep.ready_at = time.time()
+            dep.last_active = time.monotonic()  # keep-alive counts from here: a load longer than it is not idleness
             dep.set_state(State.READY)
         _freeze_heap()
         if previous is not None:

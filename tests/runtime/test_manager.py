@@ -195,3 +195,23 @@ def test_a_loaded_model_is_out_of_the_collectors_reach_and_a_deleted_one_is_stil
     while model() is not None:
         assert time.monotonic() < deadline, "the deleted deployment's model is still alive"
         time.sleep(0.05)
+
+
+def test_keep_alive_counts_from_ready_not_from_a_load_longer_than_it(depctl_home, tiny_model_dir):
+    """A 2 s keep-alive on a load that took 3 s once unloaded the deployment the moment it was READY."""
+
+    def slow_loader(spec, report):
+        time.sleep(3)
+        return load_deployment(spec, calibrate=False)
+
+    manager = DeploymentManager(SpecStore(), loader=slow_loader)
+    manager.start()
+    try:
+        manager.store.create(_spec("nap", tiny_model_dir, keep_alive=2.0))
+        manager.reconcile(force=True)
+        _wait(manager, "nap", ("READY",), timeout=30)
+        time.sleep(1.2)  # the meter looks once a second
+        assert manager.get("nap").state == State.READY
+        _wait(manager, "nap", ("IDLE",), timeout=10)  # and it still goes once idle for 2 s
+    finally:
+        manager.stop()
