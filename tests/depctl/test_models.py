@@ -131,7 +131,9 @@ def test_a_gguf_checksum_is_computed_once_per_file_version(tmp_path, cache):
     assert models._file_sha256(gguf, None) == hashlib.sha256(b"GGUF" * 1001).hexdigest()
 
 
-def test_a_converted_gguf_is_reused_without_converting_again(tmp_path, cache, monkeypatch):
+@pytest.fixture
+def gguf_converts(tmp_path, cache, monkeypatch) -> tuple[Path, list]:
+    """A small .gguf file, and the list each (stand-in) conversion of it appends to."""
     gguf = tmp_path / "w.gguf"
     gguf.write_bytes(b"GGUF" * 10)
     converted = []
@@ -142,22 +144,18 @@ def test_a_converted_gguf_is_reused_without_converting_again(tmp_path, cache, mo
         (out / "config.json").write_text("{}")
 
     monkeypatch.setattr(models, "_convert", fake_convert)
+    return gguf, converted
+
+
+def test_a_converted_gguf_is_reused_without_converting_again(gguf_converts):
+    gguf, converted = gguf_converts
     first = models.materialize(models.resolve(str(gguf)))
     assert models.materialize(models.resolve(str(gguf))) == first and len(converted) == 1
     assert (Path(first) / models.DONE_MARKER).is_file()
 
 
-def test_a_forced_pull_drops_the_cached_copy_and_converts_again(tmp_path, cache, monkeypatch):
-    gguf = tmp_path / "w.gguf"
-    gguf.write_bytes(b"GGUF" * 10)
-    converted = []
-
-    def fake_convert(src, out, progress):
-        converted.append(src)
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("{}")
-
-    monkeypatch.setattr(models, "_convert", fake_convert)
+def test_a_forced_pull_drops_the_cached_copy_and_converts_again(gguf_converts):
+    gguf, converted = gguf_converts
     first = Path(models.materialize(models.resolve(str(gguf))))
     (first / "model.safetensors").write_bytes(b"cut short")  # a damaged copy: a plain pull keeps it
     assert models.materialize(models.resolve(str(gguf))) == str(first) and len(converted) == 1
