@@ -91,15 +91,11 @@ class LoadedDeployment:
 
     def release(self) -> None:
         """Free the weights now that nothing will run this engine again (a reload, a delete, a stale load): a compiled
-        library would otherwise keep them (``compiled.release_weights``)."""
+        library would otherwise keep them (``ModelRunner.release``)."""
         draft = self.engine.draft_model
         for runner in (self.engine.target, draft.runner if draft is not None else None):
-            release = getattr(runner.fast_pass, "release", None) if runner is not None else None
-            if release is not None:  # a compiled library: kept for the next load of its package
-                release()
-        for loaded in (self.target, self.draft):
-            if loaded is not None:
-                compiled.release_weights(loaded.model)
+            if runner is not None:
+                runner.release()
 
 
 Report = Callable[[Stage], None]

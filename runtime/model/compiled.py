@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -88,11 +87,11 @@ class CompiledPass:
         named.update(model.named_buffers(remove_duplicate=False))
         prefix = "model."
         names = self.runner.constant_names()
-        lent = [named[fqn.removeprefix(prefix)] for fqn in names]
-        for tensor in lent:  # mapped from the weights file: a copy of our own, which ``release_weights`` can free
+        borrowed = [named[fqn.removeprefix(prefix)] for fqn in names]
+        for tensor in borrowed:  # mapped from the weights file: a copy of our own, which ``release_weights`` can free
             if not tensor.untyped_storage().resizable():
                 tensor.data = tensor.data.clone()
-        self.runner.borrow_constants(names, lent)
+        self.runner.borrow_constants(names, borrowed)
 
     returns_hidden = True  # the output layer is the runner's (``runner.Scores``)
 
@@ -126,17 +125,6 @@ class CompiledPass:
         ]
         hidden = torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
         return hidden if keep is None else hidden[keep]
-
-
-def release_weights(model: nn.Module) -> None:
-    """Empty the storage of every weight of a model nothing will run again. A library keeps an alias of each tensor
-    lent to it (``borrow_constants``) that torch's AOTInductor runtime never deletes (pytorch#194480, in the headers
-    compiled into every library): the alias shares the storage, so emptying the storage is what frees the memory.
-    ``CompiledPass`` lends no memory-mapped tensor, whose storage cannot be emptied."""
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        storage = tensor.untyped_storage()
-        if storage.resizable():  # an opaque oneDNN tensor or a memory-mapped one has no storage to empty
-            storage.resize_(0)
 
 
 def code_fingerprint(text: str, cpp: bool = False) -> str:

@@ -169,6 +169,9 @@ class FixedShapePass:
         )
         return graph, logits
 
+    def release(self) -> None:
+        pass  # the graphs hold the model's weights as the model does: emptying them frees both
+
     def describe(self) -> str:
         shapes = ", ".join(f"{self.rows} x {w}" for w in self.widths)
         return f"CUDA graphs of {shapes} tokens" if self.capture else f"fixed-shape passes of {shapes} tokens"

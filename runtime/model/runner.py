@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from typing import Protocol
 
 import torch
@@ -96,6 +97,19 @@ class ModelRunner:
         # decode and verify passes through a compiled library or CUDA graphs, where the loader proved them exact
         self.fast_pass = fast_pass
         self._prefill_linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+
+    def release(self) -> None:
+        """Nothing runs this runner again: its fast pass lets go, and the model's weights are emptied in place. A
+        compiled library keeps an alias of every weight it borrows that torch 2.13's AOTInductor runtime never deletes
+        (its headers are compiled into every library); the alias shares the storage, so emptying the storage is what
+        frees the memory. An opaque oneDNN tensor or a memory-mapped one has no storage to empty (a compiled library
+        borrows copies of memory-mapped weights)."""
+        if self.fast_pass is not None:
+            self.fast_pass.release()
+        for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            storage = tensor.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
 
     def with_pass(self, fast_pass: FastPass | None) -> ModelRunner:
         """A runner over the same model and cache whose decode and verify passes go through ``fast_pass``."""
@@ -193,6 +207,8 @@ class FastPass(Protocol):
     def set_widths(self, widths: tuple[int, ...]) -> None: ...
 
     def describe(self) -> str: ...
+
+    def release(self) -> None: ...  # nothing runs this pass again
 
 
 class Scores:

@@ -320,8 +320,8 @@ def test_keep_alive_unloads_an_idle_deployment_and_a_request_loads_it_again(daem
 
 
 def test_reloads_and_deletes_give_their_memory_back(daemon, depctl_home, tmp_path):
-    """A compiled library keeps references to the weights lent to it that torch's runtime never drops (pytorch
-    #194480): every reload of a 135M deployment once kept ~1 GB for the life of the daemon."""
+    """A compiled library keeps aliases of the weights it borrows that torch 2.13's runtime never drops: every reload
+    of a 135M deployment once kept ~1 GB for the life of the daemon."""
     import psutil
 
     model = save_tiny(tmp_path / "bigger", seed=0, hidden=512, layers=4)  # ~40 MB of float32 weights a load
