@@ -9,15 +9,19 @@ For ``--duration`` seconds, in a temporary DEPCTL_HOME:
   speculation; some hang up early (mid-stream, or a non-streaming request with a short timeout); some are bad on
   purpose (invalid JSON, an unpaired surrogate, a seed past 2^64, tools, an unknown model or route, a body over the
   limit, a wrong API key);
-- a churn thread creates, updates and deletes deployments through the CLI (``python -m depctl``) and corrupts spec
-  files (binary junk, wrong schema), then repairs or deletes them;
+- a churn thread creates, updates and deletes deployments through the CLI (``python -m depctl``): updates that
+  apply in place (``--draft-token-count``) and updates that reload (``--max-batch-size``, a switch between n-gram and
+  suffix speculation), the clients' deployment included; it corrupts spec files (binary junk, wrong schema), then
+  repairs or deletes them;
 - the daemon is killed with SIGKILL twice and stopped gracefully once (``depctl daemon stop``), each time restarted
   by the CLI; after each restart every deployment with a valid spec must come back READY.
 
-At the end it stops the daemon and prints one table: requests sent, completed, failed by status, streams cut, specs
-lost (a spec the churn thread wrote and did not delete that is missing or different: must be 0), deployments back
-READY after each restart (must be all), daemon RSS after its first start and at the end, and processes left behind
-(must be 0). ``--json FILE`` writes the same numbers for tests.
+After the traffic it deletes every deployment but the clients' and waits for their memory to be returned. Then it
+stops the daemon and prints two tables. The run: requests sent, completed, failed by status, streams cut, specs lost
+(a spec the churn thread wrote and did not delete that is missing or different: must be 0), deployments back READY
+after each restart (must be all), and processes left behind (must be 0). The phases (between restarts, and the
+final deletes): reloads, deletes and the daemon's RSS at the start, peak and end of each, sampled every half
+second. ``--json FILE`` writes the same numbers for tests.
 """
 
 from __future__ import annotations
@@ -48,10 +52,27 @@ class Tally:
         self.counts = collections.Counter()
         self.cuts: list[float] = []  # when streams ended without [DONE]
         self.kills: list[float] = []  # when the daemon was killed with -9
+        self.phases: list[dict] = []  # the daemon's memory and the churn between restarts
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
             self.counts[key] += n
+            if self.phases and key in ("spec reloaded", "spec deleted", "spec created"):
+                self.phases[-1][key.split()[-1]] += 1
+
+    def phase(self, name: str, rss: float | None) -> None:
+        with self.lock:
+            self.phases.append(
+                {"phase": name, "created": 0, "reloaded": 0, "deleted": 0, "rss_start": rss, "rss_peak": rss or 0.0}
+            )
+
+    def sample(self, rss: float) -> None:
+        with self.lock:
+            if self.phases:
+                current = self.phases[-1]
+                current["rss_start"] = current["rss_start"] or rss
+                current["rss_peak"] = max(current["rss_peak"], rss)
+                current["rss_end"] = rss
 
 
 def cli(home: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -126,7 +147,8 @@ def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Ran
                 "model": "steady",
                 "max_tokens": rng.randint(4, max_tokens),
                 "temperature": rng.choice([0, 0.8]),
-                "speculate": rng.random() < 0.7,
+                "speculation": {"enabled": rng.random() < 0.7},
+                "user": rng.choice(["alice", "bob", "carol"]),
             }
             body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
             if rng.random() < 0.5:
@@ -233,10 +255,21 @@ def churn_loop(
             if "Created deployment" in r.stderr:  # written to the store (whatever the daemon did next)
                 mine[dep] = True
             tally.add("spec created" if r.returncode == 0 else "spec created (daemon unavailable)")
-        elif op < 0.6:
+        elif op < 0.45:
             dep = rng.choice(live)
             r = cli(home, "deployment", "update", dep, "--draft-token-count", str(rng.randint(1, 6)), "--no-wait")
             tally.add("spec updated" if r.returncode == 0 else "spec updated (daemon unavailable)")
+        elif op < 0.65:  # a change that reloads the engine: the old one drains, its memory must come back
+            dep = rng.choice(live)
+            change = rng.choice(
+                [
+                    ["--max-batch-size", str(rng.choice([2, 4]))],
+                    ["--suffix-speculation", "--suffix-cache-tokens", str(rng.choice([4096, 8192]))],
+                    ["--ngram-speculation-length", str(rng.choice([2, 3]))],
+                ]
+            )
+            r = cli(home, "deployment", "update", dep, *change, "--no-wait")
+            tally.add("spec reloaded" if r.returncode == 0 else "spec updated (daemon unavailable)")
         elif op < 0.8 and len(live) > 1:
             dep = rng.choice([d for d in live if d != "steady"])  # the clients' deployment stays
             r = cli(home, "deployment", "delete", dep, "--no-wait")
@@ -297,11 +330,37 @@ def _wait_dead(pid: int) -> None:
         pass
 
 
-def rss_mb(home: Path) -> float:
+def rss_mb(home: Path) -> float | None:
+    """The daemon's resident memory, or None while there is no daemon."""
     import psutil
 
     info = daemon_info(home)
-    return psutil.Process(info["pid"]).memory_info().rss / 2**20
+    try:
+        return psutil.Process(info["pid"]).memory_info().rss / 2**20 if info else None
+    except psutil.Error:
+        return None
+
+
+def rss_sampler(home: Path, stop: threading.Event, tally: Tally) -> None:
+    while not stop.wait(0.5):
+        rss = rss_mb(home)
+        if rss is not None:
+            tally.sample(rss)
+
+
+def settle(home: Path, mine: dict, tally: Tally, timeout: float = 120) -> None:
+    """Delete every deployment but the clients', and wait until the daemon has let them go."""
+    for dep in [d for d in mine if d != "steady"]:
+        cli(home, "deployment", "delete", dep, "--no-wait")
+        mine.pop(dep)
+        tally.add("spec deleted")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = cli(home, "deployment", "list", "-o", "json")
+        if r.returncode == 0 and [row["id"] for row in json.loads(r.stdout)] == ["steady"]:
+            break
+        time.sleep(0.5)
+    time.sleep(3)  # the engines drain and their memory is trimmed after the last request ends
 
 
 def leftover_processes(home: Path) -> list[int]:
@@ -359,6 +418,10 @@ def main(argv=None) -> int:
     assert r.returncode == 0, r.stderr
     mine["steady"] = True
     rss_start = rss_mb(home)
+    tally.phase("start to the first kill -9", rss_start)
+    sampling = threading.Event()
+    sampler = threading.Thread(target=rss_sampler, args=(home, sampling, tally))
+    sampler.start()
     threads = [
         threading.Thread(target=client_loop, args=(home, stop, tally, random.Random(rng.random()), args.max_tokens))
         for _ in range(args.clients)
@@ -373,12 +436,14 @@ def main(argv=None) -> int:
     restarts, rss_restarted = [], float("nan")
     t_start = time.monotonic()
     try:
-        for when, how in ((0.3, "kill -9"), (0.55, "stop (graceful)"), (0.8, "kill -9")):
+        phases = ((0.3, "kill -9", "to the graceful stop"), (0.55, "stop (graceful)", "to the second kill -9"))
+        for when, how, next_phase in (*phases, (0.8, "kill -9", "to the end of the traffic")):
             time.sleep(max(0.0, t_start + when * args.duration - time.monotonic()))
             pause.set()  # the churn thread waits while the daemon restarts, so "all READY" has a fixed target
             time.sleep(1.0)
             restarts.append((how, *restart(home, how, tally)))
             rss_restarted = rss_mb(home)
+            tally.phase(f"after the {how}, {next_phase}", rss_restarted)
             pause.clear()
         time.sleep(max(0.0, t_start + args.duration - time.monotonic()))
     finally:
@@ -386,6 +451,12 @@ def main(argv=None) -> int:
         for t in threads:
             t.join(180)
     rss_end = rss_mb(home)
+    tally.phase("every deployment but the clients' deleted", rss_end)
+    settle(home, mine, tally)
+    rss_settled = rss_mb(home)
+    tally.sample(rss_settled)
+    sampling.set()
+    sampler.join()
 
     from depctl.store import SpecStore
 
@@ -410,22 +481,25 @@ def main(argv=None) -> int:
         *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("stream ended with")],
         *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("client hung up")],
         (
-            "specs created / updated / deleted / corrupted",
+            "specs created / updated in place / reloaded / deleted / corrupted",
             f"{counts['spec created'] + counts['spec created (daemon unavailable)']} / "
-            f"{counts['spec updated'] + counts['spec updated (daemon unavailable)']} / {counts['spec deleted']} / "
-            f"{counts['spec corrupted']}",
+            f"{counts['spec updated'] + counts['spec updated (daemon unavailable)']} / {counts['spec reloaded']} / "
+            f"{counts['spec deleted']} / {counts['spec corrupted']}",
         ),
         ("specs lost (must be 0)", len(lost)),
         *[
             (f"READY after {how} (must be all)", f"{ready}/{valid} in {secs:.1f} s")
             for how, valid, ready, secs in restarts
         ],
-        ("daemon RSS: first start / last restart / end", f"{rss_start:.0f} / {rss_restarted:.0f} / {rss_end:.0f} MB"),
         ("processes left behind (must be 0)", len(left)),
     ]
     print("\n| chaos run | |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
+    print("\n| phase | created | reloaded | deleted | daemon RSS at start / peak / end, MB |\n|---|---|---|---|---|")
+    for p in tally.phases:
+        rss = f"{p['rss_start'] or 0:.0f} / {p['rss_peak']:.0f} / {p.get('rss_end', p['rss_start'] or 0):.0f}"
+        print(f"| {p['phase']} | {p['created']} | {p['reloaded']} | {p['deleted']} | {rss} |")
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -438,6 +512,8 @@ def main(argv=None) -> int:
                     "rss_start_mb": rss_start,
                     "rss_restarted_mb": rss_restarted,
                     "rss_end_mb": rss_end,
+                    "rss_settled_mb": rss_settled,
+                    "phases": tally.phases,
                 },
                 indent=1,
             )

@@ -21,6 +21,10 @@ Workloads (greedy, chat template applied, ``--max-tokens`` each):
   before and after re-alignment, alone and over n-gram lookup;
 - ``chat``: open-ended chat, where nothing repeats: speculation must not cost anything here.
 
+The "suffix" rows share one index across clients (``--suffix-scope deployment``); "suffix, scoped per user" gives
+every client its own ``user`` (the default ``--suffix-scope user``), so a client drafts only from its own earlier
+requests: in ``grounded-twice`` each repeat is sent by another user, in ``multi-turn`` each conversation is one.
+
 Every configuration runs the same engine code in this process, through the scheduler (continuous batching), with
 N clients in a closed loop: a client sends its next request when the previous one ends (a conversation or edit
 chain stays with its client, so its turns stay in order). Every row gets a fresh engine over the same loaded target
@@ -59,6 +63,7 @@ from depctl_runtime.speculation import (
     Scheduler,
     SpeculativeEngine,
     SuffixProposer,
+    Tenant,
 )  # noqa: E402
 from depctl_runtime.speculation.proposers import PredictionTracker  # noqa: E402
 
@@ -223,6 +228,7 @@ def run(
     max_tokens: int,
     speculate: bool,
     use_prediction: bool = True,
+    per_client_tenant: bool = False,
 ) -> Result:
     """Clients in a closed loop over one scheduler: at most ``concurrency`` run at once, each sending its next
     request when its previous one ends. Every answer is fed back to its client (multi-turn, edit chains)."""
@@ -240,7 +246,8 @@ def run(
         prediction = ()
         if request.prediction and use_prediction:
             prediction = tuple(tokenizer(request.prediction, add_special_tokens=False)["input_ids"])
-        params = GenerationParams(max_tokens=max_tokens, speculate=speculate, prediction=prediction)
+        tenant = Tenant(user=f"client-{c}") if per_client_tenant else Tenant()
+        params = GenerationParams(max_tokens=max_tokens, speculate=speculate, prediction=prediction, tenant=tenant)
         seq = engine.new_sequence(ids, params)
         active[seq.id] = (c, seq, [])
         scheduler.add(seq)
@@ -380,6 +387,7 @@ def main() -> None:
                 ("plain", "ngram", False, None),
                 (ngram_label, "ngram", True, None),
                 ("suffix", "suffix", True, None),
+                ("suffix, scoped per user", "suffix-user", True, None),
             ]
             if name == "predicted-edits":
                 configs = [
@@ -411,7 +419,8 @@ def main() -> None:
                     engine = fresh(
                         {
                             "ngram": lambda: NgramProposer(args.ngram),
-                            "suffix": lambda: SuffixProposer(1 << 20),
+                            "suffix": lambda: SuffixProposer(1 << 20, "deployment"),
+                            "suffix-user": lambda: SuffixProposer(1 << 20, "user"),
                             None: lambda: None,
                         }[proposer](),
                         trackers.get(prediction, PredictionTracker),
@@ -424,6 +433,7 @@ def main() -> None:
                         args.max_tokens,
                         speculate=speculate,
                         use_prediction=prediction is not None,
+                        per_client_tenant=proposer == "suffix-user",
                     )
                     if name == "predicted-edits" and label == "plain" and not runs[label]:
                         # the first plain pass: the predictions are its answers, edited

@@ -66,6 +66,11 @@ def export(
             "in the cluster's vLLM environment; vLLM bounds its cache in requests "
             "(suffix_decoding_max_cached_requests, default 10000), not in tokens"
         )
+        if spec.speculation.scope == "user":
+            notes.append(
+                "vLLM's suffix cache is one for the whole server: every user drafts from every other's requests "
+                "(depctl's --suffix-scope user keeps them apart)"
+            )
     notes = list(dict.fromkeys(notes))  # a draft that is the target model itself: one note
     header = [
         f"depctl deployment {spec.id}: {spec.model}, speculation {describe_speculation(spec.speculation)}, "

@@ -41,6 +41,9 @@ MAX_NGRAM_LENGTH = 16
 DEFAULT_SUFFIX_CACHE_TOKENS = 262_144
 MIN_SUFFIX_CACHE_TOKENS = 1024
 MAX_SUFFIX_CACHE_TOKENS = 1 << 26
+# who shares suffix speculation's drafts: "user" (the default) indexes each (API key, `user` field) apart, so
+# drafts, counts and timing never depend on another user's requests; "deployment" shares one index (opt-in)
+SuffixScope = Literal["user", "deployment"]
 MAX_BATCH_SIZE = 256
 DEFAULT_BATCH_SIZE = 8
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -88,6 +91,7 @@ class SuffixSpeculation(_Strict):
     num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
     # the index's memory bound: tokens of recent requests held, least recently used evicted first
     cache_tokens: int = Field(DEFAULT_SUFFIX_CACHE_TOKENS, ge=MIN_SUFFIX_CACHE_TOKENS, le=MAX_SUFFIX_CACHE_TOKENS)
+    scope: SuffixScope = "user"
 
 
 class DraftModelSpeculation(_Strict):
@@ -227,13 +231,15 @@ def speculation_from_flags(
     disable: bool = False,
     suffix: bool = False,
     suffix_cache_tokens: int | None = None,
+    suffix_scope: str | None = None,
     current: AnySpeculation | None = None,
 ) -> AnySpeculation | None:
     """Turn the speculation flags into a ``Speculation``; the one place the cross-flag rules live.
 
     ``current`` is the deployment's speculation on ``update``: there ``--draft-token-count`` alone changes the
     count of whatever method is configured, ``--draft-precision`` alone the precision of a configured draft
-    model, and ``--suffix-cache-tokens`` alone the index bound of configured suffix speculation. Returns ``None``
+    model, and ``--suffix-cache-tokens`` / ``--suffix-scope`` alone the options of configured suffix speculation.
+    Returns ``None``
     on update when no speculation flag was given. Messages name the flags the user typed.
     """
     current_draft = current if isinstance(current, DraftModelSpeculation) else None
@@ -273,17 +279,23 @@ def speculation_from_flags(
             "use --draft-model=MODEL for a draft model, --ngram-speculation-length=N for prompt lookup, or "
             "--suffix-speculation to draft from this deployment's recent traffic as well",
         )
-    if suffix_cache_tokens is not None and not suffix and current_suffix is None:
+    suffix_options = {
+        field: value
+        for field, value in (("cache_tokens", suffix_cache_tokens), ("scope", suffix_scope))
+        if value is not None
+    }
+    suffix_flags = [f"--suffix-{field.replace('_', '-')}" for field in suffix_options]
+    if suffix_flags and not suffix and current_suffix is None:
         where = " (this deployment does not use suffix speculation)" if current is not None else ""
         raise UsageError(
-            f"--suffix-cache-tokens needs --suffix-speculation{where}",
-            "add --suffix-speculation --draft-token-count=N, or drop --suffix-cache-tokens",
+            f"{suffix_flags[0]} needs --suffix-speculation{where}",
+            f"add --suffix-speculation --draft-token-count=N, or drop {suffix_flags[0]}",
         )
     if disable:
-        if methods or draft_token_count is not None or suffix_cache_tokens is not None:
+        if methods or draft_token_count is not None or suffix_options:
             raise UsageError(
                 "--disable-speculative-decoding cannot be combined with --draft-model, --ngram-speculation-length, "
-                "--suffix-speculation, --suffix-cache-tokens or --draft-token-count"
+                "--suffix-speculation, --suffix-cache-tokens, --suffix-scope or --draft-token-count"
             )
         return NoSpeculation()
     try:
@@ -298,17 +310,15 @@ def speculation_from_flags(
                 return DraftModelSpeculation(
                     draft_model=draft_model, num_draft_tokens=draft_token_count, draft_precision=precision
                 )
-            if suffix:
-                cache = suffix_cache_tokens or (
-                    current_suffix.cache_tokens if current_suffix else DEFAULT_SUFFIX_CACHE_TOKENS
-                )
-                return SuffixSpeculation(num_draft_tokens=draft_token_count, cache_tokens=cache)
+            if suffix:  # options not given keep the deployment's own
+                kept = current_suffix.model_dump(include={"cache_tokens", "scope"}) if current_suffix else {}
+                return SuffixSpeculation(num_draft_tokens=draft_token_count, **{**kept, **suffix_options})
             return NgramSpeculation(ngram_length=ngram_speculation_length, num_draft_tokens=draft_token_count)
-        if suffix_cache_tokens is not None:  # update: the suffix index's bound (and maybe K)
+        if suffix_options:  # update: the suffix index's options (and maybe K)
             return SuffixSpeculation.model_validate(
                 {
                     **current_suffix.model_dump(),
-                    "cache_tokens": suffix_cache_tokens,
+                    **suffix_options,
                     **({"num_draft_tokens": draft_token_count} if draft_token_count is not None else {}),
                 }
             )
@@ -348,6 +358,7 @@ def _flag_bounds_message(exc: ValidationError) -> str:
         "num_draft_tokens": "--draft-token-count",
         "ngram_length": "--ngram-speculation-length",
         "cache_tokens": "--suffix-cache-tokens",
+        "scope": "--suffix-scope",
     }
     parts = []
     for err in exc.errors():
@@ -396,7 +407,8 @@ def describe_speculation(spec: AnySpeculation) -> str:
         return f"ngram (n={spec.ngram_length}, k={spec.num_draft_tokens})"
     if isinstance(spec, SuffixSpeculation):
         cache = "" if spec.cache_tokens == DEFAULT_SUFFIX_CACHE_TOKENS else f", cache={spec.cache_tokens} tokens"
-        return f"suffix (k={spec.num_draft_tokens}{cache})"
+        shared = ", shared by all users" if spec.scope == "deployment" else ""
+        return f"suffix (k={spec.num_draft_tokens}{cache}{shared})"
     if isinstance(spec, DraftModelSpeculation):
         precision = "" if spec.draft_precision == "auto" else f", {spec.draft_precision}"
         return f"draft {spec.draft_model} (k={spec.num_draft_tokens}{precision})"

@@ -49,6 +49,7 @@ Dtype = _choices("Dtype", spec_module.Dtype)
 DraftPrecision = _choices("DraftPrecision", spec_module.DraftPrecision)
 Quantization = _choices("Quantization", spec_module.Quantization)
 Engine = _choices("Engine", spec_module.Engine)
+SuffixScope = _choices("SuffixScope", spec_module.SuffixScope)
 
 
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
@@ -87,6 +88,14 @@ SUFFIX_CACHE = typer.Option(
     max=spec_module.MAX_SUFFIX_CACHE_TOKENS,
     help=f"Tokens of recent traffic the suffix index holds (least recently used evicted first; default "
     f"{spec_module.DEFAULT_SUFFIX_CACHE_TOKENS}, about 50 MB).",
+)
+SUFFIX_SCOPE = typer.Option(
+    None,
+    "--suffix-scope",
+    metavar="[user|deployment]",
+    help="Whose traffic a request drafts from. user (the default): requests with the same API key and `user` field "
+    "only, so no user learns from drafts, counts or timing what another sent; deployment: everyone's (more drafts "
+    "on traffic repeated across users).",
 )
 DRAFT_PRECISION = typer.Option(
     None,
@@ -471,6 +480,7 @@ def create(
     ngram_speculation_length: Optional[int] = NGRAM,
     suffix_speculation: bool = SUFFIX,
     suffix_cache_tokens: Optional[int] = SUFFIX_CACHE,
+    suffix_scope: Optional[SuffixScope] = SUFFIX_SCOPE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     max_batch_size: int = _batch_option(DEFAULT_BATCH_SIZE),
     device: Device = typer.Option(Device.auto, "--device", metavar="[auto|cpu|cuda]"),
@@ -505,6 +515,7 @@ def create(
         draft_precision=draft_precision.value if draft_precision else None,
         suffix=suffix_speculation,
         suffix_cache_tokens=suffix_cache_tokens,
+        suffix_scope=suffix_scope and suffix_scope.value,
     )
     target = models.resolve(model, "MODEL")
     if isinstance(speculation, DraftModelSpeculation):
@@ -580,6 +591,7 @@ def update(
     ngram_speculation_length: Optional[int] = NGRAM,
     suffix_speculation: bool = SUFFIX,
     suffix_cache_tokens: Optional[int] = SUFFIX_CACHE,
+    suffix_scope: Optional[SuffixScope] = SUFFIX_SCOPE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     disable_speculative_decoding: bool = typer.Option(
         False, "--disable-speculative-decoding", help="Turn speculation off."
@@ -615,6 +627,7 @@ def update(
         disable=disable_speculative_decoding,
         suffix=suffix_speculation,
         suffix_cache_tokens=suffix_cache_tokens,
+        suffix_scope=suffix_scope and suffix_scope.value,
         current=current.speculation,
     )
     others = {
@@ -639,10 +652,10 @@ def update(
         raise UsageError(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length/--suffix-speculation with --draft-token-count, "
-            "--draft-token-count, --suffix-cache-tokens, --draft-precision, --disable-speculative-decoding, "
-            "--max-batch-size, --display-name, --device, --dtype, --quantization, --compile/--no-compile, --engine, "
-            "--max-context-length, --tensor-parallel-size, --pipeline-parallel-size, --ray-address or "
-            "--keep-alive",
+            "--draft-token-count, --suffix-cache-tokens, --suffix-scope, --draft-precision, "
+            "--disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, --quantization, "
+            "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
+            "--pipeline-parallel-size, --ray-address or --keep-alive",
         )
     checked = _checked(
         lambda: DeploymentSpec.model_validate(
@@ -666,6 +679,7 @@ def update(
             disable=disable_speculative_decoding,
             suffix=suffix_speculation,
             suffix_cache_tokens=suffix_cache_tokens,
+            suffix_scope=suffix_scope and suffix_scope.value,
             current=spec.speculation,
         )
         if new is not None:

@@ -13,6 +13,7 @@ Refusals use OpenAI's error envelope like every other error.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from urllib.parse import urlsplit
 
@@ -135,6 +136,14 @@ class Guard:
         if not secrets.compare_digest(token.strip().encode(), self._key):
             return APIError(401, "the API key is not this daemon's", code="invalid_api_key")
         return None
+
+
+def key_digest(headers) -> str:
+    """A digest of the API key a request presented ("" for none): what keeps one key's traffic from informing
+    another's (suffix speculation), without holding the key itself."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    return hashlib.sha256(token.encode()).hexdigest()[:16] if token else ""
 
 
 def _too_large(size: int, limit: int) -> APIError:

@@ -13,6 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from depctl_runtime.api.errors import APIError
+from depctl_runtime.api.guard import key_digest
 from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from depctl_runtime.api.render import chat_logprobs, completion_logprobs
 from depctl_runtime.api.serving import Job, Service, named_deployment
@@ -92,14 +93,16 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
-    job = await run_in_threadpool(service.completion_job, body)  # tokenizing stays off the event loop
+    job = await run_in_threadpool(
+        service.completion_job, body, key_digest(request.headers)
+    )  # tokenizing stays off the event loop
     return await _respond(service, job, body, request)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = _service(request)
-    job = await run_in_threadpool(service.chat_job, body)
+    job = await run_in_threadpool(service.chat_job, body, key_digest(request.headers))
     return await _respond(service, job, body, request)
 
 

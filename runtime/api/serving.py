@@ -35,7 +35,7 @@ from depctl_runtime.api.protocol import (
 from depctl_runtime.api.tools import check_tool_support, history, tool_constraint
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from depctl_runtime.manager import DeploymentManager, State
-from depctl_runtime.speculation import GenerationParams
+from depctl_runtime.speculation import GenerationParams, Tenant
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
 
@@ -167,7 +167,7 @@ class Service:
             time.sleep(0.05)
 
     # ---- building jobs ----
-    def completion_job(self, req: CompletionRequest) -> Job:
+    def completion_job(self, req: CompletionRequest, key: str = "") -> Job:
         req.check_supported()
         dep_id, backend = self.deployment(req.model)
         tokenizer = backend.tokenizer
@@ -188,10 +188,10 @@ class Service:
                     code="invalid_value",
                 )
         return self._job(
-            "text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, (), req.constraint()
+            "text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, (), req.constraint(), key
         )
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, key: str = "") -> Job:
         req.check_supported()
         dep_id, backend = self.deployment(req.model)
         tokenizer = backend.tokenizer
@@ -206,7 +206,9 @@ class Service:
         prediction = ()
         if req.prediction is not None:
             prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
-        job = self._job("chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint)
+        job = self._job(
+            "chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint, key
+        )
         if req.calling_tools:
             job.tools = frozenset(t.function.name for t in req.tools)
         return job
@@ -232,7 +234,9 @@ class Service:
             )
         return {"prompt": backend.tokenizer.decode(req.tokens)}
 
-    def _job(self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint) -> Job:
+    def _job(
+        self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint, key: str
+    ) -> Job:
         prompt_param = "prompt" if kind == "text_completion" else "messages"
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=prompt_param, code="invalid_value")
@@ -280,6 +284,7 @@ class Service:
             max_draft_tokens=req.max_draft_tokens,
             penalties=penalties,
             logprobs=req.logprobs_count,
+            tenant=Tenant(key, req.user or ""),  # the key presented (a digest) and the user field
         )
         request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), constraint)
         try:

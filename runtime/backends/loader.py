@@ -635,7 +635,7 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
     elif isinstance(spec_method, NgramSpeculation):
         proposer = NgramProposer(spec_method.ngram_length)
     elif isinstance(spec_method, SuffixSpeculation):
-        proposer = SuffixProposer(spec_method.cache_tokens)
+        proposer = SuffixProposer(spec_method.cache_tokens, spec_method.scope)
     eos = target.tokenizer.eos_token_id
     gen_eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
     eos_ids = {eos} if eos is not None else set()

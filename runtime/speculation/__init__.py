@@ -10,7 +10,7 @@ from depctl_runtime.speculation.proposers import (
 )
 from depctl_runtime.speculation.sampling import SamplingParams
 from depctl_runtime.speculation.scheduler import Scheduler, generate
-from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput, Tenant
 from depctl_runtime.speculation.stats import SpecDecodeStats
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "SpecDecodeStats",
     "SpeculativeEngine",
     "StepOutput",
+    "Tenant",
     "SuffixProposer",
     "generate",
     "ngram_propose",

@@ -204,23 +204,29 @@ class NgramProposer:
 
 class SuffixProposer:
     """Suffix speculation over this deployment's recent traffic (``speculation.suffix``): each request's tokens
-    are indexed as it runs (the new tail, every step it drafts, and all of it when it finishes)."""
+    are indexed as it runs (the new tail, every step it drafts, and all of it when it finishes). With ``scope``
+    "user" a request drafts only from requests with its API key and ``user`` field; "deployment" shares one index."""
 
     name = "suffix"
 
-    def __init__(self, cache_tokens: int):
+    def __init__(self, cache_tokens: int, scope: str = "user"):
         self.index = SuffixIndex(cache_tokens)
+        self.scope = scope
+
+    def _salt(self, seq) -> int:
+        return 0 if self.scope == "deployment" else hash(seq.params.tenant) or 1  # 0 is the shared index's
 
     def propose(self, seq, k: int) -> list[int]:
-        self.index.sync(seq.id, seq.tokens)
-        return self.index.propose(seq.tokens, k)[0]
+        salt = self._salt(seq)
+        self.index.sync(seq.id, seq.tokens, salt)
+        return self.index.propose(seq.tokens, k, salt)[0]
 
     def finish(self, seq) -> None:
-        self.index.sync(seq.id, seq.tokens)
+        self.index.sync(seq.id, seq.tokens, self._salt(seq))
         self.index.finish(seq.id)
 
     def snapshot(self) -> dict:
-        return self.index.snapshot()
+        return {**self.index.snapshot(), "scope": self.scope}
 
 
 class ModelDrafts(NamedTuple):

@@ -14,6 +14,15 @@ from depctl_runtime.speculation.sampling import Penalties, SamplingParams, Token
 
 
 @dataclass(frozen=True)
+class Tenant:
+    """Who sent a request, as far as sharing state across requests goes (suffix speculation's index): a digest of
+    the API key it presented and its ``user`` field."""
+
+    key: str = ""
+    user: str = ""
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 16
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -27,6 +36,7 @@ class GenerationParams:
     grammar: Grammar | None = None  # the output must match it (structured outputs)
     penalties: Penalties = field(default_factory=Penalties)
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely (0-20)
+    tenant: Tenant = Tenant()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,10 @@ Why occurrence lists and not a suffix tree: a Python suffix tree of depth d cost
 and an object per node (hundreds of bytes each); the lists cost two entries per token, and a lookup reads at most
 ``MAX_CANDIDATES`` occurrences (BENCHMARKS.md has the costs).
 
+A request may carry a salt (its tenant's): its windows are filed under ``hash(window) ^ salt`` and a lookup reads
+only the keys of its own salt, so requests of one tenant never draft from another's, and a lookup costs the same
+whatever other tenants sent (vLLM salts its prefix cache per tenant for the same reason). Salt 0 is a shared index.
+
 Memory is bounded by a token budget: finished requests are evicted least recently used first (used: indexed, or
 drafted from) once the held tokens exceed it; running requests are never evicted. Evicted requests' index entries
 are dropped lazily and the index is rebuilt once they outnumber the live ones, so it stays within twice the
@@ -70,6 +74,7 @@ class SuffixIndex:
         # request id -> its tokens (int32: 4 bytes a token); least recently used first
         self._seqs: OrderedDict[int, array] = OrderedDict()
         self._running: set[int] = set()
+        self._salts: dict[int, int] = {}  # request id -> its tenant's salt, where it is not 0
         # hash of a key window -> (request id << 32 | end) of its occurrences, oldest first: an int while there is one
         # (most windows of real text occur once, and a list per window would double the index's memory), then a list
         self._index: dict[int, int | list[int]] = {}
@@ -96,12 +101,15 @@ class SuffixIndex:
         }
 
     # ---- updates ----
-    def sync(self, rid: int, tokens: Sequence[int]) -> None:
-        """Make the index hold ``tokens`` for request ``rid`` (new or growing): only the new tail is indexed."""
+    def sync(self, rid: int, tokens: Sequence[int], salt: int = 0) -> None:
+        """Make the index hold ``tokens`` for request ``rid`` (new or growing): only the new tail is indexed. A
+        request keeps the ``salt`` it was first synced with."""
         held = self._seqs.get(rid)
         if held is None:
             held = self._seqs[rid] = array("i")
             self._running.add(rid)
+            if salt:
+                self._salts[rid] = salt
         else:
             self._seqs.move_to_end(rid)
         start = len(held)
@@ -112,10 +120,10 @@ class SuffixIndex:
         self._add_entries(rid, held, start)
 
     def _add_entries(self, rid: int, held: array, start: int) -> None:
-        index, base = self._index, rid << _SHIFT
+        index, base, salt = self._index, rid << _SHIFT, self._salts.get(rid, 0)
         for n in KEY_LENGTHS:
             for end in range(max(start + 1, n), len(held) + 1):  # windows that end at a new token
-                key = hash(tuple(held[end - n : end]))
+                key = hash(tuple(held[end - n : end])) ^ salt
                 entries = index.get(key)
                 if entries is None:
                     index[key] = base | end
@@ -136,6 +144,7 @@ class SuffixIndex:
             if victim is None:
                 return  # only running requests left: they are never evicted
             seq = self._seqs.pop(victim)
+            self._salts.pop(victim, None)
             self.tokens -= len(seq)
             self._dead += sum(max(0, len(seq) - n + 1) for n in KEY_LENGTHS)
             self.evicted += 1
@@ -148,18 +157,19 @@ class SuffixIndex:
             self._add_entries(rid, seq, 0)
 
     # ---- lookup ----
-    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
-        """Up to ``k`` draft tokens to follow ``context``, and the match length they come from (0: none)."""
+    def propose(self, context: Sequence[int], k: int, salt: int = 0) -> tuple[list[int], int]:
+        """Up to ``k`` draft tokens to follow ``context`` from the requests of ``salt``, and the match length they
+        come from (0: none)."""
         if k <= 0:
             return [], 0
         self.lookups += 1
-        seqs = self._seqs
+        seqs, salts = self._seqs, self._salts
         tail = array("i", context[-MAX_MATCH:])
         found: list[tuple[int, array, int, int]] = []  # (match length, tokens, end, request id)
         for n in reversed(KEY_LENGTHS):  # the longest key first: its occurrences are the likeliest long matches
             if len(context) < n:
                 continue
-            entries = self._index.get(hash(tuple(tail[len(tail) - n :])))
+            entries = self._index.get(hash(tuple(tail[len(tail) - n :])) ^ salt)
             if entries is None:
                 continue
             if type(entries) is int:
@@ -167,7 +177,8 @@ class SuffixIndex:
             for code in reversed(entries):  # the most recent first
                 rid, end = code >> _SHIFT, code & _MASK
                 seq = seqs.get(rid)
-                if seq is None or end >= len(seq):  # evicted, or the context's own end (nothing follows yet)
+                # evicted, the context's own end (nothing follows yet), or another tenant's window whose key collided
+                if seq is None or end >= len(seq) or salts.get(rid, 0) != salt:
                     continue
                 m = _match_length(seq, end, tail, n)
                 if m:

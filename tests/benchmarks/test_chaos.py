@@ -29,3 +29,7 @@ def test_short_chaos_run(tmp_path):
     assert not [k for k in counts if "NOT in the envelope" in k or k.startswith("failed 500")], counts
     bad = {k: v for k, v in counts.items() if k.startswith("bad request")}
     assert set(bad) <= {"bad request -> 400", "bad request -> 401", "bad request -> 404", "bad request -> 413"}, bad
+    # the memory table: a phase between each restart, and one after deleting every churn deployment
+    phases = result["phases"]
+    assert len(phases) == 5 and all(p["rss_start"] and p["rss_peak"] >= p["rss_start"] for p in phases), phases
+    assert phases[-1]["rss_end"] == result["rss_settled_mb"]

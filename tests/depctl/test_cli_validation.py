@@ -166,6 +166,12 @@ def spec_files(home) -> list:
             "smollm2-135m-instruct",
         ),
         (
+            ["--suffix-scope", "deployment"],
+            "--suffix-scope needs --suffix-speculation",
+            "smollm2-135m-instruct",
+        ),
+        (["--suffix-speculation", "--suffix-scope", "everyone"], "--suffix-scope", "smollm2-135m-instruct"),
+        (
             ["--suffix-speculation", "--draft-token-count", "8", "--draft-precision", "int8"],
             "--draft-precision applies to a draft model and cannot be used with --suffix-speculation",
             "smollm2-135m-instruct",
@@ -241,11 +247,15 @@ def test_unknown_model_says_what_was_tried(depctl_home):
         ),
         (
             ["--suffix-speculation", "--draft-token-count", "16"],
-            {"method": "suffix", "num_draft_tokens": 16, "cache_tokens": 262144},
+            {"method": "suffix", "num_draft_tokens": 16, "cache_tokens": 262144, "scope": "user"},
         ),
         (
             ["--suffix-speculation", "--draft-token-count", "8", "--suffix-cache-tokens", "65536"],
-            {"method": "suffix", "num_draft_tokens": 8, "cache_tokens": 65536},
+            {"method": "suffix", "num_draft_tokens": 8, "cache_tokens": 65536, "scope": "user"},
+        ),
+        (
+            ["--suffix-speculation", "--suffix-scope", "deployment"],
+            {"method": "suffix", "num_draft_tokens": 8, "cache_tokens": 262144, "scope": "deployment"},
         ),
     ],
 )
@@ -317,6 +327,10 @@ def _seed(depctl_home, speculation) -> None:
             ["--disable-speculative-decoding", "--suffix-speculation"],
             "--disable-speculative-decoding cannot be combined",
         ),
+        (
+            ["--suffix-scope", "user"],
+            "--suffix-scope needs --suffix-speculation (this deployment does not use suffix speculation)",
+        ),
     ],
 )
 def test_update_rejects_bad_flags_and_keeps_the_spec(flags, needle, depctl_home):
@@ -369,6 +383,13 @@ def test_update_to_suffix_speculation_and_its_bound(depctl_home, monkeypatch):
     assert (spec.num_draft_tokens, spec.cache_tokens) == (6, 8192)
     result = run("deployment", "get", "dep")
     assert "suffix (k=6, cache=8192 tokens)" in " ".join(result.stdout.split())
+    run("deployment", "update", "dep", "--no-wait", "--suffix-scope", "deployment")  # the scope alone keeps the rest
+    spec = SpecStore().get("dep").speculation
+    assert (spec.num_draft_tokens, spec.cache_tokens, spec.scope) == (6, 8192, "deployment")
+    run("deployment", "update", "dep", "--no-wait", "--suffix-speculation", "--draft-token-count", "7")
+    assert SpecStore().get("dep").speculation.scope == "deployment"  # re-choosing the method keeps its options
+    result = run("deployment", "get", "dep")
+    assert "suffix (k=7, cache=8192 tokens, shared by all users)" in " ".join(result.stdout.split())
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,9 @@ def test_suffix_speculation_exports_as_vllms_suffix_method_and_says_what_it_need
     assert speculative_config(spec) == {"method": "suffix", "num_speculative_tokens": 12}
     text = export(spec, "vllm")
     assert "arctic-inference" in text and '"method":"suffix"' in text
+    assert "one for the whole server" in text  # depctl keeps users apart by default; vLLM cannot
+    shared = spec.model_copy(update={"speculation": SuffixSpeculation(num_draft_tokens=12, scope="deployment")})
+    assert "one for the whole server" not in export(shared, "vllm")
     with pytest.raises(ValueError, match="--suffix-speculation runs on depctl's engine"):
         _spec(speculation=SuffixSpeculation(num_draft_tokens=12))  # the daemon's vLLM engine does not have it
 

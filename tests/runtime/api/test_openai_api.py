@@ -261,6 +261,27 @@ def test_suffix_speculation_drafts_a_repeated_request_from_the_first(client, dae
     assert held["suffix"] > 0
 
 
+def test_suffix_speculation_drafts_only_from_the_same_users_traffic(daemon):
+    # The deployment's scope is "user" (the default): another `user` field or another API key never drafts from
+    # what one user sent, so its counts (and so its timing and chunking) are a first-time request's. The prompt is
+    # one whose prompt and greedy answer repeat no 3 tokens under the tiny model: a first request drafts nothing.
+    prompt = "DePTTReXBIUJikjnkobHi0"
+
+    def ask(key: str, user: str):
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        r = client.completions.create(model="suffix", prompt=prompt, max_tokens=32, user=user, **GREEDY)
+        return r.choices[0].text, r.usage.model_extra["speculation"]
+
+    first_text, first = ask("key-a", "alice")
+    assert first["drafted_tokens"] == 0, first
+    runs = {who: ask(key, user) for who, key, user in (("alice", "key-a", "alice"), ("bob", "key-a", "bob"))}
+    runs["alice, another key"] = ask("key-b", "alice")
+    assert {text for text, _ in runs.values()} == {first_text}
+    assert runs["alice"][1]["accepted_tokens"] >= 16, runs  # her own repeat is drafted from her first request
+    for who in ("bob", "alice, another key"):
+        assert runs[who][1]["drafted_tokens"] == 0, (who, runs[who])
+
+
 def test_per_request_speculation_control(client, daemon):
     prompt = "abcabcabcabcabcabcabc"
     free = client.completions.create(model="ngram", prompt=prompt, max_tokens=40, **GREEDY)

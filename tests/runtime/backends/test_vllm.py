@@ -167,6 +167,26 @@ def test_a_crashed_server_is_failed_then_restarted(depctl_home, tiny_model_dir, 
     assert _gone(depctl_home), "daemon stop left the vLLM server running"
 
 
+def test_a_restart_counts_its_time_from_when_it_began_not_from_the_last_log_line(
+    depctl_home, tiny_model_dir, fake_python, tmp_path
+):
+    SpecStore().create(_spec(tiny_model_dir))
+    d = _daemon(depctl_home, fake_python, tmp_path, FAKE_VLLM_SLOW_START="4")
+    try:
+        os.kill(d.wait_state("v", ("READY",), timeout=60)["vllm"]["pid"], signal.SIGKILL)
+        restarting = d.wait_state("v", ("CREATING",), timeout=20)
+        seen = set()
+        while restarting["state"] == "CREATING":  # the server logs a line every 0.2 s while it loads
+            seen.add(restarting["state_since"])
+            time.sleep(0.3)
+            restarting = d.get("/depctl/v1/deployments/v").json()
+        assert restarting["state"] == "READY"
+        assert len(seen) == 1, f"the restart's clock was reset {len(seen) - 1} times while it loaded"
+        assert restarting["state_since"] - seen.pop() >= 3  # it was CREATING for the whole load
+    finally:
+        d.stop()
+
+
 def test_a_server_that_cannot_start_is_failed_with_its_error_after_three_tries(
     depctl_home, tiny_model_dir, fake_python, tmp_path
 ):

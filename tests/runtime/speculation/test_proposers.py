@@ -11,9 +11,11 @@ from depctl_runtime.speculation.proposers import (
     NgramIndex,
     NgramProposer,
     PredictionTracker,
+    SuffixProposer,
     ngram_propose,
     rejoin,
 )
+from depctl_runtime.speculation.sequence import GenerationParams, Tenant
 
 
 def test_ngram_most_recent_match():
@@ -178,3 +180,25 @@ def test_prediction_tracker_follows_diverges_and_resyncs():
     assert tracker.expected == -1
     # the output rejoins the prediction at 15: found by looking up the last generated tokens
     assert tracker.propose([10, 11, 12, 13, 99, 15], 2) == (6, [16])
+
+
+class _Row:
+    _ids = iter(range(1000))
+
+    def __init__(self, tokens, tenant):
+        self.id, self.tokens, self.params = next(self._ids), tokens, GenerationParams(tenant=tenant)
+
+
+@pytest.mark.parametrize("scope", ["user", "deployment"])
+def test_suffix_drafts_cross_users_only_where_the_deployment_shares_its_index(scope):
+    proposer = SuffixProposer(4096, scope)
+    alice, bob = Tenant("key1", "alice"), Tenant("key1", "bob")
+    other_key = Tenant("key2", "alice")
+    text = [50, 51, 52, 53, 1, 2, 3, 4, 5, 6]
+    proposer.finish(_Row(text, alice))
+    asked = [99, 51, 52, 53]
+    assert proposer.propose(_Row(asked, alice), 4) == [1, 2, 3, 4]  # a user's own traffic, in every scope
+    shared = [1, 2, 3, 4] if scope == "deployment" else []
+    assert proposer.propose(_Row(asked, bob), 4) == shared
+    assert proposer.propose(_Row(asked, other_key), 4) == shared  # the same user field under another key
+    assert proposer.snapshot()["scope"] == scope

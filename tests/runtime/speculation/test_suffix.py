@@ -127,3 +127,31 @@ def test_memory_per_held_token_is_bounded():
     tracemalloc.stop()
     assert index.tokens == 20_000
     assert used / index.tokens < 300, used / index.tokens
+
+
+def test_a_salted_request_drafts_only_from_requests_of_its_salt():
+    index = SuffixIndex(10_000)
+    secret = [50, 51, 52, 53, 1, 2, 3, 4, 5, 6]
+    index.sync(0, secret, salt=7)
+    index.finish(0)
+    assert index.propose([99, 51, 52, 53], k=4, salt=7) == ([1, 2, 3, 4], 3)  # the same tenant
+    assert index.propose([99, 51, 52, 53], k=4, salt=8) == ([], 0)  # another tenant
+    assert index.propose([99, 51, 52, 53], k=4) == ([], 0)  # the shared index (salt 0)
+    index.sync(1, secret)  # the same text, unsalted: the shared index has it now, and tenant 8 still does not
+    index.finish(1)
+    assert index.propose([99, 51, 52, 53], k=4) == ([1, 2, 3, 4], 3)
+    assert index.propose([99, 51, 52, 53], k=4, salt=8) == ([], 0)
+
+
+def test_salts_survive_a_rebuild_and_leave_with_their_request():
+    index = SuffixIndex(40)
+    index.sync(0, [50, 51, 52, 53, 1, 2, 3, 4], salt=7)
+    index.finish(0)
+    for rid in range(1, 6):  # evicting the old ones rebuilds the index
+        index.sync(rid, [rid * 100 + i for i in range(10)], salt=7 if rid == 5 else 0)
+        index.finish(rid)
+    assert index.requests < 6
+    assert index.propose([0, 501, 502, 503], k=2, salt=7) == ([504, 505], 3)
+    assert index.propose([0, 501, 502, 503], k=2) == ([], 0)
+    assert index.propose([0, 401, 402, 403], k=2) == ([404, 405], 3)
+    assert set(index._salts) <= set(index._seqs)  # an evicted request's salt goes with it

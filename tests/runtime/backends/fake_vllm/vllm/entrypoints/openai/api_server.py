@@ -113,6 +113,9 @@ def main():
         print("ValueError: fake start-up failure (the model cannot be served)", flush=True)
         sys.exit(1)
     time.sleep(0.3)
+    for step in range(int(float(os.environ.get("FAKE_VLLM_SLOW_START", "0")) / 0.2)):  # a load that logs as it goes
+        print(f"INFO: loading weights, step {step}", flush=True)
+        time.sleep(0.2)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(args))
     print("INFO: Application startup complete.", flush=True)
     server.serve_forever()
