@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from depctl import __version__
-from depctl.cli import bench, daemon, deployment, engine, model, talk, watch
+from depctl.cli import bench, daemon, deployment, draft, engine, model, talk, watch
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -21,6 +21,7 @@ app.add_typer(deployment.app, name="deployment")
 app.add_typer(daemon.app, name="daemon")
 app.add_typer(model.app, name="model")
 app.add_typer(engine.app, name="engine")
+app.add_typer(draft.app, name="draft")
 app.command()(talk.generate)
 app.command()(talk.chat)
 app.command()(watch.ps)

@@ -1,0 +1,121 @@
+"""``depctl draft train``: an EAGLE-3 draft head for a target, trained from the target's own answers.
+
+The training runs in a process of its own (``python -m depctl_runtime.training``, as the daemon runs in its own);
+this command starts it, draws its JSON progress lines, and passes Ctrl-C on so that it saves before it stops.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from depctl import output
+from depctl.cli._common import handle_errors
+from depctl.errors import DepctlError, UsageError
+
+app = typer.Typer(help="Draft heads trained for a target (EAGLE-3).", no_args_is_help=True)
+
+
+@app.command()
+@handle_errors
+def train(
+    target: str = typer.Argument(
+        ..., metavar="TARGET", help="The model the head drafts for (alias, directory, .gguf)."
+    ),
+    out: Path = typer.Option(..., "--out", metavar="DIR", help="Where the head is written (speculators format)."),
+    data: Optional[Path] = typer.Option(
+        None,
+        "--data",
+        metavar="FILE.jsonl",
+        help='Prompts ({"prompt": ...}) or conversations ({"messages": [...]}), one a line; the target answers '
+        "them. Default: the prompt set that ships with depctl (chat, instructions, code).",
+    ),
+    minutes: float = typer.Option(30.0, "--minutes", min=0.1, help="The whole run's time budget, answers included."),
+    draft_vocab: int = typer.Option(
+        8192, "--draft-vocab", min=16, help="Tokens the head predicts: the answers' most frequent."
+    ),
+    steps: int = typer.Option(
+        4, "--steps", min=1, max=16, help="Draft steps trained (training-time test): K it is for."
+    ),
+    max_tokens: int = typer.Option(192, "--max-tokens", min=8, help="Longest answer generated per prompt."),
+    device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]"),
+    compile_passes: bool = typer.Option(
+        True, "--compile/--no-compile", help="Compile the target's passes to answer faster."
+    ),
+) -> None:
+    """Train an EAGLE-3 head for TARGET from its own answers; stop with Ctrl-C and run the same command to resume."""
+    if data is not None and not data.is_file():
+        raise UsageError(f"--data {data}: no such file", 'give a JSONL file of {"prompt": "..."} lines')
+    cmd = [sys.executable, "-m", "depctl_runtime.training", target, "--out", str(out), "--minutes", str(minutes)]
+    cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
+    cmd += ["--device", device] + ([] if compile_passes else ["--no-compile"])
+    cmd += ["--data", str(data)] if data is not None else []
+    (out / ".train").mkdir(parents=True, exist_ok=True)
+    log = out / ".train" / "train.log"  # the libraries' own messages, kept off the progress bar
+    with log.open("a") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    result, error = None, None
+    try:
+        with output.progress() as bar:
+            task = bar.add_task("starting", total=None)
+            for line in proc.stdout:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a library's own print
+                kind = event.get("event")
+                if kind == "stage":
+                    bar.update(task, description=event["name"], total=None)
+                elif kind == "answers":
+                    bar.update(
+                        task,
+                        description=f"the target answers the prompts ({event['tokens']} tokens)",
+                        completed=event["done"],
+                        total=event["total"],
+                    )
+                elif kind == "features":
+                    bar.update(
+                        task, description="reading its hidden states", completed=event["done"], total=event["total"]
+                    )
+                elif kind == "resumed":
+                    bar.update(task, description=f"resuming after {event['minutes']:.1f} min of training")
+                elif kind == "train":
+                    bar.update(
+                        task, description=_train_line(event), completed=event["minutes"], total=event["total_minutes"]
+                    )
+                elif kind == "done":
+                    result = event
+                elif kind == "error":
+                    error = event["message"]
+            code = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)  # it saves the head and its state, then exits
+        proc.wait()
+        output.message(f"Stopped; the head so far is in {out}. Run the same command to resume.")
+        raise typer.Exit(130) from None
+    if error:
+        raise UsageError(error)
+    if code != 0 or result is None:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:]).strip()
+        raise DepctlError(f"training stopped with exit status {code}: {tail}", f"the whole log is {log}")
+    output.message(
+        ("Trained ", "bold"),
+        f"{out}: {result['minutes']:.1f} min, held-out acceptance by position "
+        f"{', '.join(f'{a:.0%}' for a in result['acceptance'])}, mean accepted length {result['mean_accepted']:.2f}",
+    )
+    output.message(
+        f"vLLM serves it as an EAGLE-3 speculator: --speculative-config "
+        f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {steps}}}\''
+    )
+
+
+def _train_line(event: dict) -> str:
+    acceptance = " ".join(f"{a:.0%}" for a in event["acceptance"])
+    loss = f"loss {event['loss']:.2f}, " if event.get("loss") is not None else ""
+    return f"training: {loss}held-out acceptance {acceptance}, mean accepted {event['mean_accepted']:.2f}"

@@ -1,0 +1,409 @@
+"""``depctl draft train``: an EAGLE-3 head for a target, trained from the target's own answers, on a CPU or a GPU.
+
+EAGLE-3's recipe (Li et al. 2025, arXiv 2503.01840), sized for a laptop:
+
+1. **Answers**: the target answers every prompt greedily through depctl's own engine (batched, speculation off), so
+   the head learns what this target says. Cached in ``OUT/.train/answers.jsonl``.
+2. **Hidden states**: one teacher-forced pass of the target over each prompt + answer gives the outputs of three
+   layers (low, middle, high) at every position.
+3. **Vocabulary**: the head predicts over the ``--draft-vocab`` tokens the answers use most (``d2t`` maps them back).
+4. **Training-time test**: the head runs ``--steps`` chained draft steps over every answer, each step reading its
+   own previous output as drafting will (``EagleHead.ttt_logits``); cross-entropy against the target's tokens,
+   step j weighted 0.8^j. A held-out tenth of the prompts measures acceptance as training goes.
+
+Progress goes to stdout as JSON lines (the CLI draws them); the head is saved in the speculators format at every
+evaluation, so an interrupted run leaves a usable head, and the same command resumes it (``OUT/.train/state.pt``)
+until ``--minutes`` of training in total.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from depctl_runtime.model.eagle import EagleConfig, EagleHead
+from depctl_runtime.training import speculators
+from depctl_runtime.training.data import DataError, load_conversations
+
+STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
+GENERATION_SHARE = 0.4  # answers stop being generated once this share of the budget is spent
+MIN_EXAMPLES = 10  # below this there is no meaningful held-out split
+
+
+@dataclass
+class TrainOptions:
+    target: str
+    out: Path
+    data: Path | None = None
+    minutes: float = 30.0
+    draft_vocab: int = 8192
+    steps: int = 4
+    max_tokens: int = 192
+    batch: int = 16
+    lr: float = 5e-4
+    device: str = "auto"
+    compile: bool = True  # compiled passes answer faster; the first build of a model takes a couple of minutes
+    heldout: float = 0.1
+    seed: int = 0
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+class Stop(Exception):
+    """SIGINT or SIGTERM: save and leave."""
+
+
+def train(opts: TrainOptions) -> dict:
+    from depctl_runtime.backends.loader import LoadError, pick_device, resolve_source
+
+    torch.manual_seed(opts.seed)
+    state_dir = opts.out / ".train"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    conversations = load_conversations(opts.data)
+    if len(conversations) < MIN_EXAMPLES:
+        raise DataError(
+            f"{len(conversations)} examples are too few to hold some out for measuring acceptance; give at least "
+            f"{MIN_EXAMPLES} (a few hundred train a useful head)"
+        )
+    try:
+        source = resolve_source(opts.target, "TARGET", lambda stage: emit("stage", name=str(stage)))
+    except LoadError as exc:
+        raise DataError(str(exc)) from None
+    device = pick_device(opts.device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"TARGET {opts.target!r} has no chat template, so its answers to prompts cannot be generated; train a "
+            "head for an instruction-tuned model"
+        )
+    started = time.monotonic()
+    budget = opts.minutes * 60
+    answers = _answers(opts, source, tokenizer, conversations, state_dir, started, budget * GENERATION_SHARE)
+    if len(answers) < MIN_EXAMPLES:
+        raise DataError(f"only {len(answers)} answers were generated in the time given; raise --minutes")
+    model = _feature_model(source, device)
+    config = EagleConfig.for_target(model.config, opts.draft_vocab)
+    examples = _features(model, answers, config.aux_layers, device)
+    verifier = {
+        "name_or_path": opts.target,
+        "architectures": list(getattr(model.config, "architectures", None) or []),
+        "fingerprint": speculators.fingerprint(model),
+    }
+    embeddings = model.get_input_embeddings().weight.detach().float().clone()
+    del model
+
+    rng = random.Random(opts.seed)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    held = max(1, int(len(order) * opts.heldout))
+    heldout, training = [examples[i] for i in order[:held]], [examples[i] for i in order[held:]]
+
+    head = EagleHead(config).to(device)
+    head.embed_tokens.weight.data = embeddings.to(device)
+    head.embed_tokens.weight.requires_grad_(False)
+    head.set_vocabulary(_vocabulary(training, config.draft_vocab_size, config.vocab_size))
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    state_path = state_dir / "state.pt"
+    trained, history, seen = 0.0, [], 0
+    total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too
+    if state_path.exists():  # resume: the same head, optimizer and clock
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state.get("fingerprint") == verifier["fingerprint"] and state.get("config") == config.to_dict():
+            head.load_state_dict(state["head"])
+            optimizer.load_state_dict(state["optimizer"])
+            trained, history, seen = state["trained_seconds"], state["history"], state["seen"]
+            total = state["train_seconds"] + (opts.minutes - state["minutes"]) * 60  # a larger --minutes: longer
+            emit("resumed", minutes=round(trained / 60, 2))
+    if trained >= total:
+        emit("stage", name=f"already trained for {trained / 60:.1f} minutes; raise --minutes to train longer")
+
+    def save() -> None:
+        extra = {"trained_minutes": round(trained / 60, 2), "history": history, "examples": len(examples)}
+        speculators.save(head, opts.out, verifier, opts.steps, extra)
+        torch.save(
+            {
+                "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "trained_seconds": trained,
+                "train_seconds": total,
+                "minutes": opts.minutes,
+                "history": history,
+                "seen": seen,
+                "fingerprint": verifier["fingerprint"],
+                "config": config.to_dict(),
+            },
+            state_path,
+        )
+
+    def on_signal(*_):
+        raise Stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    warmup = min(30.0, total * 0.05)
+    last_eval, running_loss, stopped = time.monotonic(), None, False
+    try:
+        head.train()
+        clock = time.monotonic()
+        while trained < total:
+            example = training[seen % len(training)]
+            seen += 1
+            progress = trained / total
+            ramp = min(1.0, trained / warmup) if warmup else 1.0
+            for group in optimizer.param_groups:
+                group["lr"] = opts.lr * max(ramp, 0.01) * 0.5 * (1 + math.cos(math.pi * progress))
+            loss = _loss(head, example, opts.steps)
+            if loss is not None:
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                value = float(loss)
+                running_loss = value if running_loss is None else 0.95 * running_loss + 0.05 * value
+            now = time.monotonic()
+            trained += now - clock
+            clock = now
+            if now - last_eval > 60 or trained >= total:
+                history.append(_evaluate(head, heldout, opts.steps, trained, running_loss))
+                emit("train", **history[-1], total_minutes=round(total / 60, 2))
+                save()
+                last_eval = clock = time.monotonic()
+    except Stop:
+        stopped = True
+        if trained > 0:
+            history.append(_evaluate(head, heldout, opts.steps, trained, running_loss))
+            save()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not history:
+        history.append(_evaluate(head, heldout, opts.steps, trained, None))
+        save()
+    result = {"out": str(opts.out), "stopped": stopped, **history[-1], "examples": len(examples)}
+    emit("done", **result)
+    return result
+
+
+# ---- answers -----------------------------------------------------------------------------------------------------
+
+
+def _answers(opts, source, tokenizer, conversations, state_dir: Path, started: float, limit: float) -> list[dict]:
+    """Each conversation's prompt ids and the target's greedy answer ids, generated once and cached."""
+    cache = state_dir / "answers.jsonl"
+    done: dict[int, dict] = {}
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                done[row["index"]] = row
+            except (ValueError, KeyError):
+                continue  # a line cut by an interrupt
+    todo = [i for i in range(len(conversations)) if i not in done]
+    if todo:
+        from depctl.spec import DeploymentSpec, NoSpeculation
+        from depctl_runtime.backends.loader import load_deployment
+        from depctl_runtime.speculation import GenerationParams, Scheduler
+
+        emit("stage", name="loading the target to answer the prompts")
+        loaded = load_deployment(
+            DeploymentSpec(id="draft-train", model=opts.target, speculation=NoSpeculation(), max_batch_size=opts.batch),
+            calibrate=False,
+            report=lambda stage: emit("stage", name=str(stage)),
+        )
+        engine = loaded.engine
+        scheduler = Scheduler(engine, max_batch_size=opts.batch)
+        params = GenerationParams(max_tokens=opts.max_tokens, speculate=False)
+        pending = {}
+        with cache.open("a") as fh:
+            for i in todo:
+                text = tokenizer.apply_chat_template(conversations[i], add_generation_prompt=True, tokenize=False)
+                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+                seq = engine.new_sequence(prompt, params)
+                pending[seq.id] = (i, prompt, [])
+                scheduler.add(seq)
+            tokens = 0
+            while scheduler.has_work():
+                if time.monotonic() - started > limit:
+                    for seq in list(scheduler.waiting):  # out of time: finish what runs, start nothing new
+                        scheduler.cancel(seq)
+                for seq, out in scheduler.step():
+                    entry = pending.get(seq.id)
+                    if entry is None:
+                        continue
+                    entry[2].extend(out.token_ids)
+                    tokens += len(out.token_ids)
+                    if out.finish_reason:
+                        i, prompt, answer = pending.pop(seq.id)
+                        if out.finish_reason != "cancelled" and answer:
+                            done[i] = {"index": i, "prompt": prompt, "answer": answer}
+                            fh.write(json.dumps(done[i]) + "\n")
+                            fh.flush()
+                            emit("answers", done=len(done), total=len(conversations), tokens=tokens)
+        loaded.release()
+    return [done[i] for i in sorted(done)]
+
+
+# ---- hidden states -------------------------------------------------------------------------------------------------
+
+
+def _feature_model(source: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    emit("stage", name="loading the target to read its hidden states")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).eval()
+    return model
+
+
+@torch.inference_mode()
+def _features(model, answers: list[dict], aux_layers, device) -> list[dict]:
+    """Per answer: its tokens [T] and the aux layers' outputs [T, 3 * hidden] (bf16 to halve their memory), and where
+    the answer starts."""
+    out = []
+    for n, row in enumerate(answers):
+        ids = torch.tensor(row["prompt"] + row["answer"], device=device)
+        states = model(ids[None], output_hidden_states=True).hidden_states  # [embeddings, layer 0, ..., final]
+        features = torch.cat([states[layer + 1][0] for layer in aux_layers], dim=-1)
+        out.append({"tokens": ids.cpu(), "features": features.to(torch.bfloat16).cpu(), "start": len(row["prompt"])})
+        if n % 16 == 0 or n == len(answers) - 1:
+            emit("features", done=n + 1, total=len(answers))
+    return out
+
+
+def _vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` tokens the answers use most; ties and the rest filled by the prompts' tokens, then by id."""
+    answers = Counter()
+    prompts = Counter()
+    for e in examples:
+        answers.update(e["tokens"][e["start"] :].tolist())
+        prompts.update(e["tokens"][: e["start"]].tolist())
+    chosen = [t for t, _ in answers.most_common(size)]
+    picked = set(chosen)
+    for t, _ in prompts.most_common():
+        if len(chosen) >= size:
+            break
+        if t not in picked:
+            chosen.append(t)
+            picked.add(t)
+    t = 0
+    while len(chosen) < size and t < vocab:
+        if t not in picked:
+            chosen.append(t)
+        t += 1
+    return torch.tensor(sorted(chosen[:size]))
+
+
+# ---- the objective -------------------------------------------------------------------------------------------------
+
+
+def _targets(head: EagleHead, example: dict, steps: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step j: the draft ids to predict for rows i (``tokens[i + 2 + j]``) and which rows count (inside the
+    answer, and in the draft vocabulary)."""
+    tokens = example["tokens"].to(device)
+    ids = head.draft_ids(tokens)
+    out = []
+    for j in range(steps):
+        target = ids[2 + j :]
+        rows = torch.arange(target.shape[0], device=device)
+        counted = (target >= 0) & (rows + 2 + j >= example["start"])
+        out.append((target.clamp(min=0), counted))
+    return out
+
+
+def _loss(head: EagleHead, example: dict, steps: int) -> torch.Tensor | None:
+    device = head.d2t.device
+    tokens = example["tokens"].to(device)
+    logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps)
+    total, weight = None, 0.0
+    for j, (step_logits, (target, counted)) in enumerate(zip(logits, _targets(head, example, len(logits), device))):
+        if not counted.any():
+            continue
+        ce = F.cross_entropy(step_logits[counted], target[counted])
+        total = ce * STEP_WEIGHT**j if total is None else total + ce * STEP_WEIGHT**j
+        weight += STEP_WEIGHT**j
+    return None if total is None else total / weight
+
+
+@torch.inference_mode()
+def evaluate(head: EagleHead, examples: list[dict], steps: int) -> dict:
+    """Greedy drafts over held-out answers, as drafting would run them: per step the share of positions where
+    that step and every one before it were right (a draft is accepted up to its first miss), and the mean accepted
+    length (the verified token plus the drafts accepted)."""
+    was_training = head.training
+    head.eval()
+    device = head.d2t.device
+    reached = [0] * steps
+    positions = 0
+    for example in examples:
+        tokens = example["tokens"].to(device)
+        logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps)
+        targets = _targets(head, example, len(logits), device)
+        start = max(0, example["start"] - 2)  # rows whose first prediction lies in the answer
+        rows = targets[0][0].shape[0] - start
+        if rows <= 0:
+            continue
+        alive = torch.ones(rows, dtype=torch.bool, device=device)
+        for j, (step_logits, (target, counted)) in enumerate(zip(logits, targets)):
+            n = min(rows, step_logits.shape[0] - start)
+            if n <= 0:
+                break
+            right = (step_logits[start : start + n].argmax(-1) == target[start : start + n]) & counted[
+                start : start + n
+            ]
+            alive = alive[:n] & right
+            reached[j] += int(alive.sum())
+        positions += rows
+    head.train(was_training)
+    rates = [r / positions if positions else 0.0 for r in reached]
+    return {"acceptance": [round(r, 4) for r in rates], "mean_accepted": round(1 + sum(rates), 3)}
+
+
+def _evaluate(head, heldout, steps, trained: float, loss) -> dict:
+    return {
+        "minutes": round(trained / 60, 2),
+        "loss": None if loss is None else round(float(loss), 4),
+        **evaluate(head, heldout, steps),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m depctl_runtime.training")
+    parser.add_argument("target")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--data", type=Path, default=None)
+    for name, kind in (("minutes", float), ("draft-vocab", int), ("steps", int), ("max-tokens", int), ("batch", int)):
+        parser.add_argument(f"--{name}", type=kind, default=getattr(TrainOptions, name.replace("-", "_")))
+    parser.add_argument("--lr", type=float, default=TrainOptions.lr)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    opts = TrainOptions(**vars(args))
+    try:
+        train(opts)
+    except DataError as exc:
+        emit("error", message=str(exc))
+        return 2
+    except speculators.HeadError as exc:
+        emit("error", message=str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

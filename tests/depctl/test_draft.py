@@ -1,0 +1,38 @@
+"""``depctl draft train``: the command starts the trainer, draws its progress and reports the head it wrote."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from depctl.cli import app
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_a_missing_data_file_is_refused_before_anything_runs(tmp_path):
+    result = run("draft", "train", "smollm2-135m-instruct", "--out", str(tmp_path / "h"), "--data", "nope.jsonl")
+    assert result.exit_code == 2 and "--data nope.jsonl: no such file" in result.output
+    assert not (tmp_path / "h").exists()
+
+
+def test_train_writes_a_head_and_says_how_to_serve_it(tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"tell me about {i}"}) + "\n" for i in range(12)))
+    out = tmp_path / "head"
+    args = ["draft", "train", str(tiny_model_dir), "--out", str(out), "--data", str(data), "--minutes", "0.25"]
+    result = run(*args, "--max-tokens", "16", "--draft-vocab", "64", "--steps", "2", "--no-compile")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert f"Trained {out}" in text and "mean accepted length" in text and '"method": "eagle3"' in text
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def test_a_trainer_error_is_shown_as_the_commands_error(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "only one"}\n')
+    result = run("draft", "train", "smollm2-135m-instruct", "--out", str(tmp_path / "h"), "--data", str(data))
+    assert result.exit_code == 2 and "too few to hold some out" in " ".join(result.output.split()), result.output

@@ -1,0 +1,156 @@
+"""Training a draft head: the objective learns, the speculators format round-trips, bad data is refused by name, and
+``python -m depctl_runtime.training`` runs end to end on a tiny model, stops and resumes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from depctl_runtime.training import speculators
+from depctl_runtime.training.data import DataError, load_conversations
+from depctl_runtime.training.eagle import _loss, evaluate
+from tests.runtime.model.test_eagle import tiny_head
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def patterned_examples(n: int, length: int = 40) -> list[dict]:
+    """Token sequences that follow a rule the head can learn (each token is the previous one plus a step that the
+    features announce), with features that carry the step."""
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        step = int(torch.randint(1, 4, (1,), generator=gen))
+        start = int(torch.randint(0, 10, (1,), generator=gen))
+        tokens = torch.tensor([(start + i * step) % 40 for i in range(length)])
+        features = torch.randn(length, 96, generator=gen) * 0.1
+        features[:, step] += 3.0
+        out.append({"tokens": tokens, "features": features, "start": 4})
+    return out
+
+
+def test_training_lowers_the_loss_and_raises_acceptance():
+    head = tiny_head(vocab=50, draft_vocab=40)
+    head.set_vocabulary(torch.arange(40))
+    head.train()
+    train, heldout = patterned_examples(24), patterned_examples(4)
+    with torch.no_grad():
+        before_loss = sum(float(_loss(head, e, 3)) for e in heldout)
+    before = evaluate(head, heldout, 3)
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    optimizer = torch.optim.Adam(params, lr=3e-3)
+    for epoch in range(6):
+        for example in train:
+            loss = _loss(head, example, 3)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    with torch.no_grad():
+        after_loss = sum(float(_loss(head, e, 3)) for e in heldout)
+    after = evaluate(head, heldout, 3)
+    assert after_loss < 0.5 * before_loss, (before_loss, after_loss)
+    assert after["mean_accepted"] > before["mean_accepted"] + 0.5, (before, after)
+    assert after["acceptance"] == sorted(after["acceptance"], reverse=True)  # a later step needs every earlier one
+
+
+def test_a_head_round_trips_through_the_speculators_format(tmp_path):
+    head = tiny_head()
+    verifier = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "fingerprint": "abc"}
+    speculators.save(head, tmp_path, verifier, speculative_tokens=4)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # what vLLM's speculators loader reads
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    assert config["transformer_layer_config"]["hidden_size"] == 32 and config["draft_vocab_size"] == 20
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert speculators.is_head(tmp_path)
+    loaded, _ = speculators.load(tmp_path, head.embed_tokens.weight.detach().clone())
+    tokens, features = torch.randint(0, 50, (10,)), torch.randn(10, 96)
+    for a, b in zip(head.ttt_logits(tokens, features, 3), loaded.ttt_logits(tokens, features, 3)):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    with pytest.raises(speculators.HeadError, match="expects embeddings of 50 x 32"):
+        speculators.load(tmp_path, torch.zeros(60, 32))
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (["not json"], "line 1: not JSON"),
+        (['{"prompt": "ok"}', '{"text": "what"}'], "line 2: expected"),
+        (['{"messages": [{"role": "assistant", "content": "hi"}]}'], "no user turn"),
+        (['{"messages": [{"role": "robot", "content": "hi"}]}'], "each message needs a role"),
+        ([], "no examples"),
+    ],
+)
+def test_a_data_file_that_cannot_be_trained_on_is_refused_by_line(tmp_path, lines, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines))
+    with pytest.raises(DataError, match=message):
+        load_conversations(path)
+
+
+def test_conversations_end_at_the_last_user_turn_and_the_shipped_set_loads():
+    path = Path(__file__).parent / "conversation.jsonl"
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "the answer the target will regenerate"},
+    ]
+    try:
+        path.write_text(json.dumps({"messages": messages}) + "\n")
+        assert load_conversations(path) == [messages[:3]]
+    finally:
+        path.unlink()
+    shipped = load_conversations(None)
+    assert len(shipped) >= 200 and all(c[-1]["role"] == "user" for c in shipped)
+
+
+def _train(model: Path, out: Path, data: Path, *extra: str) -> tuple[int, list[dict]]:
+    run = subprocess.run(
+        [sys.executable, "-m", "depctl_runtime.training", str(model), "--out", str(out), "--data", str(data)]
+        + ["--max-tokens", "24", "--batch", "4", "--draft-vocab", "64", "--steps", "3", "--no-compile", *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return run.returncode, events
+
+
+def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}: what comes next?"}) + "\n" for i in range(12)))
+    out = tmp_path / "head"
+    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4")
+    assert code == 0, events
+    kinds = [e["event"] for e in events]
+    assert "answers" in kinds and "features" in kinds and kinds[-1] == "done"
+    done = events[-1]
+    assert len(done["acceptance"]) == 3 and done["mean_accepted"] >= 1.0
+    assert speculators.is_head(out) and (out / "model.safetensors").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_model_dir)
+    assert config["depctl"]["history"]
+    # the same command again: nothing is regenerated, and the budget is already spent
+    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4")
+    assert code == 0 and "answers" not in [e["event"] for e in events]
+    assert any(e["event"] == "resumed" for e in events)
+
+
+def test_train_refuses_a_target_without_a_chat_template(tmp_path):
+    from tests.tiny import save_tiny
+
+    model = save_tiny(tmp_path / "no-template", seed=0, chat_template=None)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(12)))
+    code, events = _train(model, tmp_path / "head", data, "--minutes", "0.2")
+    assert code == 2 and events[-1]["event"] == "error" and "no chat template" in events[-1]["message"], events
