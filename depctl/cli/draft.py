@@ -44,6 +44,9 @@ def train(
         4, "--steps", min=1, max=16, help="Draft steps trained (training-time test): K it is for."
     ),
     max_tokens: int = typer.Option(192, "--max-tokens", min=8, help="Longest answer generated per prompt."),
+    samples: int = typer.Option(
+        3, "--samples", min=1, max=16, help="Answers per prompt: one greedy, the rest sampled (more to learn from)."
+    ),
     device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]"),
     compile_passes: bool = typer.Option(
         True, "--compile/--no-compile", help="Compile the target's passes to answer faster."
@@ -54,6 +57,7 @@ def train(
         raise UsageError(f"--data {data}: no such file", 'give a JSONL file of {"prompt": "..."} lines')
     cmd = [sys.executable, "-m", "depctl_runtime.training", target, "--out", str(out), "--minutes", str(minutes)]
     cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
+    cmd += ["--samples", str(samples)]
     cmd += ["--device", device] + ([] if compile_passes else ["--no-compile"])
     cmd += ["--data", str(data)] if data is not None else []
     (out / ".train").mkdir(parents=True, exist_ok=True)

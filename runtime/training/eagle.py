@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.training import speculators
 from depctl_runtime.training.data import DataError, load_conversations
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
+TOP_K = 16  # the target's most likely tokens kept per position: the head learns its distribution, not one label
+SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
 GENERATION_SHARE = 0.4  # answers stop being generated once this share of the budget is spent
 MIN_EXAMPLES = 10  # below this there is no meaningful held-out split
 
@@ -49,6 +50,7 @@ class TrainOptions:
     draft_vocab: int = 8192
     steps: int = 4
     max_tokens: int = 192
+    samples: int = 3  # answers per prompt: one greedy, the rest sampled
     batch: int = 16
     lr: float = 5e-4
     device: str = "auto"
@@ -104,18 +106,26 @@ def train(opts: TrainOptions) -> dict:
         "fingerprint": speculators.fingerprint(model),
     }
     embeddings = model.get_input_embeddings().weight.detach().float().clone()
+    output_layer = model.get_output_embeddings().weight.detach().float()  # [vocab, hidden]
+    final_norm = model.model.norm.weight.detach().float()
     del model
 
     rng = random.Random(opts.seed)
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    held = max(1, int(len(order) * opts.heldout))
-    heldout, training = [examples[i] for i in order[:held]], [examples[i] for i in order[held:]]
+    prompts = sorted({e["index"] for e in examples})
+    rng.shuffle(prompts)
+    held = set(prompts[: max(1, int(len(prompts) * opts.heldout))])  # by prompt: no held-out prompt is trained on
+    heldout = [e for e in examples if e["index"] in held and e["sample"] == 0]  # greedy answers: what K drafts face
+    training = [e for e in examples if e["index"] not in held]
+    rng.shuffle(training)
 
     head = EagleHead(config).to(device)
     head.embed_tokens.weight.data = embeddings.to(device)
     head.embed_tokens.weight.requires_grad_(False)
     head.set_vocabulary(_vocabulary(training, config.draft_vocab_size, config.vocab_size))
+    with torch.no_grad():  # start from the target's own output space: its output rows and final norm
+        head.lm_head.weight.copy_(output_layer[head.target_ids.cpu()].to(device))
+        head.norm.weight.copy_(final_norm.to(device))
+    del output_layer
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
     state_path = state_dir / "state.pt"
@@ -172,20 +182,30 @@ def train(opts: TrainOptions) -> dict:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
-                value = float(loss)
+                value = float(loss.detach())
                 running_loss = value if running_loss is None else 0.95 * running_loss + 0.05 * value
             now = time.monotonic()
             trained += now - clock
             clock = now
             if now - last_eval > 60 or trained >= total:
-                history.append(_evaluate(head, heldout, opts.steps, trained, running_loss))
+                history.append(
+                    {
+                        **_evaluate(head, heldout, opts.steps, trained, running_loss),
+                        "epochs": round(seen / len(training), 2),
+                    }
+                )
                 emit("train", **history[-1], total_minutes=round(total / 60, 2))
                 save()
                 last_eval = clock = time.monotonic()
     except Stop:
         stopped = True
         if trained > 0:
-            history.append(_evaluate(head, heldout, opts.steps, trained, running_loss))
+            history.append(
+                {
+                    **_evaluate(head, heldout, opts.steps, trained, running_loss),
+                    "epochs": round(seen / len(training), 2),
+                }
+            )
             save()
     finally:
         for sig, handler in previous.items():
@@ -202,38 +222,48 @@ def train(opts: TrainOptions) -> dict:
 
 
 def _answers(opts, source, tokenizer, conversations, state_dir: Path, started: float, limit: float) -> list[dict]:
-    """Each conversation's prompt ids and the target's greedy answer ids, generated once and cached."""
+    """The target's answers, generated once and cached: for every conversation its greedy answer, then
+    ``opts.samples - 1`` answers sampled at ``SAMPLE_TEMPERATURE`` (other paths through the same prompts: more of
+    the target's states to learn from, each position labelled by the target's own distribution). Greedy answers
+    go first, so a short budget cuts samples, not prompts."""
     cache = state_dir / "answers.jsonl"
-    done: dict[int, dict] = {}
+    done: dict[tuple[int, int], dict] = {}
     if cache.exists():
         for line in cache.read_text().splitlines():
             try:
                 row = json.loads(line)
-                done[row["index"]] = row
+                done[(row["index"], row.get("sample", 0))] = row
             except (ValueError, KeyError):
                 continue  # a line cut by an interrupt
-    todo = [i for i in range(len(conversations)) if i not in done]
-    if todo:
+    todo = [(i, s) for s in range(opts.samples) for i in range(len(conversations)) if (i, s) not in done]
+    if todo and time.monotonic() - started < limit:
         from depctl.spec import DeploymentSpec, NoSpeculation
         from depctl_runtime.backends.loader import load_deployment
-        from depctl_runtime.speculation import GenerationParams, Scheduler
+        from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler
 
         emit("stage", name="loading the target to answer the prompts")
-        loaded = load_deployment(
-            DeploymentSpec(id="draft-train", model=opts.target, speculation=NoSpeculation(), max_batch_size=opts.batch),
-            calibrate=False,
-            report=lambda stage: emit("stage", name=str(stage)),
+        spec = DeploymentSpec(
+            id="draft-train",
+            model=opts.target,
+            speculation=NoSpeculation(),
+            max_batch_size=opts.batch,
+            device=opts.device,
+            compile=opts.compile,
         )
+        loaded = load_deployment(spec, calibrate=False, report=lambda stage: emit("stage", name=str(stage)))
         engine = loaded.engine
         scheduler = Scheduler(engine, max_batch_size=opts.batch)
-        params = GenerationParams(max_tokens=opts.max_tokens, speculate=False)
         pending = {}
         with cache.open("a") as fh:
-            for i in todo:
+            for i, s in todo:
                 text = tokenizer.apply_chat_template(conversations[i], add_generation_prompt=True, tokenize=False)
                 prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+                sampling = SamplingParams(temperature=SAMPLE_TEMPERATURE, seed=opts.seed * 1000 + s) if s else None
+                params = GenerationParams(
+                    max_tokens=opts.max_tokens, speculate=False, **({"sampling": sampling} if sampling else {})
+                )
                 seq = engine.new_sequence(prompt, params)
-                pending[seq.id] = (i, prompt, [])
+                pending[seq.id] = (i, s, prompt, [])
                 scheduler.add(seq)
             tokens = 0
             while scheduler.has_work():
@@ -244,17 +274,17 @@ def _answers(opts, source, tokenizer, conversations, state_dir: Path, started: f
                     entry = pending.get(seq.id)
                     if entry is None:
                         continue
-                    entry[2].extend(out.token_ids)
+                    entry[3].extend(out.token_ids)
                     tokens += len(out.token_ids)
                     if out.finish_reason:
-                        i, prompt, answer = pending.pop(seq.id)
+                        i, s, prompt, answer = pending.pop(seq.id)
                         if out.finish_reason != "cancelled" and answer:
-                            done[i] = {"index": i, "prompt": prompt, "answer": answer}
-                            fh.write(json.dumps(done[i]) + "\n")
+                            done[(i, s)] = {"index": i, "sample": s, "prompt": prompt, "answer": answer}
+                            fh.write(json.dumps(done[(i, s)]) + "\n")
                             fh.flush()
-                            emit("answers", done=len(done), total=len(conversations), tokens=tokens)
+                            emit("answers", done=len(done), total=len(conversations) * opts.samples, tokens=tokens)
         loaded.release()
-    return [done[i] for i in sorted(done)]
+    return [done[key] for key in sorted(done)]
 
 
 # ---- hidden states -------------------------------------------------------------------------------------------------
@@ -270,14 +300,27 @@ def _feature_model(source: str, device: torch.device):
 
 @torch.inference_mode()
 def _features(model, answers: list[dict], aux_layers, device) -> list[dict]:
-    """Per answer: its tokens [T] and the aux layers' outputs [T, 3 * hidden] (bf16 to halve their memory), and where
-    the answer starts."""
+    """Per answer: its tokens [T], the aux layers' outputs [T, 3 * hidden] (bf16 to halve their memory), the
+    target's ``TOP_K`` most likely next tokens and their log-probabilities at each position, and where the answer
+    starts."""
     out = []
     for n, row in enumerate(answers):
         ids = torch.tensor(row["prompt"] + row["answer"], device=device)
-        states = model(ids[None], output_hidden_states=True).hidden_states  # [embeddings, layer 0, ..., final]
+        result = model(ids[None], output_hidden_states=True)
+        states = result.hidden_states  # [embeddings, layer 0, ..., the final norm's output]
         features = torch.cat([states[layer + 1][0] for layer in aux_layers], dim=-1)
-        out.append({"tokens": ids.cpu(), "features": features.to(torch.bfloat16).cpu(), "start": len(row["prompt"])})
+        top = torch.log_softmax(result.logits[0].float(), dim=-1).topk(TOP_K, dim=-1)
+        out.append(
+            {
+                "tokens": ids.cpu(),
+                "features": features.to(torch.bfloat16).cpu(),
+                "top_ids": top.indices.to(torch.int32).cpu(),
+                "top_logp": top.values.to(torch.float16).cpu(),
+                "start": len(row["prompt"]),
+                "index": row["index"],
+                "sample": row.get("sample", 0),
+            }
+        )
         if n % 16 == 0 or n == len(answers) - 1:
             emit("features", done=n + 1, total=len(answers))
     return out
@@ -324,14 +367,24 @@ def _targets(head: EagleHead, example: dict, steps: int, device) -> list[tuple[t
 
 
 def _loss(head: EagleHead, example: dict, steps: int) -> torch.Tensor | None:
+    """Cross-entropy of each draft step against the target's own distribution at that position (its ``TOP_K``
+    tokens within the draft vocabulary, renormalised), step j weighted ``STEP_WEIGHT ** j``. Every position
+    counts, the prompt's too: what the target would say there is as much the target as its answers are."""
     device = head.d2t.device
     tokens = example["tokens"].to(device)
     logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps)
+    top_ids = head.draft_ids(example["top_ids"].to(device).long())  # [T, K], -1 outside the draft vocabulary
+    top_p = example["top_logp"].to(device).float().exp() * (top_ids >= 0)
     total, weight = None, 0.0
-    for j, (step_logits, (target, counted)) in enumerate(zip(logits, _targets(head, example, len(logits), device))):
+    for j, step_logits in enumerate(logits):
+        rows = step_logits.shape[0]
+        ids, p = top_ids[1 + j : 1 + j + rows], top_p[1 + j : 1 + j + rows]  # position i + 1 + j predicts i + 2 + j
+        mass = p.sum(-1, keepdim=True)
+        counted = mass[:, 0] > 0.05  # the target's likely tokens are drafted at all
         if not counted.any():
             continue
-        ce = F.cross_entropy(step_logits[counted], target[counted])
+        logq = torch.log_softmax(step_logits[counted], dim=-1).gather(-1, ids[counted].clamp(min=0))
+        ce = -((p[counted] / mass[counted]) * logq).sum(-1).mean()
         total = ce * STEP_WEIGHT**j if total is None else total + ce * STEP_WEIGHT**j
         weight += STEP_WEIGHT**j
     return None if total is None else total / weight
@@ -386,7 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--data", type=Path, default=None)
-    for name, kind in (("minutes", float), ("draft-vocab", int), ("steps", int), ("max-tokens", int), ("batch", int)):
+    for name, kind in (
+        ("minutes", float),
+        ("draft-vocab", int),
+        ("steps", int),
+        ("max-tokens", int),
+        ("samples", int),
+        ("batch", int),
+    ):
         parser.add_argument(f"--{name}", type=kind, default=getattr(TrainOptions, name.replace("-", "_")))
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
     parser.add_argument("--device", default="auto")

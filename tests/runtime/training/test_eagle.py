@@ -30,7 +30,11 @@ def patterned_examples(n: int, length: int = 40) -> list[dict]:
         tokens = torch.tensor([(start + i * step) % 40 for i in range(length)])
         features = torch.randn(length, 96, generator=gen) * 0.1
         features[:, step] += 3.0
-        out.append({"tokens": tokens, "features": features, "start": 4})
+        # the "target" is sure of the next token: it leads each position's distribution
+        top_ids = torch.randint(0, 40, (length, 4), generator=gen)
+        top_ids[:-1, 0] = tokens[1:]
+        top_logp = torch.tensor([0.0, -20.0, -20.0, -20.0]).expand(length, 4)
+        out.append({"tokens": tokens, "features": features, "start": 4, "top_ids": top_ids, "top_logp": top_logp})
     return out
 
 
