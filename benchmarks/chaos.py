@@ -53,6 +53,7 @@ class Tally:
         self.cuts: list[float] = []  # when streams ended without [DONE]
         self.kills: list[float] = []  # when the daemon was killed with -9
         self.phases: list[dict] = []  # the daemon's memory and the churn between restarts
+        self.reload_rss: list[float] = []  # the daemon's memory just after each reload was applied
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -268,8 +269,11 @@ def churn_loop(
                     ["--ngram-speculation-length", str(rng.choice([2, 3]))],
                 ]
             )
-            r = cli(home, "deployment", "update", dep, *change, "--no-wait")
+            r = cli(home, "deployment", "update", dep, *change)  # waits for the new engine, so RSS is after it
             tally.add("spec reloaded" if r.returncode == 0 else "spec updated (daemon unavailable)")
+            rss = rss_mb(home)
+            if r.returncode == 0 and rss is not None:
+                tally.reload_rss.append(round(rss))
         elif op < 0.8 and len(live) > 1:
             dep = rng.choice([d for d in live if d != "steady"])  # the clients' deployment stays
             r = cli(home, "deployment", "delete", dep, "--no-wait")
@@ -492,6 +496,7 @@ def main(argv=None) -> int:
             for how, valid, ready, secs in restarts
         ],
         ("processes left behind (must be 0)", len(left)),
+        ("daemon RSS after each reload, MB", ", ".join(map(str, tally.reload_rss)) or "-"),
     ]
     print("\n| chaos run | |\n|---|---|")
     for name, value in rows:
@@ -514,6 +519,7 @@ def main(argv=None) -> int:
                     "rss_end_mb": rss_end,
                     "rss_settled_mb": rss_settled,
                     "phases": tally.phases,
+                    "reload_rss_mb": tally.reload_rss,
                 },
                 indent=1,
             )
