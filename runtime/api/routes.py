@@ -93,9 +93,8 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
-    job = await run_in_threadpool(
-        service.completion_job, body, key_digest(request.headers)
-    )  # tokenizing stays off the event loop
+    # tokenizing stays off the event loop
+    job = await run_in_threadpool(service.completion_job, body, key_digest(request.headers))
     return await _respond(service, job, body, request)
 
 

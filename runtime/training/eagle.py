@@ -456,10 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = TrainOptions(**vars(args))
     try:
         train(opts)
-    except DataError as exc:
-        emit("error", message=str(exc))
-        return 2
-    except speculators.HeadError as exc:
+    except (DataError, speculators.HeadError) as exc:
         emit("error", message=str(exc))
         return 2
     return 0
