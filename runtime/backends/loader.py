@@ -92,10 +92,9 @@ class LoadedDeployment:
     def release(self) -> None:
         """Free the weights now that nothing will run this engine again (a reload, a delete, a stale load): a compiled
         library would otherwise keep them (``ModelRunner.release``)."""
-        draft = self.engine.draft_model
-        for runner in (self.engine.target, draft.runner if draft is not None else None):
-            if runner is not None:
-                runner.release()
+        self.engine.target.release()
+        if self.engine.draft_model is not None:
+            self.engine.draft_model.release()
 
 
 Report = Callable[[Stage], None]

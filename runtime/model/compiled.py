@@ -46,9 +46,10 @@ class _Pass(nn.Module):
     pair per layer, up to the final norm: the output layer runs outside the library, where a greedy pass can screen
     it (``depctl_runtime.model.head``) and a sampling row computes it in full."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, features: tuple[int, ...] = ()):
         super().__init__()
         self.model = model
+        self.features = features  # layers whose outputs are a second output (``decoder.forward_with_features``)
 
     def forward(self, input_ids, positions, rows, keys: list[torch.Tensor], values: list[torch.Tensor]):
         def attend(i, attn, q, k, v):
@@ -57,7 +58,10 @@ class _Pass(nn.Module):
             values[i][rows, :, positions] = v[0].transpose(0, 1)
             return torch.ops.depctl_native.token_attention(q, keys[i], values[i], rows, positions, attn.scaling)
 
-        return decoder.forward(self.model, input_ids, positions, attend, head=False)  # [T, hidden]
+        hidden, states = decoder.forward_with_features(
+            self.model, input_ids, positions, attend, head=False, features=self.features
+        )
+        return hidden if states is None else (hidden, states)  # [T, hidden], [T, layers * hidden]
 
 
 # Loaded libraries whose engine is gone, by (package, device index): the next load of the same package takes one.
@@ -70,8 +74,9 @@ _SPARE_LOCK = threading.Lock()
 class CompiledPass:
     """A fused model's decode/verify pass as an AOTInductor library, called like ``decoder.forward``."""
 
-    def __init__(self, package: Path, model: nn.Module):
+    def __init__(self, package: Path, model: nn.Module, features: tuple[int, ...] = ()):
         self.package = package
+        self.features = features  # as built: the library returns these layers' outputs too
         native.load()  # the library calls depctl_native::token_attention; run_pass calls the library
         device = next(model.parameters()).device
         self._key = (str(package), -1 if device.index is None else device.index)
@@ -112,8 +117,9 @@ class CompiledPass:
     def describe(self) -> str:
         return f"AOTInductor library {self.package.name}"
 
-    def __call__(self, input_ids: torch.Tensor, layout, cache, keep=None) -> torch.Tensor:
-        """input_ids: [T]; returns the final norm's output [T, hidden] (or the ``keep`` rows of it). The library's
+    def __call__(self, input_ids: torch.Tensor, layout, cache, keep=None):
+        """input_ids: [T]; returns the final norm's output [T, hidden] (or the ``keep`` rows of it) and the layer
+        features [T, layers * hidden] the library was built with (None without). The library's
         inputs in the order the export flattened ``_Pass.forward``'s arguments: ids, positions, rows ([T] each),
         every layer's keys, then values."""
         inputs = [
@@ -123,8 +129,9 @@ class CompiledPass:
             *(layer.keys for layer in cache.layers),
             *(layer.values for layer in cache.layers),
         ]
-        hidden = torch.ops.depctl_native.run_pass(self.runner, inputs)[0]
-        return hidden if keep is None else hidden[keep]
+        outputs = torch.ops.depctl_native.run_pass(self.runner, inputs)
+        hidden = outputs[0] if keep is None else outputs[0][keep]
+        return hidden, (outputs[1] if self.features else None)
 
 
 def code_fingerprint(text: str, cpp: bool = False) -> str:
@@ -146,7 +153,7 @@ def code_fingerprint(text: str, cpp: bool = False) -> str:
     return ast.dump(tree)
 
 
-def package_path(model: nn.Module, precision: str, root: Path) -> Path:
+def package_path(model: nn.Module, precision: str, root: Path, features: tuple[int, ...] = ()) -> Path:
     """Where the library for this model, precision, torch build and CPU lives. The key holds everything the
     generated code depends on, and the source of the files it was traced from; not the weights, which it borrows."""
     sources = hashlib.sha256()
@@ -158,6 +165,7 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
         {
             "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
             "precision": precision,
+            "features": list(features),
             "dtype": str(next(model.parameters()).dtype),
             "modules": sorted({type(m).__name__ for m in model.modules()}),
             "torch": torch.__version__,
@@ -171,7 +179,7 @@ def package_path(model: nn.Module, precision: str, root: Path) -> Path:
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
 
-def build(model: nn.Module, cache, package: Path) -> float:
+def build(model: nn.Module, cache, package: Path, features: tuple[int, ...] = ()) -> float:
     """Export and compile the pass into ``package`` (written atomically); returns the seconds it took. The example
     inputs are fresh tensors of the cache's shapes (two rows, 64 positions): every size is symbolic."""
     t0 = time.perf_counter()
@@ -194,7 +202,7 @@ def build(model: nn.Module, cache, package: Path) -> float:
     try:
         with plain_stand_ins(model):  # oneDNN's reordered weights do not trace; the library borrows them at load
             exported = torch.export.export(
-                _Pass(model),
+                _Pass(model, features),
                 (tokens, positions, rows, keys, values),
                 dynamic_shapes=({0: t}, {0: t}, {0: t}, cache_dims, cache_dims),
                 strict=False,

@@ -141,19 +141,38 @@ def forward(
     attend(i, attn, q, k, v) -> [1, T, heads, dim]: writes layer i's new keys and values into the cache and attends
     over it. Its owner decides how: ``cache_attention`` (eager, the ``SlotCache``'s own update) or the compiled pass
     (``depctl_runtime.model.compiled``); the rest of the layer is this one body either way."""
+    return forward_with_features(model, input_ids, positions, attend, keep, head)[0]
+
+
+def forward_with_features(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attend,
+    keep: torch.Tensor | None = None,
+    head: bool = True,
+    features: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward``, and the outputs of the layers ``features`` names side by side for every token of the stream
+    ([T, len(features) * hidden], ``keep`` or not; None for no layers): what an EAGLE head drafts from
+    (``depctl_runtime.model.eagle``), taken from the pass the target runs anyway."""
     inner = model.model
     x = inner.embed_tokens(input_ids)[None]  # [1, T, hidden]
     cos, sin = inner.rotary_emb(x, positions[None])  # [1, T, dim] each
+    taken = {}
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         q, k, v = attn.project(_rms_norm(x, layer.input_layernorm), cos, sin)
         out = attend(i, attn, q, k, v)
         x = x + attn.o_proj(out.reshape(1, x.shape[1], -1))
         x = x + layer.mlp(_rms_norm(x, layer.post_attention_layernorm))
+        if i in features:
+            taken[i] = x[0]
+    states = torch.cat([taken[i] for i in features], dim=-1) if features else None  # [T, 3 * hidden]
     if keep is not None:
         x = x[:, keep]
     x = _rms_norm(x, inner.norm)[0]  # [T, hidden]
-    return model.lm_head(x) if head else x
+    return (model.lm_head(x) if head else x), states
 
 
 def cache_attention(cache, layout: RowLayout):

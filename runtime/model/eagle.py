@@ -9,7 +9,7 @@ the layer's own output (before ``norm``) where the target's ``g`` was, with the 
 runs ahead of the target on its own states. Training-time test (``ttt_logits``) trains exactly that chain.
 
 Parameter names and the checkpoint are Red Hat's ``speculators`` format (``midlayer.*``, ``fc``, ``norm``,
-``lm_head``, ``d2t``, ``t2d``), which vLLM loads as ``eagle3``; ``depctl_runtime.training.speculators`` reads and
+``lm_head``, ``d2t``, ``t2d``), which vLLM loads as ``eagle3``; ``depctl_runtime.model.speculators`` reads and
 writes it.
 """
 
@@ -69,6 +69,27 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     if num_layers >= 6:
         return (2, num_layers // 2, num_layers - 3)
     return (0, num_layers // 2, num_layers - 1)
+
+
+def layer_outputs(model: nn.Module, input_ids: torch.Tensor, layers: tuple[int, ...]):
+    """transformers' forward of ``model`` over input_ids [1, T]: its logits [1, T, vocab] and the outputs of ``layers``
+    side by side [T, len(layers) * hidden], the residual stream after each layer as the fused decoder returns it
+    (``output_hidden_states`` gives the last layer's after the final norm)."""
+    taken = {}
+
+    def keep(i):
+        def hook(module, args, output):
+            taken[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    handles = [model.model.layers[i].register_forward_hook(keep(i)) for i in set(layers)]
+    try:
+        logits = model(input_ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, torch.cat([taken[i].reshape(-1, taken[i].shape[-1]) for i in layers], dim=-1)
 
 
 def _rope_theta(config) -> float:

@@ -41,12 +41,22 @@ class FixedShapePass:
     """A fused model's pass over its runner's cache at ``rows x width`` tokens (one graph per width in ``widths``,
     the narrowest that fits a call; a target keeps one width, see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, cache, rows: int, widths: tuple[int, ...], capture: bool | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache,
+        rows: int,
+        widths: tuple[int, ...],
+        capture: bool | None = None,
+        features: tuple[int, ...] = (),
+    ):
         self.model, self.cache, self.rows = model, cache, rows
+        self.features = features  # layers whose outputs the pass also returns (``decoder.forward_with_features``)
         self.device = next(model.parameters()).device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.scratch = cache.reserve_scratch()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # width -> (graph, its logits)
+        # width -> (graph, its logits, its layer features or None)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         # per width: [4, rows * width] ids, positions, cache rows, and the last position each token sees
         self.set_widths(widths)
         self._recorded_for = None  # the cache tensors the graphs were recorded over
@@ -73,9 +83,9 @@ class FixedShapePass:
         return pad
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, layout, cache=None, keep: list[int] | None = None) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, layout, cache=None, keep: list[int] | None = None):
         """input_ids [T] (the flat stream, on the device); returns the logits [T, vocab], or of the stream indices in
-        ``keep``."""
+        ``keep``, and the layer features [T, layers * hidden] (None without)."""
         width = next(w for w in self.widths if w >= max(layout.widths))
         n = self.rows * width
         capacity = self.cache.capacity
@@ -98,12 +108,13 @@ class FixedShapePass:
         inputs[0].zero_()
         inputs[0].index_copy_(0, staged[3 * n : 3 * n + len(slots)], input_ids)
         picked = staged[3 * n + len(slots) :]
-        if not self.capture:
-            return self._pass(inputs, width).index_select(0, picked)
-        return self._replay(width).index_select(0, picked)
+        logits, features = self._pass(inputs, width) if not self.capture else self._replay(width)
+        real = staged[3 * n : 3 * n + len(slots)]
+        return logits.index_select(0, picked), (None if features is None else features.index_select(0, real))
 
-    def _pass(self, inputs: torch.Tensor, width: int) -> torch.Tensor:
-        """The recorded pass: [rows * width] tokens in, their logits [rows * width, vocab] out."""
+    def _pass(self, inputs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The recorded pass: [rows * width] tokens in, their logits [rows * width, vocab] out (and their layer
+        features [rows * width, layers * hidden], or None)."""
         ids, positions, rows, limits = inputs
         layers = self.cache.layers
         capacity = layers[0].keys.shape[2]
@@ -128,18 +139,18 @@ class FixedShapePass:
             )
             return out.view(grid, heads, width, dim).transpose(1, 2).reshape(1, grid * width, heads, dim)
 
-        return decoder.forward(self.model, ids, positions, attend)
+        return decoder.forward_with_features(self.model, ids, positions, attend, features=self.features)
 
-    def _replay(self, width: int) -> torch.Tensor:
+    def _replay(self, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         recorded_for = tuple(layer.keys.data_ptr() for layer in self.cache.layers)
         if recorded_for != self._recorded_for:  # the cache grew: its tensors are new
             self.graphs.clear()
             self._recorded_for = recorded_for
         if width not in self.graphs:
             self.graphs[width] = self._record(width)
-        graph, logits = self.graphs[width]
+        graph, logits, features = self.graphs[width]
         graph.replay()
-        return logits
+        return logits, features
 
     def _record(self, width: int):
         """Record the pass at ``width`` (warmed up on a side stream first, as CUDA graphs require). The warm-up runs
@@ -158,7 +169,7 @@ class FixedShapePass:
         graph = torch.cuda.CUDAGraph()
         # thread_local: another deployment of the daemon may be decoding on this GPU from its own thread meanwhile
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._pass(inputs, width)
+            logits, features = self._pass(inputs, width)
         inputs.copy_(real)
         self.recordings += 1
         log.info(
@@ -167,7 +178,7 @@ class FixedShapePass:
             width,
             self.cache.capacity,
         )
-        return graph, logits
+        return graph, logits, features
 
     def release(self) -> None:
         pass  # the graphs hold the model's weights as the model does: emptying them frees both

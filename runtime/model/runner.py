@@ -68,6 +68,7 @@ class ModelRunner:
         slack: int = 64,
         cache: SlotCache | None = None,
         fast_pass: FastPass | None = None,
+        features: tuple[int, ...] = (),
     ):
         self.model = model
         self.device = next(model.parameters()).device
@@ -96,6 +97,8 @@ class ModelRunner:
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         # decode and verify passes through a compiled library or CUDA graphs, where the loader proved them exact
         self.fast_pass = fast_pass
+        # the layers whose outputs every pass also returns (``Scores.features``): an EAGLE head drafts from them
+        self.features = tuple(features)
         self._prefill_linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
 
     def release(self) -> None:
@@ -114,7 +117,14 @@ class ModelRunner:
     def with_pass(self, fast_pass: FastPass | None) -> ModelRunner:
         """A runner over the same model and cache whose decode and verify passes go through ``fast_pass``."""
         return ModelRunner(
-            self.model, self.vocab_size, self.max_rows, self.max_context, self.slack, self.cache, fast_pass
+            self.model,
+            self.vocab_size,
+            self.max_rows,
+            self.max_context,
+            self.slack,
+            self.cache,
+            fast_pass,
+            self.features,
         )
 
     def set_max_width(self, width: int) -> None:
@@ -150,6 +160,14 @@ class ModelRunner:
             return scores.logits()
 
     @torch.inference_mode()
+    def prefill(self, row: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A prompt chunk into ``row``: its last token's logits [1, vocab], and the chunk's layer features
+        [len(tokens), layers * hidden] (None where the runner takes none)."""
+        scores = self.score(row, [tokens], last_only=True, prefill=True)
+        with prefill_pass(self._prefill_linears):
+            return scores.logits(), scores.features
+
+    @torch.inference_mode()
     def score(
         self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False, prefill: bool = False
     ) -> "Scores":
@@ -165,10 +183,10 @@ class ModelRunner:
         try:
             fast = self.fast_pass
             if fast is not None and not prefill and self.cache.allocated and fast.fits(first, widths, keep):
-                out = fast(input_ids[0], layout, self.cache, keep)  # [T or len(keep), hidden or vocab]
+                out, features = fast(input_ids[0], layout, self.cache, keep)  # [T or len(keep), hidden or vocab]
                 if fast.returns_hidden:
-                    return Scores(self.model.lm_head, self.vocab_size, hidden=out)
-                return Scores(self.model.lm_head, self.vocab_size, logits=out)
+                    return Scores(self.model.lm_head, self.vocab_size, hidden=out, features=features)
+                return Scores(self.model.lm_head, self.vocab_size, logits=out, features=features)
             position_ids = self.cache.step.positions[None]  # [1, T]
             if keep is not None:
                 keep = torch.tensor(keep, device=self.device)
@@ -181,8 +199,12 @@ class ModelRunner:
         """keep: None, or the stream indices whose logits are wanted (Scores of [T or len(keep)] tokens)."""
         if self.fused:
             attend = decoder.cache_attention(self.cache, layout)
-            hidden = decoder.forward(self.model, input_ids[0], position_ids[0], attend, keep, head=False)
-            return Scores(self.model.lm_head, self.vocab_size, hidden=hidden)
+            hidden, features = decoder.forward_with_features(
+                self.model, input_ids[0], position_ids[0], attend, keep, head=False, features=self.features
+            )
+            return Scores(self.model.lm_head, self.vocab_size, hidden=hidden, features=features)
+        if self.features:
+            raise ValueError("layer features are taken from depctl's fused decoder only (decoder.supports)")
         logits = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -202,7 +224,9 @@ class FastPass(Protocol):
 
     def fits(self, first: int, widths: list[int], keep: list[int] | None) -> bool: ...
 
-    def __call__(self, input_ids: torch.Tensor, layout, cache: SlotCache, keep: list[int] | None) -> torch.Tensor: ...
+    def __call__(
+        self, input_ids: torch.Tensor, layout, cache: SlotCache, keep: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # the output, and the runner's layer features (or None)
 
     def set_widths(self, widths: tuple[int, ...]) -> None: ...
 
@@ -224,8 +248,12 @@ class Scores:
         vocab_size: int | None,
         hidden: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
+        features: torch.Tensor | None = None,
     ):
         self.head, self.vocab_size = head, vocab_size
+        self.features = (
+            features  # [T, layers * hidden] where the runner takes layer features (every token, keep or not)
+        )
         self.hidden = hidden  # [T, hidden], the final norm's output; None where the model's own forward ran
         self._logits = logits if logits is None else self._fit(logits)  # [T, vocab] once computed
 

@@ -17,9 +17,10 @@ from typing import Sequence as Seq
 import torch
 
 from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
-from depctl_runtime.speculation.proposers import DraftModelProposer, PredictionTracker, Proposer
+from depctl_runtime.speculation.proposers import DraftModelProposer, ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import probs_from_logits, token_logprobs
 from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
@@ -69,8 +70,10 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.config = config or EngineConfig()
         self.stats = SpecDecodeStats()  # the deployment's totals
-        # the proposer that owns a KV cache with the target's rows (None for free proposers)
-        self.draft_model = proposer if isinstance(proposer, DraftModelProposer) else None
+        # the proposer that runs a model with the target's rows (None for free proposers)
+        self.draft_model: ModelProposer | None = (
+            proposer if isinstance(proposer, (DraftModelProposer, EagleProposer)) else None
+        )
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
@@ -117,7 +120,9 @@ class SpeculativeEngine:
         """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
         t0 = time.perf_counter()
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
-        logits = self.target.forward(seq.row, [chunk], last_only=True, prefill=True)  # [1, vocab]
+        logits, features = self.target.prefill(seq.row, chunk)  # [1, vocab], [len(chunk), F] or None
+        if self.draft_model is not None:
+            self.draft_model.prefilled(seq.row, seq.prefilled, features)
         seq.prefilled += len(chunk)
         self.stats.prefill_seconds += time.perf_counter() - t0
         if seq.prefilled < seq.prompt_len:
@@ -159,13 +164,14 @@ class SpeculativeEngine:
             n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             logprobs = self._logprobs(seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop)))
-            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs))
+            features = None if scores.features is None else scores.features[rows.start : rows.start + n + 1]
+            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, features))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
         # a draft forward's cost, from steps that fed the draft its usual one or two tokens: after plain steps it
         # first catches up on every token it missed, a prefill that says nothing of what drafting costs
-        if model_drafts[0] is not None and width and caught_up <= 2:
+        if model_drafts[0] is not None and width and caught_up <= self.draft_model.steady_catch_up:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         self.stats.record_step(t1 - t0, time.perf_counter() - t1)
         return outputs
@@ -316,18 +322,23 @@ class SpeculativeEngine:
         return token_logprobs(logits()[: len(emitted)], emitted, seq.params.logprobs)
 
     def _advance(
-        self, seq: Sequence, guess: Guess, drafts: list[int], n: int, token: int, model_drafts, logprobs=None
+        self,
+        seq: Sequence,
+        guess: Guess,
+        drafts: list[int],
+        n: int,
+        token: int,
+        model_drafts,
+        logprobs=None,
+        features: torch.Tensor | None = None,
     ) -> StepOutput:
+        """features: the target's layer features of the row's accepted positions [n + 1, F], where it takes them."""
         emitted = drafts[:n] + [token]
         before = len(seq.tokens)
         seq.tokens.extend(emitted)
         self.target.set_length(seq.row, len(seq.tokens) - 1)
-        if model_drafts is not None:
-            # the draft fed tokens[:before] and its own d_1..d_{w-1}: it keeps those that the output agrees with
-            agree = 0
-            while agree < len(model_drafts) and agree < len(emitted) and model_drafts[agree] == emitted[agree]:
-                agree += 1
-            self.draft_model.set_length(seq.row, before + agree)
+        if self.draft_model is not None:
+            self.draft_model.accepted(seq.row, before, emitted, model_drafts, features)
         k = len(drafts)
         if k:
             guess.acceptance.observe(n, n + (1 if n < k else 0))
@@ -362,15 +373,13 @@ class SpeculativeEngine:
     # ---- load time ----
     @torch.inference_mode()
     def calibrate(self, context: int = 64, repeats: int = 2) -> dict:
-        """Measure passes over n tokens (and the draft model's forwards over B rows) once, so the policy starts
+        """Measure passes over n tokens (and a draft model's or head's forwards over B rows) once, so the policy starts
         from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation."""
         rows = self.target.max_rows
         widest = 1 + self.policy.max_k
         vocab = self.target.vocab_size or 256
         prompt = [(i * 7919) % min(vocab, 1000) for i in range(context)]
-        runners = [self.target] + ([self.draft_model.runner] if self.draft_model is not None else [])
-        for runner in runners:
-            runner.forward(0, [prompt] * rows, last_only=True)
+        self.target.forward(0, [prompt] * rows, last_only=True)
         # (rows, tokens a row): every width one request can verify (kernels take rows in blocks, so costs step), then
         # batch passes of up to the widest
         shapes = {(1, n) for n in range(1, widest + 1)}
@@ -387,18 +396,8 @@ class SpeculativeEngine:
                 for r in range(b):
                     self.target.set_length(r, context)
             self.policy.verify_cost.samples[b * s] = best
-        if len(runners) > 1:
-            draft = runners[1]
-            for b in sorted({1, rows}):
-                best = float("inf")
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    greedy(draft.forward(0, [prompt[:1]] * b)).tolist()
-                    best = min(best, time.perf_counter() - t0)
-                    for r in range(b):
-                        draft.set_length(r, context)
-                self.policy.draft_cost.samples[b] = best
-        for runner in runners:
-            for r in range(rows):
-                runner.set_length(r, 0)
+        if self.draft_model is not None:
+            self.draft_model.calibrate(self.policy.draft_cost, rows, prompt, repeats)
+        for r in range(rows):
+            self.target.set_length(r, 0)
         return self.policy.snapshot()

@@ -9,13 +9,15 @@ Two kinds:
 - a **draft model** costs a forward per drafted token, batched over the running rows:
   ``propose(batch, width) -> ModelDrafts``; it owns a KV cache with the same rows as the target's, each holding a
   prefix of the row's tokens (``set_length`` and ``move_row`` keep them in step). A row's prompt is read when the
-  row first drafts, so where the policy does not draft the draft model costs nothing.
+  row first drafts, so where the policy does not draft the draft model costs nothing. An EAGLE head
+  (``depctl_runtime.speculation.eagle``) is a model proposer too, drafting from the target's own layer outputs.
 
 Draft probabilities are ``None`` for a deterministic (one-hot) guess.
 """
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple, Protocol, Sequence, Union
 
 import numpy as np
@@ -235,11 +237,74 @@ class ModelDrafts(NamedTuple):
     caught_up: int  # the most tokens a row fed before drafting: 1 or 2 when it drafted last step, more after a gap
 
 
+class ModelProposer(Protocol):
+    """A proposer that runs a model per drafted token, batched over rows 0..B-1 (a draft model, an EAGLE head). It
+    keeps state per row in step with the target's rows: ``accepted`` after each verify, ``prefilled`` after each prompt
+    chunk, ``set_length`` when a row is cut (0: released), ``move_row`` when the scheduler compacts rows."""
+
+    name: str
+    steady_catch_up: int  # tokens a row catches up on in a step after a drafting step (costs are measured there)
+
+    def propose(self, batch, width: int) -> ModelDrafts: ...
+
+    def prefilled(self, row: int, start: int, features: torch.Tensor | None) -> None: ...
+
+    def accepted(
+        self, row: int, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
+    ) -> None: ...
+
+    def set_length(self, row: int, length: int) -> None: ...
+
+    def move_row(self, src: int, dst: int) -> None: ...
+
+    def calibrate(self, cost, rows: int, prompt: list[int]) -> None: ...
+
+    def release(self) -> None: ...
+
+
+def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """The drafting both model proposers run: ``width`` tokens for each of rows 0..B-1, chosen from logits
+    [B, vocab] greedily or sampled as the row samples (keeping the draft probabilities rejection sampling needs),
+    within the row's grammar up to an end token; ``step(tokens [B]) -> logits [B, vocab]`` runs the proposer once more.
+    The last token is never stepped: the target checks it, and catch-up feeds it if accepted."""
+    drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
+    probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
+    # drafts are proposed within a row's grammar (they are then never cut), up to an end token
+    taken = {b: 0 for b, seq in enumerate(batch) if seq.grammar is not None}  # tokens each matcher advanced
+    for i in range(width):
+        if taken:
+            logits = logits.clone()
+            for b in list(taken):
+                grammar = batch[b].grammar
+                if i:
+                    token = int(drafted[-1][b])
+                    if token in batch[b].stop_ids or not grammar.allows(token):
+                        grammar.rollback(taken.pop(b))
+                        continue
+                    grammar.advance([token])
+                    taken[b] += 1
+                logits[b].masked_fill_(~grammar.allowed().to(logits.device), float("-inf"))
+        token = greedy(logits)  # [B]
+        for b, seq in enumerate(batch):
+            if not seq.sampling.greedy:
+                q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]
+                token[b] = torch.multinomial(q[0], 1, generator=seq.generator)[0]
+                probs[b].append(q[0])
+        drafted.append(token)
+        if i + 1 < width:
+            logits = step(token)
+    for b, n in taken.items():
+        batch[b].grammar.rollback(n)
+    tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
+    return tokens, [torch.stack(p) if p else None for p in probs]
+
+
 class DraftModelProposer:
     """A small model with the target's tokenizer drafts autoregressively, for every running row at once."""
 
     name = "draft_model"
     catch_up_chunk = 128  # tokens a row reads alone before the batched catch-up: one row's prompt does not widen all
+    steady_catch_up = 2  # the last accepted token, and d_k after a full accept
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -249,6 +314,24 @@ class DraftModelProposer:
 
     def move_row(self, src: int, dst: int) -> None:
         self.runner.move_row(src, dst)
+
+    def prefilled(self, row: int, start: int, features: torch.Tensor | None) -> None:
+        pass  # a row's prompt is read when it first drafts
+
+    def accepted(
+        self, row: int, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
+    ) -> None:
+        """The row's tokens were ``before`` long and grew by ``emitted``; the draft had fed them and its own
+        ``drafted[:-1]``: it keeps those that the output agrees with."""
+        if drafted is None:
+            return
+        agree = 0
+        while agree < len(drafted) and agree < len(emitted) and drafted[agree] == emitted[agree]:
+            agree += 1
+        self.set_length(row, before + agree)
+
+    def release(self) -> None:
+        self.runner.release()
 
     @torch.inference_mode()
     def propose(self, batch, width: int) -> ModelDrafts:
@@ -263,36 +346,25 @@ class DraftModelProposer:
                 runner.forward(b, [tokens[: self.catch_up_chunk]], last_only=True, prefill=True)
                 del tokens[: self.catch_up_chunk]
         logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
-        drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
-        probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
-        # the draft proposes within a row's grammar (its drafts are then never cut), up to an end token
-        taken = {b: 0 for b, seq in enumerate(batch) if seq.grammar is not None}  # tokens each matcher advanced
-        for i in range(width):
-            if taken:
-                logits = logits.clone()
-                for b in list(taken):
-                    grammar = batch[b].grammar
-                    if i:
-                        token = int(drafted[-1][b])
-                        if token in batch[b].stop_ids or not grammar.allows(token):
-                            grammar.rollback(taken.pop(b))
-                            continue
-                        grammar.advance([token])
-                        taken[b] += 1
-                    logits[b].masked_fill_(~grammar.allowed().to(logits.device), float("-inf"))
-            token = greedy(logits)  # [B]
-            for b, seq in enumerate(batch):
-                if not seq.sampling.greedy:
-                    q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]
-                    token[b] = torch.multinomial(q[0], 1, generator=seq.generator)[0]
-                    probs[b].append(q[0])
-            drafted.append(token)
-            if i + 1 < width:  # d_k is never fed: the target checks it, and catch-up feeds it if accepted
-                logits = runner.forward(0, token[:, None])  # [B, vocab]
-        for b, n in taken.items():
-            batch[b].grammar.rollback(n)
-        tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
-        return ModelDrafts(tokens, [torch.stack(p) if p else None for p in probs], caught_up)
+        tokens, probs = draft_loop(batch, width, logits, lambda token: runner.forward(0, token[:, None]))
+        return ModelDrafts(tokens, probs, caught_up)
+
+    @torch.inference_mode()
+    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2) -> None:
+        """A forward's cost over 1 and ``rows`` rows into ``cost`` (a ``policy.CostModel``); leaves every row empty."""
+        runner = self.runner
+        runner.forward(0, [prompt] * rows, last_only=True)
+        for b in sorted({1, rows}):
+            best = float("inf")
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                greedy(runner.forward(0, [prompt[:1]] * b)).tolist()
+                best = min(best, time.perf_counter() - t0)
+                for r in range(b):
+                    runner.set_length(r, len(prompt))
+            cost.samples[b] = best
+        for r in range(rows):
+            runner.set_length(r, 0)
 
 
-Proposer = Union[NgramProposer, SuffixProposer, DraftModelProposer, FreeProposer]
+Proposer = Union[NgramProposer, SuffixProposer, FreeProposer, ModelProposer]

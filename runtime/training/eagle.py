@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from depctl_runtime.model.eagle import EagleConfig, EagleHead
-from depctl_runtime.training import speculators
+from depctl_runtime.model import speculators
+from depctl_runtime.model.eagle import EagleConfig, EagleHead, layer_outputs
 from depctl_runtime.training.data import DataError, load_conversations
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
@@ -306,10 +306,8 @@ def _features(model, answers: list[dict], aux_layers, device) -> list[dict]:
     out = []
     for n, row in enumerate(answers):
         ids = torch.tensor(row["prompt"] + row["answer"], device=device)
-        result = model(ids[None], output_hidden_states=True)
-        states = result.hidden_states  # [embeddings, layer 0, ..., the final norm's output]
-        features = torch.cat([states[layer + 1][0] for layer in aux_layers], dim=-1)
-        top = torch.log_softmax(result.logits[0].float(), dim=-1).topk(TOP_K, dim=-1)
+        logits, features = layer_outputs(model, ids[None], aux_layers)
+        top = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_K, dim=-1)
         out.append(
             {
                 "tokens": ids.cpu(),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from depctl_runtime.training import speculators
+from depctl_runtime.model import speculators
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.eagle import _loss, evaluate
 from tests.runtime.model.test_eagle import tiny_head

@@ -1,0 +1,136 @@
+"""Drafting from an EAGLE-3 head: what it drafts is what training trained, and the output stays the target's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from depctl_runtime.model import decoder
+from depctl_runtime.model.eagle import EagleConfig, EagleHead, layer_outputs
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import EngineConfig, GenerationParams, SamplingParams, Scheduler, SpeculativeEngine
+from depctl_runtime.speculation.eagle import EagleProposer
+from tests.runtime.model.test_eagle import draft_step_by_step
+from tests.runtime.speculation.test_scheduler import GREEDY, PROMPTS, drive
+
+
+@pytest.fixture(scope="module")
+def fused(target):
+    model = copy.deepcopy(target)
+    assert decoder.fuse_projections(model)
+    return model
+
+
+def make_head(model, seed: int = 0, draft_vocab: int = 96) -> EagleHead:
+    config = EagleConfig.for_target(model.config, draft_vocab)
+    head = EagleHead(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name != "embed_tokens.weight":
+                p.normal_(0, 0.3)
+    head.embed_tokens.weight.data = model.get_input_embeddings().weight.data
+    head.set_vocabulary(torch.arange(0, 2 * draft_vocab, 2))  # every other byte: some of the target's tokens
+    return head.eval()
+
+
+def engine(model, head, rows=1, k=4, adaptive=False):
+    runner = ModelRunner(model, max_rows=rows, max_context=512, features=head.config.aux_layers if head else ())
+    proposer = EagleProposer(head, rows, runner.vocab_size or model.config.vocab_size) if head else None
+    return SpeculativeEngine(
+        runner, proposer, EngineConfig(num_draft_tokens=k if head else 0, max_context=512, adaptive=adaptive)
+    )
+
+
+def reference_drafts(model, head, tokens: list[int], width: int) -> list[int]:
+    """The head's greedy drafts after ``tokens``, computed as training computes them: the target's layer outputs
+    from transformers' own forward, and the step-by-step drafting loop the training-time test is checked against."""
+    with torch.no_grad():
+        _, features = layer_outputs(model, torch.tensor([tokens]), head.config.aux_layers)  # [n, 3 * hidden]
+    p = len(tokens) - 2  # the last index with a next token
+    chain = list(tokens)
+    for step in range(1, width + 1):
+        logits = draft_step_by_step(head, torch.tensor(chain), features, p, step)[-1]
+        chain.append(int(head.target_ids[logits.argmax()]))
+    return chain[len(tokens) :]
+
+
+def test_drafts_are_what_the_training_time_test_trains(fused):
+    head = make_head(fused)
+    eng = engine(fused, head, rows=2)
+    seqs = [eng.new_sequence(PROMPTS[i], GREEDY) for i in (4, 0)]
+    for row, seq in enumerate(seqs):
+        seq.row = row
+        while eng.prefill(seq, 7) is None:  # in chunks, as the scheduler reads a prompt
+            pass
+    drafts = eng.draft_model.propose(seqs, 4)
+    for seq, got in zip(seqs, drafts.tokens):
+        assert got == reference_drafts(fused, head, seq.tokens, 4)
+    # after a verify step the head catches up on the accepted tokens and drafts from there again
+    eng.step(seqs)
+    drafts = eng.draft_model.propose(seqs, 3)
+    for seq, got in zip(seqs, drafts.tokens):
+        assert got == reference_drafts(fused, head, seq.tokens, 3)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_output_equals_plain_decoding_as_rows_join_and_leave(fused, batch):
+    head = make_head(fused)
+    arrivals = [(2 * i, PROMPTS[i], GenerationParams(max_tokens=10 + 4 * i, ignore_eos=True)) for i in range(8)]
+    plain, _ = drive(Scheduler(engine(fused, None, batch), batch, prefill_chunk=8), arrivals)
+    eng = engine(fused, head, batch)
+    got, _ = drive(Scheduler(eng, batch, prefill_chunk=8), arrivals)
+    assert got == plain
+    assert eng.stats.num_draft_tokens > 0
+
+
+def test_mixed_rows_sampled_plain_and_greedy_stay_exact_and_seeded_rows_reproduce(fused):
+    head = make_head(fused)
+    sampled = GenerationParams(max_tokens=20, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=5))
+    arrivals = [
+        (0, PROMPTS[0], GenerationParams(max_tokens=20, ignore_eos=True, speculate=False)),
+        (0, PROMPTS[1], GREEDY),
+        (1, PROMPTS[2], sampled),
+        (3, PROMPTS[4], GREEDY),
+    ]
+    got, _ = drive(Scheduler(engine(fused, head, 4), 4, prefill_chunk=8), arrivals)
+    plain, _ = drive(Scheduler(engine(fused, None, 4), 4, prefill_chunk=8), arrivals)
+    for i in (0, 1, 3):
+        assert got[i] == plain[i], i
+    again, _ = drive(Scheduler(engine(fused, head, 4), 4, prefill_chunk=8), arrivals)
+    assert again[2] == got[2]
+
+
+def test_sampled_drafts_carry_the_heads_distribution_over_the_target_vocabulary(fused):
+    head = make_head(fused, draft_vocab=40)
+    eng = engine(fused, head)
+    seq = eng.new_sequence(PROMPTS[1], GenerationParams(sampling=SamplingParams(temperature=0.7)))
+    seq.row = 0
+    while eng.prefill(seq, 64) is None:
+        pass
+    drafts = eng.draft_model.propose([seq], 3)
+    q = drafts.probs[0]  # [3, vocab]
+    assert q.shape == (3, eng.target.vocab_size or fused.config.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    outside = torch.ones(q.shape[1], dtype=torch.bool)
+    outside[head.target_ids] = False
+    assert q[:, outside].sum() == 0  # only the head's vocabulary is ever drafted
+    assert all(q[j, t] > 0 for j, t in enumerate(drafts.tokens[0]))
+
+
+def test_rows_moved_and_cut_keep_the_head_in_step(fused):
+    head = make_head(fused)
+    eng = engine(fused, head, rows=2)
+    proposer = eng.draft_model
+    a = eng.new_sequence(PROMPTS[0], GREEDY)
+    a.row = 1
+    while eng.prefill(a, 64) is None:
+        pass
+    eng.move_row(1, 0)  # the scheduler compacts rows when one leaves
+    a.row = 0
+    assert proposer.waiting[1] is None and proposer.waiting[0][1].shape[0] == len(PROMPTS[0])
+    assert proposer.propose([a], 2).tokens[0] == reference_drafts(fused, head, a.tokens, 2)
+    eng.release_row(0)
+    assert proposer.lengths[0] == 0 and proposer.waiting[0] is None
