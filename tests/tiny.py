@@ -94,3 +94,26 @@ def save_tiny(path: Path, seed: int = 0, byte_offset: int = 0, chat_template: st
     model.save_pretrained(path)
     byte_tokenizer(byte_offset, chat_template).save_pretrained(path)
     return path
+
+
+def save_tiny_head(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int = 96, verifier: str | None = None):
+    """A random EAGLE-3 head for the tiny model saved in ``target_dir``, in the speculators format: trained for it
+    (its fingerprint), named ``verifier`` (default: the directory)."""
+    from transformers import AutoModelForCausalLM
+
+    from depctl_runtime.model import speculators
+    from depctl_runtime.model.eagle import EagleConfig, EagleHead
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    head = EagleHead(EagleConfig.for_target(target.config, draft_vocab))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name != "embed_tokens.weight":
+                p.normal_(0, 0.3)
+    head.set_vocabulary(torch.arange(0, 2 * draft_vocab, 2))
+    fingerprint = speculators.fingerprint(target)
+    speculators.save(
+        head, path, {"name_or_path": verifier or str(target_dir), "fingerprint": fingerprint}, speculative_tokens=4
+    )
+    return path

@@ -171,6 +171,18 @@ OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]
 
 def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.ResolvedModel:
     draft = models.resolve(draft_ref, "--draft-model")
+    verifier = models.head_verifier(draft)
+    if verifier is not None:  # an EAGLE head: it reads this target's layers, so it must have been trained on them
+        try:
+            trained_for = models.resolve(verifier, "verifier") if verifier else None
+        except models.ModelResolutionError:
+            trained_for = None  # a path since moved, say: the daemon compares the weights' fingerprint at load
+        if trained_for is not None and trained_for != target:
+            raise UsageError(
+                f"--draft-model {draft.ref} is an EAGLE head trained for {trained_for.ref}, not for {target.ref}",
+                f"train one for this target: depctl draft train {target.ref} --out DIR",
+            )
+        return draft
     if draft == target:
         raise UsageError(
             f"--draft-model {draft.ref} is the target model itself: drafting with it costs as much as decoding",
@@ -192,6 +204,19 @@ def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.Resolve
             f"use --draft-model={suggestion}" if suggestion else "use --ngram-speculation-length=N instead",
         )
     return draft
+
+
+def _describe_head(head: dict) -> str:
+    layers = ", ".join(map(str, head["aux_layers"]))
+    return f"drafts from the target's layers {layers}, over its {head['draft_vocab_size']} most used tokens"
+
+
+def _per_position(stats: dict) -> str:
+    """Accepted drafts at each position, with the acceptance there (of the drafts that reached it where the engine
+    counts those, else of all drafts, as vLLM's counters give it)."""
+    accepted = stats.get("accepted_per_position") or []
+    reached = stats.get("drafted_per_position") or [stats.get("drafts") or 0] * len(accepted)
+    return ", ".join(f"{a} ({fmt_rate(a / d if d else None)})" for a, d in zip(accepted, reached)) or "-"
 
 
 def _check_device(device: str | None, engine: str) -> None:
@@ -329,6 +354,7 @@ def _detail_table(r: dict) -> Table:
             else []
         ),
         *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
+        *([("EAGLE head", _describe_head(status["eagle_head"]))] if status.get("eagle_head") else []),
         (
             "Compiled passes",
             ("on" if r.get("compile", True) else "off")
@@ -383,7 +409,7 @@ def _detail_table(r: dict) -> Table:
                 "Drafts / draft tokens / accepted",
                 f"{stats['drafts']} / {stats['draft_tokens']} / {stats['accepted_tokens']}",
             ),
-            ("Accepted per position", ", ".join(map(str, stats["accepted_per_position"])) or "-"),
+            ("Accepted per position", _per_position(stats)),
             *(
                 [("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s")]
                 if "draft_seconds" in stats

@@ -19,6 +19,7 @@ import torch
 from depctl import config, models
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
+from depctl_runtime.backends import heads
 from depctl_runtime.backends.base import Stage
 from depctl_runtime.kernels import native
 from depctl_runtime.kernels.quantized import quantized_linears
@@ -48,6 +49,7 @@ from depctl_runtime.speculation import (
     SpeculativeEngine,
     SuffixProposer,
 )
+from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.grammar import GrammarCompiler
 
 log = logging.getLogger("depctl.loader")
@@ -152,7 +154,7 @@ def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = No
     runner.set_length(0, 0)
     target, refused = _exact(
         runner,
-        lambda: graphs.FixedShapePass(runner.model, runner.cache, runner.max_rows, (width,)),
+        lambda: graphs.FixedShapePass(runner.model, runner.cache, runner.max_rows, (width,), features=runner.features),
         "recording CUDA graphs failed",
         "a verify pass through the CUDA graphs",
         "GPU",
@@ -247,10 +249,10 @@ def _too_big_to_build(runner: ModelRunner, precision: str) -> str | None:
 def _library(runner: ModelRunner, precision: str, what: str, report: Report) -> tuple[compiled.CompiledPass, str]:
     """The runner's compiled pass, built first where no library for its model and precision exists yet; and
     ", built in Ns" when it was."""
-    package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled")
+    package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled", runner.features)
     if package.exists():
         try:
-            return compiled.CompiledPass(package, runner.model), ""
+            return compiled.CompiledPass(package, runner.model, runner.features), ""
         except Exception as exc:  # noqa: BLE001 - cut short or corrupt (a full disk, a copy): built again below
             log.warning("the compiled library %s does not open (%s); building it again", package, exc)
             package.unlink(missing_ok=True)
@@ -260,8 +262,8 @@ def _library(runner: ModelRunner, precision: str, what: str, report: Report) -> 
             f"{what} (once per model and precision; a minute or more on a small CPU; later loads reuse it)",
         )
     )
-    built = f", built in {compiled.build(runner.model, runner.cache, package):.0f}s"
-    return compiled.CompiledPass(package, runner.model), built
+    built = f", built in {compiled.build(runner.model, runner.cache, package, runner.features):.0f}s"
+    return compiled.CompiledPass(package, runner.model, runner.features), built
 
 
 def _compiled_draft(draft: ModelRunner | None, precision: str | None, report: Report) -> tuple[ModelRunner | None, str]:
@@ -585,6 +587,9 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
     report(Stage("resolving", spec.model))
     target_source = resolve_source(spec.model, "MODEL", report)
     draft_source = resolve_source(draft_ref, "--draft-model", report) if draft_ref else None
+    head_source = draft_source if heads.is_head(draft_source) else None  # an EAGLE head, not a draft model
+    if head_source:
+        draft_source = None
     from transformers import AutoConfig
 
     try:
@@ -600,6 +605,8 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
     precision = pick_draft_precision(spec_method.draft_precision, device, dtype) if draft_source else None
     if draft_source:  # an int8 draft is loaded in float32 first: its peak is the float32 size
         needs.append(("draft", estimate_bytes(draft_source, load_dtype(precision), max_context)))
+    if head_source:
+        needs.append(("EAGLE head", heads.head_bytes(head_source)))
     check_memory(needs, device)
 
     report(Stage("loading", "the weights"))
@@ -608,7 +615,13 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
         target.precision = QUANTIZED[spec.quantization]
     surgery(target)
     draft = None
-    if draft_ref:
+    head = None
+    if head_source:
+        try:
+            head = heads.load_head(head_source, target.model, spec.model, draft_ref)
+        except heads.HeadLoadError as exc:
+            raise LoadError(str(exc)) from None
+    elif draft_ref:
         draft = load_model(draft_ref, "--draft-model", device, load_dtype(precision))
         draft.precision = precision
         surgery(draft, exact=False)
@@ -619,8 +632,9 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
         check_draft_compatible(target, draft, spec.model, draft_ref)
         draft_runner = ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context)
     num_draft_tokens = getattr(spec_method, "num_draft_tokens", 0)
+    features = head.config.aux_layers if head is not None else ()
     passes = compile_passes(
-        ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context),
+        ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context, features=features),
         target.precision,
         spec.compile,
         width=1 + num_draft_tokens,
@@ -629,7 +643,9 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
         draft_precision=precision,
     )
     proposer = None
-    if passes.draft is not None:
+    if head is not None:
+        proposer = EagleProposer(head, rows, vocab)
+    elif passes.draft is not None:
         proposer = DraftModelProposer(passes.draft)
     elif isinstance(spec_method, NgramSpeculation):
         proposer = NgramProposer(spec_method.ngram_length)

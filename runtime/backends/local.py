@@ -17,6 +17,7 @@ from depctl_runtime.backends.structured import compile_constraint
 from depctl_runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import SuffixProposer
+from depctl_runtime.speculation.eagle import EagleProposer
 
 log = logging.getLogger("depctl.local")
 
@@ -59,7 +60,9 @@ class LocalBackend:
             self._owner.failed(self, reason, retrying=False)
             return self._gone()
         self.memory_bytes = held_bytes(loaded.engine.target, loaded.engine.proposer)  # once: the cache is preallocated
-        self.weights_bytes = held_bytes(*(m.model for m in (loaded.target, loaded.draft) if m is not None))
+        head = getattr(loaded.engine.proposer, "head", None)  # an EAGLE head's (it shares the target's embeddings)
+        weights = [m.model for m in (loaded.target, loaded.draft) if m is not None] + ([head] if head else [])
+        self.weights_bytes = held_bytes(*weights)
         worker = EngineWorker(self.spec.id, loaded, self.spec.max_batch_size, EngineHost.get(), self._crashed)
         with self._lock:
             if not self._stop_asked:
@@ -159,6 +162,9 @@ class LocalBackend:
         }
         if loaded.draft is not None:
             out["draft_precision"] = loaded.draft.precision
+        if isinstance(engine.proposer, EagleProposer):
+            c = engine.proposer.head.config
+            out["eagle_head"] = {"aux_layers": list(c.aux_layers), "draft_vocab_size": c.draft_vocab_size}
         if isinstance(engine.proposer, SuffixProposer):
             out["suffix_index"] = engine.proposer.snapshot()
         return out

@@ -4,6 +4,8 @@
 - ``num_draft_tokens``: draft tokens verified
 - ``num_accepted_tokens``: draft tokens accepted
 - ``accepted_per_position[i]``: drafts whose token at position i (0-based) was accepted
+- ``drafted_per_position[i]``: drafts that had a token at position i; their ratio is the acceptance at position i
+  (the first i + 1 tokens accepted), which for a draft head is what its training reports as held-out acceptance
 - ``num_grammar_draft_tokens`` / ``num_grammar_accepted_tokens``: of those, tokens a grammar forced (counted apart
   from the proposer's); ``grammar_seconds``: time in grammar matchers (masks, checks, advancing)
 - acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts (the 1 is the
@@ -24,6 +26,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     num_generated_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -41,8 +44,11 @@ class SpecDecodeStats:
                 self.num_drafts += 1
                 self.num_draft_tokens += drafted
                 self.num_accepted_tokens += accepted
-                if len(self.accepted_per_position) < drafted:
-                    self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+                for counts in (self.accepted_per_position, self.drafted_per_position):
+                    if len(counts) < drafted:
+                        counts.extend([0] * (drafted - len(counts)))
+                for i in range(drafted):
+                    self.drafted_per_position[i] += 1
                 for i in range(accepted):
                     self.accepted_per_position[i] += 1
 
@@ -84,6 +90,10 @@ class SpecDecodeStats:
             "draft_tokens": self.num_draft_tokens,
             "accepted_tokens": self.num_accepted_tokens,
             "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_per_position": [
+                round(a / d, 4) if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+            ],
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_seconds": round(self.draft_seconds, 4),

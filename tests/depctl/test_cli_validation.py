@@ -205,6 +205,28 @@ def test_mismatched_packaged_draft_suggests_the_family_draft(depctl_home):
     assert "--draft-model=qwen2.5-coder-0.5b-instruct" in result.stderr
 
 
+def fake_head(path, verifier: str):
+    """A head's config as ``depctl draft train`` writes it: all the CLI reads (the daemon reads the weights)."""
+    path.mkdir()
+    config = {"speculators_model_type": "eagle3", "speculators_config": {"verifier": {"name_or_path": verifier}}}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_an_eagle_head_trained_for_another_model_is_refused_naming_both(depctl_home, tmp_path):
+    head = fake_head(tmp_path / "head", "smollm2-135m-instruct")
+    flags = ["--draft-model", head, "--draft-token-count", "4"]
+    result = run("deployment", "create", "qwen2.5-coder-1.5b-instruct", *flags)
+    assert result.exit_code == 2
+    err = " ".join(result.stderr.split())
+    assert "an EAGLE head trained for smollm2-135m-instruct, not for qwen2.5-coder-1.5b-instruct" in err
+    assert "depctl draft train qwen2.5-coder-1.5b-instruct --out DIR" in err
+    assert spec_files(depctl_home) == []
+    # its own target takes it (a draft model of the same family would be refused as the target itself)
+    result = run("deployment", "create", "smollm2-135m-instruct", *flags, "--validate-only")
+    assert result.exit_code == 0, result.stderr
+
+
 def test_unknown_model_says_what_was_tried(depctl_home):
     result = run("deployment", "create", "no-such-model", "--validate-only")
     assert result.exit_code == 2

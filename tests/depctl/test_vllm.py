@@ -41,6 +41,14 @@ def test_draft_model_names_the_drafts_source():
     assert speculative_config(_spec()) is None
 
 
+def test_an_eagle_head_is_vllms_eagle3_method(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    spec = _spec(speculation=DraftModelSpeculation(draft_model=str(head), num_draft_tokens=3))
+    assert speculative_config(spec) == {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+
+
 def test_engine_args_carry_every_setting_in_vllms_spelling():
     spec = _spec(
         speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),

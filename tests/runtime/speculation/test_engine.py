@@ -105,7 +105,8 @@ def test_self_draft_accepts_everything(target, k):
     run(engine, PROMPTS[0], max_tokens=1 + (k + 1) * 5, ignore_eos=True)
     assert engine.stats.acceptance_rate == 1.0
     assert engine.stats.mean_acceptance_length == k + 1
-    assert engine.stats.accepted_per_position == [5] * k
+    assert engine.stats.accepted_per_position == engine.stats.drafted_per_position == [5] * k
+    assert engine.stats.to_dict()["acceptance_per_position"] == [1.0] * k
 
 
 def test_ngram_hits_on_repetitive_prompt(target):

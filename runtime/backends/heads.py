@@ -1,0 +1,70 @@
+"""Loading an EAGLE-3 head for a deployment's target (``--draft-model DIR`` where DIR is a speculators checkpoint).
+
+A head reads the target's own layer outputs, so it belongs to one target: the head records its verifier's name and a
+fingerprint of its embeddings (``model.speculators``), and a head trained for another model is refused, naming both,
+before anything runs. It also needs depctl's fused decoder, which returns those layer outputs from the pass it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from depctl_runtime.model import decoder, speculators
+from depctl_runtime.model.eagle import EagleHead
+
+
+class HeadLoadError(Exception):
+    pass
+
+
+def is_head(source: str | None) -> bool:
+    return source is not None and speculators.is_head(Path(source))
+
+
+def head_bytes(source: str) -> int:
+    """The head's weights as stored (float32 at most, as it runs on a CPU): its share of the memory check."""
+    return sum(p.stat().st_size for p in Path(source).glob("*.safetensors"))
+
+
+def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: str) -> EagleHead:
+    """The head in ``source`` over ``model``'s embeddings, on its device, after checking it was trained for it."""
+    try:
+        config = speculators.read_config(Path(source))
+    except speculators.HeadError as exc:
+        raise HeadLoadError(f"--draft-model {draft_ref!r}: {exc}") from None
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    trained_for = verifier.get("name_or_path") or "an unnamed model"
+    expected = verifier.get("fingerprint")
+    retrain = f"train one for this target: depctl draft train {target_ref} --out DIR"
+    if expected is not None and expected != speculators.fingerprint(model):
+        raise HeadLoadError(
+            f"--draft-model {draft_ref!r} is an EAGLE head trained for {trained_for}, and MODEL {target_ref!r} is "
+            f"another model (its weights differ from the ones the head was trained on); {retrain}"
+        )
+    if not decoder.is_fused(model):
+        raise HeadLoadError(
+            f"--draft-model {draft_ref!r} is an EAGLE head, which drafts from the layer outputs of depctl's own "
+            f"decoder; MODEL {target_ref!r} ({model.config.model_type}) runs through transformers' forward "
+            f"(heads serve {', '.join(decoder.ARCHITECTURES)} without sliding windows); use --ngram-speculation-length"
+            " or a draft model"
+        )
+    layers = len(model.model.layers)
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or []
+    if any(not 0 <= i < layers for i in aux):
+        raise HeadLoadError(
+            f"--draft-model {draft_ref!r} reads layers {aux} and MODEL {target_ref!r} has {layers}; {retrain}"
+        )
+    embeddings = model.get_input_embeddings().weight
+    try:
+        head, _ = speculators.load(Path(source), embeddings.detach())
+    except speculators.HeadError as exc:
+        raise HeadLoadError(f"--draft-model {draft_ref!r} was trained for {trained_for}: {exc}; {retrain}") from None
+    dtype = torch.float32 if embeddings.device.type == "cpu" else embeddings.dtype
+    shared = head.embed_tokens.weight  # the target's table, in the target's dtype: never copied
+    head.embed_tokens.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    head.to(device=embeddings.device, dtype=dtype)
+    head.inv_freq = head.inv_freq.float()  # RoPE's frequencies stay float32, as the target's do
+    head.embed_tokens.weight = shared
+    return head.requires_grad_(False)

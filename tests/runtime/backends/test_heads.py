@@ -1,0 +1,63 @@
+"""A deployment drafts from an EAGLE-3 head: loaded for its own target only, through the compiled pass, exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depctl.spec import DeploymentSpec, DraftModelSpeculation
+from depctl_runtime.backends.loader import LoadError, load_deployment
+from depctl_runtime.speculation import GenerationParams, Scheduler
+from depctl_runtime.speculation.eagle import EagleProposer
+from tests.tiny import save_tiny_head
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_model_dir, tmp_path_factory):
+    return save_tiny_head(tmp_path_factory.mktemp("head"), tiny_model_dir)
+
+
+def spec_with(model_dir, head, **kw):
+    speculation = DraftModelSpeculation(draft_model=str(head), num_draft_tokens=3)
+    return DeploymentSpec(id="eagle", model=str(model_dir), device="cpu", speculation=speculation, **kw)
+
+
+PROMPTS = [[5, 17, 42, 99, 3, 17, 42, 99, 3, 8], list(range(30, 60)), [77, 78]]
+PARAMS = GenerationParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_head_drafts_for_its_target_and_the_output_is_the_targets(tiny_model_dir, head_dir, compile):
+    loaded = load_deployment(spec_with(tiny_model_dir, head_dir, compile=compile, max_batch_size=3), calibrate=False)
+    engine = loaded.engine
+    assert isinstance(engine.proposer, EagleProposer)
+    assert (engine.target.fast_pass is not None) == compile, loaded.compiled
+    engine.policy.adaptive = False  # draft every step: the hardest case for exactness
+    got = Scheduler(engine, 3, prefill_chunk=8).run_all(PROMPTS, PARAMS)
+    plain = load_deployment(DeploymentSpec(id="p", model=str(tiny_model_dir), device="cpu", compile=False))
+    assert got == Scheduler(plain.engine, 3).run_all(PROMPTS, PARAMS)
+    assert engine.stats.num_draft_tokens > 0
+
+
+def test_the_compiled_pass_returns_the_layer_features_the_eager_pass_does(tiny_model_dir, head_dir):
+    fast = load_deployment(spec_with(tiny_model_dir, head_dir), calibrate=False).engine.target
+    eager = fast.with_pass(None)
+    assert fast.fast_pass is not None and fast.features == (0, 1, 1)
+    fast.prefill(0, [1, 2, 3, 4, 5])
+    a = fast.score(0, [[6, 7, 8]]).features  # [3, 3 * hidden]
+    fast.set_length(0, 5)
+    b = eager.score(0, [[6, 7, 8]]).features
+    assert a.shape == (3, 3 * 64)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_trained_for_another_model_is_refused_naming_both(tiny_model_dir, tiny_draft_dir, tmp_path):
+    other = save_tiny_head(tmp_path / "other", tiny_draft_dir)  # the same shapes as the target's, other weights
+    with pytest.raises(LoadError, match=r"EAGLE head trained for .*tiny-draft.*and MODEL .* is another model"):
+        load_deployment(spec_with(tiny_model_dir, other), calibrate=False)
+
+
+def test_deployment_status_counts_the_head_and_names_its_layers(tiny_model_dir, head_dir):
+    loaded = load_deployment(spec_with(tiny_model_dir, head_dir, compile=False), calibrate=True)
+    snapshot = loaded.engine.policy.snapshot()
+    assert snapshot["draft_ms"]  # the head's step is priced like a draft model's forward
