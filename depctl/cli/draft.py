@@ -83,10 +83,6 @@ def train(
                         completed=event["done"],
                         total=event["total"],
                     )
-                elif kind == "features":
-                    bar.update(
-                        task, description="reading its hidden states", completed=event["done"], total=event["total"]
-                    )
                 elif kind == "resumed":
                     bar.update(task, description=f"resuming after {event['minutes']:.1f} min of training")
                 elif kind == "train":

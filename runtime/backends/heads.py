@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from depctl_runtime.kernels import native
+from depctl_runtime.kernels.quantized import quantized_linears
 from depctl_runtime.model import decoder, speculators
 from depctl_runtime.model.eagle import EagleHead
 
@@ -67,4 +69,9 @@ def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: s
     head.to(device=embeddings.device, dtype=dtype)
     head.inv_freq = head.inv_freq.float()  # RoPE's frequencies stay float32, as the target's do
     head.embed_tokens.weight = shared
-    return head.requires_grad_(False)
+    head.requires_grad_(False)
+    if embeddings.device.type == "cpu" and native.available():
+        # a draft step reads the head's weights as a decode step reads the target's: int8 in groups reads a quarter
+        # of float32's bytes; drafts only propose, so this never changes the output
+        quantized_linears(head, 8)
+    return head

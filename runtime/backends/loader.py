@@ -576,8 +576,11 @@ def check_memory(needs: list[tuple[str, int]], device: torch.device) -> None:
 # ---- the deployment -------------------------------------------------------------------------------------------
 
 
-def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report = log_progress) -> LoadedDeployment:
-    """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs)."""
+def load_deployment(
+    spec: DeploymentSpec, calibrate: bool = True, report: Report = log_progress, features: tuple[int, ...] = ()
+) -> LoadedDeployment:
+    """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs). ``features``: layers
+    whose outputs the target's passes return, as for an EAGLE head (``depctl draft train`` records them)."""
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device, spec.quantization)
     spec_method = spec.speculation
@@ -632,7 +635,7 @@ def load_deployment(spec: DeploymentSpec, calibrate: bool = True, report: Report
         check_draft_compatible(target, draft, spec.model, draft_ref)
         draft_runner = ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context)
     num_draft_tokens = getattr(spec_method, "num_draft_tokens", 0)
-    features = head.config.aux_layers if head is not None else ()
+    features = head.config.aux_layers if head is not None else features
     passes = compile_passes(
         ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context, features=features),
         target.precision,

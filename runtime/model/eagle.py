@@ -213,46 +213,51 @@ class EagleHead(nn.Module):
         return self.lm_head(self.norm(out))
 
     # ---- training-time test ----
-    def ttt_logits(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def ttt_logits(
+        self, tokens: torch.Tensor, features: torch.Tensor, steps: int, first: int = 0
+    ) -> list[torch.Tensor]:
         """Draft logits of ``steps`` chained steps over one sequence, as drafting runs them.
 
-        tokens [T] (the sequence), features [T, 3 * target_hidden] (the target's aux states at each position).
-        Step j at index i reads token ``tokens[i + 1 + j]`` and, for j = 0, the target's state at i; after that its
-        own output of step j - 1 at i. It attends to step 0's keys at indices <= i (what the target verified) and to
-        its own chain's keys at i (steps 1..j), at position i + j: the keys a draft from position i would have.
-        Returns ``steps`` tensors [T - 1 - j, draft_vocab]; step j's row i predicts ``tokens[i + 2 + j]``."""
+        tokens [T] (the sequence), features [T - 1 or more, 3 * target_hidden] (the target's aux states at each
+        position). Step j at index i reads token ``tokens[i + 1 + j]`` and, for j = 0, the target's state at i; after
+        that its own output of step j - 1 at i. It attends to step 0's keys at indices <= i (what the target verified)
+        and to its own chain's keys at i (steps 1..j), at position i + j: the keys a draft from position i would have.
+        Only indices ``>= first`` draft (earlier ones give step 0's keys, the context a draft attends to): a prompt's
+        positions cost no output layer. Returns ``steps`` tensors [T - 2 - j - first, draft_vocab]; step j's row r
+        (index i = first + r) predicts ``tokens[i + 2 + j]``."""
         n = tokens.shape[0] - 1
-        hidden = self.fuse(features[:n])
         positions = torch.arange(n, device=tokens.device)
+        q0, k0, v0, residual0 = self._qkv(tokens[1 : 1 + n], self.fuse(features[:n]), positions)  # every index's
+        hidden = None
         chain_k, chain_v, out = [], [], []
-        k0 = v0 = None
         scale = self.config.head_dim**-0.5
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         for j in range(steps):
-            m = n - j  # rows with a token to read and one to predict... the last j have none
-            if m <= 1:
+            m = n - j  # indices with a token to read: the last j have none
+            rows = m - first
+            if rows <= 1:
                 break
-            q, k, v, residual = self._qkv(tokens[1 + j : 1 + j + m], hidden[:m], positions[:m] + j)
             if j == 0:
-                k0, v0 = k, v
+                q, residual = q0[:, first:m], residual0[first:m]
             else:
+                q, k, v, residual = self._qkv(tokens[1 + j + first : 1 + j + m], hidden[:rows], positions[first:m] + j)
                 chain_k.append(k)
                 chain_v.append(v)
             kk0 = k0[:, :m].repeat_interleave(groups, 0)  # [heads, m, dim]
             vv0 = v0[:, :m].repeat_interleave(groups, 0)
-            scores = q @ kk0.transpose(1, 2) * scale  # [heads, m, m]: step 0's keys, causal
-            causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            diag = [(q * ck[:, :m].repeat_interleave(groups, 0)).sum(-1, keepdim=True) * scale for ck in chain_k]
+            scores = q @ kk0.transpose(1, 2) * scale  # [heads, rows, m]: step 0's keys, causal from index first
+            sees = torch.arange(m, device=q.device)[None] <= positions[first:m, None]
+            scores = scores.masked_fill(~sees, float("-inf"))
+            diag = [(q * ck[:, :rows].repeat_interleave(groups, 0)).sum(-1, keepdim=True) * scale for ck in chain_k]
             weights = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
             attended = weights[..., :m] @ vv0
             for s, cv in enumerate(chain_v):
-                attended = attended + weights[..., m + s : m + s + 1] * cv[:, :m].repeat_interleave(groups, 0)
+                attended = attended + weights[..., m + s : m + s + 1] * cv[:, :rows].repeat_interleave(groups, 0)
             step_out = self._finish(attended, residual)
             out.append(self.logits(step_out))
             hidden = step_out  # the next step reads this step's own states
-        # step j's row i predicts tokens[i + 2 + j]: the last row of each step has no target in the sequence
-        return [logits[: n - j - 1] for j, logits in enumerate(out)]
+        # step j's row r predicts tokens[first + r + 2 + j]: the last row of each step has no target in the sequence
+        return [logits[: n - first - j - 1] for j, logits in enumerate(out)]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,8 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead, max_rows: int, vocab_size: int, steady_catch_up: int = 5):
         self.head = head
-        self.dtype = head.fc.weight.dtype
-        self.device = head.fc.weight.device
+        self.dtype = head.norm.weight.dtype  # (its linears may be packed: the norms never are)
+        self.device = head.norm.weight.device
         self.vocab_size = vocab_size  # the target's logits' width
         c = head.config
         self.kv_heads, self.dim = c.num_key_value_heads, c.head_dim
@@ -50,12 +50,12 @@ class EagleProposer:
         self._draft_cols = torch.nonzero(ids < vocab_size).flatten()
 
     # ---- the rows, in step with the target's ----
-    def prefilled(self, row: int, start: int, features: torch.Tensor | None) -> None:
-        self._wait(row, start, features)
+    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None:
+        self._wait(seq.row, start, features)
 
-    def accepted(self, row, before: int, emitted, drafted, features: torch.Tensor | None) -> None:
+    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None) -> None:
         """The verify pass read positions ``before - 1 ..``; ``features`` holds those of the accepted tokens."""
-        self._wait(row, before - 1, features)
+        self._wait(seq.row, before - 1, features)
 
     def _wait(self, row: int, start: int, features: torch.Tensor | None) -> None:
         if features is None:

@@ -17,10 +17,9 @@ from typing import Sequence as Seq
 import torch
 
 from depctl_runtime.model.runner import ModelRunner, greedy
-from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
-from depctl_runtime.speculation.proposers import DraftModelProposer, ModelProposer, PredictionTracker, Proposer
+from depctl_runtime.speculation.proposers import ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import probs_from_logits, token_logprobs
 from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
@@ -71,9 +70,7 @@ class SpeculativeEngine:
         self.config = config or EngineConfig()
         self.stats = SpecDecodeStats()  # the deployment's totals
         # the proposer that runs a model with the target's rows (None for free proposers)
-        self.draft_model: ModelProposer | None = (
-            proposer if isinstance(proposer, (DraftModelProposer, EagleProposer)) else None
-        )
+        self.draft_model: ModelProposer | None = proposer if hasattr(proposer, "accepted") else None
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
@@ -122,7 +119,7 @@ class SpeculativeEngine:
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
         logits, features = self.target.prefill(seq.row, chunk)  # [1, vocab], [len(chunk), F] or None
         if self.draft_model is not None:
-            self.draft_model.prefilled(seq.row, seq.prefilled, features)
+            self.draft_model.prefilled(seq, seq.prefilled, features)
         seq.prefilled += len(chunk)
         self.stats.prefill_seconds += time.perf_counter() - t0
         if seq.prefilled < seq.prompt_len:
@@ -338,7 +335,7 @@ class SpeculativeEngine:
         seq.tokens.extend(emitted)
         self.target.set_length(seq.row, len(seq.tokens) - 1)
         if self.draft_model is not None:
-            self.draft_model.accepted(seq.row, before, emitted, model_drafts, features)
+            self.draft_model.accepted(seq, before, emitted, model_drafts, features)
         k = len(drafts)
         if k:
             guess.acceptance.observe(n, n + (1 if n < k else 0))

@@ -240,17 +240,19 @@ class ModelDrafts(NamedTuple):
 class ModelProposer(Protocol):
     """A proposer that runs a model per drafted token, batched over rows 0..B-1 (a draft model, an EAGLE head). It
     keeps state per row in step with the target's rows: ``accepted`` after each verify, ``prefilled`` after each prompt
-    chunk, ``set_length`` when a row is cut (0: released), ``move_row`` when the scheduler compacts rows."""
+    chunk (both for every running sequence, drafting or not, with the target's layer features of the positions the
+    pass read where it takes them), ``set_length`` when a row is cut (0: released), ``move_row`` when the scheduler
+    compacts rows."""
 
     name: str
     steady_catch_up: int  # tokens a row catches up on in a step after a drafting step (costs are measured there)
 
     def propose(self, batch, width: int) -> ModelDrafts: ...
 
-    def prefilled(self, row: int, start: int, features: torch.Tensor | None) -> None: ...
+    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None: ...
 
     def accepted(
-        self, row: int, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
+        self, seq, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
     ) -> None: ...
 
     def set_length(self, row: int, length: int) -> None: ...
@@ -315,11 +317,11 @@ class DraftModelProposer:
     def move_row(self, src: int, dst: int) -> None:
         self.runner.move_row(src, dst)
 
-    def prefilled(self, row: int, start: int, features: torch.Tensor | None) -> None:
+    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None:
         pass  # a row's prompt is read when it first drafts
 
     def accepted(
-        self, row: int, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
+        self, seq, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
     ) -> None:
         """The row's tokens were ``before`` long and grew by ``emitted``; the draft had fed them and its own
         ``drafted[:-1]``: it keeps those that the output agrees with."""
@@ -328,7 +330,7 @@ class DraftModelProposer:
         agree = 0
         while agree < len(drafted) and agree < len(emitted) and drafted[agree] == emitted[agree]:
             agree += 1
-        self.set_length(row, before + agree)
+        self.set_length(seq.row, before + agree)
 
     def release(self) -> None:
         self.runner.release()

@@ -2,12 +2,12 @@
 
 EAGLE-3's recipe (Li et al. 2025, arXiv 2503.01840), sized for a laptop:
 
-1. **Answers**: the target answers every prompt greedily through depctl's own engine (batched, speculation off), so
-   the head learns what this target says. Cached in ``OUT/.train/answers.jsonl``.
-2. **Hidden states**: one teacher-forced pass of the target over each prompt + answer gives the outputs of three
-   layers (low, middle, high) at every position.
-3. **Vocabulary**: the head predicts over the ``--draft-vocab`` tokens the answers use most (``d2t`` maps them back).
-4. **Training-time test**: the head runs ``--steps`` chained draft steps over every answer, each step reading its
+1. **Answers and hidden states**: the target answers every prompt through depctl's own engine (batched, speculation
+   off): one greedy answer, then sampled ones, so the head learns what this target says. The outputs of three layers
+   (low, middle, high) at every position are kept as the engine computes them, the same features a deployment will
+   hand the head. Cached in ``OUT/.train/answers-N.pt``.
+2. **Vocabulary**: the head predicts over the ``--draft-vocab`` tokens the answers use most (``d2t`` maps them back).
+3. **Training-time test**: the head runs ``--steps`` chained draft steps over every answer, each step reading its
    own previous output as drafting will (``EagleHead.ttt_logits``); cross-entropy against the target's tokens,
    step j weighted 0.8^j. A held-out tenth of the prompts measures acceptance as training goes.
 
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from depctl_runtime.model import speculators
-from depctl_runtime.model.eagle import EagleConfig, EagleHead, layer_outputs
+from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.training.data import DataError, load_conversations
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
-TOP_K = 16  # the target's most likely tokens kept per position: the head learns its distribution, not one label
 SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
 GENERATION_SHARE = 0.4  # answers stop being generated once this share of the budget is spent
 MIN_EXAMPLES = 10  # below this there is no meaningful held-out split
@@ -94,12 +94,15 @@ def train(opts: TrainOptions) -> dict:
         )
     started = time.monotonic()
     budget = opts.minutes * 60
-    answers = _answers(opts, source, tokenizer, conversations, state_dir, started, budget * GENERATION_SHARE)
-    if len(answers) < MIN_EXAMPLES:
-        raise DataError(f"only {len(answers)} answers were generated in the time given; raise --minutes")
-    model = _feature_model(source, device)
-    config = EagleConfig.for_target(model.config, opts.draft_vocab)
-    examples = _features(model, answers, config.aux_layers, device)
+    from transformers import AutoConfig
+
+    config = EagleConfig.for_target(AutoConfig.from_pretrained(source), opts.draft_vocab)
+    examples = _answers(
+        opts, tokenizer, conversations, config.aux_layers, state_dir, started, budget * GENERATION_SHARE
+    )
+    if len(examples) < MIN_EXAMPLES:
+        raise DataError(f"only {len(examples)} answers were generated in the time given; raise --minutes")
+    model = _reference_model(source)
     verifier = {
         "name_or_path": opts.target,
         "architectures": list(getattr(model.config, "architectures", None) or []),
@@ -221,25 +224,26 @@ def train(opts: TrainOptions) -> dict:
 # ---- answers -----------------------------------------------------------------------------------------------------
 
 
-def _answers(opts, source, tokenizer, conversations, state_dir: Path, started: float, limit: float) -> list[dict]:
-    """The target's answers, generated once and cached: for every conversation its greedy answer, then
-    ``opts.samples - 1`` answers sampled at ``SAMPLE_TEMPERATURE`` (other paths through the same prompts: more of
-    the target's states to learn from, each position labelled by the target's own distribution). Greedy answers
-    go first, so a short budget cuts samples, not prompts."""
-    cache = state_dir / "answers.jsonl"
+def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: float, limit: float) -> list[dict]:
+    """The target's answers with its layer features, generated once and cached: for every conversation its greedy
+    answer, then ``opts.samples - 1`` answers sampled at ``SAMPLE_TEMPERATURE`` (other paths through the same prompts:
+    more of the target's states to learn from). Greedy answers go first, so a short budget cuts samples, not prompts.
+    The features are those depctl's engine computed while answering (``capture.FeatureRecorder``), at the precision a
+    deployment of the target runs; cached in ``.train/answers-N.pt`` shards, so a resume reads them back."""
     done: dict[tuple[int, int], dict] = {}
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            try:
-                row = json.loads(line)
-                done[(row["index"], row.get("sample", 0))] = row
-            except (ValueError, KeyError):
-                continue  # a line cut by an interrupt
+    shards = sorted(state_dir.glob("answers-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    for shard in shards:
+        try:
+            for row in torch.load(shard, weights_only=True):
+                done[(row["index"], row["sample"])] = row
+        except Exception:  # noqa: BLE001 - a shard cut short by an interrupt: its answers are generated again
+            shard.unlink(missing_ok=True)
     todo = [(i, s) for s in range(opts.samples) for i in range(len(conversations)) if (i, s) not in done]
     if todo and time.monotonic() - started < limit:
         from depctl.spec import DeploymentSpec, NoSpeculation
         from depctl_runtime.backends.loader import load_deployment
-        from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler
+        from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler, SpeculativeEngine
+        from depctl_runtime.training.capture import FeatureRecorder
 
         emit("stage", name="loading the target to answer the prompts")
         spec = DeploymentSpec(
@@ -250,22 +254,34 @@ def _answers(opts, source, tokenizer, conversations, state_dir: Path, started: f
             device=opts.device,
             compile=opts.compile,
         )
-        loaded = load_deployment(spec, calibrate=False, report=lambda stage: emit("stage", name=str(stage)))
-        engine = loaded.engine
+        loaded = load_deployment(
+            spec, calibrate=False, report=lambda stage: emit("stage", name=str(stage)), features=tuple(layers)
+        )
+        recorder = FeatureRecorder()
+        engine = SpeculativeEngine(loaded.engine.target, recorder, loaded.engine.config)
         scheduler = Scheduler(engine, max_batch_size=opts.batch)
-        pending = {}
-        with cache.open("a") as fh:
-            for i, s in todo:
-                text = tokenizer.apply_chat_template(conversations[i], add_generation_prompt=True, tokenize=False)
-                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-                sampling = SamplingParams(temperature=SAMPLE_TEMPERATURE, seed=opts.seed * 1000 + s) if s else None
-                params = GenerationParams(
-                    max_tokens=opts.max_tokens, speculate=False, **({"sampling": sampling} if sampling else {})
-                )
-                seq = engine.new_sequence(prompt, params)
-                pending[seq.id] = (i, s, prompt, [])
-                scheduler.add(seq)
-            tokens = 0
+        pending, fresh = {}, []
+        number = int(shards[-1].stem.split("-")[1]) + 1 if shards else 0
+
+        def flush() -> None:  # one shard per batch of finished answers: an interrupt loses at most those
+            nonlocal number
+            if fresh:
+                _atomic_save(fresh, state_dir / f"answers-{number}.pt")
+                number += 1
+                fresh.clear()
+
+        for i, s in todo:
+            text = tokenizer.apply_chat_template(conversations[i], add_generation_prompt=True, tokenize=False)
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            sampling = SamplingParams(temperature=SAMPLE_TEMPERATURE, seed=opts.seed * 1000 + s) if s else None
+            params = GenerationParams(
+                max_tokens=opts.max_tokens, speculate=False, **({"sampling": sampling} if sampling else {})
+            )
+            seq = engine.new_sequence(prompt, params)
+            pending[seq.id] = (i, s, prompt, [])
+            scheduler.add(seq)
+        tokens = 0
+        try:
             while scheduler.has_work():
                 if time.monotonic() - started > limit:
                     for seq in list(scheduler.waiting):  # out of time: finish what runs, start nothing new
@@ -276,52 +292,38 @@ def _answers(opts, source, tokenizer, conversations, state_dir: Path, started: f
                         continue
                     entry[3].extend(out.token_ids)
                     tokens += len(out.token_ids)
-                    if out.finish_reason:
-                        i, s, prompt, answer = pending.pop(seq.id)
-                        if out.finish_reason != "cancelled" and answer:
-                            done[(i, s)] = {"index": i, "sample": s, "prompt": prompt, "answer": answer}
-                            fh.write(json.dumps(done[(i, s)]) + "\n")
-                            fh.flush()
-                            emit("answers", done=len(done), total=len(conversations) * opts.samples, tokens=tokens)
-        loaded.release()
+                    if not out.finish_reason:
+                        continue
+                    i, s, prompt, answer = pending.pop(seq.id)
+                    if out.finish_reason == "cancelled" or not answer:
+                        recorder.drop(seq.id)
+                        continue
+                    ids = prompt + answer
+                    features = recorder.take(seq.id)[: len(ids) - 1]  # a stop token was read, never kept
+                    row = {"index": i, "sample": s, "start": len(prompt), "tokens": torch.tensor(ids)}
+                    done[(i, s)] = {**row, "features": features}
+                    fresh.append(done[(i, s)])
+                    if len(fresh) >= 32:
+                        flush()
+                    emit("answers", done=len(done), total=len(conversations) * opts.samples, tokens=tokens)
+        finally:
+            flush()
+            loaded.release()
     return [done[key] for key in sorted(done)]
 
 
-# ---- hidden states -------------------------------------------------------------------------------------------------
+def _atomic_save(rows: list[dict], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(rows, tmp)
+    tmp.replace(path)
 
 
-def _feature_model(source: str, device: torch.device):
+def _reference_model(source: str):
+    """The target's weights as stored: its fingerprint, and the embeddings, output rows and final norm a head
+    starts from (no pass runs through it)."""
     from transformers import AutoModelForCausalLM
 
-    emit("stage", name="loading the target to read its hidden states")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).eval()
-    return model
-
-
-@torch.inference_mode()
-def _features(model, answers: list[dict], aux_layers, device) -> list[dict]:
-    """Per answer: its tokens [T], the aux layers' outputs [T, 3 * hidden] (bf16 to halve their memory), the
-    target's ``TOP_K`` most likely next tokens and their log-probabilities at each position, and where the answer
-    starts."""
-    out = []
-    for n, row in enumerate(answers):
-        ids = torch.tensor(row["prompt"] + row["answer"], device=device)
-        logits, features = layer_outputs(model, ids[None], aux_layers)
-        top = torch.log_softmax(logits[0].float(), dim=-1).topk(TOP_K, dim=-1)
-        out.append(
-            {
-                "tokens": ids.cpu(),
-                "features": features.to(torch.bfloat16).cpu(),
-                "top_ids": top.indices.to(torch.int32).cpu(),
-                "top_logp": top.values.to(torch.float16).cpu(),
-                "start": len(row["prompt"]),
-                "index": row["index"],
-                "sample": row.get("sample", 0),
-            }
-        )
-        if n % 16 == 0 or n == len(answers) - 1:
-            emit("features", done=n + 1, total=len(answers))
-    return out
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
 
 
 def _vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
@@ -350,39 +352,39 @@ def _vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
 # ---- the objective -------------------------------------------------------------------------------------------------
 
 
-def _targets(head: EagleHead, example: dict, steps: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per step j: the draft ids to predict for rows i (``tokens[i + 2 + j]``) and which rows count (inside the
-    answer, and in the draft vocabulary)."""
+def _targets(head: EagleHead, example: dict, steps: int, first: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step j: the draft ids to predict for the rows of indices i >= ``first`` (``tokens[i + 2 + j]``) and which
+    rows count (inside the answer, and in the draft vocabulary)."""
     tokens = example["tokens"].to(device)
     ids = head.draft_ids(tokens)
     out = []
     for j in range(steps):
-        target = ids[2 + j :]
-        rows = torch.arange(target.shape[0], device=device)
+        target = ids[first + 2 + j :]
+        rows = torch.arange(target.shape[0], device=device) + first
         counted = (target >= 0) & (rows + 2 + j >= example["start"])
         out.append((target.clamp(min=0), counted))
     return out
 
 
+def _first(example: dict) -> int:
+    """The first index whose drafts land in the answer: the prompt's indices only give the keys drafts attend to."""
+    return max(0, example["start"] - 2)
+
+
 def _loss(head: EagleHead, example: dict, steps: int) -> torch.Tensor | None:
-    """Cross-entropy of each draft step against the target's own distribution at that position (its ``TOP_K``
-    tokens within the draft vocabulary, renormalised), step j weighted ``STEP_WEIGHT ** j``. Every position
-    counts, the prompt's too: what the target would say there is as much the target as its answers are."""
+    """Cross-entropy of each draft step against the token the target produced there (its greedy choice, or its
+    sample at ``SAMPLE_TEMPERATURE``: in expectation, its distribution), over the answer, step j weighted
+    ``STEP_WEIGHT ** j``."""
     device = head.d2t.device
+    first = _first(example)
     tokens = example["tokens"].to(device)
-    logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps)
-    top_ids = head.draft_ids(example["top_ids"].to(device).long())  # [T, K], -1 outside the draft vocabulary
-    top_p = example["top_logp"].to(device).float().exp() * (top_ids >= 0)
+    logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps, first=first)
     total, weight = None, 0.0
-    for j, step_logits in enumerate(logits):
-        rows = step_logits.shape[0]
-        ids, p = top_ids[1 + j : 1 + j + rows], top_p[1 + j : 1 + j + rows]  # position i + 1 + j predicts i + 2 + j
-        mass = p.sum(-1, keepdim=True)
-        counted = mass[:, 0] > 0.05  # the target's likely tokens are drafted at all
+    for j, (step_logits, (target, counted)) in enumerate(zip(logits, _targets(head, example, steps, first, device))):
+        counted = counted[: step_logits.shape[0]]
         if not counted.any():
             continue
-        logq = torch.log_softmax(step_logits[counted], dim=-1).gather(-1, ids[counted].clamp(min=0))
-        ce = -((p[counted] / mass[counted]) * logq).sum(-1).mean()
+        ce = F.cross_entropy(step_logits[counted], target[: step_logits.shape[0]][counted])
         total = ce * STEP_WEIGHT**j if total is None else total + ce * STEP_WEIGHT**j
         weight += STEP_WEIGHT**j
     return None if total is None else total / weight
@@ -399,22 +401,17 @@ def evaluate(head: EagleHead, examples: list[dict], steps: int) -> dict:
     reached = [0] * steps
     positions = 0
     for example in examples:
+        first = _first(example)
         tokens = example["tokens"].to(device)
-        logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps)
-        targets = _targets(head, example, len(logits), device)
-        start = max(0, example["start"] - 2)  # rows whose first prediction lies in the answer
-        rows = targets[0][0].shape[0] - start
-        if rows <= 0:
+        logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps, first=first)
+        targets = _targets(head, example, len(logits), first, device)
+        rows = targets[0][0].shape[0]
+        if not logits or rows <= 0:
             continue
         alive = torch.ones(rows, dtype=torch.bool, device=device)
         for j, (step_logits, (target, counted)) in enumerate(zip(logits, targets)):
-            n = min(rows, step_logits.shape[0] - start)
-            if n <= 0:
-                break
-            right = (step_logits[start : start + n].argmax(-1) == target[start : start + n]) & counted[
-                start : start + n
-            ]
-            alive = alive[:n] & right
+            n = min(rows, step_logits.shape[0])
+            alive = alive[:n] & (step_logits[:n].argmax(-1) == target[:n]) & counted[:n]
             reached[j] += int(alive.sum())
         positions += rows
     head.train(was_training)

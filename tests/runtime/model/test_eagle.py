@@ -72,6 +72,19 @@ def test_training_time_test_is_what_drafting_computes():
                 torch.testing.assert_close(ttt[j][p], chain[j], atol=1e-5, rtol=1e-5)
 
 
+def test_drafting_only_from_later_indices_gives_the_same_logits_there():
+    # a prompt's indices give keys but no drafts (training counts answers only): the rows that draft are unchanged
+    head = tiny_head()
+    torch.manual_seed(2)
+    tokens = torch.randint(0, 50, (14,))
+    features = torch.randn(14, 96)
+    full = head.ttt_logits(tokens, features, 3)
+    for first in (1, 5):
+        part = head.ttt_logits(tokens, features, 3, first=first)
+        for j in range(3):
+            torch.testing.assert_close(part[j], full[j][first:], atol=1e-5, rtol=1e-5)
+
+
 def test_the_vocabulary_map_follows_speculators_convention():
     head = tiny_head(vocab=50, draft_vocab=5)
     head.set_vocabulary(torch.tensor([40, 3, 7, 0, 12]))

@@ -30,11 +30,7 @@ def patterned_examples(n: int, length: int = 40) -> list[dict]:
         tokens = torch.tensor([(start + i * step) % 40 for i in range(length)])
         features = torch.randn(length, 96, generator=gen) * 0.1
         features[:, step] += 3.0
-        # the "target" is sure of the next token: it leads each position's distribution
-        top_ids = torch.randint(0, 40, (length, 4), generator=gen)
-        top_ids[:-1, 0] = tokens[1:]
-        top_logp = torch.tensor([0.0, -20.0, -20.0, -20.0]).expand(length, 4)
-        out.append({"tokens": tokens, "features": features, "start": 4, "top_ids": top_ids, "top_logp": top_logp})
+        out.append({"tokens": tokens, "features": features, "start": 4})
     return out
 
 
@@ -137,7 +133,10 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4")
     assert code == 0, events
     kinds = [e["event"] for e in events]
-    assert "answers" in kinds and "features" in kinds and kinds[-1] == "done"
+    assert "answers" in kinds and kinds[-1] == "done"
+    shards = [row for shard in sorted((out / ".train").glob("answers-*.pt")) for row in torch.load(shard)]
+    assert len(shards) == 12 * 3  # a greedy and two sampled answers a prompt, each with the features it was read with
+    assert all(row["features"].shape == (len(row["tokens"]) - 1, 3 * 64) for row in shards)
     done = events[-1]
     assert len(done["acceptance"]) == 3 and done["mean_accepted"] >= 1.0
     assert speculators.is_head(out) and (out / "model.safetensors").exists()
