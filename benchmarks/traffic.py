@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/traffic.py                       # SmolLM2, every workload, 1 and 8 clients
     .venv/bin/python benchmarks/traffic.py --workload edit-loop --concurrency 1
+    .venv/bin/python benchmarks/traffic.py --workload chat,code --concurrency 1,8,16 --draft-head ./smol-head
 
 Workloads (greedy, chat template applied, ``--max-tokens`` each):
 
@@ -19,7 +20,10 @@ Workloads (greedy, chat template applied, ``--max-tokens`` each):
   not make faithful edits of the prompts' code (it rewrites and comments), so the prediction is built from its
   own plain answer, fixed per prompt; the plain row runs first to get it. Rows compare the prediction tracker
   before and after re-alignment, alone and over n-gram lookup;
-- ``chat``: open-ended chat, where nothing repeats: speculation must not cost anything here.
+- ``chat``: open-ended chat, where nothing repeats: speculation must not cost anything here;
+- ``code``: the code prompts (write a function, explain a snippet), open-ended too.
+
+``--draft-head DIR`` adds a row for an EAGLE-3 head trained for the model (``depctl draft train``), at K=``--head-k``.
 
 The "suffix" rows share one index across clients (``--suffix-scope deployment``); "suffix, scoped per user" gives
 every client its own ``user`` (the default ``--suffix-scope user``), so a client drafts only from its own earlier
@@ -54,7 +58,7 @@ from typing import Callable, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from depctl.spec import DeploymentSpec, NgramSpeculation  # noqa: E402
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
 from depctl_runtime.speculation import (
     EngineConfig,
@@ -65,6 +69,7 @@ from depctl_runtime.speculation import (
     SuffixProposer,
     Tenant,
 )  # noqa: E402
+from depctl_runtime.speculation.eagle import EagleProposer  # noqa: E402
 from depctl_runtime.speculation.proposers import PredictionTracker  # noqa: E402
 
 PROMPTS = prompts_dir()
@@ -195,8 +200,8 @@ def workload(name: str) -> list[Client]:
     if name == "grounded-twice":
         prompts = [json.loads(line)["prompt"] for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()]
         return single(prompts + prompts)
-    if name == "chat":
-        return single([json.loads(line)["prompt"] for line in (PROMPTS / "chat.jsonl").read_text().splitlines()])
+    if name in ("chat", "code"):
+        return single([json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines()])
     if name == "multi-turn":
         return [conversation(script) for script in MULTI_TURN for _ in range(2)]
     if name == "edit-loop":
@@ -349,6 +354,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="--draft-token-count for n-gram and suffix")
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every row, interleaved; the median is shown")
+    parser.add_argument(
+        "--draft-head",
+        default=None,
+        metavar="DIR",
+        help="an EAGLE-3 head for the model (depctl draft train): its rows join every workload's table",
+    )
+    parser.add_argument("--head-k", type=int, default=4, help="--draft-token-count for the head")
     args = parser.parse_args()
 
     from depctl_runtime.backends.loader import load_deployment
@@ -362,13 +374,21 @@ def main() -> None:
         max_batch_size=rows,
         speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k),
     )
+    if args.draft_head:  # the target's passes then return the head's layers for every row (plain ones too)
+        spec = spec.model_copy(
+            update={"speculation": DraftModelSpeculation(draft_model=args.draft_head, num_draft_tokens=args.head_k)}
+        )
     loaded = load_deployment(spec)
     ngram_engine, tok = loaded.engine, loaded.tokenizer
+    head = getattr(ngram_engine.proposer, "head", None)
 
     def fresh(proposer, tracker=PredictionTracker) -> SpeculativeEngine:
         """An engine over the same target (and its calibration) with another proposer: a new suffix index."""
-        e = SpeculativeEngine(ngram_engine.target, proposer, EngineConfig(**vars(ngram_engine.config)), tracker)
+        k = args.head_k if isinstance(proposer, EagleProposer) else args.k
+        config = EngineConfig(**{**vars(ngram_engine.config), "num_draft_tokens": k})
+        e = SpeculativeEngine(ngram_engine.target, proposer, config, tracker)
         e.policy.verify_cost.samples = dict(ngram_engine.policy.verify_cost.samples)
+        e.policy.draft_cost.samples = dict(ngram_engine.policy.draft_cost.samples)  # the head's, where one is loaded
         return e
 
     print(
@@ -389,6 +409,8 @@ def main() -> None:
                 ("suffix", "suffix", True, None),
                 ("suffix, scoped per user", "suffix-user", True, None),
             ]
+            if head is not None:
+                configs.append((f"EAGLE head (K={args.head_k})", "head", True, None))
             if name == "predicted-edits":
                 configs = [
                     ("plain", "ngram", False, None),
@@ -421,6 +443,7 @@ def main() -> None:
                             "ngram": lambda: NgramProposer(args.ngram),
                             "suffix": lambda: SuffixProposer(1 << 20, "deployment"),
                             "suffix-user": lambda: SuffixProposer(1 << 20, "user"),
+                            "head": lambda: EagleProposer(head, rows, ngram_engine.target.vocab_size),
                             None: lambda: None,
                         }[proposer](),
                         trackers.get(prediction, PredictionTracker),

@@ -110,8 +110,8 @@ def train(
         f"{', '.join(f'{a:.0%}' for a in result['acceptance'])}, mean accepted length {result['mean_accepted']:.2f}",
     )
     output.message(
-        f"vLLM serves it as an EAGLE-3 speculator: --speculative-config "
-        f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": {steps}}}\''
+        f"Serve it: depctl deployment create {target} --draft-model {out} --draft-token-count {steps}  "
+        "(vLLM loads the same directory as its eagle3 method)"
     )
 
 

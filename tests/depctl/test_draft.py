@@ -27,7 +27,8 @@ def test_train_writes_a_head_and_says_how_to_serve_it(tiny_model_dir, tmp_path):
     result = run(*args, "--max-tokens", "16", "--draft-vocab", "64", "--steps", "2", "--no-compile")
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert f"Trained {out}" in text and "mean accepted length" in text and '"method": "eagle3"' in text
+    assert f"Trained {out}" in text and "mean accepted length" in text
+    assert f"depctl deployment create {tiny_model_dir} --draft-model {out} --draft-token-count 2" in text
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
 
 
