@@ -135,6 +135,8 @@ class DeploymentSpec(_Strict):
     # seconds a deployment stays loaded with nothing to do before the daemon frees its memory; the next request
     # loads it again (ollama's keep_alive). None: loaded for good.
     keep_alive: float | None = Field(None, gt=0)
+    # keep the prompts it serves (depctl.recordings) to train a draft head on them; changes apply without a reload
+    record_prompts: bool = False
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 

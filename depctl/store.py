@@ -18,7 +18,7 @@ import yaml
 from filelock import FileLock
 from pydantic import ValidationError
 
-from depctl import config
+from depctl import config, recordings
 from depctl.errors import ConflictError, NotFoundError, SpecError, UsageError
 from depctl.spec import DeploymentSpec, check_deployment_id
 
@@ -150,6 +150,7 @@ class SpecStore:
                     f"deployment {deployment_id!r} not found", "list deployments with `depctl deployment list`"
                 )
             path.unlink()
+            recordings.delete(deployment_id)  # the prompts it recorded go with it
 
     def _write(self, path: Path, spec: DeploymentSpec) -> None:
         text = yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False)

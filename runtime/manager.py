@@ -156,7 +156,7 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec, k_in_place: bool = 
     weights or a new proposer."""
 
     def key(spec: DeploymentSpec) -> dict:
-        fields = spec.model_dump(exclude={"display_name", "keep_alive", "created_at", "updated_at"})
+        fields = spec.model_dump(exclude={"display_name", "keep_alive", "record_prompts", "created_at", "updated_at"})
         if k_in_place:
             fields["speculation"].pop("num_draft_tokens", None)
         return fields

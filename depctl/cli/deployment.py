@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from rich.table import Table
 from rich.text import Text
 
-from depctl import models, output
+from depctl import models, output, recordings
 from depctl import spec as spec_module
 from depctl.cli._common import connect, handle_errors
 from depctl.errors import DepctlError, UsageError
@@ -164,6 +164,11 @@ KEEP_ALIVE = typer.Option(
     metavar="DURATION",
     help="Free the deployment's memory after it has been idle this long (30s, 10m, 2h); the next request loads it "
     "again and waits for it. forever (the default) keeps it loaded. Applies without a reload.",
+)
+RECORD_HELP = (
+    "Keep the prompts this deployment serves (chat messages up to the last user turn, completion prompts; never "
+    "answers), to train a draft head on its traffic: depctl draft train MODEL --from-deployment ID. Kept under the "
+    "depctl home, deleted with the deployment. Applies without a reload."
 )
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", metavar="SECONDS", min=1.0, help="Seconds to wait with --wait.")
 OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]", help="table, json or yaml.")
@@ -374,6 +379,9 @@ def _detail_table(r: dict) -> Table:
         )
     if status.get("reason"):
         rows.append(("Reason", status["reason"]))
+    if r.get("record_prompts") or recordings.path(r["id"]).exists():
+        state = "on" if r.get("record_prompts") else "off"
+        rows.append(("Prompt recording", f"{state}, {recordings.count(r['id'])} prompts in {recordings.path(r['id'])}"))
     if r.get("keep_alive"):
         rows.append(("Keep alive", f"{describe_duration(r['keep_alive'])}, then unloaded until the next request"))
     recent = status.get("recent")
@@ -526,6 +534,7 @@ def create(
     pipeline_parallel_size: int = _parallel_option("--pipeline-parallel-size", 1, PP_WHAT),
     ray_address: Optional[str] = RAY,
     keep_alive: Optional[str] = KEEP_ALIVE,
+    record_prompts: bool = typer.Option(False, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     validate_only: bool = typer.Option(
         False, "--validate-only", help="Print the spec that would be written; write nothing."
     ),
@@ -569,6 +578,7 @@ def create(
             pipeline_parallel_size=pipeline_parallel_size,
             ray_address=ray_address or None,
             keep_alive=parse_duration(keep_alive) if keep_alive is not None else None,
+            record_prompts=record_prompts,
         )
     )
     _check_device(spec.device, spec.engine)
@@ -636,6 +646,7 @@ def update(
     pipeline_parallel_size: Optional[int] = _parallel_option("--pipeline-parallel-size", None, PP_WHAT),
     ray_address: Optional[str] = RAY,
     keep_alive: Optional[str] = KEEP_ALIVE,
+    record_prompts: Optional[bool] = typer.Option(None, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
     fmt: Format = OUTPUT,
@@ -668,6 +679,7 @@ def update(
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
         "ray_address": ray_address,
+        "record_prompts": record_prompts,
     }
     others = {k: v for k, v in others.items() if v is not None}
     if keep_alive is not None:
@@ -681,7 +693,7 @@ def update(
             "--draft-token-count, --suffix-cache-tokens, --suffix-scope, --draft-precision, "
             "--disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, --quantization, "
             "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
-            "--pipeline-parallel-size, --ray-address or --keep-alive",
+            "--pipeline-parallel-size, --ray-address, --keep-alive or --record-prompts/--no-record-prompts",
         )
     checked = _checked(
         lambda: DeploymentSpec.model_validate(

@@ -15,9 +15,10 @@ from typing import Optional
 
 import typer
 
-from depctl import output
+from depctl import models, output, recordings
 from depctl.cli._common import handle_errors
 from depctl.errors import DepctlError, UsageError
+from depctl.store import SpecStore
 
 app = typer.Typer(help="Draft heads trained for a target (EAGLE-3).", no_args_is_help=True)
 
@@ -36,6 +37,12 @@ def train(
         help='Prompts ({"prompt": ...}) or conversations ({"messages": [...]}), one a line; the target answers '
         "them. Default: the prompt set that ships with depctl (chat, instructions, code).",
     ),
+    from_deployment: Optional[str] = typer.Option(
+        None,
+        "--from-deployment",
+        metavar="ID",
+        help="Train on the prompts deployment ID has served (it records them with --record-prompts).",
+    ),
     minutes: float = typer.Option(30.0, "--minutes", min=0.1, help="The whole run's time budget, answers included."),
     draft_vocab: int = typer.Option(
         8192, "--draft-vocab", min=16, help="Tokens the head predicts: the answers' most frequent."
@@ -53,6 +60,10 @@ def train(
     ),
 ) -> None:
     """Train an EAGLE-3 head for TARGET from its own answers; stop with Ctrl-C and run the same command to resume."""
+    if data is not None and from_deployment is not None:
+        raise UsageError("--data and --from-deployment cannot be used together", "give one of them")
+    if from_deployment is not None:
+        data = _recorded_prompts(from_deployment, target)
     if data is not None and not data.is_file():
         raise UsageError(f"--data {data}: no such file", 'give a JSONL file of {"prompt": "..."} lines')
     cmd = [sys.executable, "-m", "depctl_runtime.training", target, "--out", str(out), "--minutes", str(minutes)]
@@ -113,6 +124,25 @@ def train(
         f"Serve it: depctl deployment create {target} --draft-model {out} --draft-token-count {steps}  "
         "(vLLM loads the same directory as its eagle3 method)"
     )
+
+
+def _recorded_prompts(deployment_id: str, target: str) -> Path:
+    """The prompts deployment ``deployment_id`` recorded, after checking it serves TARGET and recorded some."""
+    spec = SpecStore().get(deployment_id)
+    if models.resolve(spec.model, "MODEL") != models.resolve(target, "TARGET"):
+        raise UsageError(
+            f"--from-deployment {deployment_id} serves {spec.model}, not {target}: a head learns the model it drafts "
+            "for from that model's traffic",
+            f"depctl draft train {spec.model} --from-deployment {deployment_id} --out DIR",
+        )
+    if recordings.count(deployment_id) == 0:
+        state = "records prompts but has served none yet" if spec.record_prompts else "does not record prompts"
+        raise UsageError(
+            f"--from-deployment {deployment_id}: the deployment {state}",
+            f"turn recording on with `depctl deployment update {deployment_id} --record-prompts`, send it traffic, "
+            "then train",
+        )
+    return recordings.path(deployment_id)
 
 
 def _train_line(event: dict) -> str:

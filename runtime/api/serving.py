@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from depctl import recordings
 from depctl.settings import Settings
 from depctl.spec import describe_speculation
 from depctl_runtime.api.errors import APIError
@@ -36,6 +38,8 @@ from depctl_runtime.api.tools import check_tool_support, history, tool_constrain
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from depctl_runtime.manager import DeploymentManager, State
 from depctl_runtime.speculation import GenerationParams, Tenant
+
+log = logging.getLogger("depctl.serving")
 
 SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with the previous engine
 
@@ -118,6 +122,7 @@ class Service:
         self.settings = settings or Settings()
         self.stopping = False
         self._cut: asyncio.Future | None = None  # resolves when the drain time is up: running requests end
+        self._full: set[str] = set()  # deployments whose prompt recording is full (said once in the log)
 
     # ---- stopping ----
     def begin_drain(self, timeout: float) -> None:
@@ -187,9 +192,12 @@ class Service:
                     param="prompt",
                     code="invalid_value",
                 )
-        return self._job(
+        job = self._job(
             "text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, (), req.constraint(), key
         )
+        if isinstance(prompt, str):
+            self._record(dep_id, {"prompt": prompt})
+        return job
 
     def chat_job(self, req: ChatCompletionRequest, key: str = "") -> Job:
         req.check_supported()
@@ -211,7 +219,23 @@ class Service:
         )
         if req.calling_tools:
             job.tools = frozenset(t.function.name for t in req.tools)
+        self._record(dep_id, recordings.chat_example(req.messages))
         return job
+
+    def _record(self, dep_id: str, example: dict | None) -> None:
+        """Keep a request's prompt where the deployment's owner turned recording on (a request that was refused is
+        never kept: this runs once its job is built)."""
+        dep = self.manager.get(dep_id)
+        if example is None or dep is None or dep.spec is None or not dep.spec.record_prompts:
+            return
+        try:
+            if not recordings.record(dep_id, example) and dep_id not in self._full:
+                self._full.add(dep_id)
+                log.warning(
+                    "%s: its prompt recording is full (%s); no more prompts are kept", dep_id, recordings.path(dep_id)
+                )
+        except OSError as exc:  # a full disk must not fail the request
+            log.warning("%s: recording a prompt failed: %s", dep_id, exc)
 
     def tokenize(self, req: TokenizeRequest) -> dict:
         dep_id, backend = self.deployment(req.model)

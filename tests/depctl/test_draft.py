@@ -6,7 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
+from depctl import recordings
 from depctl.cli import app
+from depctl.spec import DeploymentSpec
+from depctl.store import SpecStore
 
 
 def run(*args: str):
@@ -37,3 +40,22 @@ def test_a_trainer_error_is_shown_as_the_commands_error(tmp_path):
     data.write_text('{"prompt": "only one"}\n')
     result = run("draft", "train", "smollm2-135m-instruct", "--out", str(tmp_path / "h"), "--data", str(data))
     assert result.exit_code == 2 and "too few to hold some out" in " ".join(result.output.split()), result.output
+
+
+def test_from_deployment_trains_on_what_it_recorded_and_says_what_is_missing(depctl_home, tiny_model_dir, tmp_path):
+    store = SpecStore()
+    store.create(DeploymentSpec(id="served", model=str(tiny_model_dir)))
+    out = tmp_path / "head"
+    args = ["draft", "train", str(tiny_model_dir), "--out", str(out), "--from-deployment", "served"]
+    result = run(*args)
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "does not record prompts" in text and "depctl deployment update served --record-prompts" in text
+    result = run("draft", "train", "smollm2-135m-instruct", "--out", str(out), "--from-deployment", "served")
+    assert result.exit_code == 2 and "serves" in result.output and "not smollm2-135m-instruct" in result.output
+    for i in range(12):
+        recordings.record("served", {"messages": [{"role": "user", "content": f"tell me about {i}"}]})
+    fast = ["--minutes", "0.25", "--max-tokens", "16", "--draft-vocab", "64", "--steps", "2", "--no-compile"]
+    result = run(*args, *fast)
+    assert result.exit_code == 0, result.output
+    assert f"Trained {out}" in " ".join(result.output.split())

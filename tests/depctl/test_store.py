@@ -8,6 +8,7 @@ import os
 import pytest
 import yaml
 
+from depctl import recordings
 from depctl.errors import ConflictError, NotFoundError, SpecError, UsageError
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
 from depctl.store import SpecStore, parse_spec
@@ -39,6 +40,7 @@ def test_round_trip_keeps_only_intent(depctl_home):
         "pipeline_parallel_size",
         "ray_address",
         "keep_alive",
+        "record_prompts",
         "created_at",
         "updated_at",
     }
@@ -56,6 +58,22 @@ def test_create_clash_and_missing(depctl_home):
         store.delete("b")
     with pytest.raises(UsageError):
         store.get("../etc/passwd")
+
+
+def test_a_deployments_recorded_prompts_go_with_it(depctl_home):
+    store = SpecStore()
+    store.create(make(record_prompts=True))
+    assert recordings.record("a", {"prompt": "hi"}) and recordings.count("a") == 1
+    assert oct(recordings.path("a").stat().st_mode & 0o777) == "0o600"  # users' text: the owner's eyes only
+    store.delete("a")
+    assert not recordings.path("a").exists()
+
+
+def test_a_full_recording_keeps_no_more(depctl_home, monkeypatch):
+    monkeypatch.setattr(recordings, "MAX_BYTES", 40)
+    assert recordings.record("a", {"prompt": "0123456789"})
+    assert not recordings.record("a", {"prompt": "0123456789012345678901234567890"})
+    assert recordings.count("a") == 1
 
 
 def test_update_revalidates_and_bumps_updated_at(depctl_home):

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import TOOLS_TEMPLATE, save_tiny
+from tests.tiny import TOOLS_TEMPLATE, save_tiny, save_tiny_head
 
 GREEDY = {"temperature": 0}
 
@@ -48,6 +48,15 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
             speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
         )
     )
+    head = save_tiny_head(tmp_path_factory.mktemp("head") / "head", tiny_model_dir)
+    store.create(
+        DeploymentSpec(
+            id="eagle",
+            model=str(tiny_model_dir),
+            compile=False,
+            speculation=DraftModelSpeculation(draft_model=str(head), num_draft_tokens=3),
+        )
+    )
     store.create(DeploymentSpec(id="broken", model=str(tiny_model_dir / "missing")))
     with_tools = save_tiny(
         tmp_path_factory.mktemp("with-tools"), seed=0, chat_template=TOOLS_TEMPLATE, max_positions=2048
@@ -66,7 +75,7 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "suffix", "drafted", "broken", "small", "long", "tools"):
+    for dep in ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -166,9 +175,28 @@ def test_all_deployments_agree_greedily(client):
     # speculation never changes greedy output: n-gram and draft-model deployments equal the plain one
     texts = {
         dep: client.completions.create(model=dep, prompt="hello hello hello", max_tokens=30, **GREEDY).choices[0].text
-        for dep in ("plain", "ngram", "suffix", "drafted")
+        for dep in ("plain", "ngram", "suffix", "drafted", "eagle")
     }
-    assert texts["ngram"] == texts["plain"] == texts["drafted"] == texts["suffix"]
+    assert texts["ngram"] == texts["plain"] == texts["drafted"] == texts["suffix"] == texts["eagle"]
+
+
+def test_prompts_are_recorded_only_while_the_owner_turns_recording_on(client, daemon):
+    store = SpecStore(daemon.home / "deployments")
+    recording = daemon.home / "recordings" / "small.jsonl"
+    ask = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a colour"}]
+    client.chat.completions.create(model="small", messages=ask, max_tokens=2)
+    assert not recording.exists()
+    store.update("small", lambda s: s.model_copy(update={"record_prompts": True}))
+    daemon.post("/depctl/v1/reconcile")
+    assert daemon.wait_state("small")["state"] == "READY"  # applied in place: nothing reloads
+    client.chat.completions.create(model="small", messages=ask, max_tokens=2)
+    client.completions.create(model="small", prompt="once upon a time", max_tokens=2)
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    assert lines == [{"messages": ask}, {"prompt": "once upon a time"}]  # never the answers
+    store.update("small", lambda s: s.model_copy(update={"record_prompts": False}))
+    daemon.post("/depctl/v1/reconcile")
+    client.chat.completions.create(model="small", messages=ask, max_tokens=2)
+    assert len(recording.read_text().splitlines()) == 2
 
 
 def test_firectl_model_form(client, tiny_model_dir):
