@@ -196,12 +196,13 @@ def predicted(prompt: str, prediction: str) -> Client:
     return run
 
 
-def workload(name: str) -> list[Client]:
+def workload(name: str, concurrency: int = 1) -> list[Client]:
     if name == "grounded-twice":
         prompts = [json.loads(line)["prompt"] for line in (PROMPTS / "grounded.jsonl").read_text().splitlines()]
         return single(prompts + prompts)
-    if name in ("chat", "code"):
-        return single([json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines()])
+    if name in ("chat", "code"):  # cycled to twice the clients, so every client stays busy (suffix rows see repeats)
+        prompts = [json.loads(line)["prompt"] for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines()]
+        return single([prompts[i % len(prompts)] for i in range(max(len(prompts), 2 * concurrency))])
     if name == "multi-turn":
         return [conversation(script) for script in MULTI_TURN for _ in range(2)]
     if name == "edit-loop":
@@ -431,7 +432,7 @@ def main() -> None:
                     (f"{ngram_label} + prediction, re-aligning", "ngram", True, "realign"),
                     ("suffix + prediction, re-aligning", "suffix", True, "realign"),
                 ]
-            clients = workload(name)
+            clients = workload(name, c)
             trackers = {"first": FirstMismatchTracker, "legacy": LegacyTracker}
             runs: dict[str, list[Result]] = {label: [] for label, *_ in configs}
             for _ in range(args.rounds):  # rounds interleave the rows, so a slow minute hits all of them alike

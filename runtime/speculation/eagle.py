@@ -32,7 +32,11 @@ from depctl_runtime.speculation.proposers import ModelDrafts, draft_loop
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, max_rows: int, vocab_size: int, steady_catch_up: int = 5):
+    # a catch-up on up to K + 1 positions is a few more rows of the q/k/v products: a drafting step's cost, whatever K
+    # (only a prompt's, hundreds of positions, says nothing of what drafting costs)
+    steady_catch_up = 17
+
+    def __init__(self, head: EagleHead, max_rows: int, vocab_size: int):
         self.head = head
         self.dtype = head.norm.weight.dtype  # (its linears may be packed: the norms never are)
         self.device = head.norm.weight.device
@@ -44,7 +48,6 @@ class EagleProposer:
         self.values = torch.zeros_like(self.keys)
         self.lengths = [0] * max_rows  # entries per row: indices 0..length-1
         self.waiting: list[tuple[int, torch.Tensor] | None] = [None] * max_rows  # (first position, features [n, F])
-        self.steady_catch_up = steady_catch_up  # the last accepted token and up to K drafts: set with K
         ids = head.target_ids
         self._columns = ids[ids < vocab_size]  # draft ids past the target's real vocabulary never draft
         self._draft_cols = torch.nonzero(ids < vocab_size).flatten()

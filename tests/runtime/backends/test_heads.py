@@ -11,6 +11,8 @@ from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
 from tests.tiny import save_tiny_head
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
+
 
 @pytest.fixture(scope="module")
 def head_dir(tiny_model_dir, tmp_path_factory):
@@ -61,3 +63,18 @@ def test_deployment_status_counts_the_head_and_names_its_layers(tiny_model_dir, 
     loaded = load_deployment(spec_with(tiny_model_dir, head_dir, compile=False), calibrate=True)
     snapshot = loaded.engine.policy.snapshot()
     assert snapshot["draft_ms"]  # the head's step is priced like a draft model's forward
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_head_drafts_on_a_gpu_through_cuda_graphs_and_the_output_is_the_targets(tiny_model_dir, head_dir):
+    loaded = load_deployment(
+        spec_with(tiny_model_dir, head_dir, max_batch_size=3).model_copy(update={"device": "cuda"})
+    )
+    engine = loaded.engine
+    assert engine.target.fast_pass is not None, loaded.compiled  # graphs recorded with the head's layers
+    engine.policy.adaptive = False
+    got = Scheduler(engine, 3, prefill_chunk=8).run_all(PROMPTS, PARAMS)
+    plain = load_deployment(DeploymentSpec(id="p", model=str(tiny_model_dir), device="cuda"), calibrate=False)
+    assert got == Scheduler(plain.engine, 3).run_all(PROMPTS, PARAMS)
+    assert engine.stats.num_draft_tokens > 0

@@ -61,6 +61,24 @@ def test_the_fixed_shape_pass_computes_what_the_eager_pass_computes():
     assert [fixed.length(r) for r in range(3)] == [eager.length(r) for r in range(3)] == [14, 6, 46]
 
 
+def test_the_fixed_shape_pass_returns_the_layer_features_of_the_real_tokens():
+    # an EAGLE head drafts from them: the padded grid's features are dropped, the stream's kept in order
+    model = fused()
+    eager = ModelRunner(model, max_rows=4, features=(0, 1, 1))
+    eager.forward(0, [[0]], prefill=True)
+    eager.set_length(0, 0)
+    fixed = eager.with_pass(FixedShapePass(model, eager.cache, 4, (5,), capture=False, features=(0, 1, 1)))
+    for row, prompt in enumerate(PROMPTS[:3]):
+        fixed.forward(row, [prompt], prefill=True)
+    ragged = [[4, 8, 15], [6], [7, 7, 7, 7, 7]]
+    got = fixed.score(0, ragged).features  # [9, 3 * hidden]
+    for row, prompt in enumerate(PROMPTS[:3]):
+        fixed.set_length(row, len(prompt))
+    expected = eager.score(0, ragged).features
+    assert got.shape == expected.shape == (9, 3 * model.config.hidden_size)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_padding_writes_only_to_the_scratch_row():
     model = fused()
     fixed = runner(model)

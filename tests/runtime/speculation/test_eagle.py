@@ -94,10 +94,12 @@ def test_mixed_rows_sampled_plain_and_greedy_stay_exact_and_seeded_rows_reproduc
         (0, PROMPTS[1], GREEDY),
         (1, PROMPTS[2], sampled),
         (3, PROMPTS[4], GREEDY),
+        # a predicted output drafts first; where the output leaves it, the head drafts
+        (4, PROMPTS[5], GenerationParams(max_tokens=20, ignore_eos=True, prediction=(9, 9, 9, 1, 2, 3))),
     ]
     got, _ = drive(Scheduler(engine(fused, head, 4), 4, prefill_chunk=8), arrivals)
     plain, _ = drive(Scheduler(engine(fused, None, 4), 4, prefill_chunk=8), arrivals)
-    for i in (0, 1, 3):
+    for i in (0, 1, 3, 4):
         assert got[i] == plain[i], i
     again, _ = drive(Scheduler(engine(fused, head, 4), 4, prefill_chunk=8), arrivals)
     assert again[2] == got[2]

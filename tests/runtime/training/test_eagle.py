@@ -17,6 +17,7 @@ from depctl_runtime.training.eagle import _loss, evaluate
 from tests.runtime.model.test_eagle import tiny_head
 
 ROOT = Path(__file__).resolve().parents[3]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
 
 
 def patterned_examples(n: int, length: int = 40) -> list[dict]:
@@ -157,3 +158,12 @@ def test_train_refuses_a_target_without_a_chat_template(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(12)))
     code, events = _train(model, tmp_path / "head", data, "--minutes", "0.2")
     assert code == 2 and events[-1]["event"] == "error" and "no chat template" in events[-1]["message"], events
+
+
+@pytest.mark.gpu
+@cuda
+def test_train_runs_on_a_gpu(tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(12)))
+    code, events = _train(tiny_model_dir, tmp_path / "head", data, "--minutes", "0.3", "--device", "cuda")
+    assert code == 0 and events[-1]["event"] == "done", events
