@@ -362,6 +362,11 @@ def main() -> None:
         help="an EAGLE-3 head for the model (depctl draft train): its rows join every workload's table",
     )
     parser.add_argument("--head-k", type=int, default=4, help="--draft-token-count for the head")
+    parser.add_argument(
+        "--methods",
+        default="plain,ngram,suffix,suffix-user,head",
+        help="the rows of the chat, code, grounded-twice and multi-turn tables (plain always runs: the baseline)",
+    )
     args = parser.parse_args()
 
     from depctl_runtime.backends.loader import load_deployment
@@ -412,6 +417,8 @@ def main() -> None:
             ]
             if head is not None:
                 configs.append((f"EAGLE head (K={args.head_k})", "head", True, None))
+            wanted = set(args.methods.split(",")) | {"plain"}
+            configs = [c for c in configs if (c[1] if c[2] else "plain") in wanted or c[3] is not None]
             if name == "predicted-edits":
                 configs = [
                     ("plain", "ngram", False, None),

@@ -53,10 +53,10 @@ class EagleProposer:
         self._draft_cols = torch.nonzero(ids < vocab_size).flatten()
 
     # ---- the rows, in step with the target's ----
-    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None:
+    def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
         self._wait(seq.row, start, features)
 
-    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None) -> None:
+    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None:
         """The verify pass read positions ``before - 1 ..``; ``features`` holds those of the accepted tokens."""
         self._wait(seq.row, before - 1, features)
 

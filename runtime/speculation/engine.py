@@ -119,7 +119,7 @@ class SpeculativeEngine:
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
         logits, features = self.target.prefill(seq.row, chunk)  # [1, vocab], [len(chunk), F] or None
         if self.draft_model is not None:
-            self.draft_model.prefilled(seq, seq.prefilled, features)
+            self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
         seq.prefilled += len(chunk)
         self.stats.prefill_seconds += time.perf_counter() - t0
         if seq.prefilled < seq.prompt_len:
@@ -161,8 +161,10 @@ class SpeculativeEngine:
             n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             logprobs = self._logprobs(seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop)))
-            features = None if scores.features is None else scores.features[rows.start : rows.start + n + 1]
-            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, features))
+            kept = slice(rows.start, rows.start + n + 1)  # the positions of the tokens this step accepted
+            features = None if scores.features is None else scores.features[kept]
+            read = (features, lambda kept=kept: scores.logits(kept))
+            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
@@ -327,15 +329,16 @@ class SpeculativeEngine:
         token: int,
         model_drafts,
         logprobs=None,
-        features: torch.Tensor | None = None,
+        read: tuple = (None, None),
     ) -> StepOutput:
-        """features: the target's layer features of the row's accepted positions [n + 1, F], where it takes them."""
+        """read: what the pass computed at the row's accepted positions, for a model proposer: the target's layer
+        features [n + 1, F] (where it takes them) and their logits [n + 1, vocab], computed when asked."""
         emitted = drafts[:n] + [token]
         before = len(seq.tokens)
         seq.tokens.extend(emitted)
         self.target.set_length(seq.row, len(seq.tokens) - 1)
         if self.draft_model is not None:
-            self.draft_model.accepted(seq, before, emitted, model_drafts, features)
+            self.draft_model.accepted(seq, before, emitted, model_drafts, *read)
         k = len(drafts)
         if k:
             guess.acceptance.observe(n, n + (1 if n < k else 0))

@@ -241,18 +241,24 @@ class ModelProposer(Protocol):
     """A proposer that runs a model per drafted token, batched over rows 0..B-1 (a draft model, an EAGLE head). It
     keeps state per row in step with the target's rows: ``accepted`` after each verify, ``prefilled`` after each prompt
     chunk (both for every running sequence, drafting or not, with the target's layer features of the positions the
-    pass read where it takes them), ``set_length`` when a row is cut (0: released), ``move_row`` when the scheduler
-    compacts rows."""
+    pass read, where it takes them, and their logits computed when asked: a prompt chunk's last position's only),
+    ``set_length`` when a row is cut (0: released), ``move_row`` when the scheduler compacts rows."""
 
     name: str
     steady_catch_up: int  # tokens a row catches up on in a step after a drafting step (costs are measured there)
 
     def propose(self, batch, width: int) -> ModelDrafts: ...
 
-    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None: ...
+    def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None: ...
 
     def accepted(
-        self, seq, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
+        self,
+        seq,
+        before: int,
+        emitted: list[int],
+        drafted: list[int] | None,
+        features: torch.Tensor | None,
+        logits=None,
     ) -> None: ...
 
     def set_length(self, row: int, length: int) -> None: ...
@@ -317,11 +323,17 @@ class DraftModelProposer:
     def move_row(self, src: int, dst: int) -> None:
         self.runner.move_row(src, dst)
 
-    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None:
+    def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
         pass  # a row's prompt is read when it first drafts
 
     def accepted(
-        self, seq, before: int, emitted: list[int], drafted: list[int] | None, features: torch.Tensor | None
+        self,
+        seq,
+        before: int,
+        emitted: list[int],
+        drafted: list[int] | None,
+        features: torch.Tensor | None,
+        logits=None,
     ) -> None:
         """The row's tokens were ``before`` long and grew by ``emitted``; the draft had fed them and its own
         ``drafted[:-1]``: it keeps those that the output agrees with."""

@@ -1,14 +1,30 @@
-"""The target's layer features, kept as depctl's engine answers the training prompts: no second pass over them.
+"""What the target computed while depctl's engine answered the training prompts: no second pass over them.
 
-The engine hands every running sequence's features to its model proposer (``prefilled`` for each prompt chunk,
-``accepted`` after each step: ``proposers.ModelProposer``). ``FeatureRecorder`` takes that place and never drafts (the
-answers are generated with speculation off), so a head learns from exactly the features a deployment of the same
-target, at the same precision, will give it.
+The engine hands every running sequence's layer features to its model proposer (``prefilled`` for each prompt chunk,
+``accepted`` after each step: ``proposers.ModelProposer``), with the logits of the same positions on request.
+``FeatureRecorder`` takes that place and never drafts (the answers are generated with speculation off). It keeps the
+features, at the precision a deployment of the same target runs (so a head learns exactly what it will be given),
+and the target's ``TOP_K`` most likely tokens with their log-probabilities from the last prompt position on: the
+distribution each answer position is drawn from, which a head learns more from than from the one token drawn.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+TOP_K = 16
+
+
+@dataclass
+class Recorded:
+    """One sequence's: features [positions read, F], and from its last prompt position on (row r: position
+    ``prompt_len - 1 + r``) the target's top tokens [rows, TOP_K] and their log-probabilities."""
+
+    features: list[torch.Tensor] = field(default_factory=list)
+    top_ids: list[torch.Tensor] = field(default_factory=list)
+    top_logp: list[torch.Tensor] = field(default_factory=list)
 
 
 class FeatureRecorder:
@@ -17,25 +33,42 @@ class FeatureRecorder:
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype  # kept at half size: an answer's features are [tokens, 3 * hidden]
-        self._parts: dict[int, list[torch.Tensor]] = {}  # sequence id -> its positions' features, in order
+        self._seqs: dict[int, Recorded] = {}
 
-    def prefilled(self, seq, start: int, features: torch.Tensor | None) -> None:
-        self._keep(seq, features)
+    def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
+        kept = self._keep(seq, features)
+        if start + features.shape[0] == seq.prompt_len and logits is not None:  # the prompt's last position
+            self._top(kept, logits())
 
-    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None) -> None:
-        self._keep(seq, features)
+    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None:
+        kept = self._keep(seq, features)
+        if logits is not None:
+            self._top(kept, logits())
 
-    def _keep(self, seq, features: torch.Tensor | None) -> None:
+    def _keep(self, seq, features: torch.Tensor | None) -> Recorded:
         if features is None:
             raise ValueError("the target runner takes no layer features: load it with the head's layers")
-        self._parts.setdefault(seq.id, []).append(features.to(device="cpu", dtype=self.dtype))
+        kept = self._seqs.setdefault(seq.id, Recorded())
+        kept.features.append(features.to(device="cpu", dtype=self.dtype))
+        return kept
 
-    def take(self, seq_id: int) -> torch.Tensor:
-        """A finished sequence's features [positions read, F]: every token but its last."""
-        return torch.cat(self._parts.pop(seq_id))
+    @staticmethod
+    def _top(kept: Recorded, logits: torch.Tensor) -> None:
+        top = torch.log_softmax(logits.float(), dim=-1).topk(TOP_K, dim=-1)
+        kept.top_ids.append(top.indices.to(device="cpu", dtype=torch.int32))
+        kept.top_logp.append(top.values.to(device="cpu", dtype=torch.float16))
+
+    def take(self, seq_id: int) -> dict:
+        """A finished sequence's ``features`` (every token but its last), ``top_ids`` and ``top_logp``."""
+        kept = self._seqs.pop(seq_id)
+        return {
+            "features": torch.cat(kept.features),
+            "top_ids": torch.cat(kept.top_ids),
+            "top_logp": torch.cat(kept.top_logp),
+        }
 
     def drop(self, seq_id: int) -> None:
-        self._parts.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
 
     def propose(self, batch, width: int):
         raise RuntimeError("the feature recorder never drafts: generate with speculation off")
@@ -50,4 +83,4 @@ class FeatureRecorder:
         pass
 
     def release(self) -> None:
-        self._parts.clear()
+        self._seqs.clear()

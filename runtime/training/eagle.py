@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from depctl_runtime.model import speculators
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
@@ -84,7 +83,7 @@ def train(opts: TrainOptions) -> dict:
     except LoadError as exc:
         raise DataError(str(exc)) from None
     device = pick_device(opts.device)
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     if not getattr(tokenizer, "chat_template", None):
@@ -94,8 +93,6 @@ def train(opts: TrainOptions) -> dict:
         )
     started = time.monotonic()
     budget = opts.minutes * 60
-    from transformers import AutoConfig
-
     config = EagleConfig.for_target(AutoConfig.from_pretrained(source), opts.draft_vocab)
     examples = _answers(
         opts, tokenizer, conversations, config.aux_layers, state_dir, started, budget * GENERATION_SHARE
@@ -299,9 +296,17 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
                         recorder.drop(seq.id)
                         continue
                     ids = prompt + answer
-                    features = recorder.take(seq.id)[: len(ids) - 1]  # a stop token was read, never kept
-                    row = {"index": i, "sample": s, "start": len(prompt), "tokens": torch.tensor(ids)}
-                    done[(i, s)] = {**row, "features": features}
+                    read = recorder.take(seq.id)
+                    n = len(ids) - 1  # positions whose next token is kept (a stop token was read, never kept)
+                    done[(i, s)] = {
+                        "index": i,
+                        "sample": s,
+                        "start": len(prompt),
+                        "tokens": torch.tensor(ids),
+                        "features": read["features"][:n],
+                        "top_ids": read["top_ids"][: n - len(prompt) + 1],  # from the prompt's last position
+                        "top_logp": read["top_logp"][: n - len(prompt) + 1],
+                    }
                     fresh.append(done[(i, s)])
                     if len(fresh) >= 32:
                         flush()
@@ -372,19 +377,30 @@ def _first(example: dict) -> int:
 
 
 def _loss(head: EagleHead, example: dict, steps: int) -> torch.Tensor | None:
-    """Cross-entropy of each draft step against the token the target produced there (its greedy choice, or its
-    sample at ``SAMPLE_TEMPERATURE``: in expectation, its distribution), over the answer, step j weighted
-    ``STEP_WEIGHT ** j``."""
+    """Cross-entropy of each draft step against the target's own distribution at that position (its ``TOP_K``
+    tokens within the draft vocabulary, renormalised) over the answer, step j weighted ``STEP_WEIGHT ** j``: the
+    distribution each token was drawn from teaches more than the one token drawn."""
     device = head.d2t.device
     first = _first(example)
     tokens = example["tokens"].to(device)
     logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps, first=first)
+    top_ids = head.draft_ids(example["top_ids"].to(device).long())  # [answer + 1, K], -1 outside the draft vocabulary
+    top_p = example["top_logp"].to(device).float().exp() * (top_ids >= 0)
+    base = example["start"] - 1  # the position of top_ids' first row
     total, weight = None, 0.0
-    for j, (step_logits, (target, counted)) in enumerate(zip(logits, _targets(head, example, steps, first, device))):
-        counted = counted[: step_logits.shape[0]]
+    for j, step_logits in enumerate(logits):
+        # row r (index i = first + r) predicts the token after position i + 1 + j: top row i + 1 + j - base
+        at = first + 1 + j - base
+        rows = min(step_logits.shape[0], top_ids.shape[0] - at)
+        if rows <= 0:
+            break
+        ids, p = top_ids[at : at + rows], top_p[at : at + rows]
+        mass = p.sum(-1, keepdim=True)
+        counted = mass[:, 0] > 0.05  # the target's likely tokens are drafted at all
         if not counted.any():
             continue
-        ce = F.cross_entropy(step_logits[counted], target[: step_logits.shape[0]][counted])
+        logq = torch.log_softmax(step_logits[:rows][counted], dim=-1).gather(-1, ids[counted].clamp(min=0))
+        ce = -((p[counted] / mass[counted]) * logq).sum(-1).mean()
         total = ce * STEP_WEIGHT**j if total is None else total + ce * STEP_WEIGHT**j
         weight += STEP_WEIGHT**j
     return None if total is None else total / weight

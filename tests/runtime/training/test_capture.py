@@ -33,7 +33,11 @@ def test_recorded_features_are_the_layer_outputs_at_each_position(tiny_model_dir
         scheduler.step()
     for seq in seqs:
         got = recorder.take(seq.id)
-        assert got.shape[0] == len(seq.tokens) - 1  # every token but the last was read
+        assert got["features"].shape[0] == len(seq.tokens) - 1  # every token but the last was read
         with torch.no_grad():
-            _, expected = layer_outputs(loaded.target.model, torch.tensor([seq.tokens]), layers)
-        torch.testing.assert_close(got, expected[:-1], atol=1e-4, rtol=1e-4)
+            logits, expected = layer_outputs(loaded.target.model, torch.tensor([seq.tokens]), layers)
+        torch.testing.assert_close(got["features"], expected[:-1], atol=1e-4, rtol=1e-4)
+        # the target's distribution from the prompt's last position on: what each answer token was drawn from
+        top = torch.log_softmax(logits[0, seq.prompt_len - 1 : -1], dim=-1).topk(16)
+        assert torch.equal(got["top_ids"][:, 0].long(), top.indices[:, 0])
+        torch.testing.assert_close(got["top_logp"].float(), top.values, atol=2e-2, rtol=1e-2)

@@ -31,7 +31,12 @@ def patterned_examples(n: int, length: int = 40) -> list[dict]:
         tokens = torch.tensor([(start + i * step) % 40 for i in range(length)])
         features = torch.randn(length, 96, generator=gen) * 0.1
         features[:, step] += 3.0
-        out.append({"tokens": tokens, "features": features, "start": 4})
+        # the "target" is sure of each next token: it leads the distribution kept from the prompt's last position on
+        start = 4
+        top_ids = torch.randint(0, 40, (length - start, 4), generator=gen)
+        top_ids[:, 0] = tokens[start:]
+        top_logp = torch.tensor([0.0, -20.0, -20.0, -20.0]).expand(length - start, 4)
+        out.append({"tokens": tokens, "features": features, "start": start, "top_ids": top_ids, "top_logp": top_logp})
     return out
 
 
@@ -138,6 +143,7 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     shards = [row for shard in sorted((out / ".train").glob("answers-*.pt")) for row in torch.load(shard)]
     assert len(shards) == 12 * 3  # a greedy and two sampled answers a prompt, each with the features it was read with
     assert all(row["features"].shape == (len(row["tokens"]) - 1, 3 * 64) for row in shards)
+    assert all(row["top_ids"].shape == (len(row["tokens"]) - row["start"], 16) for row in shards)
     done = events[-1]
     assert len(done["acceptance"]) == 3 and done["mean_accepted"] >= 1.0
     assert speculators.is_head(out) and (out / "model.safetensors").exists()
