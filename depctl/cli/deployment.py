@@ -380,8 +380,10 @@ def _detail_table(r: dict) -> Table:
     if status.get("reason"):
         rows.append(("Reason", status["reason"]))
     if r.get("record_prompts") or recordings.path(r["id"]).exists():
-        state = "on" if r.get("record_prompts") else "off"
-        rows.append(("Prompt recording", f"{state}, {recordings.count(r['id'])} prompts in {recordings.path(r['id'])}"))
+        state, kept = "on" if r.get("record_prompts") else "off", recordings.count(r["id"])
+        rows.append(
+            ("Prompt recording", f"{state}, {kept} prompt{'' if kept == 1 else 's'} in {recordings.path(r['id'])}")
+        )
     if r.get("keep_alive"):
         rows.append(("Keep alive", f"{describe_duration(r['keep_alive'])}, then unloaded until the next request"))
     recent = status.get("recent")

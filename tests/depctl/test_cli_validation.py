@@ -703,3 +703,25 @@ def test_get_shows_what_runs_the_matrix_products():
     assert "Matrix products" in text and "depctl blocked bf16 on AMX tiles x121" in text
     console.print(_detail_table({"id": "dep", "model": "m", "status": {"state": "STOPPED"}}))
     assert console.export_text().count("Matrix products") == 0  # nothing loaded: no row
+
+
+def test_get_shows_a_heads_layers_acceptance_per_position_and_recorded_prompts(depctl_home):
+    from rich.console import Console
+
+    from depctl import recordings
+    from depctl.cli.deployment import _detail_table
+
+    spec = DeploymentSpec(id="h", model="smollm2-135m-instruct", record_prompts=True).model_dump(mode="json")
+    recordings.record("h", {"prompt": "hi"})
+    stats = {
+        "requests": 2, "generated_tokens": 40, "acceptance_rate": 0.5, "mean_acceptance_length": 1.8,
+        "drafts": 10, "draft_tokens": 16, "accepted_tokens": 8,
+        "accepted_per_position": [6, 2], "drafted_per_position": [10, 6],
+    }  # fmt: skip
+    status = {"state": "READY", "stats": stats, "eagle_head": {"aux_layers": [2, 15, 27], "draft_vocab_size": 8192}}
+    console = Console(width=300, record=True)
+    console.print(_detail_table({**spec, "status": status}))
+    text = console.export_text()
+    assert "drafts from the target's layers 2, 15, 27, over its 8192 most used tokens" in text
+    assert "6 (60%), 2 (33%)" in text  # accepted at each position, of the drafts that reached it
+    assert f"on, 1 prompt in {recordings.path('h')}" in text
