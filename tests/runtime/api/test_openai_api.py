@@ -89,6 +89,7 @@ def client(daemon):
 def test_models_lists_ready_deployments(client):
     assert sorted(m.id for m in client.models.list()) == [
         "drafted",
+        "eagle",
         "long",
         "ngram",
         "plain",
