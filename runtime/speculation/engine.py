@@ -161,9 +161,11 @@ class SpeculativeEngine:
             n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
             # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
             logprobs = self._logprobs(seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop)))
-            kept = slice(rows.start, rows.start + n + 1)  # the positions of the tokens this step accepted
-            features = None if scores.features is None else scores.features[kept]
-            read = (features, lambda kept=kept: scores.logits(kept))
+            read = (None, None)
+            if self.draft_model is not None:  # what the pass computed at the positions of the tokens it accepted
+                kept = slice(rows.start, rows.start + n + 1)
+                features = None if scores.features is None else scores.features[kept]
+                read = (features, lambda kept=kept: scores.logits(kept))
             outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
