@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +19,7 @@ import typer
 from depctl import models, output, recordings
 from depctl.cli._common import handle_errors
 from depctl.errors import DepctlError, UsageError
+from depctl.spec import Quantization, check_quantization
 from depctl.store import SpecStore
 
 app = typer.Typer(help="Draft heads trained for a target (EAGLE-3).", no_args_is_help=True)
@@ -55,6 +57,13 @@ def train(
         3, "--samples", min=1, max=16, help="Answers per prompt: one greedy, the rest sampled (more to learn from)."
     ),
     device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]"),
+    quantization: Optional[str] = typer.Option(
+        None,
+        "--quantization",
+        metavar="[none|int8|int4]",
+        help="The target's weights while it answers: the --quantization the head's deployment will use, so the head "
+        "learns the features it will read. Default: the recorded deployment's with --from-deployment, else none.",
+    ),
     compile_passes: bool = typer.Option(
         True, "--compile/--no-compile", help="Compile the target's passes to answer faster."
     ),
@@ -64,11 +73,20 @@ def train(
         raise UsageError("--data and --from-deployment cannot be used together", "give one of them")
     if from_deployment is not None:
         data = _recorded_prompts(from_deployment, target)
+        if quantization is None:
+            quantization = SpecStore().get(from_deployment).quantization
+    quantization = quantization or "none"
+    if quantization not in typing.get_args(Quantization):
+        raise UsageError(f"--quantization {quantization!r} is not one of none, int8, int4", "give one of them")
+    try:
+        check_quantization(quantization, "auto", device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if data is not None and not data.is_file():
         raise UsageError(f"--data {data}: no such file", 'give a JSONL file of {"prompt": "..."} lines')
     cmd = [sys.executable, "-m", "depctl_runtime.training", target, "--out", str(out), "--minutes", str(minutes)]
     cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
-    cmd += ["--samples", str(samples)]
+    cmd += ["--samples", str(samples), "--quantization", quantization]
     cmd += ["--device", device] + ([] if compile_passes else ["--no-compile"])
     cmd += ["--data", str(data)] if data is not None else []
     (out / ".train").mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ class EagleProposer:
         self.keys = torch.zeros(max_rows, self.kv_heads, 0, self.dim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros_like(self.keys)
         self.lengths = [0] * max_rows  # entries per row: indices 0..length-1
-        self.waiting: list[tuple[int, torch.Tensor] | None] = [None] * max_rows  # (first position, features [n, F])
+        self.waiting: list[_Held | None] = [None] * max_rows
         ids = head.target_ids
         self._columns = ids[ids < vocab_size]  # draft ids past the target's real vocabulary never draft
         self._draft_cols = torch.nonzero(ids < vocab_size).flatten()
@@ -63,24 +63,20 @@ class EagleProposer:
     def _wait(self, row: int, start: int, features: torch.Tensor | None) -> None:
         if features is None:
             raise ValueError("an EAGLE head needs the target's layer features: the target runner must take them")
-        waiting = self.waiting[row]
-        if waiting is None:
-            self.waiting[row] = (start, features)
-            return
-        first, held = waiting
-        keep = start - first  # a position read again replaces what was held for it
-        self.waiting[row] = (first, torch.cat([held[:keep], features]))
+        held = self.waiting[row]
+        if held is None:
+            held = self.waiting[row] = _Held(start, features.new_empty(max(64, features.shape[0]), features.shape[1]))
+        held.put(start - held.first, features)  # a position read again replaces what was held for it
 
     def set_length(self, row: int, length: int) -> None:
         """The row's tokens were cut to ``length``: its entries past index length - 2 and features past position
         length - 1 no longer hold."""
         self.lengths[row] = min(self.lengths[row], max(length - 1, 0))
-        waiting = self.waiting[row]
-        if length == 0 or waiting is None:
+        held = self.waiting[row]
+        if length == 0 or held is None or length <= held.first:
             self.waiting[row] = None
             return
-        first, held = waiting
-        self.waiting[row] = (first, held[: max(length - first, 0)]) if length > first else None
+        held.count = min(held.count, length - held.first)
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
@@ -100,21 +96,21 @@ class EagleProposer:
         self._reserve(max(ends) + width)
         pending = []  # per row: (first index, tokens [m], features [m, F])
         for b, seq in enumerate(batch):
-            start = self.lengths[b]
-            first, held = self.waiting[b] or (start, self.keys.new_zeros(0, 0))
-            if first > start or first + held.shape[0] < ends[b] or start >= ends[b]:
+            start, held = self.lengths[b], self.waiting[b]
+            first, count = (held.first, held.count) if held is not None else (start, 0)
+            if first > start or first + count < ends[b] or start >= ends[b]:
                 raise RuntimeError(
-                    f"row {b}: entries 0..{start - 1} and features {first}..{first + held.shape[0] - 1} cannot draft "
+                    f"row {b}: entries 0..{start - 1} and features {first}..{first + count - 1} cannot draft "
                     f"after {ends[b] + 1} tokens: the engine skipped a prefilled() or accepted() call"
                 )
             tokens = torch.tensor(seq.tokens[start + 1 : ends[b] + 1], device=self.device)
-            pending.append((start, tokens, held[start - first : ends[b] - first]))
-            # the last index is caught up again next time: its query drafts d_1, and it is all a propose() reads
-            self.waiting[b] = (ends[b] - 1, held[ends[b] - 1 - first : ends[b] - first])
+            pending.append((start, tokens, held.buf[start - first : ends[b] - first]))
         caught_up = max(t.shape[0] for _, t, _ in pending)
         # catch up: keys and values for every waiting index of every row in one set of products
         tokens = torch.cat([t for _, t, _ in pending])
         fused = head.fuse(torch.cat([f for _, _, f in pending]).to(self.dtype))  # [M, hidden]
+        for b in range(len(batch)):  # the last index is caught up again next time: its query drafts d_1
+            self.waiting[b].keep_from(ends[b] - 1)
         positions = torch.cat([torch.arange(s, s + t.shape[0], device=self.device) for s, t, _ in pending])
         q, k, v, residual = head._qkv(tokens, fused, positions)  # q [heads, M, dim], k and v [kv_heads, M, dim]
         at, last = 0, []
@@ -122,7 +118,7 @@ class EagleProposer:
             m = t.shape[0]
             self.keys[b, :, start : start + m] = k[:, at : at + m]
             self.values[b, :, start : start + m] = v[:, at : at + m]
-            self.lengths[b] = start + m - 1  # see ``waiting`` above
+            self.lengths[b] = start + m - 1  # the last index is caught up again next time (below)
             at += m
             last.append(at - 1)
         # d_1: the last index of each row attends over its row (itself included)
@@ -194,3 +190,27 @@ class EagleProposer:
             cost.samples[b] = best
         self.lengths = [0] * len(self.lengths)
         self.waiting = [None] * len(self.waiting)
+
+
+class _Held:
+    """A row's target features from position ``first`` on, waiting for its next draft: a buffer that grows by
+    doubling, so a row that decodes plainly for a long while appends each step's features instead of copying all."""
+
+    def __init__(self, first: int, buf: torch.Tensor):
+        self.first, self.buf, self.count = first, buf, 0
+
+    def put(self, at: int, features: torch.Tensor) -> None:
+        """``features`` for positions ``first + at ..``; whatever was held from there on is dropped."""
+        end = at + features.shape[0]
+        if end > self.buf.shape[0]:
+            grown = self.buf.new_empty(max(end, 2 * self.buf.shape[0]), self.buf.shape[1])
+            grown[:at] = self.buf[:at]
+            self.buf = grown
+        self.buf[at:end] = features
+        self.count = end
+
+    def keep_from(self, position: int) -> None:
+        """Drop the features before ``position`` (their entries are in the head's cache now)."""
+        drop = position - self.first
+        self.buf[: self.count - drop] = self.buf[drop : self.count].clone()
+        self.first, self.count = position, self.count - drop

@@ -53,6 +53,7 @@ class TrainOptions:
     batch: int = 16
     lr: float = 5e-4
     device: str = "auto"
+    quantization: str = "none"  # the target's weights while it answers: train at the precision it will serve
     compile: bool = True  # compiled passes answer faster; the first build of a model takes a couple of minutes
     heldout: float = 0.1
     seed: int = 0
@@ -143,7 +144,12 @@ def train(opts: TrainOptions) -> dict:
         emit("stage", name=f"already trained for {trained / 60:.1f} minutes; raise --minutes to train longer")
 
     def save() -> None:
-        extra = {"trained_minutes": round(trained / 60, 2), "history": history, "examples": len(examples)}
+        extra = {
+            "trained_minutes": round(trained / 60, 2),
+            "history": history,
+            "examples": len(examples),
+            "target_quantization": opts.quantization,
+        }
         speculators.save(head, opts.out, verifier, opts.steps, extra)
         torch.save(
             {
@@ -249,6 +255,7 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
             speculation=NoSpeculation(),
             max_batch_size=opts.batch,
             device=opts.device,
+            quantization=opts.quantization,
             compile=opts.compile,
         )
         loaded = load_deployment(
@@ -461,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=kind, default=getattr(TrainOptions, name.replace("-", "_")))
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -59,3 +59,34 @@ def test_from_deployment_trains_on_what_it_recorded_and_says_what_is_missing(dep
     result = run(*args, *fast)
     assert result.exit_code == 0, result.output
     assert f"Trained {out}" in " ".join(result.output.split())
+    assert json.loads((out / "config.json").read_text())["depctl"]["target_quantization"] == "none"
+
+
+def test_the_target_answers_at_the_recorded_deployments_quantization(depctl_home, tiny_model_dir, tmp_path):
+    """A head reads the features of the target as it serves: an int4 deployment's head is trained on int4 answers."""
+    SpecStore().create(DeploymentSpec(id="q", model=str(tiny_model_dir), device="cpu", quantization="int4"))
+    for i in range(12):
+        recordings.record("q", {"messages": [{"role": "user", "content": f"tell me about {i}"}]})
+    out = tmp_path / "head"
+    fast = ["--minutes", "0.25", "--max-tokens", "16", "--draft-vocab", "64", "--steps", "2", "--no-compile"]
+    result = run("draft", "train", str(tiny_model_dir), "--out", str(out), "--from-deployment", "q", *fast)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["depctl"]["target_quantization"] == "int4"
+
+
+def test_a_bad_quantization_is_refused_naming_the_choices(tmp_path):
+    result = run("draft", "train", "smollm2-135m-instruct", "--out", str(tmp_path / "h"), "--quantization", "int3")
+    assert result.exit_code == 2 and "--quantization 'int3' is not one of none, int8, int4" in result.output
+    result = run(
+        "draft",
+        "train",
+        "smollm2-135m-instruct",
+        "--out",
+        str(tmp_path / "h"),
+        "--quantization",
+        "int4",
+        "--device",
+        "cuda",
+    )
+    assert result.exit_code == 2 and "no CUDA kernel" in " ".join(result.output.split())
+    assert not (tmp_path / "h").exists()

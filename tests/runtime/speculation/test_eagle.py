@@ -132,7 +132,28 @@ def test_rows_moved_and_cut_keep_the_head_in_step(fused):
         pass
     eng.move_row(1, 0)  # the scheduler compacts rows when one leaves
     a.row = 0
-    assert proposer.waiting[1] is None and proposer.waiting[0][1].shape[0] == len(PROMPTS[0])
+    assert proposer.waiting[1] is None and proposer.waiting[0].count == len(PROMPTS[0])
     assert proposer.propose([a], 2).tokens[0] == reference_drafts(fused, head, a.tokens, 2)
     eng.release_row(0)
     assert proposer.lengths[0] == 0 and proposer.waiting[0] is None
+
+
+def test_a_row_that_decodes_plainly_for_long_drafts_from_every_feature_it_was_handed(fused):
+    """Features wait while a row decodes plainly (the policy's choice at high load): past the buffer's first
+    capacity they are appended, and a later draft catches up on all of them."""
+    import dataclasses
+
+    head = make_head(fused)
+    eng = engine(fused, head)
+    seq = eng.new_sequence(PROMPTS[3], GenerationParams(max_tokens=200, ignore_eos=True, speculate=False))
+    seq.row = 0
+    while eng.prefill(seq, 8) is None:
+        pass
+    for _ in range(80):
+        eng.step([seq])
+    held = eng.draft_model.waiting[0]
+    assert held.count == len(seq.tokens) - 1 > 64 and held.buf.shape[0] >= held.count
+    seq.params = dataclasses.replace(seq.params, speculate=True)
+    assert eng.draft_model.propose([seq], 3).tokens[0] == reference_drafts(fused, head, seq.tokens, 3)
+    eng.step([seq])
+    assert eng.draft_model.propose([seq], 2).tokens[0] == reference_drafts(fused, head, seq.tokens, 2)
