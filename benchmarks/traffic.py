@@ -23,7 +23,9 @@ Workloads (greedy, chat template applied, ``--max-tokens`` each):
 - ``chat``: open-ended chat, where nothing repeats: speculation must not cost anything here;
 - ``code``: the code prompts (write a function, explain a snippet), open-ended too.
 
-``--draft-head DIR`` adds a row for an EAGLE-3 head trained for the model (``depctl draft train``), at K=``--head-k``.
+``--draft-head DIR`` adds a row for an EAGLE-3 head trained for the model (``depctl draft train``), at K=``--head-k``;
+``--draft-model NAME`` one for a draft model (``--draft-precision``), at the same K, and both rows print the memory
+their proposer holds beside the target (its weights and its caches, at the end of the run).
 
 The "suffix" rows share one index across clients (``--suffix-scope deployment``); "suffix, scoped per user" gives
 every client its own ``user`` (the default ``--suffix-scope user``), so a client drafts only from its own earlier
@@ -60,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
+from depctl_runtime.model.runner import held_bytes  # noqa: E402
 from depctl_runtime.speculation import (
     EngineConfig,
     GenerationParams,
@@ -361,13 +364,19 @@ def main() -> None:
         metavar="DIR",
         help="an EAGLE-3 head for the model (depctl draft train): its rows join every workload's table",
     )
-    parser.add_argument("--head-k", type=int, default=4, help="--draft-token-count for the head")
+    parser.add_argument("--head-k", type=int, default=4, help="--draft-token-count for the head or draft model")
+    parser.add_argument(
+        "--draft-model", default=None, metavar="NAME", help="a draft model for the model: its row joins every table"
+    )
+    parser.add_argument("--draft-precision", default="auto", help="the draft model's --draft-precision")
     parser.add_argument(
         "--methods",
-        default="plain,ngram,suffix,suffix-user,head",
+        default="plain,ngram,suffix,suffix-user,head,draft",
         help="the rows of the chat, code, grounded-twice and multi-turn tables (plain always runs: the baseline)",
     )
     args = parser.parse_args()
+    if args.draft_head and args.draft_model:
+        raise SystemExit("--draft-head and --draft-model: give one (each loads the model with its own passes)")
 
     from depctl_runtime.backends.loader import load_deployment
 
@@ -380,17 +389,21 @@ def main() -> None:
         max_batch_size=rows,
         speculation=NgramSpeculation(ngram_length=args.ngram, num_draft_tokens=args.k),
     )
-    if args.draft_head:  # the target's passes then return the head's layers for every row (plain ones too)
-        spec = spec.model_copy(
-            update={"speculation": DraftModelSpeculation(draft_model=args.draft_head, num_draft_tokens=args.head_k)}
+    if args.draft_head or args.draft_model:  # with a head, the target's passes return its layers for every row
+        model = DraftModelSpeculation(
+            draft_model=args.draft_head or args.draft_model,
+            num_draft_tokens=args.head_k,
+            draft_precision=args.draft_precision,
         )
+        spec = spec.model_copy(update={"speculation": model})
     loaded = load_deployment(spec)
     ngram_engine, tok = loaded.engine, loaded.tokenizer
     head = getattr(ngram_engine.proposer, "head", None)
+    draft = ngram_engine.draft_model if head is None else None  # reused by every draft row: runs release its rows
 
     def fresh(proposer, tracker=PredictionTracker) -> SpeculativeEngine:
         """An engine over the same target (and its calibration) with another proposer: a new suffix index."""
-        k = args.head_k if isinstance(proposer, EagleProposer) else args.k
+        k = args.head_k if proposer is not None and hasattr(proposer, "accepted") else args.k
         config = EngineConfig(**{**vars(ngram_engine.config), "num_draft_tokens": k})
         e = SpeculativeEngine(ngram_engine.target, proposer, config, tracker)
         e.policy.verify_cost.samples = dict(ngram_engine.policy.verify_cost.samples)
@@ -402,7 +415,7 @@ def main() -> None:
         f"n-gram n={args.ngram}",
         file=sys.stderr,
     )
-    tables = []
+    tables, model_proposers = [], {}
     ngram_label = f"n-gram (n={args.ngram})"
     for name in args.workload.split(","):
         for c in (int(x) for x in args.concurrency.split(",")):
@@ -417,6 +430,9 @@ def main() -> None:
             ]
             if head is not None:
                 configs.append((f"EAGLE head (K={args.head_k})", "head", True, None))
+            if draft is not None:
+                label = f"draft {args.draft_model} ({loaded.draft.precision}, K={args.head_k})"
+                configs.append((label, "draft", True, None))
             wanted = set(args.methods.split(",")) | {"plain"}
             configs = [c for c in configs if (c[1] if c[2] else "plain") in wanted or c[3] is not None]
             if name == "predicted-edits":
@@ -452,10 +468,13 @@ def main() -> None:
                             "suffix": lambda: SuffixProposer(1 << 20, "deployment"),
                             "suffix-user": lambda: SuffixProposer(1 << 20, "user"),
                             "head": lambda: EagleProposer(head, rows, ngram_engine.target.vocab_size),
+                            "draft": lambda: draft,
                             None: lambda: None,
                         }[proposer](),
                         trackers.get(prediction, PredictionTracker),
                     )
+                    if engine.draft_model is not None:  # its caches as the last run left them, for the memory line
+                        model_proposers[proposer] = engine.draft_model
                     r = run(
                         engine,
                         tok,
@@ -494,6 +513,11 @@ def main() -> None:
                 lines.append(f"| {label} | {r.rate:.1f} | {r.rate / base.rate:.2f}x | {acc} | {r.tokens} |")
             tables.append("\n".join(lines))
             print(tables[-1] + "\n", flush=True)
+    if model_proposers:
+        target = held_bytes(ngram_engine.target)
+        for what, proposer in model_proposers.items():
+            extra = held_bytes(ngram_engine.target, proposer) - target
+            print(f"memory: the target {target / 2**20:.0f} MiB; {what}: {extra / 2**20:.0f} MiB more (weights, cache)")
 
 
 if __name__ == "__main__":
