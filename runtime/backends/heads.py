@@ -64,12 +64,13 @@ def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: s
     except speculators.HeadError as exc:
         raise HeadLoadError(f"--draft-model {draft_ref!r} was trained for {trained_for}: {exc}; {retrain}") from None
     dtype = torch.float32 if embeddings.device.type == "cpu" else embeddings.dtype
-    shared = head.embed_tokens.weight  # the target's table, in the target's dtype: never copied
     head.embed_tokens.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     head.to(device=embeddings.device, dtype=dtype)
     head.inv_freq = head.inv_freq.float()  # RoPE's frequencies stay float32, as the target's do
-    head.embed_tokens.weight = shared
     head.requires_grad_(False)
+    # the target's own embedding module, never a copy of its table: a compiled pass may later give the target's
+    # weights new storage (a copy of tables mapped from a file), and the head then reads that one too
+    head.embed_tokens = model.get_input_embeddings()
     if embeddings.device.type == "cpu" and native.available():
         # a draft step reads the head's weights as a decode step reads the target's: int8 in groups reads a quarter
         # of float32's bytes; drafts only propose, so this never changes the output

@@ -174,7 +174,9 @@ class SpeculativeEngine:
         # first catches up on every token it missed, a prefill that says nothing of what drafting costs
         if model_drafts[0] is not None and width and caught_up <= self.draft_model.steady_catch_up:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
-        self.stats.record_step(t1 - t0, time.perf_counter() - t1)
+        t3 = time.perf_counter()
+        self.policy.observe_step_time(t3 - t0, len(batch))
+        self.stats.record_step(t1 - t0, t3 - t1)
         return outputs
 
     def move_row(self, src: int, dst: int) -> None:

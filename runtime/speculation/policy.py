@@ -24,7 +24,8 @@ all.
   does not draft still has its free guess compared with the token the target produced, so the estimate keeps
   moving; after ``PROBE_EVERY`` x B plain steps the batch drafts once anyway (one token for a draft model, where
   drafts that were all accepted would pay; K for a single request whose free guesses keep hitting), re-measuring a
-  cost that may have been taken on a busy machine.
+  cost that may have been taken on a busy machine. What a probe costs beyond a plain step (a draft model first
+  catches up on every token it missed) is repaid at ``PROBE_BUDGET`` of each later step's time before the next.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ CONFIRMED = 3  # measurements behind a cost before it may correct the costs of o
 REQUEST_DECAY = 0.85  # per-step decay of a request's acceptance counts: recent steps matter most
 PRIOR_WEIGHT = 3.0  # how many pseudo-trials the deployment's average is worth at a request's start
 PROBE_EVERY = 8
+# probes may cost at most this share of the time: a draft model's probe first catches up on every token each row
+# missed since the last one (a prefill of the whole batch), which can cost more than the plain steps between probes
+PROBE_BUDGET = 0.02
 REALISM_DECAY = 0.97  # per drafting step: the realised/predicted ratio follows the last ~30 drafting steps
 MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decoding by at least 3%
 # in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and a batch's wide pass costs
@@ -164,6 +168,8 @@ class DraftLengthPolicy:
         self.draft_cost = CostModel()  # one draft-model forward over n rows
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
         self.plain_steps = 0  # consecutive steps without drafts, for probing
+        self.probe_debt = 0.0  # seconds the last probes cost beyond a plain step, repaid by PROBE_BUDGET of each step
+        self._probing = False  # the width just returned is a probe's
         # realised / predicted extra tokens of the steps that drafted (decayed sums, prior 1.0): acceptance rates
         # estimated per row are optimistic when guesses come in bursts, and at batch 8 an optimism of 1.5x turns a
         # predicted gain into a measured loss; what the steps actually returned corrects the prediction
@@ -232,12 +238,24 @@ class DraftLengthPolicy:
         # was busy and would otherwise never be measured again. A probe costs the whole batch a wider pass, so in
         # a batch of B it comes B times less often, and free guesses probe only alone (in a batch, the rows that do
         # draft keep the costs measured).
-        if self.plain_steps % (PROBE_EVERY * batch) == 0:
-            if uses_model:
-                return (1, extra[1]) if self._perfect_drafts_pay(batch, tokens, draft_seconds) else (0, 0.0)
-            if batch == 1 and any(r.acceptance.rate >= 0.5 and r.available for r in rows):
+        # What a probe cost beyond a plain step is repaid before the next one (``observe_step_time``).
+        if self.plain_steps >= PROBE_EVERY * batch and self.probe_debt <= 0:
+            self.plain_steps = 0
+            if uses_model and self._perfect_drafts_pay(batch, tokens, draft_seconds):
+                self._probing = True
+                return 1, extra[1]
+            if not uses_model and batch == 1 and any(r.acceptance.rate >= 0.5 and r.available for r in rows):
+                self._probing = True
                 return longest, extra[longest]
         return 0, 0.0
+
+    def observe_step_time(self, seconds: float, batch: int) -> None:
+        """A step's whole time: a probe's beyond a plain step's is owed, and every other step repays a share."""
+        if self._probing:
+            self.probe_debt += max(seconds - self.verify_cost(batch), 0.0)
+            self._probing = False
+        else:
+            self.probe_debt = max(self.probe_debt - PROBE_BUDGET * seconds, 0.0)
 
     def _perfect_drafts_pay(self, batch: int, tokens: list[int], draft_seconds: float) -> bool:
         """Whether drafts that were all accepted would beat a plain step by the margin asked of any drafting. Where

@@ -7,6 +7,7 @@ import torch
 
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
 from depctl_runtime.backends.loader import LoadError, load_deployment
+from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
 from tests.tiny import save_tiny_head
@@ -39,6 +40,12 @@ def test_a_head_drafts_for_its_target_and_the_output_is_the_targets(tiny_model_d
     plain = load_deployment(DeploymentSpec(id="p", model=str(tiny_model_dir), device="cpu", compile=False))
     assert got == Scheduler(plain.engine, 3).run_all(PROMPTS, PARAMS)
     assert engine.stats.num_draft_tokens > 0
+    # the head reads the target's own embedding table, also after a compiled pass took its own copy of the weights
+    # it was mapped from: held once, counted once
+    table = loaded.target.model.get_input_embeddings().weight
+    assert engine.proposer.head.embed_tokens.weight.data_ptr() == table.data_ptr()
+    head, target = engine.proposer.head, loaded.target.model
+    assert held_bytes(target, head) - held_bytes(target) == held_bytes(head) - table.nbytes
 
 
 def test_the_compiled_pass_returns_the_layer_features_the_eager_pass_does(tiny_model_dir, head_dir):

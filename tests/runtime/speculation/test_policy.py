@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from depctl_runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
+from depctl_runtime.speculation.policy import (
+    PROBE_BUDGET,
+    CostModel,
+    DraftLengthPolicy,
+    RequestAcceptance,
+    RowPlan,
+)
 
 
 def test_acceptance_is_kept_per_state():
@@ -121,6 +127,36 @@ def test_a_draft_model_is_not_probed_where_even_perfect_drafts_would_lose():
     policy.draft_cost.observe(4, 0.02)
     rows = _rows(policy, [(0.05, 4)] * 4, model=True)
     assert 0 < sum(policy.width(rows)[0] for _ in range(200)) <= 200 // (4 * 8) + 1
+
+
+def test_probes_that_cost_a_lot_come_less_often_so_they_cost_at_most_a_small_share():
+    # a draft model's probe catches up on every token each row missed since the last one: at 4 rows of a 4-bit 1.5B
+    # that measured over a second against a 0.14 s plain step, a third of the time at one probe every 32 steps
+    policy = DraftLengthPolicy(max_k=4)
+    _cpu_like(policy)
+    policy.draft_cost.observe(4, 0.02)
+    rows = _rows(policy, [(0.05, 4)] * 4, model=True)
+    plain = policy.verify_cost(4)
+    probes, elapsed = 0, 0.0
+    for _ in range(2000):
+        w = policy.width(rows)[0]
+        seconds = plain + (1.5 if w else 0.0)  # the probe: a plain step's work plus 1.5 s of catch-up
+        elapsed += seconds
+        if w:
+            probes += 1
+        policy.observe_step_time(seconds, len(rows))
+    assert probes >= 1  # still probed: acceptance is only learned by drafting
+    assert probes * 1.5 <= (PROBE_BUDGET + 0.01) * elapsed + 1.5  # the first probe is free of the budget
+    # a cheap probe keeps the usual cadence
+    policy = DraftLengthPolicy(max_k=4)
+    _cpu_like(policy)
+    policy.draft_cost.observe(4, 0.02)
+    probes = 0
+    for _ in range(320):
+        w = policy.width(rows)[0]
+        probes += bool(w)
+        policy.observe_step_time(policy.verify_cost(4) * (1.02 if w else 1.0), len(rows))
+    assert probes == 320 // (4 * 8)
 
 
 def test_cost_model_interpolates_and_extrapolates_upwards():
