@@ -242,7 +242,7 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
         except Exception:  # noqa: BLE001 - a shard cut short by an interrupt: its answers are generated again
             shard.unlink(missing_ok=True)
     todo = [(i, s) for s in range(opts.samples) for i in range(len(conversations)) if (i, s) not in done]
-    if todo and time.monotonic() - started < limit:
+    if todo and (time.monotonic() - started < limit or len(done) < MIN_EXAMPLES):
         from depctl.spec import DeploymentSpec, NoSpeculation
         from depctl_runtime.backends.loader import load_deployment
         from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler, SpeculativeEngine
@@ -287,8 +287,11 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
         tokens = 0
         try:
             while scheduler.has_work():
-                if time.monotonic() - started > limit:
-                    for seq in list(scheduler.waiting):  # out of time: finish what runs, start nothing new
+                # out of time: finish what runs, start nothing new; but not before enough answers to train on are
+                # done or under way, or a slow load would leave none at all
+                enough = len(done) + scheduler.num_running >= MIN_EXAMPLES
+                if time.monotonic() - started > limit and enough:
+                    for seq in list(scheduler.waiting):
                         scheduler.cancel(seq)
                 for seq, out in scheduler.step():
                     entry = pending.get(seq.id)

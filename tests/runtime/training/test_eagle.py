@@ -173,3 +173,20 @@ def test_train_runs_on_a_gpu(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(12)))
     code, events = _train(tiny_model_dir, tmp_path / "head", data, "--minutes", "0.3", "--device", "cuda")
     assert code == 0 and events[-1]["event"] == "done", events
+
+
+def test_a_load_slower_than_the_answering_budget_still_answers_enough_to_train_on(tiny_model_dir, tmp_path):
+    """The budget cuts answers once enough are done or under way, never all of them: on a busy machine loading the
+    target alone can take longer than a short ``--minutes`` gives answering."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from depctl_runtime.training.eagle import MIN_EXAMPLES, TrainOptions, _answers
+
+    conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(12)]
+    opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, max_tokens=8, compile=False, device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # the budget was spent before the first answer starts (started an hour ago, a minute's limit)
+    examples = _answers(opts, tokenizer, conversations, (0, 1, 1), tmp_path, time.monotonic() - 3600, 60.0)
+    assert MIN_EXAMPLES <= len(examples) < 12 * opts.samples
