@@ -24,12 +24,14 @@ import random
 import signal
 import sys
 import time
+import typing
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from depctl.spec import Quantization
 from depctl_runtime.model import speculators
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.training.data import DataError, load_conversations
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=kind, default=getattr(TrainOptions, name.replace("-", "_")))
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
+    parser.add_argument("--quantization", default="none", choices=typing.get_args(Quantization))
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
