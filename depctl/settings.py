@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     default_max_tokens: int = _setting(
         2048, "tokens a chat completion may generate when the request sets no max_tokens", ge=1
     )
+    max_grammar_bytes: int = _setting(
+        256 * 1024,
+        "largest structured-output constraint (a schema, regex, Lark grammar or choice list), in bytes",
+        ge=16,
+    )
+    grammar_timeout: float = _setting(
+        10.0, "seconds a request's grammar may take to compile (400 grammar_too_complex after)", "SECONDS", ge=0.1
+    )
     load_timeout: float = _setting(900.0, "seconds a deployment may take to load before it is FAILED", "SECONDS", ge=1)
     drain_timeout: float = _setting(
         10.0, "seconds running requests get to finish when the daemon stops", "SECONDS", ge=0

@@ -74,11 +74,13 @@ async def retrieve_model(model: str, request: Request) -> dict:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    await _service(request).awake(body.model)
     return await run_in_threadpool(_service(request).tokenize, body)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    await _service(request).awake(body.model)
     return await run_in_threadpool(_service(request).detokenize, body)
 
 
@@ -93,6 +95,7 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     service = _service(request)
+    await service.awake(body.model)
     # tokenizing stays off the event loop
     job = await run_in_threadpool(service.completion_job, body, key_digest(request.headers))
     return await _respond(service, job, body, request)
@@ -101,11 +104,13 @@ async def completions(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     service = _service(request)
+    await service.awake(body.model)
     job = await run_in_threadpool(service.chat_job, body, key_digest(request.headers))
     return await _respond(service, job, body, request)
 
 
 async def _respond(service: Service, job: Job, body, request: Request):
+    await service.prepare(job)
     jobs = service.choices(job, body.n)
     if body.stream:
         return EventSourceResponse(_stream(service, jobs, body.include_usage), ping=15)

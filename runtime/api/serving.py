@@ -6,7 +6,9 @@ engine answers. Leaving the generator early (the client went away) cancels the r
 
 Building a job (chat template, tokenizing) runs on a worker thread, never on the event loop: a multi-megabyte prompt
 must not stall every other client. The tokenizer is called through ``encode_batch``, which releases the GIL (a plain
-``encode`` of a multi-megabyte prompt holds it for seconds).
+``encode`` of a multi-megabyte prompt holds it for seconds). Waiting for an idle deployment to load, and for a
+grammar to compile (in a pool of its own, ``grammars.GrammarPool``), is awaited on the loop: no request holds a
+thread while it waits.
 
 Stopping the daemon: ``begin_drain`` refuses new requests (503) and, after the drain timeout, cuts the requests
 still running: each ends with a 503 error (in-stream: an error event, then ``[DONE]``).
@@ -27,6 +29,7 @@ from depctl import recordings
 from depctl.settings import Settings
 from depctl.spec import describe_speculation
 from depctl_runtime.api.errors import APIError
+from depctl_runtime.api.grammars import GrammarPool
 from depctl_runtime.api.metrics import Metrics
 from depctl_runtime.api.protocol import (
     ChatCompletionRequest,
@@ -36,6 +39,7 @@ from depctl_runtime.api.protocol import (
 )
 from depctl_runtime.api.tools import check_tool_support, history, tool_constraint
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
+from depctl_runtime.backends.structured import GrammarLimits
 from depctl_runtime.manager import DeploymentManager, State
 from depctl_runtime.speculation import GenerationParams, Tenant
 
@@ -113,6 +117,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict | None = None  # filled in when the run ends
     tools: frozenset[str] = frozenset()  # the functions offered: the output is read for calls to them
+    example: dict | None = None  # the prompt as a recording keeps it, once the job is runnable
 
 
 class Service:
@@ -123,6 +128,9 @@ class Service:
         self.stopping = False
         self._cut: asyncio.Future | None = None  # resolves when the drain time is up: running requests end
         self._full: set[str] = set()  # deployments whose prompt recording is full (said once in the log)
+        self.grammars = GrammarPool(
+            GrammarLimits(max_bytes=self.settings.max_grammar_bytes), timeout=self.settings.grammar_timeout
+        )
 
     # ---- stopping ----
     def begin_drain(self, timeout: float) -> None:
@@ -151,8 +159,6 @@ class Service:
                 503, "the daemon is stopping; retry once it is back (`depctl daemon start`)", code="daemon_stopping"
             )
         self.manager.touch(dep)
-        if dep.state == State.IDLE or dep.waking:
-            self._wait_awake(dep)
         backend = dep.backend
         if dep.state not in SERVING_STATES or backend is None or not backend.ready:
             why = f": {dep.reason}" if dep.reason else ""
@@ -164,12 +170,17 @@ class Service:
             )
         return dep.id, backend
 
-    def _wait_awake(self, dep) -> None:
-        """Load an idle deployment again and wait for it (on a worker thread: requests are built off the loop)."""
-        self.manager.wake(dep)
+    async def awake(self, model: str) -> None:
+        """If ``model`` names an idle deployment, load it again and wait until it serves (or fails): on the event
+        loop, so that a crowd of requests waiting for one load holds no thread that other requests need."""
+        dep = named_deployment(self.manager, model)
+        if self.stopping or not (dep.state == State.IDLE or dep.waking):
+            return
+        self.manager.touch(dep)
+        self.manager.wake(dep)  # (a brief lock; the load itself runs on a thread of its own)
         deadline = time.monotonic() + self.manager.load_timeout
         while dep.waking and time.monotonic() < deadline and not self.stopping:
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
 
     # ---- building jobs ----
     def completion_job(self, req: CompletionRequest, key: str = "") -> Job:
@@ -196,7 +207,7 @@ class Service:
             "text_completion", dep_id, backend, req, prompt_ids, req.max_tokens or 16, (), req.constraint(), key
         )
         if isinstance(prompt, str):
-            self._record(dep_id, {"prompt": prompt})
+            job.example = {"prompt": prompt}
         return job
 
     def chat_job(self, req: ChatCompletionRequest, key: str = "") -> Job:
@@ -219,12 +230,12 @@ class Service:
         )
         if req.calling_tools:
             job.tools = frozenset(t.function.name for t in req.tools)
-        self._record(dep_id, recordings.chat_example(req.messages))
+        job.example = recordings.chat_example(req.messages)
         return job
 
     def _record(self, dep_id: str, example: dict | None) -> None:
         """Keep a request's prompt where the deployment's owner turned recording on (a request that was refused is
-        never kept: this runs once its job is built)."""
+        never kept: this runs once its job is runnable)."""
         dep = self.manager.get(dep_id)
         if example is None or dep is None or dep.spec is None or not dep.spec.record_prompts:
             return
@@ -311,11 +322,14 @@ class Service:
             tenant=Tenant(key, req.user or ""),  # the key presented (a digest) and the user field
         )
         request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), constraint)
-        try:
-            request = backend.prepare(request)  # compiles a constraint: milliseconds, on this worker thread
-        except BackendError as exc:
-            raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from None
-        return Job(kind, dep_id, req.model, request, backend)
+        return Job(kind, dep_id, req.model, request, backend)  # not runnable before ``prepare``
+
+    async def prepare(self, job: Job) -> None:
+        """Make the job runnable: its constraint compiled by its backend, in the grammar pool."""
+        job.request = await self.grammars.prepare(job.backend, job.request)
+        dep = self.manager.get(job.deployment_id)
+        if job.example is not None and dep is not None and dep.spec is not None and dep.spec.record_prompts:
+            await asyncio.to_thread(self._record, job.deployment_id, job.example)  # a file append
 
     def choices(self, job: Job, n: int) -> list[Job]:
         """The ``n`` choices of one request: the same prompt, each its own row (and with a seed, the seeds

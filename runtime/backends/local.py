@@ -232,12 +232,16 @@ class LocalBackend:
                 out = await outputs.get()
                 if out is _CUT:
                     raise Interrupted()
-                if isinstance(out, BaseException):
+                if isinstance(out, BaseException):  # refused when submitted, or the deployment stopped
                     finished = True
                     if isinstance(out, ValueError):
-                        raise BackendError(400, str(out))
+                        raise BackendError(400, str(out), code="invalid_value")
                     raise BackendError(503, f"deployment {self.spec.id!r}: {out}", code="deployment_not_ready")
                 finished = out.finish_reason is not None
+                if out.error is not None:  # this request's own fault, or its step's: never another request's text
+                    fault = out.error
+                    param = request.constraint.param if fault.part == "grammar" and request.constraint else None
+                    raise BackendError(fault.status, fault.message, code=fault.code, param=param)
                 if out.finish_reason == "cancelled":
                     return
                 n = len(out.token_ids)

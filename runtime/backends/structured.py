@@ -2,11 +2,16 @@
 
 JSON schemas are checked with ``jsonschema`` first, so a malformed one is answered with the place and the problem
 rather than with a grammar compiler's message. Errors are 400s that name the request field.
+
+``check_limits`` runs before anything is compiled: a constraint's size in bytes, a choice list's length and a
+schema's nesting are bounded (``GrammarLimits``), so a request under the body limit cannot hold a compiler for
+minutes.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import jsonschema
 
@@ -18,13 +23,54 @@ def _refuse(constraint: Constraint, message: str) -> BackendError:
     return BackendError(400, f"{constraint.param}: {message}", code="invalid_grammar", param=constraint.param)
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_bytes: int = 256 * 1024  # a regex's or a Lark grammar's text, a schema or a choice list as JSON
+    max_choices: int = 1000  # as OpenAI bounds an enum
+    max_depth: int = 64  # a schema's nesting (objects and arrays)
+
+
+def _depth(value, limit: int) -> int:
+    """How deeply ``value`` nests, counted without recursion, up to ``limit + 1``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def check_limits(constraint: Constraint, limits: GrammarLimits) -> None:
+    """Refuse a constraint too large to compile promptly, before any compiler sees it."""
+    value = constraint.value
+    if constraint.kind == "choice" and len(value) > limits.max_choices:
+        raise _too_large(constraint, f"has {len(value)} choices; at most {limits.max_choices} are taken")
+    if constraint.kind == "json" and _depth(value, limits.max_depth) > limits.max_depth:
+        raise _too_large(constraint, f"nests deeper than {limits.max_depth} levels")
+    size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(json.dumps(value))
+    if size > limits.max_bytes:
+        limit = f"at most {limits.max_bytes} are compiled (DEPCTL_MAX_GRAMMAR_BYTES)"
+        raise _too_large(constraint, f"is {size} bytes; {limit}")
+
+
+def _too_large(constraint: Constraint, message: str) -> BackendError:
+    return BackendError(400, f"{constraint.param}: {message}", code="grammar_too_large", param=constraint.param)
+
+
 def schema_problem(schema) -> str | None:
     """What makes ``schema`` invalid JSON Schema (of the draft it names; 2020-12 if none), or None."""
+    if not isinstance(schema, (dict, bool)):
+        return f"a JSON Schema is an object or a boolean, not {type(schema).__name__}"
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         return f"not a valid JSON Schema at {where}: {exc.message}"
+    except RecursionError:
+        return "nests too deeply to be checked"
     return None
 
 
@@ -61,7 +107,11 @@ def grammar_text(constraint: Constraint) -> str:
 def compile_constraint(compiler: GrammarCompiler | None, constraint: Constraint) -> Grammar:
     if compiler is None:
         raise _refuse(constraint, "this deployment's tokenizer is not a fast tokenizer, which structured outputs need")
-    text = grammar_text(constraint)
+    try:
+        text = grammar_text(constraint)
+    except (ValueError, TypeError, RecursionError) as exc:  # llguidance's own reading of a schema, regex or Lark
+        problem = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise _refuse(constraint, f"cannot be compiled: {problem[0][:300]}") from None
     try:
         return compiler.compile(text)
     except GrammarError as exc:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from depctl_runtime.backends.loader import LoadedDeployment
-from depctl_runtime.speculation import GenerationParams, Scheduler, Sequence
+from depctl_runtime.speculation import GenerationParams, Scheduler, Sequence, StepOutput
 
 log = logging.getLogger("depctl.worker")
 
@@ -167,14 +167,16 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outputs = self.scheduler.step()
-        except Exception as exc:  # a failed step fails the requests in it, never the deployment
-            log.error("deployment %s: a step failed: %s", self.name, "".join(traceback.format_exception(exc)))
-            self._fail_all(exc)
-            engine = self.scheduler.engine
-            self.scheduler = Scheduler(engine, self.max_batch_size)
-            for row in range(engine.max_rows):
-                engine.release_row(row)
-            return
+        except Exception as exc:  # noqa: BLE001 - the batch's shared work failed: the requests in it end, never the
+            # deployment, and each is told generically (the exception may quote any row's state); the waiting stay
+            ended = self.scheduler.abandon()
+            log.error(
+                "deployment %s: a step over requests %s failed: %s",
+                self.name,
+                [seq.id for seq in ended],
+                "".join(traceback.format_exception(exc)),
+            )
+            outputs = [(seq, StepOutput([], "error", error=seq.fault)) for seq in ended]
         for seq, out in outputs:
             sink = self._sinks.get(seq.id)
             if out.finish_reason:

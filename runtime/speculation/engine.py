@@ -3,11 +3,16 @@
 It takes token ids and returns token ids; it knows nothing of tokenizers, text or HTTP, and nothing of who waits:
 the ``Scheduler`` decides which sequences run (rows ``0..B-1`` of every cache) and when prompts are prefilled. A row
 without drafts runs a plain decode step inside the same pass, so "speculation off" is measured with the same code.
+
+A fault in one row's own part of a step (its grammar, its proposer's guess, its sampling) ends that row alone with a
+``RowFault`` (finish_reason "error"); the other rows' step goes on untouched. Only a fault in the batch's shared work
+(the target's pass, a draft model's forward) fails the step, and the worker ends the step's requests.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -17,6 +22,7 @@ from typing import Sequence as Seq
 import torch
 
 from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.speculation.faults import RowFault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
 from depctl_runtime.speculation.proposers import ModelProposer, PredictionTracker, Proposer
@@ -24,6 +30,8 @@ from depctl_runtime.speculation.sampling import probs_from_logits, token_logprob
 from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
 from depctl_runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
+
+log = logging.getLogger("depctl.engine")
 
 
 @dataclass
@@ -126,17 +134,20 @@ class SpeculativeEngine:
             return None
         # the first output token, chosen as a step with no drafts would choose it
         rows = slice(0, 1)
-        _, token = self._accept(seq, [], None, lambda rows: logits[rows], rows, greedy(logits).tolist())
-        seq.tokens.append(token)
-        pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
-        return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], lambda: logits[rows]))
+        try:
+            _, token = self._accept(seq, [], None, lambda rows: logits[rows], rows, greedy(logits).tolist())
+            seq.tokens.append(token)
+            pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
+            return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], lambda: logits[rows]))
+        except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or prediction: it ends alone
+            return self._failed(seq, "sampling", exc)
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence]) -> list[StepOutput]:
         """One speculative step for rows 0..B-1 (``batch[b].row == b``), each emitting at least one token."""
         t0 = time.perf_counter()
         # propose: free guesses first, then one draft width for the batch (policy), then the draft model
-        guesses = [self._guess(seq) for seq in batch]
+        guesses = [self._guess(seq) for seq in batch]  # a row whose guess failed is faulted, with no drafts
         width, predicted = self.policy.width(
             [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses]
         )
@@ -146,7 +157,9 @@ class SpeculativeEngine:
         masks = {
             b: self._grammar_thread.submit(seq.grammar.masks, drafts[b])
             for b, seq in enumerate(batch)
-            if seq.grammar is not None and (not seq.sampling.greedy or seq.params.penalties.active)
+            if seq.grammar is not None
+            and seq.fault is None
+            and (not seq.sampling.greedy or seq.params.penalties.active)
         }
         # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
         scores = self.target.score(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # T tokens
@@ -156,17 +169,27 @@ class SpeculativeEngine:
         for b, seq in enumerate(batch):
             rows = slice(at, at + len(drafts[b]) + 1)  # this row's k_b + 1 positions of the stream
             at = rows.stop
-            # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
-            allowed = masks[b].result() if b in masks else None
-            n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
-            # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
-            logprobs = self._logprobs(seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop)))
-            read = (None, None)
-            if self.draft_model is not None:  # what the pass computed at the positions of the tokens it accepted
-                kept = slice(rows.start, rows.start + n + 1)
-                features = None if scores.features is None else scores.features[kept]
-                read = (features, lambda kept=kept: scores.logits(kept))
-            outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
+            if seq.fault is not None:
+                outputs.append(self._failed(seq))
+                continue
+            part = "sampling"
+            try:
+                # accept: the longest prefix of the drafts the target agrees with, plus the target's own next token
+                allowed = masks[b].result() if b in masks else None
+                n, token = self._accept(seq, drafts[b], draft_probs[b], scores.logits, rows, argmax, allowed)
+                # advance: extend the sequence; every cache row goes back to the accepted length (bookkeeping only)
+                logprobs = self._logprobs(
+                    seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop))
+                )
+                read = (None, None)
+                if self.draft_model is not None:  # what the pass computed at the positions of the tokens it accepted
+                    kept = slice(rows.start, rows.start + n + 1)
+                    features = None if scores.features is None else scores.features[kept]
+                    read = (features, lambda kept=kept: scores.logits(kept))
+                part = "proposer"
+                outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
+            except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or proposer: it ends alone
+                outputs.append(self._failed(seq, part, exc))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
@@ -190,15 +213,35 @@ class SpeculativeEngine:
             self.draft_model.set_length(row, 0)
 
     def finish(self, seq: Sequence) -> None:
-        if self.proposer is not None and self.draft_model is None:
+        if self.proposer is not None and self.draft_model is None and seq.fault is None:
             self.proposer.finish(seq)  # suffix speculation keeps the finished request as context for later ones
         self.policy.end_request(seq.acceptance)
         self.stats.num_requests += 1
 
     # ---- the parts of a step ----
+    def _failed(self, seq: Sequence, part: str | None = None, exc: BaseException | None = None) -> StepOutput:
+        """The row's last output: it ends with its fault (recorded now from ``exc``, raised by its ``part``)."""
+        if exc is not None:
+            seq.fault = RowFault.of(part, exc)
+            if seq.fault.part == "grammar":  # the request's own grammar: not a fault of depctl's
+                log.info("request %s: %s", seq.id, seq.fault.message)
+            else:
+                log.error("request %s: its %s failed; it ends alone", seq.id, part, exc_info=exc)
+        seq.finish_reason = "error"
+        self.stats.num_row_faults += 1
+        return StepOutput([], "error", error=seq.fault)
+
     def _guess(self, seq: Sequence) -> Guess:
-        guess = self._proposed(seq)
-        return guess if seq.grammar is None else self._constrain(seq, seq.grammar, guess)
+        part = "proposer"
+        try:
+            guess = self._proposed(seq)
+            part = "grammar"
+            return guess if seq.grammar is None else self._constrain(seq, seq.grammar, guess)
+        except Exception as exc:  # noqa: BLE001 - recorded on the row, which ends after the pass without drafts
+            seq.fault = RowFault.of(part, exc)
+            if seq.fault.part != "grammar":
+                log.error("request %s: its %s failed; it ends alone", seq.id, part, exc_info=exc)
+            return Guess([], seq.acceptance, None)
 
     def _constrain(self, seq: Sequence, grammar: RowGrammar, guess: Guess) -> Guess:
         """A guess within the row's grammar: cut at the first token it forbids, and led by the tokens it forces
@@ -255,10 +298,13 @@ class SpeculativeEngine:
             model_tokens, model_probs, caught_up = self.draft_model.propose(batch, width)
         drafts, probs = [], []
         for seq, g, tokens, q in zip(batch, guesses, model_tokens, model_probs):
-            k = min(width, g.available)
+            k = min(width, g.available) if seq.fault is None else 0  # (drafting may have faulted a row's grammar)
             if g.source == DraftSource.MODEL:
                 if seq.grammar is not None and k:  # masked while drafted: only what follows an end token is cut
-                    k = seq.grammar.valid_prefix(tokens[:k])
+                    try:
+                        k = seq.grammar.valid_prefix(tokens[:k])
+                    except Exception as exc:  # noqa: BLE001 - the row ends after the pass
+                        seq.fault, k = RowFault.of("grammar", exc), 0
                 drafts.append(tokens[:k] if k else [])
                 probs.append(q[:k] if q is not None and k else None)
             else:

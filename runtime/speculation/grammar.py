@@ -68,28 +68,56 @@ class GrammarCompiler:
         return LLMatcher.grammar_from_lark(lark)
 
     def compile(self, grammar: str) -> Grammar:
+        """Compile and take the first step (the first mask and the forced tokens): the lexer builds its automaton
+        lazily, so a grammar it gives up on ("too many expressions constructed") compiles and fails only at its first
+        token. That happens here, where requests are built, rather than on the engine thread."""
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return Grammar(matcher, self.vocab_size, self.special_ids, self.end_ids)
+        try:
+            matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
+            if matcher.is_error():
+                raise GrammarError(matcher.get_error())
+            probe = RowGrammar(matcher.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
+            probe.forced(1)
+            probe.allowed()
+            # copies share the lexer's automaton and its limits: a grammar whose first mask used them all up fails
+            # in the next row that starts from it
+            RowGrammar(matcher.deep_copy(), self.vocab_size, self.special_ids, self.end_ids).allowed()
+        except GrammarError:
+            raise
+        except BaseException as exc:  # a panic in the Rust library (pyo3 raises it as a BaseException)
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise
+            raise GrammarError(f"the grammar engine failed on it ({type(exc).__name__})") from None
+        return Grammar(matcher, self.vocab_size, self.special_ids, self.end_ids, probe._forced_run)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a byte-level token may hold part of a character)."""
         return self.tokenizer.decode_bytes([token])
 
 
+def _limits():
+    from llguidance import LLParserLimits
+
+    # verbose_errors off: an error then names the problem without the parser's state and the grammar's text
+    return LLParserLimits(verbose_errors=False)
+
+
 class Grammar:
     """A compiled grammar. Shared by every row that uses it; never advanced itself."""
 
-    def __init__(self, matcher, vocab_size: int, special_ids: np.ndarray, end_ids: np.ndarray):
+    def __init__(
+        self, matcher, vocab_size: int, special_ids: np.ndarray, end_ids: np.ndarray, first_forced: list[int] = ()
+    ):
         self._prototype = matcher
         self.vocab_size = vocab_size
         self.special_ids, self.end_ids = special_ids, end_ids
+        self._first_forced = list(first_forced)  # computed where it was compiled: a row starts with them
 
     def start(self) -> RowGrammar:
-        return RowGrammar(self._prototype.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
+        row = RowGrammar(self._prototype.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
+        row._forced_from, row._forced_run = 0, self._first_forced
+        return row
 
 
 class RowGrammar:
@@ -101,15 +129,30 @@ class RowGrammar:
         self._special_ids, self._end_ids = special_ids, end_ids  # [n], [e]
         self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)  # [words]: one bit per token
         self.seconds = 0.0
+        self._taken: list[int] = []  # the tokens the matcher holds, drafts it is advanced through included
+        # the last forced run computed and where it began in _taken: while the row takes its tokens, the rest of the
+        # run is what is forced next. A grammar can force a long literal, and computing the run costs time in
+        # proportion to its length: computed once per run, not once per step. (Forced tokens are only drafts: the
+        # target and the masks decide what is emitted.)
+        self._forced_from: int | None = None
+        self._forced_run: list[int] = []
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the grammar forces from here (a key, a closing quote): drafts that cost no proposer."""
         if limit <= 0:
             return []
+        at = self._forced_from
+        if at is not None and len(self._taken) >= at:
+            taken = self._taken[at:]
+            rest = self._forced_run[len(taken) :]
+            if rest and self._forced_run[: len(taken)] == taken:
+                return rest[:limit]
         t0 = time.perf_counter()
-        tokens = self._matcher.compute_ff_tokens()[:limit]
+        run = self._matcher.compute_ff_tokens()
         self.seconds += time.perf_counter() - t0
-        return tokens
+        self._check()
+        self._forced_from, self._forced_run = len(self._taken), run
+        return run[:limit]
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar allows in a row from here (nothing after an end-of-sequence token)."""
@@ -118,6 +161,7 @@ class RowGrammar:
         t0 = time.perf_counter()
         n = self._matcher.validate_tokens(list(tokens))
         self.seconds += time.perf_counter() - t0
+        self._check()
         return n
 
     def allows(self, token: int) -> bool:
@@ -132,6 +176,7 @@ class RowGrammar:
         t0 = time.perf_counter()
         bits = self._bits
         self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        self._check()  # a matcher that failed leaves an empty mask, which must not read as "the grammar may end"
         mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
         for token in self._special_ids[mask[self._special_ids]].tolist():
             if self._matcher.validate_tokens([token]) != 1:
@@ -148,12 +193,19 @@ class RowGrammar:
         t0 = time.perf_counter()
         ok = self._matcher.consume_tokens(list(tokens))
         self.seconds += time.perf_counter() - t0
+        self._taken.extend(tokens)
         if not ok:
             raise GrammarError(f"the grammar refused tokens {list(tokens)}: {self._matcher.get_error()}")
+
+    def _check(self) -> None:
+        """A matcher that failed (its lexer gave up, say) stays failed: every later answer of it is meaningless."""
+        if self._matcher.is_error():
+            raise GrammarError(self._matcher.get_error())
 
     def rollback(self, n: int) -> None:
         if n:
             self._matcher.rollback(n)
+            del self._taken[-n:]
 
     def masks(self, drafts: Sequence[int]) -> torch.Tensor:
         """[k + 1, vocab] bool: the allowed tokens at each verified position, the one after the last accepted token and

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.speculation.faults import RowFault
 from depctl_runtime.speculation.sampling import probs_from_logits
 from depctl_runtime.speculation.suffix import SuffixIndex
 
@@ -284,25 +285,33 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list
             logits = logits.clone()
             for b in list(taken):
                 grammar = batch[b].grammar
-                if i:
-                    token = int(drafted[-1][b])
-                    if token in batch[b].stop_ids or not grammar.allows(token):
-                        grammar.rollback(taken.pop(b))
-                        continue
-                    grammar.advance([token])
-                    taken[b] += 1
-                logits[b].masked_fill_(~grammar.allowed().to(logits.device), float("-inf"))
+                try:
+                    if i:
+                        token = int(drafted[-1][b])
+                        if token in batch[b].stop_ids or not grammar.allows(token):
+                            grammar.rollback(taken.pop(b))
+                            continue
+                        grammar.advance([token])
+                        taken[b] += 1
+                    logits[b].masked_fill_(~grammar.allowed().to(logits.device), float("-inf"))
+                except Exception as exc:  # noqa: BLE001 - that row ends after the pass; the others draft on
+                    batch[b].fault = RowFault.of("grammar", exc)
+                    del taken[b]
         token = greedy(logits)  # [B]
         for b, seq in enumerate(batch):
-            if not seq.sampling.greedy:
-                q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]
-                token[b] = torch.multinomial(q[0], 1, generator=seq.generator)[0]
+            if not seq.sampling.greedy and seq.fault is None:
+                try:
+                    q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]
+                    token[b] = torch.multinomial(q[0], 1, generator=seq.generator)[0]
+                except Exception as exc:  # noqa: BLE001 - that row ends after the pass; its drafts are dropped
+                    seq.fault = RowFault.of("sampling", exc)
+                    continue
                 probs[b].append(q[0])
         drafted.append(token)
         if i + 1 < width:
             logits = step(token)
     for b, n in taken.items():
-        batch[b].grammar.rollback(n)
+        batch[b].grammar.rollback(n)  # (a faulted row's matcher is never used again)
     tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
     return tokens, [torch.stack(p) if p else None for p in probs]
 

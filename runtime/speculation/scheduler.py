@@ -23,6 +23,7 @@ from collections import deque
 from typing import Iterator
 from typing import Sequence as Seq
 
+from depctl_runtime.speculation.faults import RowFault
 from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 
 PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: a couple of decode steps' time
@@ -85,6 +86,17 @@ class Scheduler:
                 if o.finish_reason:
                     self._leave(seq)
         return out
+
+    def abandon(self) -> list[Sequence]:
+        """After a step whose shared work failed (the target's pass, a draft model's forward: not one row's part):
+        the sequences it ran end with an engine fault and every row is freed; the waiting ones stay queued."""
+        ended = self.running + ([self.prefilling] if self.prefilling is not None else [])
+        self.running, self.prefilling = [], None
+        for row in range(self.engine.max_rows):
+            self.engine.release_row(row)
+        for seq in ended:
+            seq.row, seq.fault, seq.finish_reason = -1, RowFault.engine(), "error"
+        return ended
 
     def _drop_cancelled(self, out) -> None:
         for seq in [s for s in self.running if s.id in self._cancelled]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from depctl_runtime.speculation.faults import RowFault
 from depctl_runtime.speculation.grammar import Grammar, RowGrammar
 from depctl_runtime.speculation.policy import RequestAcceptance
 from depctl_runtime.speculation.proposers import PredictionTracker
@@ -42,7 +43,7 @@ class GenerationParams:
 @dataclass(frozen=True)
 class StepOutput:
     token_ids: list[int]  # accepted this step (may be empty on the final output)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"; set on the last output only
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"; set on the last output only
     drafted: int = 0
     accepted: int = 0
     prediction_drafted: int = 0  # of ``drafted``, tokens drafted from the request's prediction
@@ -50,6 +51,7 @@ class StepOutput:
     grammar_drafted: int = 0  # of ``drafted``, tokens the grammar forced
     grammar_accepted: int = 0  # of ``accepted``, forced tokens the target agreed with
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids``, when the request asked
+    error: RowFault | None = None  # why the request ended, with finish_reason "error"
 
 
 _ids = itertools.count()
@@ -82,6 +84,7 @@ class Sequence:
         self.prediction = prediction
         self.prediction_acceptance = prediction_acceptance
         self.finish_reason: str | None = None
+        self.fault: RowFault | None = None  # set when a part of a step failed for this row alone: it ends there
         # the row's place in its grammar: the one matcher state of this request (None: unconstrained)
         self.grammar: RowGrammar | None = params.grammar.start() if params.grammar is not None else None
         self.grammar_acceptance = grammar_acceptance  # how often the target takes the tokens the grammar forces

@@ -8,6 +8,7 @@
   (the first i + 1 tokens accepted), which for a draft head is what its training reports as held-out acceptance
 - ``num_grammar_draft_tokens`` / ``num_grammar_accepted_tokens``: of those, tokens a grammar forced (counted apart
   from the proposer's); ``grammar_seconds``: time in grammar matchers (masks, checks, advancing)
+- ``num_row_faults``: requests ended alone by a fault in their own grammar, guess or sampling
 - acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts (the 1 is the
   recovered-or-bonus token every verified step adds)
 """
@@ -34,6 +35,7 @@ class SpecDecodeStats:
     num_grammar_draft_tokens: int = 0
     num_grammar_accepted_tokens: int = 0
     grammar_seconds: float = 0.0
+    num_row_faults: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_row(self, drafted: int, accepted: int, emitted: int) -> None:
@@ -102,5 +104,6 @@ class SpecDecodeStats:
             "grammar_draft_tokens": self.num_grammar_draft_tokens,
             "grammar_accepted_tokens": self.num_grammar_accepted_tokens,
             "grammar_seconds": round(self.grammar_seconds, 4),
+            "row_faults": self.num_row_faults,
             "decode_tokens_per_second": self.tokens_per_second,
         }
