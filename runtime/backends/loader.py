@@ -478,9 +478,15 @@ def load_model(ref: str, flag: str, device: torch.device, dtype: torch.dtype) ->
     source = resolve_source(ref, flag)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        # safetensors only: pickled weights (pytorch_model.bin) can run code when they are read
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, use_safetensors=True)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unloadable models
         first = first_line(exc)
+        if Path(source).is_dir() and not any(Path(source).glob("*.safetensors")):
+            first = (
+                "it has no .safetensors weights, and depctl never reads pickled ones (.bin, .pt), which can run "
+                "code when loaded: convert them where you trust them (transformers' save_pretrained writes safetensors)"
+            )
         offline = " (HF_HUB_OFFLINE is set: hub ids cannot be fetched)" if os.environ.get("HF_HUB_OFFLINE") else ""
         damaged = ""
         if Path(source).is_relative_to(models.models_cache()):  # our copy: a spec change cannot mend it

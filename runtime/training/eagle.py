@@ -5,14 +5,14 @@ EAGLE-3's recipe (Li et al. 2025, arXiv 2503.01840), sized for a laptop:
 1. **Answers and hidden states**: the target answers every prompt through depctl's own engine (batched, speculation
    off): one greedy answer, then sampled ones, so the head learns what this target says. The outputs of three layers
    (low, middle, high) at every position are kept as the engine computes them, the same features a deployment will
-   hand the head. Cached in ``OUT/.train/answers-N.pt``.
+   hand the head. Cached in ``OUT/.train/answers-N.safetensors``.
 2. **Vocabulary**: the head predicts over the ``--draft-vocab`` tokens the answers use most (``d2t`` maps them back).
 3. **Training-time test**: the head runs ``--steps`` chained draft steps over every answer, each step reading its
    own previous output as drafting will (``EagleHead.ttt_logits``); cross-entropy against the target's tokens,
    step j weighted 0.8^j. A held-out tenth of the prompts measures acceptance as training goes.
 
 Progress goes to stdout as JSON lines (the CLI draws them); the head is saved in the speculators format at every
-evaluation, so an interrupted run leaves a usable head, and the same command resumes it (``OUT/.train/state.pt``)
+evaluation, so an interrupted run leaves a usable head, and the same command resumes it (``OUT/.train/state.*``)
 until ``--minutes`` of training in total.
 """
 
@@ -35,6 +35,7 @@ from depctl.spec import Quantization
 from depctl_runtime.model import speculators
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.training.data import DataError, load_conversations
+from depctl_runtime.training.state import load_rows, load_state, save_rows, save_state
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
 SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
@@ -131,14 +132,14 @@ def train(opts: TrainOptions) -> dict:
     del output_layer
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
-    state_path = state_dir / "state.pt"
     trained, history, seen = 0.0, [], 0
     total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too
-    if state_path.exists():  # resume: the same head, optimizer and clock
-        state = torch.load(state_path, map_location=device, weights_only=False)
+    saved = load_state(state_dir, device)
+    if saved is not None:  # resume: the same head, optimizer and clock
+        head_state, optimizer_state, state = saved
         if state.get("fingerprint") == verifier["fingerprint"] and state.get("config") == config.to_dict():
-            head.load_state_dict(state["head"])
-            optimizer.load_state_dict(state["optimizer"])
+            head.load_state_dict(head_state)
+            optimizer.load_state_dict(optimizer_state)
             trained, history, seen = state["trained_seconds"], state["history"], state["seen"]
             total = state["train_seconds"] + (opts.minutes - state["minutes"]) * 60  # a larger --minutes: longer
             emit("resumed", minutes=round(trained / 60, 2))
@@ -153,20 +154,16 @@ def train(opts: TrainOptions) -> dict:
             "target_quantization": opts.quantization,
         }
         speculators.save(head, opts.out, verifier, opts.steps, extra)
-        torch.save(
-            {
-                "head": head.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "trained_seconds": trained,
-                "train_seconds": total,
-                "minutes": opts.minutes,
-                "history": history,
-                "seen": seen,
-                "fingerprint": verifier["fingerprint"],
-                "config": config.to_dict(),
-            },
-            state_path,
-        )
+        info = {
+            "trained_seconds": trained,
+            "train_seconds": total,
+            "minutes": opts.minutes,
+            "history": history,
+            "seen": seen,
+            "fingerprint": verifier["fingerprint"],
+            "config": config.to_dict(),
+        }
+        save_state(state_dir, head.state_dict(), optimizer.state_dict(), info)
 
     def on_signal(*_):
         raise Stop()
@@ -234,12 +231,12 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
     answer, then ``opts.samples - 1`` answers sampled at ``SAMPLE_TEMPERATURE`` (other paths through the same prompts:
     more of the target's states to learn from). Greedy answers go first, so a short budget cuts samples, not prompts.
     The features are those depctl's engine computed while answering (``capture.FeatureRecorder``), at the precision a
-    deployment of the target runs; cached in ``.train/answers-N.pt`` shards, so a resume reads them back."""
+    deployment of the target runs; cached in ``.train/answers-N.safetensors`` shards, so a resume reads them back."""
     done: dict[tuple[int, int], dict] = {}
-    shards = sorted(state_dir.glob("answers-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    shards = sorted(state_dir.glob("answers-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
     for shard in shards:
         try:
-            for row in torch.load(shard, weights_only=True):
+            for row in load_rows(shard):
                 done[(row["index"], row["sample"])] = row
         except Exception:  # noqa: BLE001 - a shard cut short by an interrupt: its answers are generated again
             shard.unlink(missing_ok=True)
@@ -272,7 +269,7 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
         def flush() -> None:  # one shard per batch of finished answers: an interrupt loses at most those
             nonlocal number
             if fresh:
-                _atomic_save(fresh, state_dir / f"answers-{number}.pt")
+                save_rows(fresh, state_dir / f"answers-{number}.safetensors")
                 number += 1
                 fresh.clear()
 
@@ -329,18 +326,12 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
     return [done[key] for key in sorted(done)]
 
 
-def _atomic_save(rows: list[dict], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(rows, tmp)
-    tmp.replace(path)
-
-
 def _reference_model(source: str):
     """The target's weights as stored: its fingerprint, and the embeddings, output rows and final norm a head
     starts from (no pass runs through it)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, use_safetensors=True).eval()
 
 
 def _vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:

@@ -289,3 +289,33 @@ def test_a_damaged_cached_model_says_how_to_fetch_it_again(tiny_model_dir, tmp_p
     with pytest.raises(LoadError) as err:
         loader.load_model("smollm2-135m-instruct", "MODEL", torch.device("cpu"), torch.float32)
     assert "depctl model pull smollm2-135m-instruct --force" in str(err.value)
+
+
+def test_pickled_weights_are_never_read(tiny_model_dir, tmp_path):
+    """A model directory whose only weights are a pickle (which runs code when loaded) is refused, naming why."""
+    import shutil
+
+    from tests.pickles import plant
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    plant(model / "pytorch_model.bin", marker)
+    with pytest.raises(LoadError) as err:
+        loader.load_model(str(model), "MODEL", torch.device("cpu"), torch.float32)
+    assert "never reads pickled" in str(err.value) and not marker.exists()
+
+
+def test_a_head_whose_weights_are_a_pickle_is_refused_without_running_it(tmp_path):
+    from depctl_runtime.model import speculators
+    from tests.pickles import plant
+    from tests.runtime.model.test_eagle import tiny_head
+
+    head = tiny_head()
+    speculators.save(head, tmp_path / "head", {"name_or_path": "t", "architectures": [], "fingerprint": "f"}, 2, {})
+    marker = tmp_path / "ran"
+    plant(tmp_path / "head" / "model.safetensors", marker)
+    with pytest.raises(Exception):  # noqa: B017 - any refusal will do: what matters is that nothing ran
+        speculators.load(tmp_path / "head", head.embed_tokens.weight)
+    assert not marker.exists()

@@ -14,6 +14,8 @@ import torch
 from depctl_runtime.model import speculators
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.eagle import _loss, evaluate
+from depctl_runtime.training.state import load_rows
+from tests.pickles import plant
 from tests.runtime.model.test_eagle import tiny_head
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -140,7 +142,7 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     assert code == 0, events
     kinds = [e["event"] for e in events]
     assert "answers" in kinds and kinds[-1] == "done"
-    shards = [row for shard in sorted((out / ".train").glob("answers-*.pt")) for row in torch.load(shard)]
+    shards = [row for shard in sorted((out / ".train").glob("answers-*.safetensors")) for row in load_rows(shard)]
     assert len(shards) == 12 * 3  # a greedy and two sampled answers a prompt, each with the features it was read with
     assert all(row["features"].shape == (len(row["tokens"]) - 1, 3 * 64) for row in shards)
     assert all(row["top_ids"].shape == (len(row["tokens"]) - row["start"], 16) for row in shards)
@@ -150,10 +152,15 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_model_dir)
     assert config["depctl"]["history"]
-    # the same command again: nothing is regenerated, and the budget is already spent
+    # the same command again: nothing is regenerated, and the budget is already spent; pickles planted where older
+    # versions kept the state are never read (one of them ran a shell command when it was)
+    marker = tmp_path / "ran"
+    plant(out / ".train" / "state.pt", marker)
+    plant(out / ".train" / "answers-99.pt", marker)
     code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4")
     assert code == 0 and "answers" not in [e["event"] for e in events]
     assert any(e["event"] == "resumed" for e in events)
+    assert not marker.exists()
 
 
 def test_train_refuses_a_target_without_a_chat_template(tmp_path):
