@@ -50,8 +50,8 @@ class GrammarPool:
         except asyncio.TimeoutError:
             raise APIError(
                 400,
-                f"{constraint.param}: compiling it took longer than {self.timeout:g}s "
-                "(DEPCTL_GRAMMAR_TIMEOUT); simplify it",
+                f"{constraint.param}: it was not compiled within {self.timeout:g}s (DEPCTL_GRAMMAR_TIMEOUT; the "
+                "time counts from its arrival, so other grammars compiling count too): simplify it, or retry",
                 param=constraint.param,
                 code="grammar_too_complex",
             ) from None

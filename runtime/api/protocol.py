@@ -9,6 +9,7 @@ and ``speculation`` (this request's drafting).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +24,7 @@ from depctl_runtime.speculation.sampling import Penalties
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: beyond this a client should send more requests (they queue fairly)
 MAX_TOP_LOGPROBS = 20
+TOKEN_ID = re.compile(r"-?[0-9]{1,10}")
 
 
 def _unicode(text: str) -> str:
@@ -168,9 +170,9 @@ class _Common(_Request):
     def penalties(self) -> Penalties:
         bias = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not TOKEN_ID.fullmatch(key):  # (ASCII digits only, and few: int() of 5000 digits raises)
                 raise APIError(
-                    400, f"logit_bias keys are token ids; got {key!r}", param="logit_bias", code="invalid_value"
+                    400, f"logit_bias keys are token ids; got {key[:40]!r}", param="logit_bias", code="invalid_value"
                 )
             bias.append((int(key), float(value)))
         return Penalties(

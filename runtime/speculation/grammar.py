@@ -76,24 +76,29 @@ class GrammarCompiler:
         try:
             matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
             if matcher.is_error():
-                raise GrammarError(matcher.get_error())
+                raise GrammarError(_error(matcher))
             probe = RowGrammar(matcher.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
-            probe.forced(1)
-            probe.allowed()
+            probe.allowed()  # (not the forced tokens: computing them holds the GIL, see RowGrammar.forced)
             # copies share the lexer's automaton and its limits: a grammar whose first mask used them all up fails
             # in the next row that starts from it
             RowGrammar(matcher.deep_copy(), self.vocab_size, self.special_ids, self.end_ids).allowed()
-        except GrammarError:
+        except GrammarError as exc:
+            if str(exc).startswith("NoExtension"):  # stopped before its first byte: nothing can match it
+                raise GrammarError("no output can match it: its language is empty") from None
             raise
         except BaseException as exc:  # a panic in the Rust library (pyo3 raises it as a BaseException)
             if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
                 raise
             raise GrammarError(f"the grammar engine failed on it ({type(exc).__name__})") from None
-        return Grammar(matcher, self.vocab_size, self.special_ids, self.end_ids, probe._forced_run)
+        return Grammar(matcher, self.vocab_size, self.special_ids, self.end_ids)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a byte-level token may hold part of a character)."""
         return self.tokenizer.decode_bytes([token])
+
+
+def _error(matcher) -> str:
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 def _limits():
@@ -103,21 +108,19 @@ def _limits():
     return LLParserLimits(verbose_errors=False)
 
 
+FORCED_BUDGET = 0.01  # seconds one forced run may take before a row stops asking for them
+
+
 class Grammar:
     """A compiled grammar. Shared by every row that uses it; never advanced itself."""
 
-    def __init__(
-        self, matcher, vocab_size: int, special_ids: np.ndarray, end_ids: np.ndarray, first_forced: list[int] = ()
-    ):
+    def __init__(self, matcher, vocab_size: int, special_ids: np.ndarray, end_ids: np.ndarray):
         self._prototype = matcher
         self.vocab_size = vocab_size
         self.special_ids, self.end_ids = special_ids, end_ids
-        self._first_forced = list(first_forced)  # computed where it was compiled: a row starts with them
 
     def start(self) -> RowGrammar:
-        row = RowGrammar(self._prototype.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
-        row._forced_from, row._forced_run = 0, self._first_forced
-        return row
+        return RowGrammar(self._prototype.deep_copy(), self.vocab_size, self.special_ids, self.end_ids)
 
 
 class RowGrammar:
@@ -136,6 +139,7 @@ class RowGrammar:
         # target and the masks decide what is emitted.)
         self._forced_from: int | None = None
         self._forced_run: list[int] = []
+        self._forced_off = False
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the grammar forces from here (a key, a closing quote): drafts that cost no proposer."""
@@ -147,11 +151,17 @@ class RowGrammar:
             rest = self._forced_run[len(taken) :]
             if rest and self._forced_run[: len(taken)] == taken:
                 return rest[:limit]
+        if self._forced_off:
+            return []
         t0 = time.perf_counter()
         run = self._matcher.compute_ff_tokens()
-        self.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.seconds += took
         self._check()
         self._forced_from, self._forced_run = len(self._taken), run
+        # llguidance computes the whole run, holding the GIL, at ~0.17 s per 100k forced bytes: a grammar that forces
+        # a long literal ("a{100000}") drafts no forced tokens after its first slow run, which nothing else waits on
+        self._forced_off = took > FORCED_BUDGET
         return run[:limit]
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
@@ -195,12 +205,12 @@ class RowGrammar:
         self.seconds += time.perf_counter() - t0
         self._taken.extend(tokens)
         if not ok:
-            raise GrammarError(f"the grammar refused tokens {list(tokens)}: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar refused tokens {list(tokens)}: {_error(self._matcher)}")
 
     def _check(self) -> None:
         """A matcher that failed (its lexer gave up, say) stays failed: every later answer of it is meaningless."""
         if self._matcher.is_error():
-            raise GrammarError(self._matcher.get_error())
+            raise GrammarError(_error(self._matcher))
 
     def rollback(self, n: int) -> None:
         if n:

@@ -382,3 +382,183 @@ def test_a_slow_body_does_not_block_others(daemon):
         )
         r = daemon.post("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
         assert r.status_code == 200
+
+
+# ---- one user's grammar against everyone else's requests ------------------------------------------------------------
+
+POEM = [{"role": "user", "content": "write a poem about the sea"}]
+# compiles, and the lexer gives up at the token after the first: a fault in the middle of the output
+FAILS_MID_OUTPUT = "(b|c)(a{1000}){1000}"
+
+
+def _chat(daemon, body: dict) -> httpx.Response:
+    return daemon.post("/v1/chat/completions", {"model": "tiny", "temperature": 0, **body})
+
+
+def _stream_events(daemon, body: dict) -> list:
+    events = []
+    with httpx.stream(
+        "POST",
+        daemon.url + "/v1/chat/completions",
+        json={"model": "tiny", "temperature": 0, "stream": True, **body},
+        headers=daemon.headers,
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_one_requests_grammar_fault_ends_that_request_alone(daemon):
+    # the bug: a grammar llguidance gave up on mid-output failed every request of the deployment, each answering 400
+    # with the attacker's parser state as its message and no code
+    honest = {"messages": POEM, "max_tokens": 60, "ignore_eos": True}
+    alone = _chat(daemon, honest).json()["choices"][0]["message"]["content"]
+    attacks = {
+        "at compile": {"messages": HI, "max_tokens": 4, "structured_outputs": {"regex": "(a{1000}){1000}"}},
+        "mid-output": {"messages": HI, "max_tokens": 8, "structured_outputs": {"regex": FAILS_MID_OUTPUT}},
+    }
+    results: dict = {}
+
+    def run(name, body, stream=False):
+        results[name] = _stream_events(daemon, body) if stream else _chat(daemon, body)
+
+    threads = [threading.Thread(target=run, args=(f"honest {i}", honest)) for i in range(3)]
+    threads += [threading.Thread(target=run, args=(name, body)) for name, body in attacks.items()]
+    threads.append(threading.Thread(target=run, args=("streamed", attacks["mid-output"], True)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(3):  # the batch went on: each honest request got what it gets alone
+        r = results[f"honest {i}"]
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == alone, r.text
+    for name in attacks:
+        r = results[name]
+        err = _envelope(r)
+        assert r.status_code == 400 and err["code"] == "invalid_grammar", (name, r.text)
+        assert err["param"] == "structured_outputs.regex" and "too many expressions" in err["message"], err
+        assert "Parser" not in err["message"] and "\n" not in err["message"], err
+    *chunks, error, done = results["streamed"]  # mid-stream: the text so far, an error event, then [DONE]
+    assert done == "[DONE]" and error["error"]["code"] == "invalid_grammar", error
+    assert chunks and all("error" not in c for c in chunks)
+    status = daemon.get("/depctl/v1/deployments/tiny").json()
+    assert status["state"] == "READY" and status["stats"]["row_faults"] >= 2
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [  # each of these was a 500
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+            "response_format.json_schema.schema",
+            "invalid_grammar",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": json.loads('{"type": "array", "items": ' * 300 + "{}" + "}" * 300),
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+            "grammar_too_large",
+        ),
+        ({"logit_bias": {"1" * 5000: 1}}, "logit_bias", "invalid_value"),
+        ({"logit_bias": {"²": 1}}, "logit_bias", "invalid_value"),
+        ({"structured_outputs": {"grammar": 'start: a\na: a "x"'}}, "structured_outputs.grammar", "invalid_grammar"),
+        (
+            {"structured_outputs": {"choice": [str(i) for i in range(5000)]}},
+            "structured_outputs.choice",
+            "grammar_too_large",
+        ),
+        ({"structured_outputs": {"regex": "x" * 1_000_000}}, "structured_outputs.regex", "grammar_too_large"),
+    ],
+)
+def test_malformed_constraints_are_400s_with_their_field_and_code(daemon, body, param, code):
+    r = _chat(daemon, {"messages": HI, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = _envelope(r)
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_plain_requests_answer_promptly_while_worst_case_grammars_compile(daemon):
+    # grammars compile in a pool of their own: 20 slow compiles hold no thread that a plain request or a status needs
+    # about as slow to compile as a schema under the size limit gets: 2000 required properties with patterns
+    props = {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}[0-9]{2,5}"} for i in range(2000)}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    slow = {"messages": HI, "max_tokens": 4, "structured_outputs": {"json": schema}}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_chat(daemon, slow))) for _ in range(20)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert daemon.get("/depctl/v1/deployments", timeout=15).status_code == 200
+    assert _chat(daemon, {"messages": HI, "max_tokens": 2}).status_code == 200
+    assert any(t.is_alive() for t in threads)  # (the compiles were still under way)
+    for t in threads:
+        t.join(180)
+    assert len(results) == 20
+    # each compiled and ran, or was refused for the time it would take (the time counts from arrival)
+    assert all(r.status_code == 200 or _envelope(r)["code"] == "grammar_too_complex" for r in results)
+
+
+def _fuzz_bodies():
+    from hypothesis import strategies as st
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20)
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=12,
+    )
+    fields = st.sampled_from(
+        [
+            "messages",
+            "prompt",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "stream",
+            "n",
+            "logit_bias",
+            "logprobs",
+            "top_logprobs",
+            "response_format",
+            "structured_outputs",
+            "tools",
+            "tool_choice",
+            "prediction",
+            "speculation",
+            "stream_options",
+            "presence_penalty",
+            "repetition_penalty",
+            "user",
+        ]
+    )
+    return st.dictionaries(fields, values, max_size=5).map(lambda body: {"model": "tiny", "max_tokens": 2, **body})
+
+
+def test_no_malformed_body_is_a_500(daemon):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(body=_fuzz_bodies(), chat=st.booleans())
+    def check(body, chat):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        r = daemon.post(path, {k: v for k, v in body.items() if k != "stream"}, timeout=60)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code != 200:
+            assert _envelope(r)["code"], r.text
+
+    check()

@@ -67,3 +67,63 @@ def test_a_stopping_daemon_still_says_which_deployments_do_not_exist():
     with pytest.raises(APIError) as stopping:
         service.deployment("real")
     assert stopping.value.status == 503 and stopping.value.code == "daemon_stopping"
+
+
+def test_requests_waiting_for_a_load_hold_no_thread_that_others_need(depctl_home, tiny_model_dir):
+    # the bug: a request for an IDLE deployment slept in a worker thread until the load finished; 45 such requests
+    # left a status request waiting more than 30 s for a thread
+    import asyncio
+
+    import httpx
+
+    from depctl.settings import Settings
+    from depctl.spec import DeploymentSpec
+    from depctl.store import SpecStore
+    from depctl_runtime.app import create_app
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.manager import DeploymentManager, State
+
+    release, loads = threading.Event(), []
+
+    def loader(spec, report):
+        loads.append(spec.id)
+        if loads.count("nap") > 1:  # the load after the idle unload: held until the test lets it go
+            release.wait(120)
+        return load_deployment(spec, calibrate=False, report=report)
+
+    store = SpecStore()
+    for dep_id, keep_alive in (("nap", 1.0), ("other", None)):
+        store.create(DeploymentSpec(id=dep_id, model=str(tiny_model_dir), device="cpu", keep_alive=keep_alive))
+    manager = DeploymentManager(store, loader=loader)
+    app = create_app(manager=manager, settings=Settings())
+    manager.start()
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=180) as client:
+            deadline = time.monotonic() + 120
+            while manager.get("nap").state != State.IDLE or manager.get("other").state != State.READY:
+                assert time.monotonic() < deadline, (manager.get("nap").state, manager.get("other").state)
+                await asyncio.sleep(0.1)
+            body = {"model": "nap", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            waiting = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for _ in range(100)]
+            while not manager.get("nap").waking:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # every waiter has reached its wait
+            # each answers while the 100 wait (before the fix they waited for the load: never, here)
+            status = await asyncio.wait_for(client.get("/depctl/v1/deployments"), 30)
+            other = await asyncio.wait_for(
+                client.post("/v1/completions", json={"model": "other", "prompt": "a", "max_tokens": 2}), 30
+            )
+            tokenized = await asyncio.wait_for(client.post("/tokenize", json={"model": "other", "prompt": "ab"}), 30)
+            assert status.status_code == other.status_code == tokenized.status_code == 200, other.text
+            assert not any(w.done() for w in waiting)
+            release.set()
+            answers = await asyncio.gather(*waiting)
+            assert all(r.status_code == 200 for r in answers), answers[0].text
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        manager.stop()
