@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -103,7 +102,7 @@ def start_daemon(
 
 def _spawn(port: int | None, timeout: float, env: dict) -> tuple[DaemonInfo, bool]:
     log_path = config.daemon_log()
-    cmd = [sys.executable, "-m", "depctl_runtime"] + ([] if port is None else ["--port", str(port)])
+    cmd = config.python_module("depctl_runtime") + ([] if port is None else ["--port", str(port)])
     with open(log_path, "ab") as log:
         log.write(f"\n--- depctl daemon starting {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
         log.flush()

@@ -59,3 +59,14 @@ def default_port() -> int:
 
 def debug() -> bool:
     return os.environ.get("DEPCTL_DEBUG", "") not in ("", "0", "false")
+
+
+def python_module(module: str) -> list[str]:
+    """The command that runs ``python -m module`` in this interpreter without the current directory on its path: run
+    from a folder that holds a ``depctl/`` directory (a clone's parent), ``-m`` would import that one instead."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", module]
+    code = f"import runpy, sys; del sys.path[0]; runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", code]

@@ -105,11 +105,24 @@ def _describe_running() -> str:
     return f"pid {info.pid} on {info.url}" if info else "still starting"
 
 
-def _serve(settings: Settings, port: int) -> int:
-    sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+def bind(host: str, port: int) -> socket.socket:
+    """The daemon's socket, held exclusively from here on: it listens at once. (SO_REUSEADDR lets a restart bind
+    while the last run's connections linger; on Linux it also lets two sockets bind one port as long as neither
+    listens, and loading the app takes seconds: a second daemon once bound the same port in that window.)"""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((settings.host, port))
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve(settings: Settings, port: int) -> int:
+    try:
+        sock = bind(settings.host, port)
     except OSError as exc:
         print(
             f"depctl daemon: cannot bind {settings.host}:{port}: {exc.strerror}; set DEPCTL_PORT or --port to "

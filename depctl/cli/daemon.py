@@ -107,7 +107,7 @@ def _exec_daemon(port: int | None, env: dict) -> None:
     is this command's."""
     import sys
 
-    argv = [sys.executable, "-m", "depctl_runtime"] + ([] if port is None else ["--port", str(port)])
+    argv = config.python_module("depctl_runtime") + ([] if port is None else ["--port", str(port)])
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, {**os.environ, **env})

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import typing
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from depctl import models, output, recordings
+from depctl import config, models, output, recordings
 from depctl.cli._common import handle_errors
 from depctl.errors import DepctlError, UsageError
 from depctl.spec import Quantization, check_quantization
@@ -84,7 +83,7 @@ def train(
         raise UsageError(str(exc)) from None
     if data is not None and not data.is_file():
         raise UsageError(f"--data {data}: no such file", 'give a JSONL file of {"prompt": "..."} lines')
-    cmd = [sys.executable, "-m", "depctl_runtime.training", target, "--out", str(out), "--minutes", str(minutes)]
+    cmd = config.python_module("depctl_runtime.training") + [target, "--out", str(out), "--minutes", str(minutes)]
     cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
     cmd += ["--samples", str(samples), "--quantization", quantization]
     cmd += ["--device", device] + ([] if compile_passes else ["--no-compile"])
