@@ -7,6 +7,7 @@ this command starts it, draws its JSON progress lines, and passes Ctrl-C on so t
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import typing
@@ -66,6 +67,9 @@ def train(
     compile_passes: bool = typer.Option(
         True, "--compile/--no-compile", help="Compile the target's passes to answer faster."
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Write into --out even though it holds something other than a head of TARGET."
+    ),
 ) -> None:
     """Train an EAGLE-3 head for TARGET from its own answers; stop with Ctrl-C and run the same command to resume."""
     if data is not None and from_deployment is not None:
@@ -83,12 +87,19 @@ def train(
         raise UsageError(str(exc)) from None
     if data is not None and not data.is_file():
         raise UsageError(f"--data {data}: no such file", 'give a JSONL file of {"prompt": "..."} lines')
+    _check_data(data)
+    _check_out(out, target, force)  # the last check: nothing is written before every one has passed
     cmd = config.python_module("depctl_runtime.training") + [target, "--out", str(out), "--minutes", str(minutes)]
     cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
     cmd += ["--samples", str(samples), "--quantization", quantization]
     cmd += ["--device", device] + ([] if compile_passes else ["--no-compile"])
     cmd += ["--data", str(data)] if data is not None else []
-    (out / ".train").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / ".train").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(
+            f"--out {out}: cannot write there ({exc.strerror})", "give a directory you can write"
+        ) from None
     log = out / ".train" / "train.log"  # the libraries' own messages, kept off the progress bar
     with log.open("a") as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
@@ -166,3 +177,41 @@ def _train_line(event: dict) -> str:
     acceptance = " ".join(f"{a:.0%}" for a in event["acceptance"])
     loss = f"loss {event['loss']:.2f}, " if event.get("loss") is not None else ""
     return f"training: {loss}held-out acceptance {acceptance}, mean accepted {event['mean_accepted']:.2f}"
+
+
+def _check_data(data: Path | None) -> None:
+    from depctl_runtime.training.data import DataError, load_conversations
+
+    if data is not None:
+        try:
+            load_conversations(data)
+        except DataError as exc:
+            raise UsageError(f"--data {data}: {exc}", 'give a JSONL file of {"prompt": "..."} lines') from None
+
+
+def _check_out(out: Path, target: str, force: bool) -> None:
+    """--out must be new, empty, or a head of ``target`` (an earlier run to resume): anything else (a model
+    directory, /etc) would have its files replaced."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file", "give a directory: a new one, or a head of this target to resume")
+    if not out.exists():
+        parent = next(p for p in out.absolute().parents if p.exists())
+        if not os.access(parent, os.W_OK):
+            raise UsageError(f"--out {out}: {parent} is not writable", "give a directory you can write")
+        return
+    entries = {p.name for p in out.iterdir()} - {".train"}
+    if not entries or force:
+        return
+    try:
+        config = json.loads((out / "config.json").read_text())
+        trained_for = config["speculators_config"]["verifier"]["name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(
+            f"--out {out} is not empty and holds no draft head: training would overwrite its files",
+            "give a new directory, or --force to write into this one",
+        ) from None
+    if trained_for != target:
+        raise UsageError(
+            f"--out {out} holds a head trained for {trained_for!r}, not {target!r}",
+            "give a new directory, or --force to replace that head",
+        )

@@ -90,3 +90,41 @@ def test_a_bad_quantization_is_refused_naming_the_choices(tmp_path):
     )
     assert result.exit_code == 2 and "no CUDA kernel" in " ".join(result.output.split())
     assert not (tmp_path / "h").exists()
+
+
+def test_out_is_checked_before_anything_is_written(tiny_model_dir, tmp_path):
+    # the bugs: pointed at a model directory, training replaced its config.json and model.safetensors; with a bad
+    # --data it created OUT/.train/train.log before refusing; a file as --out was an "unexpected NotADirectoryError"
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+    result = run("draft", "train", str(tiny_model_dir), "--out", str(model))
+    assert result.exit_code == 2 and "holds no draft head" in " ".join(result.output.split()), result.output
+    assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before
+    assert not (model / ".train").exists()
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    result = run("draft", "train", str(tiny_model_dir), "--out", str(tmp_path / "new"), "--data", str(bad))
+    assert result.exit_code == 2 and f"--data {bad}" in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "new").exists()
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    result = run("draft", "train", str(tiny_model_dir), "--out", str(a_file))
+    assert result.exit_code == 2 and "is a file" in result.output
+
+    result = run("draft", "train", str(tiny_model_dir), "--out", "/proc")
+    assert result.exit_code == 2 and "holds no draft head" in " ".join(result.output.split())
+
+
+def test_out_holding_a_head_of_another_target_is_refused_naming_both(tmp_path):
+    out = tmp_path / "head"
+    out.mkdir()
+    config = {"speculators_model_type": "eagle3", "speculators_config": {"verifier": {"name_or_path": "other-model"}}}
+    (out / "config.json").write_text(json.dumps(config))
+    result = run("draft", "train", "smollm2-135m-instruct", "--out", str(out))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "'other-model'" in text and "'smollm2-135m-instruct'" in text, text
