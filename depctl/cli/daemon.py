@@ -57,6 +57,8 @@ def start(
     max_body_bytes: Optional[int] = _setting("max_body_bytes"),
     max_prompt_tokens: Optional[int] = _setting("max_prompt_tokens"),
     default_max_tokens: Optional[int] = _setting("default_max_tokens"),
+    max_grammar_bytes: Optional[int] = _setting("max_grammar_bytes"),
+    grammar_timeout: Optional[float] = _setting("grammar_timeout"),
     load_timeout: Optional[float] = _setting("load_timeout"),
     drain_timeout: Optional[float] = _setting("drain_timeout"),
     foreground: bool = typer.Option(
@@ -94,6 +96,8 @@ def serve(
     max_body_bytes: Optional[int] = _setting("max_body_bytes"),
     max_prompt_tokens: Optional[int] = _setting("max_prompt_tokens"),
     default_max_tokens: Optional[int] = _setting("default_max_tokens"),
+    max_grammar_bytes: Optional[int] = _setting("max_grammar_bytes"),
+    grammar_timeout: Optional[float] = _setting("grammar_timeout"),
     load_timeout: Optional[float] = _setting("load_timeout"),
     drain_timeout: Optional[float] = _setting("drain_timeout"),
 ) -> None:
