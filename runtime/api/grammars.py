@@ -65,9 +65,6 @@ class GrammarPool:
     def under_way(self) -> int:
         return self._under_way
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
 
 def _api_error(exc: BackendError) -> APIError:
     return APIError(exc.status, exc.message, param=exc.param, code=exc.code or "invalid_grammar")

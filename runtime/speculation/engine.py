@@ -12,7 +12,6 @@ A fault in one row's own part of a step (its grammar, its proposer's guess, its 
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -22,7 +21,7 @@ from typing import Sequence as Seq
 import torch
 
 from depctl_runtime.model.runner import ModelRunner, greedy
-from depctl_runtime.speculation.faults import RowFault
+from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
 from depctl_runtime.speculation.proposers import ModelProposer, PredictionTracker, Proposer
@@ -30,8 +29,6 @@ from depctl_runtime.speculation.sampling import probs_from_logits, token_logprob
 from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
 from depctl_runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
-
-log = logging.getLogger("depctl.engine")
 
 
 @dataclass
@@ -222,11 +219,7 @@ class SpeculativeEngine:
     def _failed(self, seq: Sequence, part: str | None = None, exc: BaseException | None = None) -> StepOutput:
         """The row's last output: it ends with its fault (recorded now from ``exc``, raised by its ``part``)."""
         if exc is not None:
-            seq.fault = RowFault.of(part, exc)
-            if seq.fault.part == "grammar":  # the request's own grammar: not a fault of depctl's
-                log.info("request %s: %s", seq.id, seq.fault.message)
-            else:
-                log.error("request %s: its %s failed; it ends alone", seq.id, part, exc_info=exc)
+            record_fault(seq, part, exc)
         seq.finish_reason = "error"
         self.stats.num_row_faults += 1
         return StepOutput([], "error", error=seq.fault)
@@ -238,9 +231,7 @@ class SpeculativeEngine:
             part = "grammar"
             return guess if seq.grammar is None else self._constrain(seq, seq.grammar, guess)
         except Exception as exc:  # noqa: BLE001 - recorded on the row, which ends after the pass without drafts
-            seq.fault = RowFault.of(part, exc)
-            if seq.fault.part != "grammar":
-                log.error("request %s: its %s failed; it ends alone", seq.id, part, exc_info=exc)
+            record_fault(seq, part, exc)
             return Guess([], seq.acceptance, None)
 
     def _constrain(self, seq: Sequence, grammar: RowGrammar, guess: Guess) -> Guess:
@@ -304,7 +295,8 @@ class SpeculativeEngine:
                     try:
                         k = seq.grammar.valid_prefix(tokens[:k])
                     except Exception as exc:  # noqa: BLE001 - the row ends after the pass
-                        seq.fault, k = RowFault.of("grammar", exc), 0
+                        record_fault(seq, "grammar", exc)
+                        k = 0
                 drafts.append(tokens[:k] if k else [])
                 probs.append(q[:k] if q is not None and k else None)
             else:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from depctl_runtime.speculation.grammar import GrammarError
+
+log = logging.getLogger("depctl.engine")
 
 
 class RowFault(Exception):
@@ -42,3 +46,14 @@ class RowFault(Exception):
             500,
             "engine_error",
         )
+
+
+def record_fault(seq, part: str, exc: BaseException) -> RowFault:
+    """Mark ``seq`` (a ``Sequence``) as ended by ``exc``, raised in its ``part``; log it with the request's id (a
+    fault of depctl's with its traceback, the request's own grammar in a line)."""
+    seq.fault = RowFault.of(part, exc)
+    if seq.fault.part == "grammar":
+        log.info("request %s: %s", seq.id, seq.fault.message)
+    else:
+        log.error("request %s: its %s failed; it ends alone", seq.id, part, exc_info=exc)
+    return seq.fault

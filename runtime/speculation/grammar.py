@@ -68,9 +68,9 @@ class GrammarCompiler:
         return LLMatcher.grammar_from_lark(lark)
 
     def compile(self, grammar: str) -> Grammar:
-        """Compile and take the first step (the first mask and the forced tokens): the lexer builds its automaton
-        lazily, so a grammar it gives up on ("too many expressions constructed") compiles and fails only at its first
-        token. That happens here, where requests are built, rather than on the engine thread."""
+        """Compile and compute the first mask: the lexer builds its automaton lazily, so a grammar it gives up on
+        ("too many expressions constructed") compiles and fails only at its first token. That happens here, where
+        requests are built, rather than on the engine thread."""
         from llguidance import LLMatcher
 
         try:
@@ -86,9 +86,9 @@ class GrammarCompiler:
             if str(exc).startswith("NoExtension"):  # stopped before its first byte: nothing can match it
                 raise GrammarError("no output can match it: its language is empty") from None
             raise
-        except BaseException as exc:  # a panic in the Rust library (pyo3 raises it as a BaseException)
-            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
-                raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # llguidance's own errors, and a panic in it (pyo3's is a BaseException)
             raise GrammarError(f"the grammar engine failed on it ({type(exc).__name__})") from None
         return Grammar(matcher, self.vocab_size, self.special_ids, self.end_ids)
 
@@ -160,7 +160,8 @@ class RowGrammar:
         self._check()
         self._forced_from, self._forced_run = len(self._taken), run
         # llguidance computes the whole run, holding the GIL, at ~0.17 s per 100k forced bytes: a grammar that forces
-        # a long literal ("a{100000}") drafts no forced tokens after its first slow run, which nothing else waits on
+        # a long literal ("a{100000}") drafts no forced tokens after its first slow run (which still stalls the
+        # engine thread once)
         self._forced_off = took > FORCED_BUDGET
         return run[:limit]
 

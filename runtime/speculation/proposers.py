@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from depctl_runtime.model.runner import ModelRunner, greedy
-from depctl_runtime.speculation.faults import RowFault
+from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.sampling import probs_from_logits
 from depctl_runtime.speculation.suffix import SuffixIndex
 
@@ -295,7 +295,7 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list
                         taken[b] += 1
                     logits[b].masked_fill_(~grammar.allowed().to(logits.device), float("-inf"))
                 except Exception as exc:  # noqa: BLE001 - that row ends after the pass; the others draft on
-                    batch[b].fault = RowFault.of("grammar", exc)
+                    record_fault(batch[b], "grammar", exc)
                     del taken[b]
         token = greedy(logits)  # [B]
         for b, seq in enumerate(batch):
@@ -304,7 +304,7 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list
                     q = probs_from_logits(logits[b : b + 1], seq.sampling)  # [1, vocab]
                     token[b] = torch.multinomial(q[0], 1, generator=seq.generator)[0]
                 except Exception as exc:  # noqa: BLE001 - that row ends after the pass; its drafts are dropped
-                    seq.fault = RowFault.of("sampling", exc)
+                    record_fault(seq, "sampling", exc)
                     continue
                 probs[b].append(q[0])
         drafted.append(token)
