@@ -368,3 +368,23 @@ def test_a_greedy_step_asks_for_no_rows_logits_unless_logprobs_are_wanted(target
     assert all(rows == slice(None) for rows in asked)  # argmax() of an unscreened pass reads them all, no row alone
     run(make(target, NgramProposer(2), k=4), PROMPTS[0], ignore_eos=True, logprobs=0)
     assert any(rows != slice(None) for rows in asked)
+
+
+def test_another_tenants_traffic_reaches_a_request_only_through_the_policys_aggregates(target):
+    """What a tenant's counters depend on besides its own request: the draft-length policy's deployment-wide numbers
+    (its acceptance prior, measured costs, the batch it shares), never another tenant's text. With the policy held
+    fixed, a request drafts and counts exactly the same whether or not another tenant sent the same text before."""
+    from depctl_runtime.speculation import Tenant
+
+    def counted(engine, tenant):
+        params = GenerationParams(max_tokens=41, ignore_eos=True, tenant=tenant)
+        outs = list(generate(engine, PROMPTS[1], params))
+        return [t for o in outs for t in o.token_ids], sum(o.drafted for o in outs), sum(o.accepted for o in outs)
+
+    alice, bob = Tenant("k", "alice"), Tenant("k", "bob")
+    fresh = make(target, SuffixProposer(4096, scope="user"), 8, adaptive=False)
+    shared = make(target, SuffixProposer(4096, scope="user"), 8, adaptive=False)
+    counted(shared, alice)  # alice sends the very text bob is about to
+    assert counted(shared, bob) == counted(fresh, bob)
+    again = counted(shared, alice)  # (while alice's own repeat drafts from her first request: the index holds it)
+    assert again[2] > counted(fresh, alice)[2]
