@@ -15,6 +15,13 @@ For ``--duration`` seconds, in a temporary DEPCTL_HOME:
   repairs or deletes them;
 - the daemon is killed with SIGKILL twice and stopped gracefully once (``depctl daemon stop``), each time restarted
   by the CLI; after each restart every deployment with a valid spec must come back READY.
+- hostile users mix in: grammars llguidance gives up on (at compile, and mid-output), an empty grammar, a choice
+  list and a schema past the limits, ``schema: false``, a 5000-digit ``logit_bias`` key: each must get its 4xx with
+  a code; a deployment whose only weights are a pickle that would run a command, and a spec file that is a pickle:
+  refused, and the command never runs;
+- bursts of 20 requests at a deployment that ``--keep-alive`` unloaded, while a status read must answer at once.
+
+Every greedy non-streaming request of the clients must produce the text it produced alone, before the traffic.
 
 After the traffic it deletes every deployment but the clients' and waits for their memory to be returned. Then it
 stops the daemon and prints two tables. The run: requests sent, completed, failed by status, streams cut, specs lost
@@ -92,6 +99,30 @@ def daemon_info(home: Path) -> dict | None:
 
 # ---- traffic ------------------------------------------------------------------------------------------------------
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+# a hostile user's requests, each answered with a 4xx and a code (and never disturbing anyone else's)
+HOSTILE = [
+    ("grammar the lexer gives up on", {"structured_outputs": {"regex": "(a{1000}){1000}"}}),
+    ("grammar that fails mid-output", {"structured_outputs": {"regex": "(b|c)(a{1000}){1000}"}}),
+    ("empty grammar", {"structured_outputs": {"grammar": 'start: a\na: a "x"'}}),
+    ("5000 choices", {"structured_outputs": {"choice": [str(i) for i in range(5000)]}}),
+    ("schema false", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}),
+    (
+        "schema 300 deep",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep(300)}}},
+    ),
+    ("5000-digit logit_bias key", {"logit_bias": {"1" * 5000: 1}}),
+]
+
 BAD = [
     ("invalid json", "/v1/completions", b'{"model": "steady", "prompt": ', None),
     ("surrogate", "/v1/completions", b'{"model": "steady", "prompt": "a\\udfff"}', None),
@@ -111,15 +142,61 @@ BAD = [
 ]
 
 
-def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Random, max_tokens: int) -> None:
+PROMPTS = [
+    "Repeat: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Write a list of fruits: apple, banana, cherry, apple, banana,",
+    "Hello! How are you today?",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+]
+
+
+def _normal_body(prompt: str, chat: bool, max_tokens: int, **extra) -> tuple[str, dict]:
+    body = {"model": "steady", "max_tokens": max_tokens, **extra}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def _text(r) -> str:
+    choice = r.json()["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def greedy_alone(home: Path, max_tokens: int) -> dict:
+    """Each greedy request's text as the deployment gives it alone: what it must give under any traffic."""
     import httpx
 
-    prompts = [
-        "Repeat: the quick brown fox jumps over the lazy dog. The quick brown fox",
-        "Write a list of fruits: apple, banana, cherry, apple, banana,",
-        "Hello! How are you today?",
-        "def add(a, b):\n    return a + b\n\ndef add(a, b):",
-    ]
+    url = f"http://127.0.0.1:{daemon_info(home)['port']}"
+    alone = {}
+    for prompt in PROMPTS:
+        for chat in (False, True):
+            for n in (8, max_tokens):
+                path, body = _normal_body(prompt, chat, n, temperature=0)
+                r = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+                r.raise_for_status()
+                alone[(prompt, chat, n)] = _text(r)
+    return alone
+
+
+def hostile_request(url: str, rng: random.Random, tally: Tally) -> None:
+    import httpx
+
+    name, extra = rng.choice(HOSTILE)
+    body = {"model": "steady", "messages": HI, "max_tokens": 8, **extra}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    code = _code(r)
+    if r.status_code == 503:  # a restart or a busy compiler: a client would retry
+        tally.add(f"hostile -> 503 {code}")
+    elif 400 <= r.status_code < 500 and code not in ("-", "NOT in the envelope"):
+        tally.add(f"hostile -> {r.status_code} {code}")
+    else:
+        tally.add(f"hostile NOT refused with a code ({name}: {r.status_code} {code})")
+
+
+def client_loop(
+    home: Path, stop: threading.Event, tally: Tally, rng: random.Random, max_tokens: int, alone: dict
+) -> None:
+    import httpx
+
     while not stop.is_set():
         info = daemon_info(home)
         if info is None:
@@ -141,17 +218,21 @@ def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Ran
                 envelope = r.headers.get("content-type", "").startswith("application/json") and "error" in r.json()
                 tally.add(f"bad request -> {r.status_code}{'' if envelope else ' (NOT in the envelope)'}")
                 continue
-            prompt = rng.choice(prompts)
+            if kind < 0.2:
+                hostile_request(url, rng, tally)
+                continue
+            prompt = rng.choice(PROMPTS)
             chat = rng.random() < 0.5
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            body = {
-                "model": "steady",
-                "max_tokens": rng.randint(4, max_tokens),
-                "temperature": rng.choice([0, 0.8]),
-                "speculation": {"enabled": rng.random() < 0.7},
-                "user": rng.choice(["alice", "bob", "carol"]),
-            }
-            body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+            temperature = rng.choice([0, 0.8])
+            n = rng.choice([8, max_tokens]) if temperature == 0 else rng.randint(4, max_tokens)
+            path, body = _normal_body(
+                prompt,
+                chat,
+                n,
+                temperature=temperature,
+                speculation={"enabled": rng.random() < 0.7},
+                user=rng.choice(["alice", "bob", "carol"]),
+            )
             if rng.random() < 0.5:
                 hang_up_after = rng.randint(1, 4) if rng.random() < 0.15 else None
                 stream_request(url, path, body, headers, hang_up_after, tally)
@@ -164,6 +245,9 @@ def client_loop(home: Path, stop: threading.Event, tally: Tally, rng: random.Ran
             else:
                 r = httpx.post(url + path, json=body, headers=headers, timeout=120)
                 tally.add("completed" if r.status_code == 200 else f"failed {r.status_code}: {_code(r)}")
+                if r.status_code == 200 and temperature == 0:
+                    same = _text(r) == alone[(prompt, chat, n)]
+                    tally.add("greedy text as alone" if same else "greedy text DIFFERS from alone")
                 if r.status_code == 503:
                     time.sleep(0.25)  # as a client with retries would: not a busy loop while it loads
         except httpx.TransportError:
@@ -274,8 +358,8 @@ def churn_loop(
             rss = rss_mb(home)
             if r.returncode == 0 and rss is not None:
                 tally.reload_rss.append(round(rss))
-        elif op < 0.8 and len(live) > 1:
-            dep = rng.choice([d for d in live if d != "steady"])  # the clients' deployment stays
+        elif op < 0.8 and len(live) > 2:
+            dep = rng.choice([d for d in live if d not in ("steady", "nap")])  # the clients' deployments stay
             r = cli(home, "deployment", "delete", dep, "--no-wait")
             if r.returncode == 0 or "not found" not in r.stderr:
                 mine.pop(dep, None)
@@ -290,6 +374,82 @@ def churn_loop(
         for path in [specs / f"{c}.yaml" for c in list(corrupted) if rng.random() < 0.3]:
             path.unlink(missing_ok=True)  # repaired by removal
             corrupted.discard(path.stem)
+
+
+def pickled_model(home: Path, model: str, marker: Path) -> Path:
+    """A copy of ``model`` whose only weights are a pickle that creates ``marker`` if anything unpickles it."""
+    import shutil
+
+    from tests.pickles import plant
+
+    path = home / "pickled-model"
+    shutil.copytree(model, path, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    plant(path / "pytorch_model.bin", marker)
+    return path
+
+
+def pickle_round(home: Path, pickled: Path, marker: Path, n: int, tally: Tally) -> None:
+    """A deployment of the pickled model must fail, naming why; a spec file that is a pickle is a broken spec."""
+    from tests.pickles import plant
+
+    dep = f"pickled-{n}"
+    r = cli(home, "deployment", "create", str(pickled), "--deployment-id", dep)
+    refused = r.returncode != 0 and "pickled" in " ".join(r.stderr.split())
+    tally.add("pickled weights refused" if refused else "pickled weights NOT refused")
+    cli(home, "deployment", "delete", dep, "--no-wait")
+    spec = plant(home / "deployments" / f"pickle-spec-{n}.yaml", marker)
+    time.sleep(1.0)  # the daemon reads the store at its next reconcile
+    spec.unlink(missing_ok=True)
+    tally.add("pickle payloads run" if marker.exists() else "pickle payloads never run")
+
+
+def idle_burst(home: Path, tally: Tally, latencies: list) -> None:
+    """20 requests at the keep-alive deployment once it is IDLE, and a status read while they wait for its load."""
+    import httpx
+
+    info = daemon_info(home)
+    if info is None:
+        return
+    url, headers = f"http://127.0.0.1:{info['port']}", {"Authorization": f"Bearer {KEY}"}
+    try:
+        if httpx.get(url + "/depctl/v1/deployments/nap", headers=headers, timeout=10).json()["state"] != "IDLE":
+            return
+        results = []
+
+        def one():
+            path, body = _normal_body(PROMPTS[2], True, 4)
+            body["model"] = "nap"
+            try:
+                results.append(httpx.post(url + path, json=body, headers=headers, timeout=180).status_code)
+            except httpx.TransportError:
+                results.append("connection failed")
+
+        burst = [threading.Thread(target=one) for _ in range(20)]
+        for t in burst:
+            t.start()
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        httpx.get(url + "/depctl/v1/deployments", headers=headers, timeout=60)
+        latencies.append(time.perf_counter() - t0)
+        for t in burst:
+            t.join(200)
+        tally.add(f"idle burst: {sum(r == 200 for r in results)}/20 answered 200")
+    except (httpx.TransportError, ValueError, KeyError):
+        tally.add("idle burst: daemon unavailable")
+
+
+def hostile_loop(
+    home: Path, stop: threading.Event, tally: Tally, pause: threading.Event, pickled: Path, marker: Path, latencies
+) -> None:
+    n = 0
+    while not stop.wait(3.0):
+        if pause.is_set() or daemon_info(home) is None:
+            continue
+        n += 1
+        if n % 2:
+            idle_burst(home, tally, latencies)
+        else:
+            pickle_round(home, pickled, marker, n, tally)
 
 
 # ---- restarts -----------------------------------------------------------------------------------------------------
@@ -319,7 +479,7 @@ def wait_ready(home: Path, t0: float, timeout: float = 120) -> tuple[int, int, f
         valid = {s.id for s in SpecStore(home / "deployments").list()[0]}
         r = cli(home, "deployment", "list", "-o", "json")
         rows = json.loads(r.stdout) if r.returncode == 0 else []
-        ready = {row["id"] for row in rows if row["status"]["state"] == "READY"}
+        ready = {row["id"] for row in rows if row["status"]["state"] in ("READY", "IDLE")}  # (IDLE: keep-alive)
         if valid <= ready or time.monotonic() - t0 > timeout:
             return len(valid), len(valid & ready), time.monotonic() - t0
         time.sleep(0.5)
@@ -354,14 +514,14 @@ def rss_sampler(home: Path, stop: threading.Event, tally: Tally) -> None:
 
 def settle(home: Path, mine: dict, tally: Tally, timeout: float = 120) -> None:
     """Delete every deployment but the clients', and wait until the daemon has let them go."""
-    for dep in [d for d in mine if d != "steady"]:
+    for dep in [d for d in mine if d not in ("steady", "nap")]:
         cli(home, "deployment", "delete", dep, "--no-wait")
         mine.pop(dep)
         tally.add("spec deleted")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r = cli(home, "deployment", "list", "-o", "json")
-        if r.returncode == 0 and [row["id"] for row in json.loads(r.stdout)] == ["steady"]:
+        if r.returncode == 0 and sorted(row["id"] for row in json.loads(r.stdout)) == ["nap", "steady"]:
             break
         time.sleep(0.5)
     time.sleep(3)  # the engines drain and their memory is trimmed after the last request ends
@@ -421,15 +581,25 @@ def main(argv=None) -> int:
     )
     assert r.returncode == 0, r.stderr
     mine["steady"] = True
+    r = cli(home, "deployment", "create", model, "--deployment-id", "nap", "--keep-alive", "2s")
+    assert r.returncode == 0, r.stderr
+    mine["nap"] = True
+    alone = greedy_alone(home, args.max_tokens)
+    marker = home / "a-pickle-ran"
+    pickled = pickled_model(home, model, marker)
+    latencies: list[float] = []
     rss_start = rss_mb(home)
     tally.phase("start to the first kill -9", rss_start)
     sampling = threading.Event()
     sampler = threading.Thread(target=rss_sampler, args=(home, sampling, tally))
     sampler.start()
     threads = [
-        threading.Thread(target=client_loop, args=(home, stop, tally, random.Random(rng.random()), args.max_tokens))
+        threading.Thread(
+            target=client_loop, args=(home, stop, tally, random.Random(rng.random()), args.max_tokens, alone)
+        )
         for _ in range(args.clients)
     ]
+    threads.append(threading.Thread(target=hostile_loop, args=(home, stop, tally, pause, pickled, marker, latencies)))
     threads.append(
         threading.Thread(
             target=churn_loop, args=(home, model, stop, tally, random.Random(rng.random()), mine, corrupted, pause)
@@ -496,6 +666,19 @@ def main(argv=None) -> int:
             for how, valid, ready, secs in restarts
         ],
         ("processes left behind (must be 0)", len(left)),
+        (
+            "greedy texts as alone / differing (must be 0)",
+            f"{counts['greedy text as alone']} / {counts['greedy text DIFFERS from alone']}",
+        ),
+        *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("hostile")],
+        (
+            "pickled weights refused / not refused (must be 0)",
+            f"{counts['pickled weights refused']} / {counts['pickled weights NOT refused']}",
+        ),
+        ("pickle payloads that ran (must be 0)", int(marker.exists())),
+        *[(f"  {k}", v) for k, v in sorted(counts.items()) if k.startswith("idle burst")],
+        ("status read during an idle burst, worst, s", f"{max(latencies):.2f}" if latencies else "-"),
+        ("daemon RSS at the start / settled, MB", f"{rss_start or 0:.0f} / {rss_settled or 0:.0f}"),
         ("daemon RSS after each reload, MB", ", ".join(map(str, tally.reload_rss)) or "-"),
     ]
     print("\n| chaos run | |\n|---|---|")
@@ -520,11 +703,15 @@ def main(argv=None) -> int:
                     "rss_settled_mb": rss_settled,
                     "phases": tally.phases,
                     "reload_rss_mb": tally.reload_rss,
+                    "pickle_ran": marker.exists(),
+                    "burst_status_seconds": latencies,
                 },
                 indent=1,
             )
         )
     ok = not lost and not left and not unexplained and all(ready == valid for _, valid, ready, _ in restarts)
+    ok = ok and not marker.exists() and not counts["greedy text DIFFERS from alone"]
+    ok = ok and not [k for k in counts if k.startswith("hostile NOT") or k == "pickled weights NOT refused"]
     return 0 if ok else 1
 
 

@@ -70,6 +70,9 @@ def build_directory(root: Path, flags: list[str]) -> Path:
     for source in SOURCES:
         key.update(source.read_bytes())
     key.update(f"{torch.__version__}|{sys.version}|{platform.machine()}|{' '.join(flags)}".encode())
+    # torch's build file names the sources by path: two checkouts sharing one directory rebuilt it in turn, each
+    # load waiting minutes for the other's build under the lock
+    key.update(str(CSRC.resolve()).encode())
     return root / f"native-{key.hexdigest()[:16]}"
 
 

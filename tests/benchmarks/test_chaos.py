@@ -1,5 +1,6 @@
-"""A short chaos run (benchmarks/chaos.py): traffic, bad requests, disconnects, spec churn and corruption, two kill -9s
-and a graceful stop. Nothing may be lost, wedged, left running or answered outside the error envelope."""
+"""A short chaos run (benchmarks/chaos.py): traffic, bad and hostile requests, pickles, idle bursts, disconnects, spec
+churn and corruption, two kill -9s and a graceful stop. Nothing may be lost, wedged, left running, answered outside the
+error envelope, or changed in another user's output."""
 
 from __future__ import annotations
 
@@ -33,3 +34,11 @@ def test_short_chaos_run(tmp_path):
     phases = result["phases"]
     assert len(phases) == 5 and all(p["rss_start"] and p["rss_peak"] >= p["rss_start"] for p in phases), phases
     assert phases[-1]["rss_end"] == result["rss_settled_mb"]
+    # hostile users: each refused with a 4xx and a code, no pickle ever run, and everyone else's greedy text unchanged
+    assert counts["greedy text as alone"] > 10 and not counts.get("greedy text DIFFERS from alone"), counts
+    hostile = [k for k in counts if k.startswith("hostile")]
+    assert hostile and all(k.startswith(("hostile -> 4", "hostile -> 503")) for k in hostile), hostile
+    assert counts["pickled weights refused"] >= 1 and not counts.get("pickled weights NOT refused")
+    assert not result["pickle_ran"] and not counts.get("pickle payloads run")
+    bursts = [k for k in counts if k.startswith("idle burst: ") and "answered" in k]
+    assert bursts, counts  # (every burst member answered, unless a restart cut it: counted apart)

@@ -177,7 +177,7 @@ def _daemon_pids(home) -> list[int]:
             env = proc.info["environ"] or {}
         except (psutil.Error, OSError):
             continue
-        if "depctl_runtime" in cmd[1:3]:
+        if "depctl_runtime" in cmd:  # python [-P] -m depctl_runtime ...
             if env.get("DEPCTL_HOME") == str(home):
                 pids.append(proc.pid)
     return pids
