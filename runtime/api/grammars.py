@@ -19,7 +19,7 @@ from depctl_runtime.backends.structured import GrammarLimits, check_limits
 
 class GrammarPool:
     def __init__(
-        self, limits: GrammarLimits = GrammarLimits(), timeout: float = 10.0, workers: int = 2, queue: int = 32
+        self, limits: GrammarLimits = GrammarLimits(), timeout: float = 10.0, workers: int = 1, queue: int = 32
     ):
         self.limits, self.timeout = limits, timeout
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="depctl-grammar-compile")
