@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from depctl import models  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
-from depctl_runtime.backends.loader import (  # noqa: E402
+from depctl_runtime.backends.passes import compile_passes  # noqa: E402
+from depctl_runtime.backends.precision import (  # noqa: E402
     QUANTIZED,
-    compile_passes,
     load_dtype,
     pick_device,
     pick_draft_precision,
@@ -166,7 +166,7 @@ def main() -> int:
         return quantize_int8(d) if precision == "int8" else d
 
     draft = load_draft(ours=True) if args.draft else None
-    if surgery:  # what the loader does for a deployment (depctl_runtime.backends.loader.surgery_for)
+    if surgery:  # what the loader does for a deployment (depctl_runtime.backends.precision.surgery_for)
         target_precision = QUANTIZED.get(args.quantization, str(dtype).removeprefix("torch."))
         model = surgery_for(model, target_precision, exact=True, fuse=not args.no_fuse)
     # transformers' rows get their own copies, as users run them (no module swaps)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from depctl.workloads import prompts_dir  # noqa: E402
-from depctl_runtime.backends.loader import QUANTIZED, surgery_for  # noqa: E402
+from depctl_runtime.backends.precision import QUANTIZED, surgery_for  # noqa: E402
 from depctl_runtime.model.runner import ModelRunner  # noqa: E402
 from depctl_runtime.speculation import EngineConfig, GenerationParams, SpeculativeEngine, generate  # noqa: E402
 

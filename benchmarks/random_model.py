@@ -16,6 +16,7 @@ longer in tokens than with the real tokenizer. The shapes are the models' publis
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -72,23 +73,39 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    params = _parameters(save_random(SHAPES[args.like], args.out, args.seed))
+    print(f"{args.like}, random weights: {params / 1e6:.0f}M parameters in {args.out}")
+    return 0
+
+
+def save_random(shape: dict, out: Path, seed: int = 0) -> Path:
+    """A model of ``shape`` (a config's fields) with random bf16 weights and the byte-level tokenizer, saved in
+    ``out``; returns ``out``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.tiny import byte_tokenizer
 
-    shape = dict(SHAPES[args.like])
+    shape = dict(shape)
     config = AutoConfig.for_model(
-        shape.pop("model_type"), **shape, bos_token_id=256, eos_token_id=258, pad_token_id=256, torch_dtype="bfloat16"
+        shape.pop("model_type"), **shape, bos_token_id=256, eos_token_id=258, pad_token_id=256, dtype="bfloat16"
     )
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model.save_pretrained(args.out)
-    byte_tokenizer().save_pretrained(args.out)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{args.like}, random weights: {params / 1e6:.0f}M parameters in {args.out}")
-    return 0
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def _parameters(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Annotated, Literal, Union
+from typing import Annotated, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -224,123 +225,171 @@ def new_deployment_id(model: str) -> str:
     return f"{slug}-{secrets.token_hex(3)}"
 
 
-def speculation_from_flags(
-    *,
-    draft_model: str | None,
-    draft_token_count: int | None,
-    ngram_speculation_length: int | None,
-    draft_precision: str | None = None,
-    disable: bool = False,
-    suffix: bool = False,
-    suffix_cache_tokens: int | None = None,
-    suffix_scope: str | None = None,
-    current: AnySpeculation | None = None,
-) -> AnySpeculation | None:
-    """Turn the speculation flags into a ``Speculation``; the one place the cross-flag rules live.
+@dataclass(frozen=True)
+class SpeculationFlags:
+    """The speculation flags of a ``create`` or ``update``, as typed (None: not given)."""
+
+    draft_model: str | None = None
+    draft_token_count: int | None = None
+    ngram_speculation_length: int | None = None
+    draft_precision: str | None = None
+    disable: bool = False
+    suffix: bool = False
+    suffix_cache_tokens: int | None = None
+    suffix_scope: str | None = None
+
+    @property
+    def methods(self) -> list[str]:
+        """The method flags given, in the order the messages name them."""
+        given = (
+            ("--draft-model", self.draft_model is not None),
+            ("--ngram-speculation-length", self.ngram_speculation_length is not None),
+            ("--suffix-speculation", self.suffix),
+        )
+        return [flag for flag, on in given if on]
+
+    @property
+    def suffix_options(self) -> dict:
+        """The suffix index's options given: {field: value}."""
+        options = (("cache_tokens", self.suffix_cache_tokens), ("scope", self.suffix_scope))
+        return {field: value for field, value in options if value is not None}
+
+    @property
+    def suffix_option_flags(self) -> list[str]:
+        return [f"--suffix-{field.replace('_', '-')}" for field in self.suffix_options]
+
+    @property
+    def beside_precision(self) -> str | None:
+        """The first flag given that a draft precision cannot go with."""
+        given = (
+            ("--ngram-speculation-length", self.ngram_speculation_length is not None),
+            ("--suffix-speculation", self.suffix),
+            ("--disable-speculative-decoding", self.disable),
+        )
+        return next((flag for flag, on in given if on), None)
+
+
+def _on(current: AnySpeculation | None, kind: type) -> bool:
+    return isinstance(current, kind)
+
+
+def _where(current: AnySpeculation | None, what: str) -> str:
+    """On update, why the deployment's own method does not help: `` (this deployment ...)``."""
+    return f" (this deployment {what})" if current is not None else ""
+
+
+@dataclass(frozen=True)
+class FlagRule:
+    """A combination of flags that is refused: when ``broken`` holds, a ``UsageError`` with ``message`` (a function
+    of the flags and the deployment's current method, on update) and ``hint``."""
+
+    broken: Callable[[SpeculationFlags, AnySpeculation | None], bool]
+    message: Callable[[SpeculationFlags, AnySpeculation | None], str]
+    hint: Callable[[SpeculationFlags], str | None] = lambda f: None
+
+
+# the cross-flag rules, checked in order: the first that is broken is the one reported
+FLAG_RULES: tuple[FlagRule, ...] = (
+    FlagRule(
+        lambda f, c: f.draft_precision is not None and f.beside_precision is not None,
+        lambda f, c: f"--draft-precision applies to a draft model and cannot be used with {f.beside_precision}",
+        lambda f: "drop --draft-precision, or use it with --draft-model",
+    ),
+    FlagRule(
+        lambda f, c: f.draft_precision is not None and f.draft_model is None and not _on(c, DraftModelSpeculation),
+        lambda f, c: f"--draft-precision needs --draft-model{_where(c, 'does not use a draft model')}",
+        lambda f: "add --draft-model=MODEL --draft-token-count=N, or drop --draft-precision",
+    ),
+    FlagRule(
+        lambda f, c: len(f.methods) > 1,
+        lambda f, c: f"{f.methods[0]} and {f.methods[1]} cannot be used together: pick one speculation method",
+        lambda f: (
+            "use --draft-model=MODEL for a draft model, --ngram-speculation-length=N for prompt lookup, or "
+            "--suffix-speculation to draft from this deployment's recent traffic as well"
+        ),
+    ),
+    FlagRule(
+        lambda f, c: bool(f.suffix_options) and not f.suffix and not _on(c, SuffixSpeculation),
+        lambda f, c: (
+            f"{f.suffix_option_flags[0]} needs --suffix-speculation" + _where(c, "does not use suffix speculation")
+        ),
+        lambda f: f"add --suffix-speculation --draft-token-count=N, or drop {f.suffix_option_flags[0]}",
+    ),
+    FlagRule(
+        lambda f, c: f.disable and bool(f.methods or f.draft_token_count is not None or f.suffix_options),
+        lambda f, c: (
+            "--disable-speculative-decoding cannot be combined with --draft-model, "
+            "--ngram-speculation-length, --suffix-speculation, --suffix-cache-tokens, --suffix-scope or "
+            "--draft-token-count"
+        ),
+    ),
+    FlagRule(
+        lambda f, c: f.draft_model is not None and not f.draft_model.strip(),
+        lambda f, c: "--draft-model must not be empty",
+    ),
+)
+
+
+def speculation_from_flags(*, current: AnySpeculation | None = None, **flags) -> AnySpeculation | None:
+    """Turn the speculation flags (``SpeculationFlags``' fields) into a ``Speculation``; the one place the cross-flag
+    rules live (``FLAG_RULES``).
 
     ``current`` is the deployment's speculation on ``update``: there ``--draft-token-count`` alone changes the
     count of whatever method is configured, ``--draft-precision`` alone the precision of a configured draft
     model, and ``--suffix-cache-tokens`` / ``--suffix-scope`` alone the options of configured suffix speculation.
-    Returns ``None``
-    on update when no speculation flag was given. Messages name the flags the user typed.
+    Returns ``None`` on update when no speculation flag was given. Messages name the flags the user typed.
     """
-    current_draft = current if isinstance(current, DraftModelSpeculation) else None
-    current_suffix = current if isinstance(current, SuffixSpeculation) else None
-    methods = [
-        flag
-        for flag, given in (
-            ("--draft-model", draft_model is not None),
-            ("--ngram-speculation-length", ngram_speculation_length is not None),
-            ("--suffix-speculation", suffix),
-        )
-        if given
-    ]
-    if draft_precision is not None and (ngram_speculation_length is not None or suffix or disable):
-        other = next(
-            f
-            for f, given in (
-                ("--ngram-speculation-length", ngram_speculation_length is not None),
-                ("--suffix-speculation", suffix),
-                ("--disable-speculative-decoding", disable),
-            )
-            if given
-        )
-        raise UsageError(
-            f"--draft-precision applies to a draft model and cannot be used with {other}",
-            "drop --draft-precision, or use it with --draft-model",
-        )
-    if draft_precision is not None and draft_model is None and current_draft is None:
-        where = " (this deployment does not use a draft model)" if current is not None else ""
-        raise UsageError(
-            f"--draft-precision needs --draft-model{where}",
-            "add --draft-model=MODEL --draft-token-count=N, or drop --draft-precision",
-        )
-    if len(methods) > 1:
-        raise UsageError(
-            f"{methods[0]} and {methods[1]} cannot be used together: pick one speculation method",
-            "use --draft-model=MODEL for a draft model, --ngram-speculation-length=N for prompt lookup, or "
-            "--suffix-speculation to draft from this deployment's recent traffic as well",
-        )
-    suffix_options = {
-        field: value
-        for field, value in (("cache_tokens", suffix_cache_tokens), ("scope", suffix_scope))
-        if value is not None
-    }
-    suffix_flags = [f"--suffix-{field.replace('_', '-')}" for field in suffix_options]
-    if suffix_flags and not suffix and current_suffix is None:
-        where = " (this deployment does not use suffix speculation)" if current is not None else ""
-        raise UsageError(
-            f"{suffix_flags[0]} needs --suffix-speculation{where}",
-            f"add --suffix-speculation --draft-token-count=N, or drop {suffix_flags[0]}",
-        )
-    if disable:
-        if methods or draft_token_count is not None or suffix_options:
-            raise UsageError(
-                "--disable-speculative-decoding cannot be combined with --draft-model, --ngram-speculation-length, "
-                "--suffix-speculation, --suffix-cache-tokens, --suffix-scope or --draft-token-count"
-            )
+    f = SpeculationFlags(**flags)
+    for rule in FLAG_RULES:
+        if rule.broken(f, current):
+            raise UsageError(rule.message(f, current), rule.hint(f))
+    if f.disable:
         return NoSpeculation()
     try:
-        if methods:
-            if draft_token_count is None:  # the deployment's own K when it switches method, else the method's default
-                has_k = current is not None and not isinstance(current, NoSpeculation)
-                draft_token_count = current.num_draft_tokens if has_k else default_draft_tokens(methods[0])
-            if draft_model is not None:
-                if not draft_model.strip():
-                    raise UsageError("--draft-model must not be empty")
-                precision = draft_precision or (current_draft.draft_precision if current_draft else "auto")
-                return DraftModelSpeculation(
-                    draft_model=draft_model, num_draft_tokens=draft_token_count, draft_precision=precision
-                )
-            if suffix:  # options not given keep the deployment's own
-                kept = current_suffix.model_dump(include={"cache_tokens", "scope"}) if current_suffix else {}
-                return SuffixSpeculation(num_draft_tokens=draft_token_count, **{**kept, **suffix_options})
-            return NgramSpeculation(ngram_length=ngram_speculation_length, num_draft_tokens=draft_token_count)
-        if suffix_options:  # update: the suffix index's options (and maybe K)
-            return SuffixSpeculation.model_validate(
-                {
-                    **current_suffix.model_dump(),
-                    **suffix_options,
-                    **({"num_draft_tokens": draft_token_count} if draft_token_count is not None else {}),
-                }
-            )
+        if f.methods:
+            return _new_method(f, current)
+        if f.suffix_options:  # update: the suffix index's options (and maybe K)
+            count = {"num_draft_tokens": f.draft_token_count} if f.draft_token_count is not None else {}
+            return SuffixSpeculation.model_validate({**current.model_dump(), **f.suffix_options, **count})
     except ValidationError as exc:  # bounds are also enforced by the CLI; this guards library callers
         raise UsageError(_flag_bounds_message(exc)) from None
-    if draft_precision is not None and draft_token_count is None:  # update: the precision alone
-        return current_draft.model_copy(update={"draft_precision": draft_precision})
-    if draft_token_count is not None:
-        if current is not None and not isinstance(current, NoSpeculation):
-            fields = {"num_draft_tokens": _check_count(draft_token_count)}
-            if draft_precision is not None:
-                fields["draft_precision"] = draft_precision
-            return current.model_copy(update=fields)
-        where = " (this deployment has speculation disabled)" if current is not None else ""
+    return _same_method(f, current)
+
+
+def _new_method(f: SpeculationFlags, current: AnySpeculation | None) -> AnySpeculation:
+    """The method a flag names; options not given keep the deployment's own where it already uses that method."""
+    count = f.draft_token_count
+    if count is None:  # the deployment's own K when it switches method, else the method's default
+        has_k = current is not None and not isinstance(current, NoSpeculation)
+        count = current.num_draft_tokens if has_k else default_draft_tokens(f.methods[0])
+    if f.draft_model is not None:
+        kept = current.draft_precision if isinstance(current, DraftModelSpeculation) else "auto"
+        return DraftModelSpeculation(
+            draft_model=f.draft_model, num_draft_tokens=count, draft_precision=f.draft_precision or kept
+        )
+    if f.suffix:
+        kept = current.model_dump(include={"cache_tokens", "scope"}) if isinstance(current, SuffixSpeculation) else {}
+        return SuffixSpeculation(num_draft_tokens=count, **{**kept, **f.suffix_options})
+    return NgramSpeculation(ngram_length=f.ngram_speculation_length, num_draft_tokens=count)
+
+
+def _same_method(f: SpeculationFlags, current: AnySpeculation | None) -> AnySpeculation | None:
+    """No method flag: on update, a new count or draft precision for the method the deployment has."""
+    if f.draft_precision is not None and f.draft_token_count is None:  # the precision alone
+        return current.model_copy(update={"draft_precision": f.draft_precision})
+    if f.draft_token_count is None:
+        return NoSpeculation() if current is None else None
+    if current is None or isinstance(current, NoSpeculation):
         raise UsageError(
-            f"--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation{where}",
+            "--draft-token-count needs --draft-model, --ngram-speculation-length or --suffix-speculation"
+            + _where(current, "has speculation disabled"),
             "add --draft-model=MODEL, --ngram-speculation-length=N or --suffix-speculation, "
             "or drop --draft-token-count",
         )
-    return NoSpeculation() if current is None else None
+    fields = {"num_draft_tokens": _check_count(f.draft_token_count)}
+    if f.draft_precision is not None:
+        fields["draft_precision"] = f.draft_precision
+    return current.model_copy(update=fields)
 
 
 def default_draft_tokens(method_flag: str) -> int:

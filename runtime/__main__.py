@@ -141,12 +141,13 @@ def _serve(settings: Settings, port: int) -> int:
         log.warning("!" * 100)
 
     from sse_starlette.sse import AppStatus
-    from transformers.utils import logging as hf_logging
 
     from depctl_runtime.api.guard import HttpProtocol
     from depctl_runtime.app import create_app
 
-    hf_logging.disable_progress_bar()  # tqdm bars in a log file are noise; load stages are logged instead
+    # tqdm bars in a log file are noise (load stages are logged instead); read when transformers first loads, so
+    # the daemon's start does not import it
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     AppStatus.disable_automatic_graceful_drain()  # streams end through our drain (an error event, [DONE]), not cut
     app = create_app(settings=settings)

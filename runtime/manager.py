@@ -28,11 +28,9 @@ from typing import Iterator
 
 from depctl.spec import DeploymentSpec, describe_duration, describe_engine, describe_speculation
 from depctl.store import SpecStore
-from depctl_runtime.backends import Backend, make_backend
+from depctl_runtime.backends import Backend, Loader, make_backend
 from depctl_runtime.backends.base import Stage
-from depctl_runtime.backends.loader import load_deployment
-from depctl_runtime.backends.local import Loader
-from depctl_runtime.backends.vllm import reap_orphans
+from depctl_runtime.backends.vllm_process import reap_orphans
 from depctl_runtime.meter import ACCEPTANCE_WINDOW, RATE_WINDOW, SAMPLE_SECONDS, Meter
 
 log = logging.getLogger("depctl.manager")
@@ -165,7 +163,7 @@ def _reload_needed(old: DeploymentSpec, new: DeploymentSpec, k_in_place: bool = 
 
 
 class DeploymentManager:
-    def __init__(self, store: SpecStore, loader: Loader = load_deployment, load_timeout: float = DEFAULT_LOAD_TIMEOUT):
+    def __init__(self, store: SpecStore, loader: Loader | None = None, load_timeout: float = DEFAULT_LOAD_TIMEOUT):
         """``loader``: how depctl's engine loads a spec (tests pass a fake one)."""
         self.store = store
         self.loader = loader

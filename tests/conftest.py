@@ -49,8 +49,11 @@ def tiny_draft_dir(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("DEPCTL_SKIP_REAL"):
-        skip = pytest.mark.skip(reason="DEPCTL_SKIP_REAL is set: real-model tests skipped on request")
-        for item in items:
-            if "real_model" in item.keywords:
-                item.add_marker(skip)
+    skip_real = pytest.mark.skip(reason="DEPCTL_SKIP_REAL is set: real-model tests skipped on request")
+    for item in items:
+        if "real_model" in item.keywords:
+            item.add_marker(pytest.mark.slow)  # a real model's load and steps: seconds each on 2 cores
+            if os.environ.get("DEPCTL_SKIP_REAL"):
+                item.add_marker(skip_real)
+        if "engines" in item.keywords:
+            item.add_marker(pytest.mark.slow)

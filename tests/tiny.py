@@ -20,6 +20,10 @@ TOOLS_TEMPLATE = (
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
+# a request that must still be running when a test acts (a disconnect, a drain, Ctrl-C): a tiny model with room for
+# LONG_ANSWER tokens, which take seconds to write on any machine, so the test never races the machine's speed
+LONG = 32768
+LONG_ANSWER = 30000
 
 
 def byte_tokenizer(byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE):
@@ -101,7 +105,7 @@ def save_tiny_head(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int
     (its fingerprint), named ``verifier`` (default: the directory)."""
     from transformers import AutoModelForCausalLM
 
-    from depctl_runtime.model import speculators
+    from depctl_runtime.model import eagle_format
     from depctl_runtime.model.eagle import EagleConfig, EagleHead
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
@@ -112,8 +116,105 @@ def save_tiny_head(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int
             if name != "embed_tokens.weight":
                 p.normal_(0, 0.3)
     head.set_vocabulary(torch.arange(0, 2 * draft_vocab, 2))
-    fingerprint = speculators.fingerprint(target)
-    speculators.save(
+    fingerprint = eagle_format.fingerprint(target)
+    eagle_format.save(
         head, path, {"name_or_path": verifier or str(target_dir), "fingerprint": fingerprint}, speculative_tokens=4
     )
     return path
+
+
+# ---- other architectures: sliding windows (Qwen2, Gemma3), biases on q/k/v (Qwen2), an EAGLE-3 head ----
+WINDOW = 8  # the sliding-window models' window: short, so that tests cross it
+
+
+def tiny_qwen2_sliding():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+        tie_word_embeddings=False,
+    )
+    return _widen(Qwen2ForCausalLM(config))
+
+
+def tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    return _widen(Gemma3ForCausalLM(config))
+
+
+def _widen(model):
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)  # definite preferences, as in tests/tiny.py
+    return model.eval()
+
+
+def tiny_qwen2(seed: int = 0):
+    """Qwen2 has biases on q, k and v (and none on o): the fused projection must carry them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+        model.model.embed_tokens.weight.normal_(0, 0.5)
+    return model.eval()
+
+
+def tiny_head(seed: int = 0, vocab: int = 50, draft_vocab: int = 20):
+    from depctl_runtime.model.eagle import EagleConfig, EagleHead
+
+    torch.manual_seed(seed)
+    config = EagleConfig(
+        hidden_size=32,
+        target_hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        aux_layers=(0, 1, 2),
+    )
+    head = EagleHead(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    head.set_vocabulary(torch.arange(0, vocab, vocab // draft_vocab)[:draft_vocab])
+    return head.eval()

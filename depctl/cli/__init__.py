@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from depctl import __version__
-from depctl.cli import bench, daemon, deployment, draft, engine, model, talk, watch
+from depctl.cli import bench, chat, daemon, deployment, draft, engine, model, top
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -22,10 +22,10 @@ app.add_typer(daemon.app, name="daemon")
 app.add_typer(model.app, name="model")
 app.add_typer(engine.app, name="engine")
 app.add_typer(draft.app, name="draft")
-app.command()(talk.generate)
-app.command()(talk.chat)
-app.command()(watch.ps)
-app.command()(watch.top)
+app.command()(chat.generate)
+app.command()(chat.chat)
+app.command()(top.ps)
+app.command()(top.top)
 app.command()(daemon.serve)
 
 

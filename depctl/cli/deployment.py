@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import time
 import typing
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import typer
 from pydantic import ValidationError
@@ -332,131 +333,194 @@ def _state_cell(status: dict) -> Text:
     return Text(status["state"] + elapsed, style=colour)
 
 
+@dataclass(frozen=True)
+class _Detail:
+    """One deployment as ``get`` shows it: its record, the daemon's status and the status's counters."""
+
+    r: dict
+    status: dict
+    stats: dict
+
+    def running(self, key: str, template: str) -> str:
+        """`` (running: ...)`` when the daemon reports ``key``, else nothing."""
+        return template.format(self.status[key]) if self.status.get(key) else ""
+
+
+def _memory_cell(d: _Detail) -> str | None:
+    total, weights = d.status.get("memory_bytes"), d.status.get("weights_bytes")
+    if not total:
+        return None
+    parts = (
+        f"weights {output.fmt_bytes(weights)}, KV cache {output.fmt_bytes(total - weights)}"
+        if weights and weights <= total
+        else "weights and KV cache"
+    )
+    return f"{output.fmt_bytes(total)} ({parts})"
+
+
+def _recording_cell(d: _Detail) -> str | None:
+    dep_id = d.r["id"]
+    if not (d.r.get("record_prompts") or recordings.path(dep_id).exists()):
+        return None
+    state, kept = "on" if d.r.get("record_prompts") else "off", recordings.count(dep_id)
+    return f"{state}, {kept} prompt{'' if kept == 1 else 's'} in {recordings.path(dep_id)}"
+
+
+def _now_cell(d: _Detail) -> str | None:
+    recent = d.status.get("recent")
+    if not recent or recent.get("tokens_per_second") is None:
+        return None
+    return (
+        f"{fmt_num(recent['tokens_per_second'], 1)} tok/s (last {recent['window_seconds']:.0f}s), acceptance "
+        f"{fmt_rate(recent['acceptance_rate'])} (last {recent['acceptance_window_seconds']:.0f}s)"
+    )
+
+
+def _suffix_cell(d: _Detail) -> str | None:
+    index = d.status.get("suffix_index")
+    if not index:
+        return None
+    return (
+        f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
+        f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} lookups drafted"
+    )
+
+
+def _policy(d: _Detail) -> dict:
+    policy = d.status.get("policy") or {}
+    return policy if policy.get("max_draft_tokens") else {}
+
+
+def _counted(cell: Callable[[_Detail], str | None]) -> Callable[[_Detail], str | None]:
+    """A row of the counters: shown once the daemon reports them."""
+    return lambda d: cell(d) if d.stats else None
+
+
+# ``deployment get``'s rows in order: a label (or a function of the deployment) and its cell, None to leave the row out
+_DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], str | Text | None]], ...] = (
+    ("ID", lambda d: d.r["id"]),
+    ("Display name", lambda d: d.r.get("display_name") or "-"),
+    ("Model", lambda d: d.r.get("model", "-")),
+    ("Speculation", lambda d: describe_speculation(_spec_obj(d.r["speculation"])) if d.r.get("speculation") else "-"),
+    ("Engine", lambda d: _engine_cell(d.r) + _vllm_note(d.status.get("vllm"))),
+    (
+        "Device / dtype",
+        lambda d: (
+            f"{d.r.get('device')} / {d.r.get('dtype')}"
+            + (f" (running on {d.status['device']} / {d.status['dtype']})" if d.status.get("device") else "")
+        ),
+    ),
+    ("Matrix products", lambda d: d.status.get("products") or None),
+    (
+        "Quantization",
+        lambda d: (
+            d.r["quantization"] + d.running("weights", " (running: {})")
+            if d.r.get("quantization", "none") != "none"
+            else None
+        ),
+    ),
+    ("Draft precision", lambda d: d.status.get("draft_precision") or None),
+    ("EAGLE head", lambda d: _describe_head(d.status["eagle_head"]) if d.status.get("eagle_head") else None),
+    (
+        "Compiled passes",
+        lambda d: ("on" if d.r.get("compile", True) else "off") + d.running("compiled", " (running: {})"),
+    ),
+    ("Max batch size", lambda d: str(d.r.get("max_batch_size", "-"))),
+    (
+        "Context",
+        lambda d: (
+            f"{d.r.get('max_context_length') or 'the model’s'}" + d.running("max_context", " (running: {} tokens)")
+        ),
+    ),
+    ("State", lambda d: _state_cell(d.status)),
+    (
+        "Requests running / waiting",
+        lambda d: (
+            f"{d.status['num_requests_running']} / {d.status['num_requests_waiting']}"
+            if "num_requests_running" in d.status
+            else None
+        ),
+    ),
+    ("Reason", lambda d: d.status.get("reason") or None),
+    ("Prompt recording", _recording_cell),
+    (
+        "Keep alive",
+        lambda d: (
+            f"{describe_duration(d.r['keep_alive'])}, then unloaded until the next request"
+            if d.r.get("keep_alive")
+            else None
+        ),
+    ),
+    ("Now", _now_cell),
+    ("Memory", _memory_cell),
+    ("Requests", _counted(lambda d: str(d.stats["requests"]))),
+    ("Generated tokens", _counted(lambda d: str(d.stats["generated_tokens"]))),
+    (
+        "Decode speed (lifetime)",
+        _counted(
+            lambda d: (
+                f"{fmt_num(d.stats['decode_tokens_per_second'], 1)} tok/s"
+                if d.stats.get("decode_tokens_per_second") is not None
+                else None
+            )
+        ),
+    ),
+    (
+        lambda d: "Acceptance rate" + (" (vLLM's counters)" if d.stats.get("source") == "vllm" else ""),
+        _counted(lambda d: fmt_rate(d.stats["acceptance_rate"])),
+    ),
+    ("Mean acceptance length", _counted(lambda d: fmt_num(d.stats["mean_acceptance_length"]))),
+    (
+        "Drafts / draft tokens / accepted",
+        _counted(lambda d: f"{d.stats['drafts']} / {d.stats['draft_tokens']} / {d.stats['accepted_tokens']}"),
+    ),
+    ("Accepted per position", _counted(lambda d: _per_position(d.stats))),
+    (
+        "Time drafting / verifying",
+        _counted(
+            lambda d: (
+                f"{d.stats['draft_seconds']:.2f}s / {d.stats['verify_seconds']:.2f}s"
+                if "draft_seconds" in d.stats
+                else None
+            )
+        ),
+    ),
+    (
+        "Grammar drafts / accepted / time",
+        _counted(  # shown once a request used a grammar
+            lambda d: (
+                f"{d.stats['grammar_draft_tokens']} / {d.stats['grammar_accepted_tokens']} / "
+                f"{d.stats['grammar_seconds']:.2f}s"
+                if d.stats.get("grammar_seconds")
+                else None
+            )
+        ),
+    ),
+    (
+        "Pass cost (tokens: ms)",
+        lambda d: ", ".join(f"{n}: {v}" for n, v in _policy(d)["verify_ms"].items()) if _policy(d) else None,
+    ),
+    (
+        "Draft forward (rows: ms)",
+        lambda d: (
+            ", ".join(f"{n}: {v}" for n, v in _policy(d)["draft_ms"].items()) if _policy(d).get("draft_ms") else None
+        ),
+    ),
+    ("Suffix index", _suffix_cell),
+    (
+        "Created / updated",
+        lambda d: f"{d.r['created_at']} / {d.r['updated_at']}" if d.r.get("created_at") else None,
+    ),
+)
+
+
 def _detail_table(r: dict) -> Table:
     table = output.make_grid()
-    status = r["status"]
-    stats = status.get("stats") or {}
-    rows = [
-        ("ID", r["id"]),
-        ("Display name", r.get("display_name") or "-"),
-        ("Model", r.get("model", "-")),
-        ("Speculation", describe_speculation(_spec_obj(r["speculation"])) if r.get("speculation") else "-"),
-        ("Engine", _engine_cell(r) + _vllm_note(status.get("vllm"))),
-        (
-            "Device / dtype",
-            f"{r.get('device')} / {r.get('dtype')}"
-            + (f" (running on {status['device']} / {status['dtype']})" if status.get("device") else ""),
-        ),
-        *([("Matrix products", status["products"])] if status.get("products") else []),
-        *(
-            [
-                (
-                    "Quantization",
-                    r["quantization"] + (f" (running: {status['weights']})" if status.get("weights") else ""),
-                )
-            ]
-            if r.get("quantization", "none") != "none"
-            else []
-        ),
-        *([("Draft precision", status["draft_precision"])] if status.get("draft_precision") else []),
-        *([("EAGLE head", _describe_head(status["eagle_head"]))] if status.get("eagle_head") else []),
-        (
-            "Compiled passes",
-            ("on" if r.get("compile", True) else "off")
-            + (f" (running: {status['compiled']})" if status.get("compiled") else ""),
-        ),
-        ("Max batch size", str(r.get("max_batch_size", "-"))),
-        (
-            "Context",
-            f"{r.get('max_context_length') or 'the model’s'}"
-            + (f" (running: {status['max_context']} tokens)" if status.get("max_context") else ""),
-        ),
-        ("State", _state_cell(status)),
-    ]
-    if "num_requests_running" in status:
-        rows.append(
-            ("Requests running / waiting", f"{status['num_requests_running']} / {status['num_requests_waiting']}")
-        )
-    if status.get("reason"):
-        rows.append(("Reason", status["reason"]))
-    if r.get("record_prompts") or recordings.path(r["id"]).exists():
-        state, kept = "on" if r.get("record_prompts") else "off", recordings.count(r["id"])
-        rows.append(
-            ("Prompt recording", f"{state}, {kept} prompt{'' if kept == 1 else 's'} in {recordings.path(r['id'])}")
-        )
-    if r.get("keep_alive"):
-        rows.append(("Keep alive", f"{describe_duration(r['keep_alive'])}, then unloaded until the next request"))
-    recent = status.get("recent")
-    if recent and recent.get("tokens_per_second") is not None:
-        rows.append(
-            (
-                "Now",
-                f"{fmt_num(recent['tokens_per_second'], 1)} tok/s (last {recent['window_seconds']:.0f}s), acceptance "
-                f"{fmt_rate(recent['acceptance_rate'])} (last {recent['acceptance_window_seconds']:.0f}s)",
-            )
-        )
-    if status.get("memory_bytes"):
-        total, weights = status["memory_bytes"], status.get("weights_bytes")
-        parts = (
-            f"weights {output.fmt_bytes(weights)}, KV cache {output.fmt_bytes(total - weights)}"
-            if weights and weights <= total
-            else "weights and KV cache"
-        )
-        rows.append(("Memory", f"{output.fmt_bytes(total)} ({parts})"))
-    if stats:
-        source = " (vLLM's counters)" if stats.get("source") == "vllm" else ""
-        rows += [
-            ("Requests", str(stats["requests"])),
-            ("Generated tokens", str(stats["generated_tokens"])),
-            *(
-                [("Decode speed (lifetime)", f"{fmt_num(stats['decode_tokens_per_second'], 1)} tok/s")]
-                if stats.get("decode_tokens_per_second") is not None
-                else []
-            ),
-            ("Acceptance rate" + source, fmt_rate(stats["acceptance_rate"])),
-            ("Mean acceptance length", fmt_num(stats["mean_acceptance_length"])),
-            (
-                "Drafts / draft tokens / accepted",
-                f"{stats['drafts']} / {stats['draft_tokens']} / {stats['accepted_tokens']}",
-            ),
-            ("Accepted per position", _per_position(stats)),
-            *(
-                [("Time drafting / verifying", f"{stats['draft_seconds']:.2f}s / {stats['verify_seconds']:.2f}s")]
-                if "draft_seconds" in stats
-                else []
-            ),
-            *(
-                [
-                    (
-                        "Grammar drafts / accepted / time",
-                        f"{stats['grammar_draft_tokens']} / {stats['grammar_accepted_tokens']} / "
-                        f"{stats['grammar_seconds']:.2f}s",
-                    )
-                ]
-                if stats.get("grammar_seconds")  # shown once a request used a grammar
-                else []
-            ),
-        ]
-    policy = status.get("policy")
-    if policy and policy.get("max_draft_tokens"):
-        costs = ", ".join(f"{n}: {v}" for n, v in policy["verify_ms"].items())
-        rows.append(("Pass cost (tokens: ms)", costs))
-        if policy.get("draft_ms"):
-            rows.append(("Draft forward (rows: ms)", ", ".join(f"{n}: {v}" for n, v in policy["draft_ms"].items())))
-    index = status.get("suffix_index")
-    if index:
-        rows.append(
-            (
-                "Suffix index",
-                f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
-                f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} "
-                "lookups drafted",
-            )
-        )
-    if r.get("created_at"):
-        rows.append(("Created / updated", f"{r['created_at']} / {r['updated_at']}"))
-    for key, value in rows:
-        table.add_row(Text(key, style="bold"), value)
+    d = _Detail(r, r["status"], r["status"].get("stats") or {})
+    for label, cell in _DETAIL_ROWS:
+        value = cell(d)
+        if value is not None:
+            table.add_row(Text(label(d) if callable(label) else label, style="bold"), value)
     return table
 
 

@@ -18,8 +18,7 @@ from depctl.spec import MAX_DRAFT_TOKENS
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.backends import Constraint
 from depctl_runtime.backends.structured import schema_problem
-from depctl_runtime.speculation import SamplingParams
-from depctl_runtime.speculation.sampling import Penalties
+from depctl_runtime.speculation.params import Penalties, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: beyond this a client should send more requests (they queue fairly)

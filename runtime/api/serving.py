@@ -41,7 +41,7 @@ from depctl_runtime.api.tools import check_tool_support, history, tool_constrain
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from depctl_runtime.backends.structured import GrammarLimits
 from depctl_runtime.manager import DeploymentManager, State
-from depctl_runtime.speculation import GenerationParams, Tenant
+from depctl_runtime.speculation.params import GenerationParams, Tenant
 
 log = logging.getLogger("depctl.serving")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.backends import Constraint
-from depctl_runtime.speculation.grammar import JSON_OPTIONS
+from depctl_runtime.speculation.params import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')

@@ -1,5 +1,9 @@
 """Backends: what serves a deployment. ``make_backend`` picks one from the spec; everything above talks to the
-``Backend`` protocol (``depctl_runtime.backends.base``)."""
+``Backend`` protocol (``depctl_runtime.backends.base``).
+
+Importing this package loads neither engine: each is imported when a deployment first needs it, so the API's models
+and the daemon's start never wait for torch.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,20 @@ from depctl_runtime.backends.base import (
     Delta,
     GenerateRequest,
     Interrupted,
+    Loader,
     Logprob,
     Owner,
 )
-from depctl_runtime.backends.loader import load_deployment
-from depctl_runtime.backends.local import Loader, LocalBackend
-from depctl_runtime.backends.vllm import VLLMBackend
 
 
-def make_backend(spec: DeploymentSpec, owner: Owner, load_timeout: float, loader: Loader = load_deployment) -> Backend:
+def make_backend(spec: DeploymentSpec, owner: Owner, load_timeout: float, loader: Loader | None = None) -> Backend:
+    """loader: how depctl's engine loads a deployment (tests pass stand-ins; None: ``loader.load_deployment``)."""
     if spec.engine == "vllm":
+        from depctl_runtime.backends.vllm import VLLMBackend
+
         return VLLMBackend(spec, owner, load_timeout)
+    from depctl_runtime.backends.local import LocalBackend
+
     return LocalBackend(spec, owner, loader)
 
 
@@ -34,6 +41,7 @@ __all__ = [
     "Delta",
     "GenerateRequest",
     "Interrupted",
+    "Loader",
     "Logprob",
     "Owner",
     "make_backend",

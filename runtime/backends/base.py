@@ -12,10 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Literal, Protocol
 
 from depctl.spec import DeploymentSpec
-from depctl_runtime.speculation import GenerationParams
+from depctl_runtime.speculation.params import GenerationParams
+
+if TYPE_CHECKING:
+    from depctl_runtime.backends.loader import LoadedDeployment
+
+# how depctl's engine loads a deployment from its spec (``loader.load_deployment``; tests pass stand-ins)
+Loader = Callable[..., "LoadedDeployment"]
 
 
 @dataclass(frozen=True)

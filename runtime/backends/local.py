@@ -10,10 +10,20 @@ from typing import AsyncIterator, Callable
 
 from depctl.errors import DepctlError, first_line
 from depctl.spec import DeploymentSpec, describe_speculation
-from depctl_runtime.backends.base import BackendError, Counters, Delta, GenerateRequest, Interrupted, Logprob, Owner
+from depctl_runtime.backends.base import (
+    BackendError,
+    Counters,
+    Delta,
+    GenerateRequest,
+    Interrupted,
+    Loader,
+    Logprob,
+    Owner,
+)
 from depctl_runtime.backends.detok import IncrementalDetokenizer, StopMatcher
-from depctl_runtime.backends.loader import LoadedDeployment, LoadError, load_deployment
+from depctl_runtime.backends.loader import LoadedDeployment, load_deployment
 from depctl_runtime.backends.structured import compile_constraint
+from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.backends.worker import EngineHost, EngineWorker, SetDraftTokens, Stop
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import SuffixProposer
@@ -23,16 +33,14 @@ log = logging.getLogger("depctl.local")
 
 _CUT = object()  # put in a running request's queue when the daemon's drain time is up
 
-Loader = Callable[..., LoadedDeployment]
-
 
 class LocalBackend:
     per_request_speculation = True
 
-    def __init__(self, spec: DeploymentSpec, owner: Owner, loader: Loader = load_deployment):
+    def __init__(self, spec: DeploymentSpec, owner: Owner, loader: Loader | None = None):
         self.spec = spec
         self._owner = owner
-        self._loader = loader
+        self._loader = loader or load_deployment
         self._worker: EngineWorker | None = None
         self._lock = threading.Lock()  # the worker's arrival vs. a stop that comes first
         self._stop_asked = False  # before the worker existed: the load's result is dropped
@@ -84,8 +92,8 @@ class LocalBackend:
         """Nothing of this backend runs any more (a load that ended without serving, a stop, a crash)."""
         with self._lock:
             self._worker, self._stop_asked = None, True
-        self._stopped.set()
         self._owner.exited(self)
+        self._stopped.set()  # last: whoever waits for the stop also sees the owner told of it
 
     def stop(self, drain: bool = True, then: Callable[[], None] | None = None) -> None:
         with self._lock:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-import jsonschema
+from typing import TYPE_CHECKING
 
 from depctl_runtime.backends.base import BackendError, Constraint
-from depctl_runtime.speculation.grammar import Grammar, GrammarCompiler, GrammarError
+
+if TYPE_CHECKING:  # the compiler (llguidance, torch) loads with the engine, not with the API's request models
+    from depctl_runtime.speculation.grammar import Grammar, GrammarCompiler
 
 
 def _refuse(constraint: Constraint, message: str) -> BackendError:
@@ -65,6 +66,8 @@ def schema_problem(schema) -> str | None:
     """What makes ``schema`` invalid JSON Schema (of the draft it names; 2020-12 if none), or None."""
     if not isinstance(schema, (dict, bool)):
         return f"a JSON Schema is an object or a boolean, not {type(schema).__name__}"
+    import jsonschema
+
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -92,6 +95,8 @@ def vllm_structured_outputs(constraint: Constraint) -> dict:
 
 def grammar_text(constraint: Constraint) -> str:
     """The constraint as an llguidance grammar (not yet checked against a tokenizer)."""
+    from depctl_runtime.speculation.grammar import GrammarCompiler
+
     kind, value = constraint.kind, constraint.value
     if kind == "json":  # (checked against JSON Schema only where llguidance refuses it: see compile_constraint)
         return GrammarCompiler.from_json_schema(value)
@@ -107,6 +112,8 @@ def grammar_text(constraint: Constraint) -> str:
 def compile_constraint(compiler: GrammarCompiler | None, constraint: Constraint) -> Grammar:
     if compiler is None:
         raise _refuse(constraint, "this deployment's tokenizer is not a fast tokenizer, which structured outputs need")
+    from depctl_runtime.speculation.grammar import GrammarError
+
     try:
         return compiler.compile(grammar_text(constraint))
     except (GrammarError, ValueError, TypeError, RecursionError) as exc:  # llguidance's reading of it, or compiling

@@ -15,6 +15,9 @@ with backoff, and stops it with every process it started.
 - **No orphans, no duplicates**: each server is recorded in ``$DEPCTL_HOME/run/vllm-<id>.json`` (pid, start time);
   a starting daemon kills what an earlier one left behind (``reap_orphans``) before it starts anything. On Linux the
   server also gets SIGTERM when the supervisor thread dies (``PR_SET_PDEATHSIG``), so a killed daemon takes it along.
+
+``vllm_process`` holds the process side (ports, the launcher, killing and reaping), ``vllm_wire`` what crosses HTTP
+(the request body, the streamed answer's pieces, errors, metrics); this module supervises and serves.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ import logging
 import os
 import re
 import secrets
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import AsyncIterator, Callable
 import httpx
 import psutil
 
-from depctl import config, models
+from depctl import models
 from depctl.client import tree_rss
 from depctl.engines import SERVER_MODULE, EngineEnv, require_vllm_env
 from depctl.errors import DepctlError, first_line
@@ -50,107 +51,36 @@ from depctl_runtime.backends.base import (
     Delta,
     GenerateRequest,
     Interrupted,
-    Logprob,
     Owner,
     Stage,
 )
 from depctl_runtime.backends.structured import vllm_structured_outputs
+from depctl_runtime.backends.vllm_process import (
+    ANSI,
+    LAUNCHER,
+    STOP_GRACE,
+    LaunchError,
+    exit_text,
+    free_port,
+    kill_group,
+    kill_tree,
+    run_dir,
+    shorten,
+)
+from depctl_runtime.backends.vllm_wire import (
+    METRICS_TTL,
+    completion_payload,
+    parse_logprobs,
+    parse_metrics,
+    stats_from_metrics,
+    upstream_error,
+)
 
 log = logging.getLogger("depctl.vllm")
 
 START_ATTEMPTS = 3
-STOP_GRACE = 15.0
 BACKOFF_MAX = 60.0
 BACKOFF_RESET = 600.0  # up this long: the next crash restarts after 1 s again
-METRICS_TTL = 1.0
-
-# Runs in vLLM's interpreter: ask the kernel for SIGTERM when the thread that started us dies, then become the server.
-_LAUNCHER = """
-import os, runpy, signal, sys
-try:
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
-    if os.getppid() != int(os.environ.get("DEPCTL_PARENT_PID", "0")):
-        sys.exit("the depctl daemon exited before vLLM started")
-except (AttributeError, OSError):
-    pass
-module = sys.argv[1]
-sys.argv = [module] + sys.argv[2:]
-runpy.run_module(module, run_name="__main__", alter_sys=True)
-"""
-
-
-class LaunchError(DepctlError):
-    pass
-
-
-def run_dir() -> Path:
-    path = config.home() / "run"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_tree(pid: int, grace: float) -> None:
-    """SIGTERM the process group led by ``pid`` (and every descendant found now), SIGKILL what outlives ``grace``."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except OSError:
-        pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    psutil.wait_procs(alive, timeout=5)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def reap_orphans() -> list[int]:
-    """Kill the vLLM servers an earlier daemon of this home left running; return their pids."""
-    reaped = []
-    for record in run_dir().glob("vllm-*.json"):
-        try:
-            info = json.loads(record.read_text())
-            proc = psutil.Process(info["pid"])
-            if abs(proc.create_time() - info["create_time"]) < 1.0:  # the same process, not a reused pid
-                log.warning(
-                    "stopping vLLM server pid %d left by an earlier daemon (deployment %s)",
-                    info["pid"],
-                    info.get("deployment"),
-                )
-                _kill_tree(info["pid"], STOP_GRACE)
-                reaped.append(info["pid"])
-        except (OSError, ValueError, KeyError, psutil.Error):
-            pass
-        record.unlink(missing_ok=True)
-    return reaped
 
 
 class VLLMBackend:
@@ -300,34 +230,7 @@ class VLLMBackend:
             raise BackendError(
                 503, f"deployment {self.spec.id!r}: its vLLM server is not up", code="deployment_not_ready"
             )
-        sampling, params = request.params.sampling, request.params
-        payload = {
-            "model": self.spec.id,
-            "prompt": request.prompt_ids,
-            "max_tokens": params.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": params.ignore_eos,
-        }
-        if sampling.top_k:
-            payload["top_k"] = sampling.top_k
-        if sampling.seed is not None:
-            payload["seed"] = sampling.seed
-        if request.stops:
-            payload["stop"] = list(request.stops)
-        if request.constraint is not None:
-            payload["structured_outputs"] = vllm_structured_outputs(request.constraint)
-        penalties = params.penalties
-        if penalties.active:
-            payload["presence_penalty"] = penalties.presence
-            payload["frequency_penalty"] = penalties.frequency
-            payload["repetition_penalty"] = penalties.repetition
-            if penalties.logit_bias:
-                payload["logit_bias"] = {str(t): b for t, b in penalties.logit_bias}
-        if params.logprobs is not None:
-            payload["logprobs"] = params.logprobs
+        payload = completion_payload(self.spec.id, request)
         client = self._http()
         try:
             upstream = await client.send(
@@ -358,7 +261,7 @@ class VLLMBackend:
                 if choices:
                     text, finish = choices[0].get("text") or "", choices[0].get("finish_reason")
                     counted += bool(text)  # a chunk a token, until the usage says exactly
-                    delta = Delta(text, int(bool(text)), finish, logprobs=_logprobs(choices[0].get("logprobs")))
+                    delta = Delta(text, int(bool(text)), finish, logprobs=parse_logprobs(choices[0].get("logprobs")))
                     if finish is None:
                         yield delta
                     else:  # held until the usage chunk, which comes after it, gives the true token count
@@ -405,7 +308,7 @@ class VLLMBackend:
                     if time.monotonic() - up_since > BACKOFF_RESET:
                         backoff = 1.0
                     self.restarts += 1
-                    reason = f"the vLLM server {_exit_text(code)}{self._last_error(': ')}"
+                    reason = f"the vLLM server {exit_text(code)}{self._last_error(': ')}"
                     self._owner.failed(self, f"{reason}; restarting in {backoff:g}s (restart {self.restarts})", True)
                 elif attempts >= START_ATTEMPTS:
                     self._owner.failed(
@@ -465,7 +368,8 @@ class VLLMBackend:
             return self._wait_healthy(what)
 
     def _command(self) -> tuple[list[str], dict]:
-        from depctl_runtime.backends.loader import MAX_CONTEXT_CAP, LoadError, pick_dtype
+        from depctl_runtime.backends.precision import pick_dtype
+        from depctl_runtime.backends.weights import MAX_CONTEXT_CAP, LoadError
 
         spec = self.spec
         self.env = require_vllm_env()
@@ -506,12 +410,12 @@ class VLLMBackend:
                 f"{model_len} positions: lower it, or leave it unset"
             )
         self.max_context = spec.max_context_length or min(model_len or MAX_CONTEXT_CAP, MAX_CONTEXT_CAP)
-        self.port = _free_port()
+        self.port = free_port()
         args = engine_args(spec, draft_source=draft_source, dtype=self.dtype, max_model_len=self.max_context)
         cmd = [
             self.env.python,
             "-c",
-            _LAUNCHER,
+            LAUNCHER,
             SERVER_MODULE,
             "--model",
             source,
@@ -549,7 +453,7 @@ class VLLMBackend:
         while not self._stopping():
             code = self.proc.poll()
             if code is not None:
-                return f"the vLLM server {_exit_text(code)} while starting{self._last_error(': ')}"
+                return f"the vLLM server {exit_text(code)} while starting{self._last_error(': ')}"
             if time.monotonic() > deadline:
                 self._terminate()
                 return f"the vLLM server did not answer /health within {self.load_timeout:g}s (DEPCTL_LOAD_TIMEOUT)"
@@ -560,7 +464,7 @@ class VLLMBackend:
             except httpx.HTTPError:
                 pass
             if self.log_tail:
-                self._owner.progress(self, Stage(what, _shorten(self.log_tail[-1], 160)))
+                self._owner.progress(self, Stage(what, shorten(self.log_tail[-1], 160)))
             self._stop.wait(0.5)
         return "stopped"
 
@@ -574,7 +478,7 @@ class VLLMBackend:
 
     def _pump(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
-            line = _ANSI.sub("", line.rstrip())
+            line = ANSI.sub("", line.rstrip())
             if line:
                 self.log_tail.append(line)
                 log.info("vllm[%s]: %s", self.spec.id, line)
@@ -583,7 +487,7 @@ class VLLMBackend:
         """``prefix`` + the last line that reads like an error, or nothing."""
         for line in reversed(self.log_tail):
             if re.search(r"Error|error:|Exception|Traceback|Killed", line):
-                return prefix + _shorten(line)
+                return prefix + shorten(line)
         return ""
 
     def _record(self) -> None:
@@ -604,9 +508,9 @@ class VLLMBackend:
         if proc is not None:
             if proc.poll() is None:
                 log.info("deployment %s: stopping the vLLM server (pid %d)", self.spec.id, proc.pid)
-                _kill_tree(proc.pid, STOP_GRACE)
+                kill_tree(proc.pid, STOP_GRACE)
             else:
-                _kill_group(proc.pid)  # the server is gone; its session may not be
+                kill_group(proc.pid)  # the server is gone; its session may not be
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -617,24 +521,6 @@ class VLLMBackend:
                     path.unlink()
             except (OSError, ValueError):
                 pass
-
-
-def _exit_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _shorten(line: str, limit: int = 300) -> str:
-    # vLLM's log prefix: "(APIServer pid=123) ERROR 11-23 10:00:00 [file.py:12] message"
-    line = re.sub(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING|ERROR|DEBUG|CRITICAL) \d\d-\d\d [\d:.]+ \[[^\]]+\] ", "", line)
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _model_positions(source: str) -> int | None:
@@ -651,74 +537,10 @@ def _kv_cache_gib(source: str, dtype: str, max_model_len: int, rows: int) -> int
     """GiB of KV cache for ``rows`` full-length requests (vLLM on a CPU reserves it up front; its default is 4)."""
     from transformers import AutoConfig
 
-    from depctl_runtime.backends.loader import kv_cache_bytes
+    from depctl_runtime.backends.weights import kv_cache_bytes
 
     try:
         kv = kv_cache_bytes(AutoConfig.from_pretrained(source), 4 if dtype == "float32" else 2, max_model_len * rows)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
         return 4
     return max(1, -(-kv // (1 << 30)))
-
-
-def parse_metrics(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict = {}
-    per_pos: dict[int, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-                pos = int(sample.labels.get("position", 0))
-                per_pos[pos] = per_pos.get(pos, 0) + sample.value
-            elif sample.name.startswith("vllm:") and not sample.name.endswith(("_created", "_bucket")):
-                out[sample.name] = out.get(sample.name, 0) + sample.value
-    if per_pos:
-        out["vllm:spec_decode_num_accepted_tokens_per_pos_total"] = [per_pos[p] for p in sorted(per_pos)]
-    return out
-
-
-def stats_from_metrics(m: dict) -> dict:
-    """vLLM's counters in the shape of depctl's engine stats (``deployment get`` shows both the same way)."""
-    drafts = int(m.get("vllm:spec_decode_num_drafts_total", 0))
-    draft_tokens = int(m.get("vllm:spec_decode_num_draft_tokens_total", 0))
-    accepted = int(m.get("vllm:spec_decode_num_accepted_tokens_total", 0))
-    return {
-        "source": "vllm",
-        "requests": int(m.get("vllm:request_success_total", 0)),
-        "generated_tokens": int(m.get("vllm:generation_tokens_total", 0)),
-        "prompt_tokens": int(m.get("vllm:prompt_tokens_total", 0)),
-        "drafts": drafts,
-        "draft_tokens": draft_tokens,
-        "accepted_tokens": accepted,
-        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else None,
-        # as vLLM defines it: tokens a verify step yields, the bonus token included
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-        "accepted_per_position": [int(v) for v in m.get("vllm:spec_decode_num_accepted_tokens_per_pos_total", [])],
-        "decode_tokens_per_second": None,
-    }
-
-
-def _logprobs(body: dict | None) -> tuple[Logprob, ...]:
-    """vLLM's completions logprobs (``tokens``, ``token_logprobs``, ``top_logprobs``) as ``Logprob``s."""
-    if not body:
-        return ()
-    tops = body.get("top_logprobs") or [None] * len(body.get("tokens") or ())
-    return tuple(
-        Logprob(token, token.encode(), lp, tuple((t, t.encode(), v) for t, v in (top or {}).items()))
-        for token, lp, top in zip(body.get("tokens") or (), body.get("token_logprobs") or (), tops)
-    )
-
-
-def upstream_error(status: int, content: bytes) -> BackendError:
-    """vLLM's error, in depctl's terms: ``{"error": {...}}`` (current) or ``{"object": "error", ...}`` (older)."""
-    try:
-        body = json.loads(content)
-    except ValueError:
-        body = {}
-    err = body.get("error") if isinstance(body.get("error"), dict) else body
-    message = err.get("message") or content.decode(errors="replace")[:500] or f"vLLM answered {status}"
-    status = status if status in (400, 404, 413, 422, 429, 500, 503) else (400 if 400 <= status < 500 else 500)
-    if status == 422:
-        status = 400
-    code = err.get("code") if isinstance(err.get("code"), str) else None
-    return BackendError(status, message, code=code, param=err.get("param"))

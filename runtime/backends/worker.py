@@ -3,7 +3,7 @@
 torch's CPU kernels run on an OpenMP pool owned by the thread that first ran a parallel region, and an idle pool
 beside a busy one slows it (more OpenMP threads than cores, each region waiting for a wake-up). So a deployment is
 loaded on a thread of its own, which exits once it hands its engine to the host, and every step of every deployment
-runs on the host's one thread and one pool. BENCHMARKS.md has the measurements.
+runs on the host's one thread and one pool.
 
 Other threads talk to an ``EngineWorker`` only through typed messages in its inbox (``Submit``, ``Cancel``,
 ``SetDraftTokens``, ``Stop``); outputs go back through each request's sink, called on the engine thread.

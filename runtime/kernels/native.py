@@ -10,7 +10,7 @@
   of 32 with fp16 scales and offsets, row-invariant likewise (``quantized.QuantizedLinear``).
 - ``CompiledPass(package, device_index)`` and ``run_pass(pass, inputs)``: a compiled pass's library, run without the
   GIL, which torch's own Python binding holds for the whole pass.
-- ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``model.head``).
+- ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``model.screened_head``).
 
 Built for this CPU's vector instruction set with inductor's flags (``torch._inductor.cpu_vec_isa``), kept under the
 cache directory keyed by the sources and the torch build. It needs a C++ compiler (and ninja, a dependency); ``load``

@@ -101,7 +101,7 @@ class QuantizedLinear(nn.Module):
     """An ``nn.Linear`` with 4- or 8-bit weights in groups (``quantize``) through ``depctl_native::quantized_linear``.
     Its output has the input's dtype (float32 or bf16). The packed weights are the only copy kept. Prompt chunks take
     the same kernel: it read a 200-token prompt in about half the time of dequantizing the weights for torch's GEMM
-    (BENCHMARKS.md). Needs depctl's C++ ops loaded (``native.load``)."""
+    (BENCHMARKS.md, "The products"). Needs depctl's C++ ops loaded (``native.load``)."""
 
     def __init__(self, linear: nn.Linear, bits: int):
         super().__init__()

@@ -44,7 +44,7 @@ log = logging.getLogger("depctl.compiled")
 class _Pass(nn.Module):
     """What is exported: ``decoder.forward`` over cache tensors given as inputs, one [rows, kv_heads, capacity, dim]
     pair per layer, up to the final norm: the output layer runs outside the library, where a greedy pass can screen
-    it (``depctl_runtime.model.head``) and a sampling row computes it in full."""
+    it (``depctl_runtime.model.screened_head``) and a sampling row computes it in full."""
 
     def __init__(self, model: nn.Module, features: tuple[int, ...] = ()):
         super().__init__()

@@ -9,7 +9,7 @@ the layer's own output (before ``norm``) where the target's ``g`` was, with the 
 runs ahead of the target on its own states. Training-time test (``ttt_logits``) trains exactly that chain.
 
 Parameter names and the checkpoint are Red Hat's ``speculators`` format (``midlayer.*``, ``fc``, ``norm``,
-``lm_head``, ``d2t``, ``t2d``), which vLLM loads as ``eagle3``; ``depctl_runtime.model.speculators`` reads and
+``lm_head``, ``d2t``, ``t2d``), which vLLM loads as ``eagle3``; ``depctl_runtime.model.eagle_format`` reads and
 writes it.
 """
 

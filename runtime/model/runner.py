@@ -21,7 +21,7 @@ from depctl_runtime.kernels.surgery import Int8WeightLinear, prefill_pass
 from depctl_runtime.model import decoder
 from depctl_runtime.model.attention import NAME as ROWS_ATTENTION
 from depctl_runtime.model.cache import SlotCache
-from depctl_runtime.model.head import ScreenedHead
+from depctl_runtime.model.screened_head import ScreenedHead
 
 
 def held_bytes(*roots: object) -> int:
@@ -238,8 +238,8 @@ class FastPass(Protocol):
 class Scores:
     """What a pass gives the engine: each token's greedy choice (``argmax``, the step's host sync) and, for the rows
     that sample, logits (``logits``). The output layer is applied here, not in the pass: a float32 target's
-    ``ScreenedHead`` chooses greedy tokens without the full float32 product (``depctl_runtime.model.head``), so a greedy
-    step never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
+    ``ScreenedHead`` chooses greedy tokens without the full float32 product (``model.screened_head``), so a greedy step
+    never computes it, and a sampling row computes only its own rows (the product gives a row the same bits
     whatever rows are beside it: ``surgery.BlockedLinear``)."""
 
     def __init__(

@@ -1,32 +1,35 @@
-"""The speculative engine: batched steps over token ids. It knows nothing of HTTP, text or tokenizers."""
+"""The speculative engine: batched steps over token ids. It knows nothing of HTTP, text or tokenizers.
 
-from depctl_runtime.speculation.engine import EngineConfig, SpeculativeEngine
-from depctl_runtime.speculation.proposers import (
-    DraftModelProposer,
-    NgramProposer,
-    Proposer,
-    SuffixProposer,
-    ngram_propose,
-)
-from depctl_runtime.speculation.sampling import SamplingParams
-from depctl_runtime.speculation.scheduler import Scheduler, generate
-from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput, Tenant
-from depctl_runtime.speculation.stats import SpecDecodeStats
+Names resolve on first use (PEP 562), so ``from depctl_runtime.speculation import GenerationParams`` loads the plain
+request types of ``params`` and not the engine with torch behind it.
+"""
 
-__all__ = [
-    "DraftModelProposer",
-    "EngineConfig",
-    "GenerationParams",
-    "NgramProposer",
-    "Proposer",
-    "SamplingParams",
-    "Scheduler",
-    "Sequence",
-    "SpecDecodeStats",
-    "SpeculativeEngine",
-    "StepOutput",
-    "Tenant",
-    "SuffixProposer",
-    "generate",
-    "ngram_propose",
-]
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "DraftModelProposer": "proposers",
+    "EngineConfig": "engine",
+    "GenerationParams": "params",
+    "NgramProposer": "proposers",
+    "Proposer": "proposers",
+    "SamplingParams": "params",
+    "Scheduler": "scheduler",
+    "Sequence": "sequence",
+    "SpecDecodeStats": "stats",
+    "SpeculativeEngine": "engine",
+    "StepOutput": "sequence",
+    "SuffixProposer": "proposers",
+    "Tenant": "params",
+    "generate": "scheduler",
+    "ngram_propose": "proposers",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -23,10 +23,11 @@ import torch
 from depctl_runtime.model.runner import ModelRunner, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
+from depctl_runtime.speculation.params import GenerationParams
 from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
 from depctl_runtime.speculation.proposers import ModelProposer, PredictionTracker, Proposer
-from depctl_runtime.speculation.sampling import probs_from_logits, token_logprobs
-from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
+from depctl_runtime.speculation.sequence import Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
 from depctl_runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
 
@@ -319,8 +320,8 @@ class SpeculativeEngine:
             )
         target_logits = logits(rows).float()  # [k + 1, vocab]
         if penalties.active:
-            target_logits = penalties.apply(
-                target_logits, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], drafts
+            target_logits = apply_penalties(
+                penalties, target_logits, seq.tokens[: seq.prompt_len], seq.tokens[seq.prompt_len :], drafts
             )
         if grammar is not None:
             allowed = grammar.masks(drafts) if allowed is None else allowed  # [k + 1, vocab]

@@ -19,9 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-# JSON as Python's json.dumps writes it: one space after ',' and ':', and nowhere else. Flexible whitespace lets a
-# small model pad with newlines until max_tokens runs out, and fixed separators become forced, draftable tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+from depctl_runtime.speculation.params import JSON_OPTIONS
 
 
 class GrammarError(ValueError):

@@ -10,25 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means off
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from depctl_runtime.speculation.params import Penalties, SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -51,43 +33,30 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return logits.softmax(-1)
 
 
-@dataclass(frozen=True)
-class Penalties:
-    """OpenAI's ``logit_bias``, ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty``:
-    changes to the target's logits that depend on the output so far. At verified position ``j`` the output so far
-    includes the drafts before ``j``, so a step's positions see what plain decoding would have seen."""
-
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    presence: float = 0.0  # subtracted once from every token already in the output
-    frequency: float = 0.0  # subtracted per occurrence in the output
-    repetition: float = 1.0  # divides positive logits and multiplies negative ones of tokens in the prompt or output
-
-    @property
-    def active(self) -> bool:
-        return bool(self.logit_bias) or self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
-
-    def apply(self, logits: torch.Tensor, prompt: list[int], output: list[int], drafts: list[int]) -> torch.Tensor:
-        """logits: [k + 1, vocab] float32 for the positions after ``output`` and after each of the k drafts."""
-        n, vocab = logits.shape
-        device = logits.device
-        if self.presence or self.frequency or self.repetition != 1.0:
-            counts = torch.zeros(n, vocab, device=device)  # [k + 1, vocab]: occurrences in the output at each position
-            if output:
-                counts += torch.bincount(torch.tensor(output, device=device), minlength=vocab)[:vocab].float()
-            for j, token in enumerate(drafts):
-                counts[j + 1 :, token] += 1
-            logits = logits - self.frequency * counts - self.presence * (counts > 0).float()
-            if self.repetition != 1.0:
-                seen = counts > 0
-                if prompt:
-                    seen[:, torch.tensor(prompt, device=device)] = True
-                penalised = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
-                logits = torch.where(seen, penalised, logits)
-        if self.logit_bias:
-            ids = torch.tensor([t for t, _ in self.logit_bias], device=device)
-            bias = torch.tensor([b for _, b in self.logit_bias], device=device, dtype=logits.dtype)
-            logits = logits.index_add(1, ids, bias.expand(n, -1).contiguous())
-        return logits
+def apply_penalties(
+    penalties: Penalties, logits: torch.Tensor, prompt: list[int], output: list[int], drafts: list[int]
+) -> torch.Tensor:
+    """logits: [k + 1, vocab] float32 for the positions after ``output`` and after each of the k drafts."""
+    n, vocab = logits.shape
+    device = logits.device
+    if penalties.presence or penalties.frequency or penalties.repetition != 1.0:
+        counts = torch.zeros(n, vocab, device=device)  # [k + 1, vocab]: occurrences in the output at each position
+        if output:
+            counts += torch.bincount(torch.tensor(output, device=device), minlength=vocab)[:vocab].float()
+        for j, token in enumerate(drafts):
+            counts[j + 1 :, token] += 1
+        logits = logits - penalties.frequency * counts - penalties.presence * (counts > 0).float()
+        if penalties.repetition != 1.0:
+            seen = counts > 0
+            if prompt:
+                seen[:, torch.tensor(prompt, device=device)] = True
+            penalised = torch.where(logits > 0, logits / penalties.repetition, logits * penalties.repetition)
+            logits = torch.where(seen, penalised, logits)
+    if penalties.logit_bias:
+        ids = torch.tensor([t for t, _ in penalties.logit_bias], device=device)
+        bias = torch.tensor([b for _, b in penalties.logit_bias], device=device, dtype=logits.dtype)
+        logits = logits.index_add(1, ids, bias.expand(n, -1).contiguous())
+    return logits
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from typing import Iterator
 from typing import Sequence as Seq
 
 from depctl_runtime.speculation.faults import RowFault
-from depctl_runtime.speculation.sequence import GenerationParams, Sequence, StepOutput
+from depctl_runtime.speculation.params import GenerationParams
+from depctl_runtime.speculation.sequence import Sequence, StepOutput
 
 PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: a couple of decode steps' time
 
@@ -60,8 +61,9 @@ class Scheduler:
         self._cancelled.add(seq.id)
 
     def step(self) -> list[tuple[Sequence, StepOutput]]:
-        """One iteration: drop cancelled requests, step the running batch, admit and prefill. Returns each
-        sequence's new output (a sequence whose output carries a finish_reason has left)."""
+        """One iteration: drop cancelled requests, admit the head of the queue and prefill a chunk of its prompt
+        (every chunk when nothing else runs; a prompt read to its end joins the batch), then step the running batch.
+        Returns each sequence's new output (a sequence whose output carries a finish_reason has left)."""
         out: list[tuple[Sequence, StepOutput]] = []
         if self._cancelled:
             self._drop_cancelled(out)

@@ -3,41 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from depctl_runtime.speculation.faults import RowFault
-from depctl_runtime.speculation.grammar import Grammar, RowGrammar
+from depctl_runtime.speculation.grammar import RowGrammar
+from depctl_runtime.speculation.params import GenerationParams, SamplingParams
 from depctl_runtime.speculation.policy import RequestAcceptance
 from depctl_runtime.speculation.proposers import PredictionTracker
-from depctl_runtime.speculation.sampling import Penalties, SamplingParams, TokenLogprob
-
-
-@dataclass(frozen=True)
-class Tenant:
-    """Who sent a request, as far as sharing state across requests goes (suffix speculation's index): a digest of
-    the API key it presented and its ``user`` field."""
-
-    key: str = ""
-    user: str = ""
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 16
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    prediction: tuple[int, ...] = ()  # predicted output tokens (OpenAI "prediction"): drafted before the proposer
-    speculate: bool = True  # False: no drafts at all for this request (a prediction included)
-    max_draft_tokens: int | None = (
-        None  # this request drafts at most this many tokens per step (None: the deployment's K)
-    )
-    grammar: Grammar | None = None  # the output must match it (structured outputs)
-    penalties: Penalties = field(default_factory=Penalties)
-    logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely (0-20)
-    tenant: Tenant = Tenant()
+from depctl_runtime.speculation.sampling import TokenLogprob
 
 
 @dataclass(frozen=True)

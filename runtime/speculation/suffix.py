@@ -17,7 +17,7 @@ tokens or when the probability drops under ``MIN_PROB``.
 
 Why occurrence lists and not a suffix tree: a Python suffix tree of depth d costs d node visits per indexed token
 and an object per node (hundreds of bytes each); the lists cost two entries per token, and a lookup reads at most
-``MAX_CANDIDATES`` occurrences (BENCHMARKS.md has the costs).
+``MAX_CANDIDATES`` occurrences.
 
 A request may carry a salt (its tenant's): its windows are filed under ``hash(window) ^ salt`` and a lookup reads
 only the keys of its own salt, so requests of one tenant never draft from another's, and a lookup costs the same

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from depctl.spec import Quantization
-from depctl_runtime.model import speculators
+from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.state import load_rows, load_state, save_rows, save_state
@@ -71,7 +71,8 @@ class Stop(Exception):
 
 
 def train(opts: TrainOptions) -> dict:
-    from depctl_runtime.backends.loader import LoadError, pick_device, resolve_source
+    from depctl_runtime.backends.precision import pick_device
+    from depctl_runtime.backends.weights import LoadError, resolve_source
 
     torch.manual_seed(opts.seed)
     state_dir = opts.out / ".train"
@@ -107,7 +108,7 @@ def train(opts: TrainOptions) -> dict:
     verifier = {
         "name_or_path": opts.target,
         "architectures": list(getattr(model.config, "architectures", None) or []),
-        "fingerprint": speculators.fingerprint(model),
+        "fingerprint": eagle_format.fingerprint(model),
     }
     embeddings = model.get_input_embeddings().weight.detach().float().clone()
     output_layer = model.get_output_embeddings().weight.detach().float()  # [vocab, hidden]
@@ -153,7 +154,7 @@ def train(opts: TrainOptions) -> dict:
             "examples": len(examples),
             "target_quantization": opts.quantization,
         }
-        speculators.save(head, opts.out, verifier, opts.steps, extra)
+        eagle_format.save(head, opts.out, verifier, opts.steps, extra)
         info = {
             "trained_seconds": trained,
             "train_seconds": total,
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = TrainOptions(**vars(args))
     try:
         train(opts)
-    except (DataError, speculators.HeadError) as exc:
+    except (DataError, eagle_format.HeadError) as exc:
         emit("error", message=str(exc))
         return 2
     return 0

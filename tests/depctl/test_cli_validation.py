@@ -1,5 +1,6 @@
-"""The flag rules of `depctl deployment create/update`, through Typer's CliRunner. Nothing here starts a daemon:
-valid combinations use --validate-only, and every invalid one must write nothing."""
+"""The flag rules of `depctl deployment create/update`, through Typer's CliRunner. Valid combinations use
+--validate-only, and every invalid one must write nothing; one test (slow) starts a daemon to round-trip engine flags
+through create, update and get."""
 
 from __future__ import annotations
 
@@ -599,6 +600,7 @@ def test_a_spec_file_with_an_impossible_quantization_is_a_broken_spec(tmp_path):
         parse_spec(path)
 
 
+@pytest.mark.slow
 def test_engine_flags_round_trip_through_create_update_and_get(depctl_home):
     try:
         _engine_flags_round_trip()

@@ -14,7 +14,8 @@ import pytest
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import save_tiny
+from tests.tiny import LONG, LONG_ANSWER, save_tiny
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal to drive")
 
@@ -64,7 +65,7 @@ def served(tmp_path_factory, tiny_model_dir):
         )
     )
     # room for an answer long enough to stop halfway (a random tiny model rarely ends on its own)
-    long_context = save_tiny(tmp_path_factory.mktemp("terminal-long"), seed=0, max_positions=4096)
+    long_context = save_tiny(tmp_path_factory.mktemp("terminal-long"), seed=0, max_positions=LONG)
     SpecStore(home / "deployments").create(DeploymentSpec(id="long", model=str(long_context), compile=False))
     daemon = DaemonProcess(home).start()
     daemon.wait_state("t")
@@ -102,11 +103,13 @@ def test_chat_edits_lines_keeps_history_stops_answers_and_leaves_on_bye(served):
 
 
 def test_ctrl_c_stops_an_answer_and_the_chat_goes_on(served):
-    term = Terminal(f"{shlex.quote(sys.executable)} -m depctl chat long --max-tokens 3500", _env(served))
+    term = Terminal(f"{shlex.quote(sys.executable)} -m depctl chat long --max-tokens {LONG_ANSWER}", _env(served))
     try:
         term.wait_for(">>>")
         term.keys("go on and on", "Enter")
-        time.sleep(0.5)
+        wait_until(  # the answer is being written
+            lambda: served.get("/depctl/v1/deployments/long").json()["num_requests_running"] == 1, "the answer to start"
+        )
         term.keys("C-c")
         screen = term.wait_for("(stopped)")
         assert "tokens in" not in screen  # it never ran to its end

@@ -47,7 +47,7 @@ def _wanted() -> str | None:
     )
 
 
-pytestmark = pytest.mark.skipif(_wanted() is not None, reason=_wanted() or "")
+pytestmark = [pytest.mark.engines, pytest.mark.skipif(_wanted() is not None, reason=_wanted() or "")]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from depctl import models
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from depctl_runtime.backends.loader import quantize_int8
+from depctl_runtime.backends.precision import quantize_int8
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
     DraftModelProposer,
@@ -167,11 +167,12 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from depctl_runtime.backends.loader import PassKind, compile_passes, cpu_has_bf16, surgery_for
+    from depctl_runtime.backends.passes import PassKind, compile_passes
+    from depctl_runtime.backends.precision import cpu_has_bf16, surgery_for
     from depctl_runtime.kernels import native
     from depctl_runtime.kernels.surgery import onednn_row_invariant
     from depctl_runtime.model.decoder import is_fused
-    from depctl_runtime.model.head import ScreenedHead
+    from depctl_runtime.model.screened_head import ScreenedHead
     from depctl_runtime.speculation import Scheduler
 
     precision, _, compiled = precision.partition(", ")

@@ -57,6 +57,7 @@ def test_recreate_while_the_old_engine_drains_loads_a_new_one(manager, tiny_mode
     store = manager.store
     store.create(_spec("d", tiny_model_dir, compile=False))  # eager: the 400 tokens must still be draining
     dep = _wait(manager, "d", ("READY",))
+    old = dep.backend
     done = threading.Event()
     dep.backend.worker.submit(
         list(b"abcabcabc"),
@@ -71,7 +72,8 @@ def test_recreate_while_the_old_engine_drains_loads_a_new_one(manager, tiny_mode
     assert done.wait(60)  # the old engine finished its request (a delete lets in-flight requests finish)
     dep = _wait(manager, "d", ("READY", "FAILED"))
     assert dep.state == State.READY and _serves(dep), dep.reason
-    time.sleep(0.3)  # the old worker's exit must not take the new deployment with it
+    assert old.wait_stopped(60)  # the old worker's exit (its owner told) must not take the new deployment with it
+    manager.reconcile(force=True)
     dep = manager.get("d")
     assert dep is not None and dep.state == State.READY and _serves(dep)
 
@@ -114,11 +116,15 @@ def _wait_gone(manager, dep_id, timeout=30.0):
 
 def test_a_hung_load_fails_after_the_load_timeout_and_others_still_load(depctl_home, tiny_model_dir):
     release = threading.Event()
+    # loaded before the clock starts, so that only the hung load can run past the 1 s limit however busy the machine
+    loaded = {name: load_deployment(_spec(name, tiny_model_dir), calibrate=False) for name in ("hung", "after")}
+    hung_thread: list[threading.Thread] = []
 
     def loader(spec, **kw):
         if spec.id == "hung":
+            hung_thread.append(threading.current_thread())
             release.wait(120)  # a model file that never finishes reading (a FIFO, a dead network mount)
-        return load_deployment(spec, calibrate=False)
+        return loaded[spec.id]
 
     manager = DeploymentManager(SpecStore(), loader=loader, load_timeout=1.0)
     manager.start()  # its poller watches the load time
@@ -131,7 +137,8 @@ def test_a_hung_load_fails_after_the_load_timeout_and_others_still_load(depctl_h
         hung = _wait(manager, "hung", ("FAILED",), timeout=10)
         assert "did not finish loading within 1s" in hung.reason and "DEPCTL_LOAD_TIMEOUT" in hung.reason
         release.set()  # the stuck load finally returns: its result is dropped, the state stays FAILED
-        time.sleep(0.5)
+        hung_thread[0].join(30)  # (the load's thread has handed its result over and ended)
+        assert not hung_thread[0].is_alive()
         manager.reconcile(force=True)
         assert manager.get("hung").state == State.FAILED and not _serves(manager.get("hung"))
     finally:
@@ -201,17 +208,22 @@ def test_keep_alive_counts_from_ready_not_from_a_load_longer_than_it(depctl_home
     """A 2 s keep-alive on a load that took 3 s once unloaded the deployment the moment it was READY."""
 
     def slow_loader(spec, report):
-        time.sleep(3)
+        time.sleep(1.5)  # a load longer than the keep-alive
         return load_deployment(spec, calibrate=False)
 
-    manager = DeploymentManager(SpecStore(), loader=slow_loader)
-    manager.start()
+    manager = DeploymentManager(SpecStore(), loader=slow_loader)  # not started: the test plays the meter's part
     try:
-        manager.store.create(_spec("nap", tiny_model_dir, keep_alive=2.0))
+        manager.store.create(_spec("nap", tiny_model_dir, keep_alive=1.0))
         manager.reconcile(force=True)
-        _wait(manager, "nap", ("READY",), timeout=30)
-        time.sleep(1.2)  # the meter looks once a second
-        assert manager.get("nap").state == State.READY
-        _wait(manager, "nap", ("IDLE",), timeout=10)  # and it still goes once idle for 2 s
+        dep = _wait(manager, "nap", ("READY",), timeout=30)
+        manager._unload_if_idle(dep, time.monotonic())  # the meter's first look once READY
+        assert dep.state == State.READY
+        manager._unload_if_idle(dep, dep.last_active + 1.01)  # idle for the keep-alive
+        assert dep.state == State.IDLE
+        # keep-alive "forever" (none): never unloaded, however long it idles
+        manager.store.update("nap", lambda s: s.model_copy(update={"keep_alive": None}))
+        dep = _wait(manager, "nap", ("READY",), timeout=30)
+        manager._unload_if_idle(dep, time.monotonic() + 3600)
+        assert dep.state == State.READY
     finally:
         manager.stop()

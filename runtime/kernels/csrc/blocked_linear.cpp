@@ -5,7 +5,7 @@
 // Why our own: a decode step reads every weight once, so on a CPU its cost is the weights' bytes over memory
 // bandwidth. oneDNN's float32 linear, the fastest library product that is row-invariant (from two rows on), reads
 // weights well below the memory's bandwidth for one row; these loops come closer, and are faster than oneDNN's from
-// one row to a prompt chunk (BENCHMARKS.md).
+// one row to a prompt chunk (benchmarks/int4_kernels.py measures both).
 //
 // The layout: the weight [N, K] is stored in blocks of L output features (L = the vector width: 16 floats with
 // AVX-512, 8 with AVX2), each block [K, L], so that one vector load reads weight k of L consecutive outputs

@@ -4,7 +4,7 @@
 //
 // Why our own: a decode step reads every weight once, so on a CPU its cost is bytes. 4-bit weights with fp16 scales
 // and offsets are 5 bits a weight (a third of bf16's); PyTorch's int4 CPU product unpacks them several times slower
-// than memory delivers them on AVX2, and pays for it again on every row of a verify pass (BENCHMARKS.md). Here a
+// than memory delivers them on AVX2, and pays for it again on every row of a verify pass (BENCHMARKS.md, "The products"). Here a
 // tile's weights are unpacked once for all of its rows.
 //
 // 8 bits: each weight widened to a float, one fused multiply-add a row (layout and order below). 4 bits: integer dot

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import TOOLS_TEMPLATE, save_tiny, save_tiny_head
+from tests.tiny import LONG, LONG_ANSWER, TOOLS_TEMPLATE, save_tiny, save_tiny_head
+from tests.waiting import wait_until
 
 GREEDY = {"temperature": 0}
 
@@ -34,9 +35,9 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     store.create(DeploymentSpec(id="plain", model=str(tiny_model_dir), compile=False))
-    # a disconnect must land while the generation is still being written: 4000 eager tokens of a tiny model with room
-    # for them (400 of the 512-position one can finish before the client hangs up on a quiet machine)
-    long_context = save_tiny(tmp_path_factory.mktemp("long-context"), seed=0, max_positions=4096)
+    # a disconnect must land while the generation is still being written: 30000 eager tokens of a tiny model with room
+    # for them, seconds on any machine (400 of the 512-position one once finished before the client hung up)
+    long_context = save_tiny(tmp_path_factory.mktemp("long-context"), seed=0, max_positions=LONG)
     store.create(DeploymentSpec(id="long", model=str(long_context), compile=False))
     store.create(
         DeploymentSpec(id="suffix", model=str(tiny_model_dir), speculation=SuffixSpeculation(num_draft_tokens=8))
@@ -408,20 +409,20 @@ def test_requests_beyond_the_batch_size_wait_and_are_reported(client, daemon):
 
 
 def test_disconnect_stops_generation(daemon):
-    before = daemon.get("/depctl/v1/deployments/long").json()["stats"]["generated_tokens"]
+    stats = lambda: daemon.get("/depctl/v1/deployments/long").json()["stats"]  # noqa: E731
+    before = stats()
     with httpx.stream(
         "POST",
         daemon.url + "/v1/completions",
         timeout=30,
-        json={"model": "long", "prompt": "go", "max_tokens": 4000, "stream": True, "ignore_eos": True},
+        json={"model": "long", "prompt": "go", "max_tokens": LONG_ANSWER, "stream": True, "ignore_eos": True},
     ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
-    time.sleep(1.5)
-    status = daemon.get("/depctl/v1/deployments/long").json()
-    # without the cancel it would still be running, or have run to its 4000 tokens
-    assert status["num_requests_running"] == 0 and status["stats"]["generated_tokens"] - before < 4000
+    after = wait_until(lambda: (s := stats())["requests"] > before["requests"] and s, "the request to end")
+    # without the cancel it would have run to its end
+    assert after["generated_tokens"] - before["generated_tokens"] < LONG_ANSWER
 
 
 def test_metrics(client, daemon):

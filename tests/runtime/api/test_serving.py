@@ -97,6 +97,9 @@ def test_requests_waiting_for_a_load_hold_no_thread_that_others_need(depctl_home
     manager = DeploymentManager(store, loader=loader)
     app = create_app(manager=manager, settings=Settings())
     manager.start()
+    woken = []  # a request for the idle deployment wakes it, then waits for the load
+    wake = manager.wake
+    manager.wake = lambda dep: (woken.append(dep.id), wake(dep))[-1]
 
     async def scenario():
         transport = httpx.ASGITransport(app=app)
@@ -107,9 +110,11 @@ def test_requests_waiting_for_a_load_hold_no_thread_that_others_need(depctl_home
                 await asyncio.sleep(0.1)
             body = {"model": "nap", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
             waiting = [asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for _ in range(100)]
-            while not manager.get("nap").waking:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)  # every waiter has reached its wait
+            deadline = time.monotonic() + 60
+            while len(woken) < 100:  # every waiter has reached its wait
+                assert time.monotonic() < deadline, len(woken)
+                await asyncio.sleep(0.02)
+            assert manager.get("nap").waking
             # each answers while the 100 wait (before the fix they waited for the load: never, here)
             status = await asyncio.wait_for(client.get("/depctl/v1/deployments"), 30)
             other = await asyncio.wait_for(

@@ -18,8 +18,10 @@ import pytest
 
 from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl.store import SpecStore
-from depctl_runtime.backends.vllm import parse_metrics, reap_orphans, run_dir, stats_from_metrics
+from depctl_runtime.backends.vllm_process import reap_orphans, run_dir
+from depctl_runtime.backends.vllm_wire import parse_metrics, stats_from_metrics
 from tests.daemon_util import DaemonProcess
+from tests.waiting import wait_until
 
 FAKE = Path(__file__).parent / "fake_vllm"
 
@@ -132,8 +134,11 @@ def test_serves_through_the_daemon_with_depctls_ids_errors_and_counters(
             "code": None,
         }
 
-        time.sleep(1.1)  # the daemon reads vLLM's counters at most once a second
-        stats = d.get("/depctl/v1/deployments/v").json()["stats"]
+        # the daemon reads vLLM's counters at most once a second: wait for a reading that has the requests in it
+        stats = wait_until(
+            lambda: (s := d.get("/depctl/v1/deployments/v").json()["stats"]).get("drafts") and s,
+            "vLLM's counters to be read",
+        )
         assert (
             stats["source"] == "vllm"
             and stats["drafts"] > 0

@@ -211,7 +211,7 @@ def test_blocked_linear_refuses_a_weight_it_did_not_pack(native_ops):
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ops_build", [True, False])
 def test_the_float_surgery_is_picked_by_what_the_machine_does(monkeypatch, precision, ops_build):
-    from depctl_runtime.backends.loader import surgery_for
+    from depctl_runtime.backends.precision import surgery_for
     from depctl_runtime.kernels import native
     from depctl_runtime.kernels.surgery import BlockedLinear, OneDNNLinear, onednn_row_invariant, products
 

@@ -14,55 +14,7 @@ from depctl_runtime.speculation import (
     SpeculativeEngine,
     generate,
 )
-from tests.tiny import VOCAB, tiny_llama
-
-WINDOW = 8
-
-
-def tiny_qwen2_sliding():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-        layer_types=["full_attention", "sliding_attention"],
-        tie_word_embeddings=False,
-    )
-    return _widen(Qwen2ForCausalLM(config))
-
-
-def tiny_gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-    )
-    return _widen(Gemma3ForCausalLM(config))
-
-
-def _widen(model):
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.5)  # definite preferences, as in tests/tiny.py
-    return model.eval()
+from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen2_sliding
 
 
 def hf_greedy(model, prompt, n):

@@ -8,19 +8,13 @@ import time
 import pytest
 import torch
 
-from depctl_runtime.backends.loader import COMPILED_PRECISIONS, INT4_WEIGHTS, INT8_WEIGHTS, surgery_for
+from depctl_runtime.backends.passes import COMPILED_PRECISIONS
+from depctl_runtime.backends.precision import INT4_WEIGHTS, INT8_WEIGHTS, surgery_for
 from depctl_runtime.kernels import native
 from depctl_runtime.kernels.surgery import onednn_row_invariant
 from depctl_runtime.model import compiled
 from depctl_runtime.model.runner import ModelRunner
-from depctl_runtime.speculation import (
-    EngineConfig,
-    GenerationParams,
-    NgramProposer,
-    Scheduler,
-    SpeculativeEngine,
-    generate,
-)
+from tests.driving import assert_speculation_is_exact
 from tests.tiny import tiny_llama
 
 RUNS = {  # the precisions the loader compiles, and what each needs of this CPU
@@ -156,24 +150,6 @@ def test_a_verify_pass_is_bit_identical_to_one_token_steps_alone_batched_and_rag
 def test_speculation_through_the_compiled_pass_is_exact_against_plain_decoding_through_it(package):
     model = package[1]()
     assert_speculation_is_exact(compiled_runner(package, model=model))
-
-
-def assert_speculation_is_exact(runner: ModelRunner) -> None:
-    """n-gram speculation through ``runner`` (3 rows) gives what plain decoding through it gives, one request at a
-    time and batched, with drafts verified and accepted."""
-    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7], [40, 41, 42, 43, 44]]
-    params = GenerationParams(max_tokens=24)
-
-    def engine(proposer=None, k=0):
-        for row in range(runner.max_rows):
-            runner.set_length(row, 0)
-        return SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=k, adaptive=False))
-
-    plain = [[t for o in generate(engine(), p, params) for t in o.token_ids] for p in prompts]
-    spec = engine(NgramProposer(2), 4)
-    assert [[t for o in generate(spec, p, params) for t in o.token_ids] for p in prompts] == plain
-    assert spec.stats.num_draft_tokens > 0 and spec.stats.num_accepted_tokens > 0
-    assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
 
 
 def test_the_cache_may_grow_under_it(package):

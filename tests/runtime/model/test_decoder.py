@@ -17,32 +17,7 @@ from depctl_runtime.speculation import (
     SpeculativeEngine,
     generate,
 )
-from tests.runtime.model.test_cache import tiny_gemma3, tiny_qwen2_sliding
-from tests.tiny import VOCAB, tiny_llama
-
-
-def tiny_qwen2(seed: int = 0):
-    """Qwen2 has biases on q, k and v (and none on o): the fused projection must carry them."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-        model.model.embed_tokens.weight.normal_(0, 0.5)
-    return model.eval()
+from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen2, tiny_qwen2_sliding
 
 
 def _passes(runner: ModelRunner) -> list[torch.Tensor]:

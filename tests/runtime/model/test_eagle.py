@@ -3,58 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
-from depctl_runtime.model.eagle import EagleConfig, EagleHead, default_aux_layers
-
-
-def tiny_head(seed: int = 0, vocab: int = 50, draft_vocab: int = 20) -> EagleHead:
-    torch.manual_seed(seed)
-    config = EagleConfig(
-        hidden_size=32,
-        target_hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        vocab_size=vocab,
-        draft_vocab_size=draft_vocab,
-        aux_layers=(0, 1, 2),
-    )
-    head = EagleHead(config)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-    head.set_vocabulary(torch.arange(0, vocab, vocab // draft_vocab)[:draft_vocab])
-    return head.eval()
-
-
-def draft_step_by_step(head: EagleHead, tokens, features, p: int, steps: int) -> list[torch.Tensor]:
-    """Drafting from position p as a serving loop would run it, one query at a time over a growing key list: the
-    step-0 entries of indices 0..p from the target's states, then the head's own chain. Returns each step's logits."""
-    keys, values = [], []
-    g = head.fuse(features)
-    for i in range(p + 1):  # what the target verified: one entry per position, from its own states
-        q, k, v, residual = head._qkv(tokens[i + 1 : i + 2], g[i : i + 1], torch.tensor([i]))
-        keys.append(k)
-        values.append(v)
-    hidden = None
-    out = []
-    for j in range(steps):
-        if j == 0:
-            q, k, v, residual = head._qkv(tokens[p + 1 : p + 2], g[p : p + 1], torch.tensor([p]))
-            keys[-1], values[-1] = k, v
-        else:
-            q, k, v, residual = head._qkv(tokens[p + 1 + j : p + 2 + j], hidden, torch.tensor([p + j]))
-            keys.append(k)
-            values.append(v)
-        groups = head.config.num_attention_heads // head.config.num_key_value_heads
-        kk = torch.cat(keys, dim=1).repeat_interleave(groups, 0)
-        vv = torch.cat(values, dim=1).repeat_interleave(groups, 0)
-        attended = F.scaled_dot_product_attention(q, kk, vv)  # every key is visible: none lies ahead
-        hidden = head._finish(attended, residual)
-        out.append(head.logits(hidden)[0])
-    return out
+from depctl_runtime.model.eagle import default_aux_layers
+from tests.driving import draft_step_by_step
+from tests.tiny import tiny_head
 
 
 def test_training_time_test_is_what_drafting_computes():

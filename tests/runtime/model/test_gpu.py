@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depctl_runtime.backends.loader import LoadError, cpu_bf16_exact, cpu_has_bf16, pick_device, pick_dtype
+from depctl_runtime.backends.precision import cpu_bf16_exact, cpu_has_bf16, pick_device, pick_dtype
+from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
     DraftModelProposer,

@@ -12,8 +12,8 @@ from depctl_runtime.model.eagle import EagleConfig, EagleHead, layer_outputs
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import EngineConfig, GenerationParams, SamplingParams, Scheduler, SpeculativeEngine
 from depctl_runtime.speculation.eagle import EagleProposer
-from tests.runtime.model.test_eagle import draft_step_by_step
-from tests.runtime.speculation.test_scheduler import GREEDY, PROMPTS, drive
+from tests.driving import BATCH_PROMPTS as PROMPTS
+from tests.driving import GREEDY, draft_step_by_step, drive
 
 
 @pytest.fixture(scope="module")

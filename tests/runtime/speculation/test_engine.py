@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from depctl_runtime.backends.loader import QUANTIZED, quantize_int8, surgery_for
+from depctl_runtime.backends.precision import QUANTIZED, quantize_int8, surgery_for
 from depctl_runtime.kernels import native
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
@@ -23,16 +23,10 @@ from depctl_runtime.speculation import (
     generate,
 )
 from depctl_runtime.speculation.engine import DraftSource
+from tests.driving import PROMPTS
 
 EOS = 258
 # prompts with repeats (the n-gram proposer hits) and without (it misses)
-PROMPTS = [
-    [5, 17, 42, 99, 3, 17, 42, 99, 3, 8],
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
-    [200, 201, 200, 201, 200, 201, 200],
-    [77],
-    list(range(30, 60)) + list(range(30, 45)),
-]
 
 
 def make(model, proposer=None, k=0, rows=1, **cfg):
@@ -110,9 +104,18 @@ def test_self_draft_accepts_everything(target, k):
 
 
 def test_ngram_hits_on_repetitive_prompt(target):
+    plain, _ = run(make(target), PROMPTS[2], ignore_eos=True)
     engine = make(target, NgramProposer(3), 4, adaptive=False)
-    run(engine, PROMPTS[2], ignore_eos=True)
-    assert engine.stats.num_accepted_tokens > 0
+    tokens, _ = run(engine, PROMPTS[2], ignore_eos=True)
+    stats = engine.stats
+    assert tokens == plain  # what it accepted is what plain decoding wrote
+    # it drafted every step, some of it was right, and the counters agree with each other and with the output
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_draft_tokens == sum(stats.drafted_per_position) and len(stats.drafted_per_position) == 4
+    assert stats.num_accepted_tokens == sum(stats.accepted_per_position)
+    assert stats.num_generated_tokens == len(tokens) == 40
+    # each step wrote its accepted drafts and one token of the target's: fewer passes than tokens
+    assert stats.num_steps == len(tokens) - 1 - stats.num_accepted_tokens
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
@@ -134,9 +137,15 @@ def test_seeded_sampling_is_reproducible(target, draft, method):
     assert once(7) != once(8)
 
 
-def test_temperature_zero_is_deterministic(target):
-    engine = make(target, NgramProposer(2), 4)
-    assert run(engine, PROMPTS[1])[0] == run(engine, PROMPTS[1])[0]
+def test_temperature_zero_is_plain_decoding_every_time(target, draft):
+    # greedy output is a function of the prompt alone: the same from plain decoding, from a fresh engine of every
+    # method, and from an engine that has run before (its proposer's and policy's state carried over)
+    plain, _ = run(make(target), PROMPTS[1])
+    for proposer in (NgramProposer(2), SuffixProposer(4096), DraftModelProposer(ModelRunner(draft))):
+        engine = make(target, proposer, 4)
+        assert run(engine, PROMPTS[1])[0] == plain, type(proposer).__name__
+        assert run(engine, PROMPTS[4])[0] == run(make(target), PROMPTS[4])[0]
+        assert run(engine, PROMPTS[1])[0] == plain, type(proposer).__name__
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9, 17])
@@ -255,8 +264,10 @@ def test_update_draft_count_in_place(target):
     engine = make(target, NgramProposer(2), 4)
     engine.set_num_draft_tokens(1)
     engine.policy.adaptive = False
-    run(engine, PROMPTS[2], ignore_eos=True)
-    assert len(engine.stats.accepted_per_position) <= 1
+    tokens, _ = run(engine, PROMPTS[2], ignore_eos=True)
+    assert tokens == run(make(target), PROMPTS[2], ignore_eos=True)[0]
+    # it drafted, one token a step: the new count, not the deployment's first 4
+    assert len(engine.stats.drafted_per_position) == 1 and engine.stats.num_draft_tokens > 5
 
 
 def test_prediction_drafts_and_stays_exact(target):
@@ -342,7 +353,7 @@ def test_calibration_measures_every_pass_width_a_request_can_verify(target):
 def test_half_precision_on_a_cpu_attends_verify_passes_per_position_and_stays_exact(target, dtype):
     # what --dtype bfloat16 (auto on CPUs with bf16 instructions) runs: the loader's split-K surgery, and the runner
     # attends a verify pass position by position; speculation gives exactly the plain tokens of the same model
-    from depctl_runtime.backends.loader import surgery_for
+    from depctl_runtime.backends.precision import surgery_for
 
     model = surgery_for(copy.deepcopy(target).to(dtype), str(dtype).removeprefix("torch."), exact=True)
     plain_engine = make(model)

@@ -21,7 +21,7 @@ from depctl_runtime.speculation import (
 )
 from depctl_runtime.speculation.grammar import GrammarCompiler, GrammarError
 from depctl_runtime.speculation.proposers import PredictionTracker
-from tests.runtime.speculation.test_scheduler import engine_for, solo
+from tests.driving import engine_for, solo
 from tests.tiny import VOCAB, byte_tokenizer
 
 EOS = 258

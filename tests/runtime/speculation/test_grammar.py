@@ -13,8 +13,9 @@ import torch
 
 from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler, generate
 from depctl_runtime.speculation.grammar import GrammarCompiler, GrammarError
-from depctl_runtime.speculation.sampling import Penalties
-from tests.runtime.speculation.test_scheduler import drive, engine_for
+from depctl_runtime.speculation.params import Penalties
+from depctl_runtime.speculation.sampling import apply_penalties
+from tests.driving import drive, engine_for
 from tests.tiny import VOCAB, byte_tokenizer
 
 EOS = 258
@@ -241,13 +242,15 @@ def test_masked_sampling_follows_the_masked_target(target, compiler):
 # ---- penalties and logit bias: per position, so speculation stays exact ----
 def test_penalties_count_the_drafts_before_each_position():
     logits = torch.zeros(3, 6)
-    out = Penalties(presence=1.0, frequency=0.5).apply(logits, prompt=[5], output=[1, 1], drafts=[2, 1])
+    out = apply_penalties(Penalties(presence=1.0, frequency=0.5), logits, prompt=[5], output=[1, 1], drafts=[2, 1])
     assert out[0].tolist() == [0, -2.0, 0, 0, 0, 0]  # token 1 twice in the output
     assert out[1].tolist() == [0, -2.0, -1.5, 0, 0, 0]  # ... and draft 2 before position 1
     assert out[2].tolist() == [0, -2.5, -1.5, 0, 0, 0]  # ... and draft 1 again before position 2
-    rep = Penalties(repetition=2.0).apply(torch.tensor([[2.0, -2.0, 2.0]]), prompt=[0], output=[1], drafts=[])
+    rep = apply_penalties(
+        Penalties(repetition=2.0), torch.tensor([[2.0, -2.0, 2.0]]), prompt=[0], output=[1], drafts=[]
+    )
     assert rep[0].tolist() == [1.0, -4.0, 2.0]
-    bias = Penalties(logit_bias=((3, 4.0),)).apply(torch.zeros(2, 6), [], [], [0])
+    bias = apply_penalties(Penalties(logit_bias=((3, 4.0),)), torch.zeros(2, 6), [], [], [0])
     assert bias[:, 3].tolist() == [4.0, 4.0] and bias.sum() == 8.0
 
 

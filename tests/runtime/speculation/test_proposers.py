@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from depctl_runtime.speculation.params import GenerationParams, Tenant
 from depctl_runtime.speculation.proposers import (
     CONTEXT_LOOKBACK,
     NgramIndex,
@@ -15,7 +16,6 @@ from depctl_runtime.speculation.proposers import (
     ngram_propose,
     rejoin,
 )
-from depctl_runtime.speculation.sequence import GenerationParams, Tenant
 
 
 def test_ngram_most_recent_match():

@@ -9,64 +9,15 @@ import torch
 
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
-    DraftModelProposer,
     EngineConfig,
     GenerationParams,
     NgramProposer,
     SamplingParams,
     Scheduler,
     SpeculativeEngine,
-    SuffixProposer,
-    generate,
 )
-from tests.runtime.speculation.test_engine import PROMPTS as ENGINE_PROMPTS
-
-PROMPTS = ENGINE_PROMPTS + [[9, 9, 9, 9, 9, 9], list(range(100, 140)), [64, 65, 66, 64, 65, 66, 64]]  # 8 in all
-
-
-def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
-    proposer = {
-        "plain": lambda: None,
-        "ngram": lambda: NgramProposer(2),
-        "suffix": lambda: SuffixProposer(4096),
-        "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
-    }[method]()
-    return SpeculativeEngine(
-        ModelRunner(target, max_rows=rows, max_context=512),
-        proposer,
-        EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive),
-    )
-
-
-def solo(target, prompt, params):
-    engine = engine_for(target, "plain", 1)
-    return [t for o in generate(engine, prompt, params) for t in o.token_ids]
-
-
-def drive(scheduler, arrivals, cancel_at=None):
-    """Run to the end. ``arrivals``: (iteration, prompt, params); ``cancel_at``: {index: iteration}."""
-    engine = scheduler.engine
-    seqs, got, finish, it = {}, {}, {}, 0
-    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
-    while pending or scheduler.has_work():
-        while pending and pending[0][1][0] <= it:
-            i, (_, prompt, params) = pending.pop(0)
-            seqs[i] = engine.new_sequence(prompt, params)
-            got[i] = []
-            scheduler.add(seqs[i])
-        for i, when in (cancel_at or {}).items():
-            if when == it and i in seqs:
-                scheduler.cancel(seqs[i])
-        by_id = {s.id: i for i, s in seqs.items()}
-        for seq, out in scheduler.step():
-            got[by_id[seq.id]] += out.token_ids
-            if out.finish_reason:
-                finish[by_id[seq.id]] = out.finish_reason
-        it += 1
-    return got, finish
-
-
-GREEDY = GenerationParams(max_tokens=30, ignore_eos=True)
+from tests.driving import BATCH_PROMPTS as PROMPTS
+from tests.driving import GREEDY, drive, engine_for, solo
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
@@ -195,7 +146,7 @@ def test_a_row_in_a_batch_samples_from_the_target(target):
 
 def bf16_engines(target, speculate):
     """A factory of engines (``rows`` -> engine) over one bf16 copy of ``target`` with the loader's exact surgery."""
-    from depctl_runtime.backends.loader import surgery_for
+    from depctl_runtime.backends.precision import surgery_for
 
     model = surgery_for(copy.deepcopy(target).to(torch.bfloat16), "bfloat16", exact=True)
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from depctl_runtime.model import speculators
+from depctl_runtime.model import eagle_format
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.eagle import _loss, evaluate
 from depctl_runtime.training.state import load_rows
 from tests.pickles import plant
-from tests.runtime.model.test_eagle import tiny_head
+from tests.tiny import tiny_head
 
 ROOT = Path(__file__).resolve().parents[3]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -69,7 +69,7 @@ def test_training_lowers_the_loss_and_raises_acceptance():
 def test_a_head_round_trips_through_the_speculators_format(tmp_path):
     head = tiny_head()
     verifier = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "fingerprint": "abc"}
-    speculators.save(head, tmp_path, verifier, speculative_tokens=4)
+    eagle_format.save(head, tmp_path, verifier, speculative_tokens=4)
     config = json.loads((tmp_path / "config.json").read_text())
     # what vLLM's speculators loader reads
     assert config["speculators_model_type"] == "eagle3"
@@ -77,14 +77,14 @@ def test_a_head_round_trips_through_the_speculators_format(tmp_path):
     assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
     assert config["transformer_layer_config"]["hidden_size"] == 32 and config["draft_vocab_size"] == 20
     assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
-    assert speculators.is_head(tmp_path)
-    loaded, _ = speculators.load(tmp_path, head.embed_tokens.weight.detach().clone())
+    assert eagle_format.is_head(tmp_path)
+    loaded, _ = eagle_format.load(tmp_path, head.embed_tokens.weight.detach().clone())
     tokens, features = torch.randint(0, 50, (10,)), torch.randn(10, 96)
     for a, b in zip(head.ttt_logits(tokens, features, 3), loaded.ttt_logits(tokens, features, 3)):
         torch.testing.assert_close(a, b)
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
-    with pytest.raises(speculators.HeadError, match="expects embeddings of 50 x 32"):
-        speculators.load(tmp_path, torch.zeros(60, 32))
+    with pytest.raises(eagle_format.HeadError, match="expects embeddings of 50 x 32"):
+        eagle_format.load(tmp_path, torch.zeros(60, 32))
 
 
 @pytest.mark.parametrize(
@@ -104,19 +104,16 @@ def test_a_data_file_that_cannot_be_trained_on_is_refused_by_line(tmp_path, line
         load_conversations(path)
 
 
-def test_conversations_end_at_the_last_user_turn_and_the_shipped_set_loads():
-    path = Path(__file__).parent / "conversation.jsonl"
+def test_conversations_end_at_the_last_user_turn_and_the_shipped_set_loads(tmp_path):
+    path = tmp_path / "conversation.jsonl"
     messages = [
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
         {"role": "user", "content": "c"},
         {"role": "assistant", "content": "the answer the target will regenerate"},
     ]
-    try:
-        path.write_text(json.dumps({"messages": messages}) + "\n")
-        assert load_conversations(path) == [messages[:3]]
-    finally:
-        path.unlink()
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    assert load_conversations(path) == [messages[:3]]
     shipped = load_conversations(None)
     assert len(shipped) >= 200 and all(c[-1]["role"] == "user" for c in shipped)
 
@@ -148,7 +145,7 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     assert all(row["top_ids"].shape == (len(row["tokens"]) - row["start"], 16) for row in shards)
     done = events[-1]
     assert len(done["acceptance"]) == 3 and done["mean_accepted"] >= 1.0
-    assert speculators.is_head(out) and (out / "model.safetensors").exists()
+    assert eagle_format.is_head(out) and (out / "model.safetensors").exists()
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_model_dir)
     assert config["depctl"]["history"]

@@ -1,5 +1,5 @@
-"""A float32 target's output layer screened in bf16 (runtime/model/head.py, depctl_native::screened_argmax): it finds
-the float32 winner where bf16 alone picks another, chooses a token alike whatever else is in the pass, keeps
+"""A float32 target's output layer screened in bf16 (runtime/model/screened_head.py, depctl_native::screened_argmax):
+it finds the float32 winner where bf16 alone picks another, chooses a token alike whatever else is in the pass, keeps
 speculation exact, and spares greedy steps the full product."""
 
 from __future__ import annotations
@@ -8,15 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from depctl_runtime.backends.loader import cpu_has_bf16, surgery_for
+from depctl_runtime.backends.precision import cpu_has_bf16, surgery_for
 from depctl_runtime.kernels import native
-from depctl_runtime.model.head import ScreenedHead, screen_output_layer
 from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.model.screened_head import ScreenedHead, screen_output_layer
 from depctl_runtime.speculation import EngineConfig, GenerationParams, NgramProposer, SpeculativeEngine
-from depctl_runtime.speculation.sampling import SamplingParams
-from tests.runtime.model.test_compiled import assert_speculation_is_exact
-from tests.runtime.model.test_decoder import tiny_qwen2
-from tests.tiny import tiny_llama
+from depctl_runtime.speculation.params import SamplingParams
+from tests.driving import assert_speculation_is_exact
+from tests.tiny import tiny_llama, tiny_qwen2
 
 # The loader screens wherever the CPU has bf16 instructions, so these run there. (They asked for a row-invariant oneDNN
 # bf16 linear too, and so skipped on a Xeon with AMX where the loader does screen: the choice never depended on it. The

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
-from depctl_runtime.backends.loader import LoadError, load_deployment
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
@@ -85,3 +86,17 @@ def test_a_head_drafts_on_a_gpu_through_cuda_graphs_and_the_output_is_the_target
     plain = load_deployment(DeploymentSpec(id="p", model=str(tiny_model_dir), device="cuda"), calibrate=False)
     assert got == Scheduler(plain.engine, 3).run_all(PROMPTS, PARAMS)
     assert engine.stats.num_draft_tokens > 0
+
+
+def test_a_head_whose_weights_are_a_pickle_is_refused_without_running_it(tmp_path):
+    from depctl_runtime.model import eagle_format
+    from tests.pickles import plant
+    from tests.runtime.model.test_eagle import tiny_head
+
+    head = tiny_head()
+    eagle_format.save(head, tmp_path / "head", {"name_or_path": "t", "architectures": [], "fingerprint": "f"}, 2, {})
+    marker = tmp_path / "ran"
+    plant(tmp_path / "head" / "model.safetensors", marker)
+    with pytest.raises(Exception):  # noqa: B017 - any refusal will do: what matters is that nothing ran
+        eagle_format.load(tmp_path / "head", head.embed_tokens.weight)
+    assert not marker.exists()

@@ -1,7 +1,7 @@
 """Loading an EAGLE-3 head for a deployment's target (``--draft-model DIR`` where DIR is a speculators checkpoint).
 
 A head reads the target's own layer outputs, so it belongs to one target: the head records its verifier's name and a
-fingerprint of its embeddings (``model.speculators``), and a head trained for another model is refused, naming both,
+fingerprint of its embeddings (``model.eagle_format``), and a head trained for another model is refused, naming both,
 before anything runs. It also needs depctl's fused decoder, which returns those layer outputs from the pass it runs.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from depctl_runtime.kernels import native
 from depctl_runtime.kernels.quantized import quantized_linears
-from depctl_runtime.model import decoder, speculators
+from depctl_runtime.model import decoder, eagle_format
 from depctl_runtime.model.eagle import EagleHead
 
 
@@ -22,7 +22,7 @@ class HeadLoadError(Exception):
 
 
 def is_head(source: str | None) -> bool:
-    return source is not None and speculators.is_head(Path(source))
+    return source is not None and eagle_format.is_head(Path(source))
 
 
 def head_bytes(source: str) -> int:
@@ -33,14 +33,14 @@ def head_bytes(source: str) -> int:
 def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: str) -> EagleHead:
     """The head in ``source`` over ``model``'s embeddings, on its device, after checking it was trained for it."""
     try:
-        config = speculators.read_config(Path(source))
-    except speculators.HeadError as exc:
+        config = eagle_format.read_config(Path(source))
+    except eagle_format.HeadError as exc:
         raise HeadLoadError(f"--draft-model {draft_ref!r}: {exc}") from None
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     trained_for = verifier.get("name_or_path") or "an unnamed model"
     expected = verifier.get("fingerprint")
     retrain = f"train one for this target: depctl draft train {target_ref} --out DIR"
-    if expected is not None and expected != speculators.fingerprint(model):
+    if expected is not None and expected != eagle_format.fingerprint(model):
         raise HeadLoadError(
             f"--draft-model {draft_ref!r} is an EAGLE head trained for {trained_for}, and MODEL {target_ref!r} is "
             f"another model (its weights differ from the ones the head was trained on); {retrain}"
@@ -60,8 +60,8 @@ def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: s
         )
     embeddings = model.get_input_embeddings().weight
     try:
-        head, _ = speculators.load(Path(source), embeddings.detach())
-    except speculators.HeadError as exc:
+        head, _ = eagle_format.load(Path(source), embeddings.detach())
+    except eagle_format.HeadError as exc:
         raise HeadLoadError(f"--draft-model {draft_ref!r} was trained for {trained_for}: {exc}; {retrain}") from None
     dtype = torch.float32 if embeddings.device.type == "cpu" else embeddings.dtype
     head.embed_tokens.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
