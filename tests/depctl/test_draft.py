@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from depctl import recordings
 from depctl.cli import app
 from depctl.spec import DeploymentSpec
 from depctl.store import SpecStore
+
+pytestmark = pytest.mark.slow  # draft training runs in processes of their own
 
 
 def run(*args: str):

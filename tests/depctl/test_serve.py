@@ -10,6 +10,9 @@ import sys
 import time
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # `depctl serve` in a subprocess
 
 
 def test_serve_runs_in_the_foreground_logs_to_it_and_stops_on_sigterm(depctl_home, tmp_path):

@@ -17,7 +17,10 @@ from tests.daemon_util import DaemonProcess
 from tests.tiny import LONG, LONG_ANSWER, save_tiny
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal to drive")
+pytestmark = [
+    pytest.mark.slow,  # a daemon in a subprocess and terminals driven through tmux
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed: no terminal to drive"),
+]
 
 
 class Terminal:

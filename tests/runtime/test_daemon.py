@@ -17,6 +17,8 @@ from tests.daemon_util import DaemonProcess
 from tests.tiny import LONG, LONG_ANSWER, save_tiny
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # a real daemon in a subprocess, driven by the CLI
+
 runner = CliRunner()
 
 

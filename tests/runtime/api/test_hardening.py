@@ -19,6 +19,8 @@ from tests.daemon_util import DaemonProcess
 from tests.tiny import LONG, LONG_ANSWER
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # a daemon in a subprocess
+
 KEY = "sk-test-0123456789"
 HI = [{"role": "user", "content": "hi"}]
 LIMITS = {

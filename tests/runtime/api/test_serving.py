@@ -38,8 +38,8 @@ def test_encode_lets_other_threads_run():
     took = time.perf_counter() - t0
     done.set()
     ticker.join()
-    assert took > 0.3  # long enough for the check to mean something
-    assert max(gaps) < took / 2, (max(gaps), took)
+    # held, the GIL would let the ticker in once, after the whole call: relative bounds, whatever the machine's speed
+    assert len(gaps) >= 3 and max(gaps) < took / 2, (len(gaps), max(gaps), took)
 
 
 def test_a_stopping_daemon_still_says_which_deployments_do_not_exist():

@@ -13,6 +13,7 @@ from depctl_runtime.kernels.surgery import row_invariant_chunk
 from depctl_runtime.model.decoder import fuse_projections
 
 
+@pytest.mark.slow
 def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny_model_dir, tmp_path, monkeypatch):
     from depctl_runtime.kernels import native
 
@@ -38,6 +39,7 @@ def test_an_int8_target_on_a_cpu_runs_compiled_passes_built_once_and_reused(tiny
     assert off.engine.target.fast_pass is None and off.compiled == "no (the spec says compile: false)"
 
 
+@pytest.mark.slow
 def test_an_int4_draft_on_a_cpu_drafts_through_a_compiled_library_of_its_own(
     tiny_model_dir, tiny_draft_dir, tmp_path, monkeypatch
 ):

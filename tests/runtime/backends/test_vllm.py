@@ -23,6 +23,8 @@ from depctl_runtime.backends.vllm_wire import parse_metrics, stats_from_metrics
 from tests.daemon_util import DaemonProcess
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.slow  # daemons supervising a stand-in vLLM server, with restarts
+
 FAKE = Path(__file__).parent / "fake_vllm"
 
 

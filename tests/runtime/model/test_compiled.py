@@ -17,6 +17,8 @@ from depctl_runtime.model.runner import ModelRunner
 from tests.driving import assert_speculation_is_exact
 from tests.tiny import tiny_llama
 
+pytestmark = pytest.mark.slow  # AOTInductor builds: tens of seconds each
+
 RUNS = {  # the precisions the loader compiles, and what each needs of this CPU
     INT8_WEIGHTS: (),  # depctl's grouped products (kernels.quantized): row-invariant by construction
     INT4_WEIGHTS: (),

@@ -131,6 +131,7 @@ def _train(model: Path, out: Path, data: Path, *extra: str) -> tuple[int, list[d
     return run.returncode, events
 
 
+@pytest.mark.slow
 def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"question {i}: what comes next?"}) + "\n" for i in range(12)))
@@ -160,6 +161,7 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_train_refuses_a_target_without_a_chat_template(tmp_path):
     from tests.tiny import save_tiny
 
