@@ -33,20 +33,6 @@ from benchmarks.random_model import SHAPES, save_random
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a log of tables, not of progress bars
 
-# a small Llama for checking this script's logic on a CPU in seconds (not a real model's shape)
-TINY = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    tie_word_embeddings=True,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=1024,
-)
 DRAFTS = {  # the draft model each target shape is paired with
     "smollm2-135m-instruct": "smollm2-135m-instruct",  # itself: every draft accepted, the upper bound
     "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct",  # the packaged pair's shapes
@@ -150,10 +136,10 @@ def check_shape(shape: str, args, report: Report, work: Path, deadline: float) -
 
     from depctl_runtime.backends.loader import load_deployment
 
-    target = save_random(TINY if shape == "tiny" else SHAPES[shape], work / shape, seed=0)
+    target = save_random(SHAPES[shape], work / shape, seed=0)
     draft_shape = DRAFTS[shape]
     draft = target if draft_shape == shape else save_random(SHAPES[draft_shape], work / draft_shape, seed=1)
-    vocab = (TINY if shape == "tiny" else SHAPES[shape])["vocab_size"]
+    vocab = SHAPES[shape]["vocab_size"]
     most = max(args.rows)
     plain_out: dict[str, dict[int, list[list[int]]]] = {}
     for passes in args.passes:
@@ -267,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     args.rows = [int(r) for r in args.rows.split(",")]
     args.passes = args.passes.split(",")
     shapes = args.shapes.split(",")
-    unknown = [s for s in shapes if s != "tiny" and s not in SHAPES]
+    unknown = [s for s in shapes if s not in SHAPES]
     if unknown or not set(args.passes) <= {"eager", "graphs"}:
-        parser.error(f"unknown shape or passes: {unknown or args.passes}; shapes: tiny, {', '.join(sorted(SHAPES))}")
+        parser.error(f"unknown shape or passes: {unknown or args.passes}; shapes: {', '.join(sorted(SHAPES))}")
 
     import torch
 

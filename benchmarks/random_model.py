@@ -63,6 +63,19 @@ SHAPES = {  # the published config.json of each model: what a step's cost depend
         rms_norm_eps=1e-5,
         max_position_embeddings=8192,
     ),
+    "tiny": dict(  # a small Llama, not a real model's shape: for checking a benchmark's logic in seconds on a CPU
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+    ),
 }
 
 

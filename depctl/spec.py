@@ -330,16 +330,14 @@ FLAG_RULES: tuple[FlagRule, ...] = (
 )
 
 
-def speculation_from_flags(*, current: AnySpeculation | None = None, **flags) -> AnySpeculation | None:
-    """Turn the speculation flags (``SpeculationFlags``' fields) into a ``Speculation``; the one place the cross-flag
-    rules live (``FLAG_RULES``).
+def speculation_from_flags(f: SpeculationFlags, current: AnySpeculation | None = None) -> AnySpeculation | None:
+    """Turn the speculation flags into a ``Speculation``; the one place the cross-flag rules live (``FLAG_RULES``).
 
     ``current`` is the deployment's speculation on ``update``: there ``--draft-token-count`` alone changes the
     count of whatever method is configured, ``--draft-precision`` alone the precision of a configured draft
     model, and ``--suffix-cache-tokens`` / ``--suffix-scope`` alone the options of configured suffix speculation.
     Returns ``None`` on update when no speculation flag was given. Messages name the flags the user typed.
     """
-    f = SpeculationFlags(**flags)
     for rule in FLAG_RULES:
         if rule.broken(f, current):
             raise UsageError(rule.message(f, current), rule.hint(f))

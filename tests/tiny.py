@@ -125,6 +125,15 @@ def save_tiny_head(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int
 
 # ---- other architectures: sliding windows (Qwen2, Gemma3), biases on q/k/v (Qwen2), an EAGLE-3 head ----
 WINDOW = 8  # the sliding-window models' window: short, so that tests cross it
+# what every tiny architecture shares; each adds its own layers and attention pattern
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def tiny_qwen2_sliding():
@@ -132,13 +141,8 @@ def tiny_qwen2_sliding():
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **SMALL,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         use_sliding_window=True,
         sliding_window=WINDOW,
         max_window_layers=1,
@@ -153,14 +157,9 @@ def tiny_gemma3():
 
     torch.manual_seed(0)
     config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **SMALL,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     )
@@ -169,7 +168,7 @@ def tiny_gemma3():
 
 def _widen(model):
     with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.5)  # definite preferences, as in tests/tiny.py
+        model.lm_head.weight.normal_(0, 0.5)  # definite preferences, as tiny_llama's
     return model.eval()
 
 
@@ -178,16 +177,7 @@ def tiny_qwen2(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    config = Qwen2Config(**SMALL, num_hidden_layers=2, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         for layer in model.model.layers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 import typing
@@ -27,6 +28,7 @@ from depctl.spec import (
     MAX_NGRAM_LENGTH,
     DeploymentSpec,
     DraftModelSpeculation,
+    SpeculationFlags,
     check_deployment_id,
     describe_duration,
     describe_engine,
@@ -610,13 +612,15 @@ def create(
 ) -> None:
     """Create a deployment of MODEL, optionally with speculative decoding."""
     speculation = speculation_from_flags(
-        draft_model=draft_model,
-        draft_token_count=draft_token_count,
-        ngram_speculation_length=ngram_speculation_length,
-        draft_precision=draft_precision.value if draft_precision else None,
-        suffix=suffix_speculation,
-        suffix_cache_tokens=suffix_cache_tokens,
-        suffix_scope=suffix_scope and suffix_scope.value,
+        SpeculationFlags(
+            draft_model=draft_model,
+            draft_token_count=draft_token_count,
+            ngram_speculation_length=ngram_speculation_length,
+            draft_precision=draft_precision.value if draft_precision else None,
+            suffix=suffix_speculation,
+            suffix_cache_tokens=suffix_cache_tokens,
+            suffix_scope=suffix_scope and suffix_scope.value,
+        )
     )
     target = models.resolve(model, "MODEL")
     if isinstance(speculation, DraftModelSpeculation):
@@ -721,18 +725,17 @@ def update(
     depctl's engine a new --draft-token-count applies without a reload. --ray-address "" clears it."""
     store = SpecStore()
     current = store.get(deployment_id)
-    precision = draft_precision.value if draft_precision else None
-    speculation = speculation_from_flags(
+    flags = SpeculationFlags(
         draft_model=draft_model,
         draft_token_count=draft_token_count,
         ngram_speculation_length=ngram_speculation_length,
-        draft_precision=precision,
+        draft_precision=draft_precision.value if draft_precision else None,
         disable=disable_speculative_decoding,
         suffix=suffix_speculation,
         suffix_cache_tokens=suffix_cache_tokens,
         suffix_scope=suffix_scope and suffix_scope.value,
-        current=current.speculation,
     )
+    speculation = speculation_from_flags(flags, current.speculation)
     others = {
         "display_name": display_name,
         "max_batch_size": max_batch_size,
@@ -770,22 +773,12 @@ def update(
         _check_device(checked.device, checked.engine)
     if isinstance(speculation, DraftModelSpeculation) and draft_model is not None:
         draft = _check_draft(models.resolve(current.model, "MODEL"), speculation.draft_model)
-        draft_model = draft.ref
+        flags = dataclasses.replace(flags, draft_model=draft.ref)
 
     def change(spec: DeploymentSpec) -> DeploymentSpec:
         # recomputed under the store's lock from the spec as it is now, so concurrent updates compose
         fields = dict(others)
-        new = speculation_from_flags(
-            draft_model=draft_model,
-            draft_token_count=draft_token_count,
-            ngram_speculation_length=ngram_speculation_length,
-            draft_precision=precision,
-            disable=disable_speculative_decoding,
-            suffix=suffix_speculation,
-            suffix_cache_tokens=suffix_cache_tokens,
-            suffix_scope=suffix_scope and suffix_scope.value,
-            current=spec.speculation,
-        )
+        new = speculation_from_flags(flags, spec.speculation)
         if new is not None:
             fields["speculation"] = new
         # validated as a whole against the spec as it is now (model_copy would skip the cross-field rules)
