@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 import typing
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import typer
 from pydantic import ValidationError
-from rich.table import Table
-from rich.text import Text
 
-from depctl import models, output, recordings
+from depctl import models, output
 from depctl import spec as spec_module
+from depctl.cli import views
 from depctl.cli._common import connect, handle_errors
 from depctl.errors import DepctlError, UsageError
-from depctl.output import Format, fmt_num, fmt_rate
+from depctl.output import Format
 from depctl.spec import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DRAFT_MODEL_TOKENS,
@@ -30,7 +27,6 @@ from depctl.spec import (
     DraftModelSpeculation,
     SpeculationFlags,
     check_deployment_id,
-    describe_duration,
     describe_engine,
     describe_speculation,
     new_deployment_id,
@@ -214,19 +210,6 @@ def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.Resolve
     return draft
 
 
-def _describe_head(head: dict) -> str:
-    layers = ", ".join(map(str, head["aux_layers"]))
-    return f"drafts from the target's layers {layers}, over its {head['draft_vocab_size']} most used tokens"
-
-
-def _per_position(stats: dict) -> str:
-    """Accepted drafts at each position, with the acceptance there (of the drafts that reached it where the engine
-    counts those, else of all drafts, as vLLM's counters give it)."""
-    accepted = stats.get("accepted_per_position") or []
-    reached = stats.get("drafted_per_position") or [stats.get("drafts") or 0] * len(accepted)
-    return ", ".join(f"{a} ({fmt_rate(a / d if d else None)})" for a, d in zip(accepted, reached)) or "-"
-
-
 def _check_device(device: str | None, engine: str) -> None:
     """``--device cuda`` where torch sees no GPU fails before anything is written, like every other check."""
     if device != "cuda" or engine != "depctl":  # vLLM runs in an environment of its own, with its own torch
@@ -286,256 +269,6 @@ def _records(store: SpecStore, client) -> list[dict]:
     return rows
 
 
-def _list_table(rows: list[dict]) -> Table:
-    table = output.make_table(
-        "ID", "MODEL", "ENGINE", "SPECULATION", "STATE", "ACCEPTANCE", "MEAN LEN", "TOK/S (10s)", whole=2
-    )
-    for r in rows:
-        stats = r["status"].get("stats") or {}
-        spec = r.get("speculation")
-        table.add_row(
-            r["id"],
-            r.get("model", "-"),
-            _engine_cell(r),
-            describe_speculation(_spec_obj(spec)) if spec else "-",
-            _state_cell(r["status"]),
-            fmt_rate(stats.get("acceptance_rate")),
-            fmt_num(stats.get("mean_acceptance_length")),
-            fmt_num((r["status"].get("recent") or {}).get("tokens_per_second"), 1),
-        )
-    return table
-
-
-def _engine_cell(r: dict) -> str:
-    if "engine" not in r:
-        return "-"
-    spec = DeploymentSpec.model_validate({k: v for k, v in r.items() if k in DeploymentSpec.model_fields})
-    return describe_engine(spec)
-
-
-def _spec_obj(speculation: dict):
-    return DeploymentSpec.model_validate({"id": "x", "model": "x", "speculation": speculation}).speculation
-
-
-def _vllm_note(info: dict | None) -> str:
-    if not info:
-        return ""
-    parts = [f"vLLM {info['version']}" if info.get("version") else "vLLM"]
-    if info.get("pid"):
-        parts.append(f"pid {info['pid']}")
-    if info.get("restarts"):
-        parts.append(f"{info['restarts']} restarts")
-    return f" ({', '.join(parts)})"
-
-
-def _state_cell(status: dict) -> Text:
-    colour = {"READY": "green", "FAILED": "red", "UNKNOWN": "yellow", "IDLE": "blue"}.get(status["state"], "cyan")
-    since = status.get("state_since")
-    elapsed = f" for {time.time() - since:.0f}s" if since and status["state"] in ("CREATING", "UPDATING") else ""
-    return Text(status["state"] + elapsed, style=colour)
-
-
-@dataclass(frozen=True)
-class _Detail:
-    """One deployment as ``get`` shows it: its record, the daemon's status and the status's counters."""
-
-    r: dict
-    status: dict
-    stats: dict
-
-    def running(self, key: str, template: str) -> str:
-        """`` (running: ...)`` when the daemon reports ``key``, else nothing."""
-        return template.format(self.status[key]) if self.status.get(key) else ""
-
-
-def _memory_cell(d: _Detail) -> str | None:
-    total, weights = d.status.get("memory_bytes"), d.status.get("weights_bytes")
-    if not total:
-        return None
-    parts = (
-        f"weights {output.fmt_bytes(weights)}, KV cache {output.fmt_bytes(total - weights)}"
-        if weights and weights <= total
-        else "weights and KV cache"
-    )
-    return f"{output.fmt_bytes(total)} ({parts})"
-
-
-def _recording_cell(d: _Detail) -> str | None:
-    dep_id = d.r["id"]
-    if not (d.r.get("record_prompts") or recordings.path(dep_id).exists()):
-        return None
-    state, kept = "on" if d.r.get("record_prompts") else "off", recordings.count(dep_id)
-    return f"{state}, {kept} prompt{'' if kept == 1 else 's'} in {recordings.path(dep_id)}"
-
-
-def _now_cell(d: _Detail) -> str | None:
-    recent = d.status.get("recent")
-    if not recent or recent.get("tokens_per_second") is None:
-        return None
-    return (
-        f"{fmt_num(recent['tokens_per_second'], 1)} tok/s (last {recent['window_seconds']:.0f}s), acceptance "
-        f"{fmt_rate(recent['acceptance_rate'])} (last {recent['acceptance_window_seconds']:.0f}s)"
-    )
-
-
-def _suffix_cell(d: _Detail) -> str | None:
-    index = d.status.get("suffix_index")
-    if not index:
-        return None
-    return (
-        f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
-        f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} lookups drafted"
-    )
-
-
-def _policy(d: _Detail) -> dict:
-    policy = d.status.get("policy") or {}
-    return policy if policy.get("max_draft_tokens") else {}
-
-
-def _counted(cell: Callable[[_Detail], str | None]) -> Callable[[_Detail], str | None]:
-    """A row of the counters: shown once the daemon reports them."""
-    return lambda d: cell(d) if d.stats else None
-
-
-# ``deployment get``'s rows in order: a label (or a function of the deployment) and its cell, None to leave the row out
-_DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], str | Text | None]], ...] = (
-    ("ID", lambda d: d.r["id"]),
-    ("Display name", lambda d: d.r.get("display_name") or "-"),
-    ("Model", lambda d: d.r.get("model", "-")),
-    ("Speculation", lambda d: describe_speculation(_spec_obj(d.r["speculation"])) if d.r.get("speculation") else "-"),
-    ("Engine", lambda d: _engine_cell(d.r) + _vllm_note(d.status.get("vllm"))),
-    (
-        "Device / dtype",
-        lambda d: (
-            f"{d.r.get('device')} / {d.r.get('dtype')}"
-            + (f" (running on {d.status['device']} / {d.status['dtype']})" if d.status.get("device") else "")
-        ),
-    ),
-    ("Matrix products", lambda d: d.status.get("products") or None),
-    (
-        "Quantization",
-        lambda d: (
-            d.r["quantization"] + d.running("weights", " (running: {})")
-            if d.r.get("quantization", "none") != "none"
-            else None
-        ),
-    ),
-    ("Draft precision", lambda d: d.status.get("draft_precision") or None),
-    ("EAGLE head", lambda d: _describe_head(d.status["eagle_head"]) if d.status.get("eagle_head") else None),
-    (
-        "Compiled passes",
-        lambda d: ("on" if d.r.get("compile", True) else "off") + d.running("compiled", " (running: {})"),
-    ),
-    ("Max batch size", lambda d: str(d.r.get("max_batch_size", "-"))),
-    (
-        "Context",
-        lambda d: (
-            f"{d.r.get('max_context_length') or 'the model’s'}" + d.running("max_context", " (running: {} tokens)")
-        ),
-    ),
-    ("State", lambda d: _state_cell(d.status)),
-    (
-        "Requests running / waiting",
-        lambda d: (
-            f"{d.status['num_requests_running']} / {d.status['num_requests_waiting']}"
-            if "num_requests_running" in d.status
-            else None
-        ),
-    ),
-    ("Reason", lambda d: d.status.get("reason") or None),
-    ("Prompt recording", _recording_cell),
-    (
-        "Keep alive",
-        lambda d: (
-            f"{describe_duration(d.r['keep_alive'])}, then unloaded until the next request"
-            if d.r.get("keep_alive")
-            else None
-        ),
-    ),
-    ("Now", _now_cell),
-    ("Memory", _memory_cell),
-    ("Requests", _counted(lambda d: str(d.stats["requests"]))),
-    ("Generated tokens", _counted(lambda d: str(d.stats["generated_tokens"]))),
-    (
-        "Decode speed (lifetime)",
-        _counted(
-            lambda d: (
-                f"{fmt_num(d.stats['decode_tokens_per_second'], 1)} tok/s"
-                if d.stats.get("decode_tokens_per_second") is not None
-                else None
-            )
-        ),
-    ),
-    (
-        lambda d: "Acceptance rate" + (" (vLLM's counters)" if d.stats.get("source") == "vllm" else ""),
-        _counted(lambda d: fmt_rate(d.stats["acceptance_rate"])),
-    ),
-    ("Mean acceptance length", _counted(lambda d: fmt_num(d.stats["mean_acceptance_length"]))),
-    (
-        "Drafts / draft tokens / accepted",
-        _counted(lambda d: f"{d.stats['drafts']} / {d.stats['draft_tokens']} / {d.stats['accepted_tokens']}"),
-    ),
-    ("Accepted per position", _counted(lambda d: _per_position(d.stats))),
-    (
-        "Time drafting / verifying",
-        _counted(
-            lambda d: (
-                f"{d.stats['draft_seconds']:.2f}s / {d.stats['verify_seconds']:.2f}s"
-                if "draft_seconds" in d.stats
-                else None
-            )
-        ),
-    ),
-    (
-        "Grammar drafts / accepted / time",
-        _counted(  # shown once a request used a grammar
-            lambda d: (
-                f"{d.stats['grammar_draft_tokens']} / {d.stats['grammar_accepted_tokens']} / "
-                f"{d.stats['grammar_seconds']:.2f}s"
-                if d.stats.get("grammar_seconds")
-                else None
-            )
-        ),
-    ),
-    (
-        "Pass cost (tokens: ms)",
-        lambda d: ", ".join(f"{n}: {v}" for n, v in _policy(d)["verify_ms"].items()) if _policy(d) else None,
-    ),
-    (
-        "Draft forward (rows: ms)",
-        lambda d: (
-            ", ".join(f"{n}: {v}" for n, v in _policy(d)["draft_ms"].items()) if _policy(d).get("draft_ms") else None
-        ),
-    ),
-    ("Suffix index", _suffix_cell),
-    (
-        "Created / updated",
-        lambda d: f"{d.r['created_at']} / {d.r['updated_at']}" if d.r.get("created_at") else None,
-    ),
-)
-
-
-def _detail_table(r: dict) -> Table:
-    table = output.make_grid()
-    d = _Detail(r, r["status"], r["status"].get("stats") or {})
-    for label, cell in _DETAIL_ROWS:
-        value = cell(d)
-        if value is not None:
-            table.add_row(Text(label(d) if callable(label) else label, style="bold"), value)
-    return table
-
-
-def _wait_line(dep_id: str, status: dict) -> tuple[str, float | None]:
-    """What a wait shows: the state, the stage of the load with how long it has run, and how far it is if known."""
-    stage = status.get("stage")
-    if not stage:
-        return f"{dep_id}: {status['state'].lower()}", None
-    took = time.time() - stage["since"]
-    detail = f" {stage['detail']}" if stage.get("detail") else ""
-    return f"{dep_id}: {stage['name']}{detail} ({took:.0f}s)", stage.get("fraction")
-
-
 def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStore, verb: str) -> None:
     """Tell the daemon (starting it if needed), optionally wait for READY/FAILED, print the deployment."""
     try:
@@ -552,13 +285,13 @@ def _apply(dep_id: str, wait: bool, timeout: float, fmt: Format, store: SpecStor
 
             def show(s):
                 if s:
-                    description, fraction = _wait_line(dep_id, s)
+                    description, fraction = views.wait_line(dep_id, s)
                     progress.update(task, description=description, total=1 if fraction is not None else None)
                     progress.update(task, completed=fraction or 0)
 
             status = client.wait_settled(dep_id, timeout, on_poll=show)
     rec = record(store.get(dep_id), status, True)
-    output.emit(rec, fmt, _detail_table)
+    output.emit(rec, fmt, views.detail_table)
     if status and status["state"] == "FAILED":
         raise DepctlError(
             f"deployment {dep_id!r} FAILED: {status.get('reason')}",
@@ -674,7 +407,7 @@ def list_(fmt: Format = OUTPUT) -> None:
     store = SpecStore()
     client = connect(autostart=False)
     rows = _records(store, client)
-    output.emit(rows, fmt, _list_table)
+    output.emit(rows, fmt, views.list_table)
 
 
 @app.command()
@@ -685,7 +418,7 @@ def get(deployment_id: str = typer.Argument(..., metavar="ID"), fmt: Format = OU
     spec = store.get(deployment_id)
     client = connect(autostart=False)
     status = client.deployment(deployment_id) if client else None
-    output.emit(record(spec, status, client is not None), fmt, _detail_table)
+    output.emit(record(spec, status, client is not None), fmt, views.detail_table)
 
 
 @app.command()

@@ -687,7 +687,7 @@ def test_compile_is_on_by_default_and_no_compile_is_kept_and_updatable(depctl_ho
 def test_get_shows_what_runs_the_matrix_products():
     from rich.console import Console
 
-    from depctl.cli.deployment import _detail_table
+    from depctl.cli.views import detail_table
 
     status = {
         "state": "READY",
@@ -697,13 +697,13 @@ def test_get_shows_what_runs_the_matrix_products():
     }
     console = Console(width=200, record=True)
     console.print(
-        _detail_table(
+        detail_table(
             {"id": "dep", "model": "smollm2-135m-instruct", "device": "auto", "dtype": "auto", "status": status}
         )
     )
     text = console.export_text()
     assert "Matrix products" in text and "depctl blocked bf16 on AMX tiles x121" in text
-    console.print(_detail_table({"id": "dep", "model": "m", "status": {"state": "STOPPED"}}))
+    console.print(detail_table({"id": "dep", "model": "m", "status": {"state": "STOPPED"}}))
     assert console.export_text().count("Matrix products") == 0  # nothing loaded: no row
 
 
@@ -711,7 +711,7 @@ def test_get_shows_a_heads_layers_acceptance_per_position_and_recorded_prompts(d
     from rich.console import Console
 
     from depctl import recordings
-    from depctl.cli.deployment import _detail_table
+    from depctl.cli.views import detail_table
 
     spec = DeploymentSpec(id="h", model="smollm2-135m-instruct", record_prompts=True).model_dump(mode="json")
     recordings.record("h", {"prompt": "hi"})
@@ -722,7 +722,7 @@ def test_get_shows_a_heads_layers_acceptance_per_position_and_recorded_prompts(d
     }  # fmt: skip
     status = {"state": "READY", "stats": stats, "eagle_head": {"aux_layers": [2, 15, 27], "draft_vocab_size": 8192}}
     console = Console(width=300, record=True)
-    console.print(_detail_table({**spec, "status": status}))
+    console.print(detail_table({**spec, "status": status}))
     text = console.export_text()
     assert "drafts from the target's layers 2, 15, 27, over its 8192 most used tokens" in text
     assert "6 (60%), 2 (33%)" in text  # accepted at each position, of the drafts that reached it
