@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jsonschema
@@ -25,6 +24,7 @@ import pytest
 from depctl import engines, models
 from depctl.export import ray_serve_config, vllm_argv
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).parent / "check_in_vllm.py"
@@ -197,14 +197,13 @@ def test_a_deployment_runs_on_vllm_through_depctl(vllm_python, depctl_home):
         assert stats["source"] == "vllm" and stats["requests"] >= 2
         assert stats["drafts"] > 0 and stats["accepted_tokens"] > 0, stats  # vLLM's counters moved
         assert _depctl("deployment", "delete", "v").returncode == 0
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and [p for p in _ours(depctl_home) if "vllm" in " ".join(p.cmdline())]:
-            time.sleep(0.5)
-        assert not [p for p in _ours(depctl_home) if "vllm" in " ".join(p.cmdline())], "delete left vLLM running"
+        wait_until(
+            lambda: not [p for p in _ours(depctl_home) if "vllm" in " ".join(p.cmdline())],
+            "the deleted deployment's vLLM server to exit",
+        )
     finally:
         _depctl("daemon", "stop", timeout=120)
-    time.sleep(1)
-    assert not _ours(depctl_home), "daemon stop left processes behind"
+    wait_until(lambda: not _ours(depctl_home), "every process the daemon started to exit", timeout=30)
 
 
 def _structured_fields_pass_through(client) -> None:

@@ -91,7 +91,7 @@ def test_a_head_drafts_on_a_gpu_through_cuda_graphs_and_the_output_is_the_target
 def test_a_head_whose_weights_are_a_pickle_is_refused_without_running_it(tmp_path):
     from depctl_runtime.model import eagle_format
     from tests.pickles import plant
-    from tests.runtime.model.test_eagle import tiny_head
+    from tests.tiny import tiny_head
 
     head = tiny_head()
     eagle_format.save(head, tmp_path / "head", {"name_or_path": "t", "architectures": [], "fingerprint": "f"}, 2, {})

@@ -210,7 +210,7 @@ def test_other_python_threads_run_while_a_pass_does(package):
 def test_a_qwen2_with_biases_and_tied_embeddings_compiles_and_checks_exact(tmp_path, precision):
     """The architecture of the real draft/target pair: q, k and v biases in the fused projection, the output layer
     tied to the embeddings (two tensors once the output layer is int8; in float32 one tensor under two names)."""
-    from tests.runtime.model.test_decoder import tiny_qwen2
+    from tests.tiny import tiny_qwen2
 
     model = prepared(tiny_qwen2(), precision)
     eager = runner_for(model)
