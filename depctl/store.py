@@ -120,15 +120,18 @@ class SpecStore:
         return out
 
     # ---- writes (locked, atomic) ----
+    def check_new(self, deployment_id: str) -> None:
+        """Refuse an id that is taken, as ``create`` would (``--validate-only`` asks the same question)."""
+        if self.path(deployment_id).exists():
+            raise ConflictError(
+                f"deployment {deployment_id!r} already exists",
+                "pick another --deployment-id, or change it with `depctl deployment update`",
+            )
+
     def create(self, spec: DeploymentSpec) -> DeploymentSpec:
         with self._lock:
-            path = self.path(spec.id)
-            if path.exists():
-                raise ConflictError(
-                    f"deployment {spec.id!r} already exists",
-                    "pick another --deployment-id, or change it with `depctl deployment update`",
-                )
-            self._write(path, spec)
+            self.check_new(spec.id)
+            self._write(self.path(spec.id), spec)
         return spec
 
     def update(self, deployment_id: str, change: Callable[[DeploymentSpec], DeploymentSpec]) -> DeploymentSpec:

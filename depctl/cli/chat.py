@@ -7,9 +7,11 @@ the chat), and a piped stdin answered once without a prompt.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -195,6 +197,15 @@ class ChatSession:
         output.message((f"Set {key} to {value}.", "dim"))
 
 
+def history_file() -> Path:
+    """What the user typed in earlier chats: private to them (0600), as prompt recordings are."""
+    path = config.home() / "chat_history"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    path.chmod(0o600)  # (a history an older depctl made readable by everyone)
+    return path
+
+
 def _read_message(session) -> str | None:
     """One user message from the prompt (\"\"\" blocks joined); None at Ctrl-D. Ctrl-C at the prompt says how
     to leave, as ollama does."""
@@ -243,7 +254,7 @@ def chat(
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory
 
-    prompt_session = PromptSession(history=FileHistory(str(config.home() / "chat_history")))
+    prompt_session = PromptSession(history=FileHistory(str(history_file())))
     output.message("Chatting with ", (deployment_id, "bold"), ". /? for help, /bye or Ctrl-D to leave.")
     while (line := _read_message(prompt_session)) is not None:
         if not line.strip():

@@ -27,6 +27,7 @@ from depctl.spec import (
     DraftModelSpeculation,
     SpeculationFlags,
     check_deployment_id,
+    describe_duration,
     describe_engine,
     describe_speculation,
     new_deployment_id,
@@ -231,7 +232,11 @@ def _changes(old: DeploymentSpec, new: DeploymentSpec) -> str:
     parts = []
     if old.speculation != new.speculation:
         parts.append(f"speculation: {describe_speculation(old.speculation)} -> {describe_speculation(new.speculation)}")
-    parts += [f"{k}: {before[k]} -> {after[k]}" for k in after if k not in skip and before.get(k) != after[k]]
+    shown = {"keep_alive": describe_duration}  # as the flag takes it, not the stored seconds
+    for key in after:
+        if key not in skip and before.get(key) != after[key]:
+            show = shown.get(key, str)
+            parts.append(f"{key}: {show(before.get(key))} -> {show(after[key])}")
     return "; ".join(parts) or "nothing changed"
 
 
@@ -387,6 +392,7 @@ def create(
     _check_device(spec.device, spec.engine)
     store = SpecStore()
     if validate_only:
+        store.check_new(spec.id)
         output.emit(spec.model_dump(mode="json"), Format.yaml if fmt == Format.table else fmt, lambda d: d)
         output.message("Valid. Nothing was written (--validate-only).")
         return

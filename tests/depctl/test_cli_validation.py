@@ -292,6 +292,26 @@ def test_validate_only_prints_the_spec_and_writes_nothing(flags, speculation, de
     assert spec_files(depctl_home) == []
 
 
+def test_validate_only_refuses_an_id_that_exists_as_the_create_would(depctl_home):
+    from depctl.spec import DeploymentSpec
+    from depctl.store import SpecStore
+
+    SpecStore().create(DeploymentSpec(id="taken", model="smollm2-135m-instruct"))
+    before = (depctl_home / "deployments" / "taken.yaml").read_bytes()
+    result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "taken", "--validate-only")
+    assert result.exit_code != 0 and "already exists" in result.stderr and "Valid" not in result.stderr
+    assert (depctl_home / "deployments" / "taken.yaml").read_bytes() == before
+
+
+def test_an_update_says_what_changed_in_the_flags_words():
+    from depctl.cli.deployment import _changes
+    from depctl.spec import DeploymentSpec
+
+    old = DeploymentSpec(id="d", model="m")
+    assert _changes(old, old.model_copy(update={"keep_alive": 30.0})) == "keep_alive: forever -> 30s"
+    assert _changes(old.model_copy(update={"keep_alive": 600.0}), old) == "keep_alive: 10m -> forever"
+
+
 def test_local_directory_is_stored_as_an_absolute_path(tiny_model_dir, depctl_home, monkeypatch):
     monkeypatch.chdir(tiny_model_dir.parent)
     result = run("deployment", "create", tiny_model_dir.name, "--validate-only", "-o", "json")
