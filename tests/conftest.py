@@ -6,8 +6,40 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_ops_built(request):
+    """depctl's C++ ops are built once per machine, by the first tests that need them; build them here instead, and
+    say so, so a first run does not sit silent for a minute inside whichever test came first."""
+    from depctl_runtime.kernels import native
+
+    plugins = request.config.pluginmanager
+    terminal, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    started = time.monotonic()
+
+    def say(line: str) -> None:
+        if terminal is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                terminal.write_line(line)
+
+    def building():
+        say("building depctl's C++ ops (once per machine; about a minute on 2 idle cores)...")
+
+    if native.available(building=building) and time.monotonic() - started > 5:
+        say(f"built depctl's C++ ops in {time.monotonic() - started:.0f}s")
+
+
+@pytest.fixture
+def native_ops():
+    """Skips a test where depctl's C++ ops cannot be built (no C++ compiler), as the loader then runs without them."""
+    from depctl_runtime.kernels import native
+
+    if not native.available():
+        pytest.skip("depctl's C++ ops could not be built here (see the warning above for why)")
 
 
 @pytest.fixture(autouse=True)

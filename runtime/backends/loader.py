@@ -42,6 +42,7 @@ from depctl_runtime.backends.weights import (
     real_vocab_size,
     resolve_source,
 )
+from depctl_runtime.kernels import native
 from depctl_runtime.kernels.surgery import products
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation.eagle import EagleProposer
@@ -80,6 +81,8 @@ def load_deployment(
     """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs). ``features``: layers
     whose outputs the target's passes return, as for an EAGLE head (``depctl draft train`` records them)."""
     device = pick_device(spec.device)
+    if device.type == "cpu":  # the products, the attention and the compiled passes use them; say so if they build
+        native.available(building=lambda: report(Stage("building", "depctl's C++ ops (once per machine)")))
     dtype = pick_dtype(spec.dtype, device, spec.quantization)
     spec_method = spec.speculation
     draft_ref = spec_method.draft_model if isinstance(spec_method, DraftModelSpeculation) else None

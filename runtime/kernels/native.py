@@ -12,20 +12,26 @@
   GIL, which torch's own Python binding holds for the whole pass.
 - ``screened_argmax(...)``: a float32 output layer's greedy choices from its bf16 logits (``model.screened_head``).
 
-Built for this CPU's vector instruction set with inductor's flags (``torch._inductor.cpu_vec_isa``), kept under the
-cache directory keyed by the sources and the torch build. It needs a C++ compiler (and ninja, a dependency); ``load``
+Built for this CPU's vector instruction set with inductor's flags (``torch._inductor.cpu_vec_isa``), once per
+machine: kept under the cache directory keyed by the sources, the torch build and the compiler, and shared by every
+checkout and virtualenv that has them. It needs a C++ compiler (and ninja, a dependency); ``load``
 raises ``NativeUnavailable`` with the reason where it cannot be built, and the loader then runs without it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,40 +71,71 @@ def build_flags() -> list[str]:
     return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
 
 
+LIBRARY = "depctl_native.so"
+
+
 def build_directory(root: Path, flags: list[str]) -> Path:
+    """Where this machine's library lives: one folder per key, the key being all that changes the built code (the
+    sources, the torch build, the Python ABI, the compiler, the flags), and nothing about the caller (its checkout,
+    virtualenv, PATH or ninja), so every clone and venv on the machine with the same torch shares one build."""
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
-    key.update(f"{torch.__version__}|{sys.version}|{platform.machine()}|{' '.join(flags)}".encode())
-    # torch's build file names the sources by path: two checkouts sharing one directory rebuilt it in turn, each
-    # load waiting minutes for the other's build under the lock
-    key.update(str(CSRC.resolve()).encode())
+    torch_build = f"{torch.__version__}|{torch.version.git_version}|{torch.version.cuda}"
+    python = sys.implementation.cache_tag
+    key.update(f"{torch_build}|{python}|{platform.machine()}|{_compiler()}|{' '.join(flags)}".encode())
     return root / f"native-{key.hexdigest()[:16]}"
 
 
-def load(root: Path | None = None) -> None:
-    """Build (first time on this machine) and load the ops into this process; a no-op once loaded."""
+@functools.cache
+def _compiler() -> str:
+    """The compiler torch's builder runs (``$CXX`` or ``c++``) and its version: a different compiler builds other
+    code."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+        return f"{compiler}: {(found.stdout.splitlines() or [''])[0]}"
+    except (OSError, subprocess.SubprocessError):
+        return compiler  # the build will fail and say why
+
+
+def _default_root() -> Path:
+    from depctl import config
+
+    return config.cache_dir() / "compiled"
+
+
+def built(root: Path | None = None) -> bool:
+    """Whether this machine's library is already built (a load is then a few milliseconds, with no build)."""
+    return _loaded or (build_directory(root or _default_root(), build_flags()) / LIBRARY).exists()
+
+
+def load(root: Path | None = None, building: Callable[[], None] | None = None) -> None:
+    """Build (first time on this machine) and load the ops into this process; a no-op once loaded. ``building`` is
+    called before a build starts, so a caller can say what the wait is for."""
     global _loaded
     with _lock:
         if _loaded:
             return
-        if root is None:
-            from depctl import config
-
-            root = config.cache_dir() / "compiled"
         flags = build_flags()
-        directory = build_directory(root, flags)
-        directory.mkdir(parents=True, exist_ok=True)
-        _ninja_on_path()
+        directory = build_directory(root or _default_root(), flags)
+        library = directory / LIBRARY
         try:
-            from filelock import FileLock
-            from torch.utils import cpp_extension
+            built_here = False
+            if not library.exists():
+                from filelock import FileLock
 
-            # torch's own build lock is a plain file that a killed build leaves behind, and every later load then
-            # waits on it forever; ours is released by the OS with its process, so under it any torch lock is stale
-            with FileLock(str(directory) + ".lock"):
-                (directory / "lock").unlink(missing_ok=True)
-                _build(cpp_extension, directory, flags)
+                directory.mkdir(parents=True, exist_ok=True)
+                with FileLock(str(directory) + ".lock"):  # one build per machine: the others wait, then load it
+                    if not library.exists():
+                        for stale in directory.parent.glob(f"{directory.name}.build-*"):  # builds killed midway
+                            shutil.rmtree(stale, ignore_errors=True)
+                        if building is not None:
+                            building()
+                        _build(directory, flags)
+                        built_here = True
+            if not built_here:  # torch's builder loaded its own copy: a second would register every op twice
+                torch.ops.load_library(str(library))
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
             last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise NativeUnavailable(
@@ -111,22 +148,38 @@ def load(root: Path | None = None) -> None:
         _loaded = True
 
 
-def _build(cpp_extension, directory: Path, flags: list[str]) -> None:
-    cpp_extension.load(
-        name="depctl_native",
-        sources=[str(s) for s in SOURCES],
-        build_directory=str(directory),
-        extra_cflags=flags,
-        extra_ldflags=[f for f in flags if f == "-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+def _build(directory: Path, flags: list[str]) -> None:
+    """Build in a folder of this build's own, then move the library into place in one rename: a build killed
+    half-way, or one ninja's log another ninja cannot read, never leaves a library or a state the next load trusts.
+    The build's folder goes with it (the library is all that is kept)."""
+    from torch.utils import cpp_extension
 
-
-def available() -> bool:
-    """Whether the ops load here (built once, cached); False, with the reason logged, where they cannot."""
+    _ninja_on_path()
+    work = Path(tempfile.mkdtemp(prefix=f"{directory.name}.build-", dir=directory.parent))
     try:
-        load()
+        started = time.perf_counter()
+        built_library = cpp_extension.load(
+            name="depctl_native",
+            sources=[str(s) for s in SOURCES],
+            build_directory=str(work),
+            extra_cflags=flags,
+            extra_ldflags=[f for f in flags if f == "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        staged = directory / f"{LIBRARY}.{os.getpid()}.tmp"
+        shutil.copyfile(built_library, staged)
+        os.replace(staged, directory / LIBRARY)
+        log.info("built depctl's C++ ops in %.0f s into %s", time.perf_counter() - started, directory)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def available(building: Callable[[], None] | None = None) -> bool:
+    """Whether the ops load here (built once, cached); False, with the reason logged, where they cannot.
+    ``building``: as for ``load``."""
+    try:
+        load(building=building)
         return True
     except NativeUnavailable as exc:
         log.warning("%s", exc)

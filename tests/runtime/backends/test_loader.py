@@ -40,3 +40,26 @@ def run_plain(loaded, prompt: list[int], max_tokens: int) -> list[int]:
 
     params = GenerationParams(max_tokens=max_tokens, ignore_eos=True)
     return [t for out in generate(loaded.engine, prompt, params) for t in out.token_ids]
+
+
+def test_a_load_that_builds_the_cpp_ops_says_so_first(tiny_model_dir, monkeypatch):
+    """A machine's first load builds depctl's C++ ops (about a minute on 2 cores): the stage names that wait, instead
+    of the weights' load it used to hide in; a load on a machine that has them says nothing about them."""
+    from depctl_runtime.kernels import native
+
+    real = native.available
+
+    def first_time(building=None):
+        if building is not None:  # the loader's call; surgery's later ones pass none
+            building()
+        return real()
+
+    stages = []
+    spec = DeploymentSpec(id="first", model=str(tiny_model_dir), compile=False, device="cpu")
+    monkeypatch.setattr(native, "available", first_time)
+    load_deployment(spec, calibrate=False, report=stages.append)
+    assert str(stages[0]) == "building: depctl's C++ ops (once per machine)"
+    monkeypatch.setattr(native, "available", real)
+    stages.clear()
+    load_deployment(spec, calibrate=False, report=stages.append)
+    assert [s.name for s in stages][:1] == ["resolving"] and "building" not in [s.name for s in stages]

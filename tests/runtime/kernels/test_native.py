@@ -152,7 +152,7 @@ def test_a_position_outside_the_cache_is_refused_with_the_token_named(op):
         op(torch.randn(1, 4, 2, 16), keys, values, torch.tensor([0, 0]), torch.tensor([7, 8]), 0.25)
 
 
-def test_a_build_that_fails_says_why_and_what_to_do(monkeypatch, tmp_path):
+def test_a_build_that_fails_says_why_and_what_to_do_and_leaves_nothing_behind(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     def no_compiler(**_):
@@ -162,6 +162,89 @@ def test_a_build_that_fails_says_why_and_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.raises(native.NativeUnavailable, match=r"c\+\+: command not found.*--no-compile"):
         native.load(tmp_path)
+    assert not list(tmp_path.glob("*/" + native.LIBRARY)) and not list(tmp_path.glob("*.build-*"))
+
+
+def test_a_build_is_announced_installed_in_one_rename_and_never_repeated(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    builds, announced, loaded = [], [], []
+
+    def build(name, sources, build_directory, **_):  # torch's builder builds and loads
+        builds.append(build_directory)
+        library = Path(build_directory) / f"{name}.so"
+        library.write_bytes(b"built")
+        loaded.append(str(library))
+        return str(library)
+
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(torch.library, "register_fake", lambda name: lambda f: f)
+    leftover = tmp_path / f"{native.build_directory(tmp_path, native.build_flags()).name}.build-killed"
+    leftover.mkdir()  # what a build killed midway leaves
+
+    assert not native.built(tmp_path)
+    native.load(tmp_path, building=lambda: announced.append(native.built(tmp_path)))
+    library = native.build_directory(tmp_path, native.build_flags()) / native.LIBRARY
+    assert announced == [False] and len(builds) == 1 and not builds[0].startswith(str(library.parent) + os.sep)
+    assert library.read_bytes() == b"built" and loaded == [f"{builds[0]}/depctl_native.so"], "loaded once"
+    assert not list(tmp_path.glob("*.build-*")), "the build's own folder (and a killed build's) is removed"
+
+    monkeypatch.setattr(native, "_loaded", False)  # a second process on this machine
+    native.load(tmp_path, building=lambda: announced.append("again"))
+    assert len(builds) == 1 and announced == [False] and loaded[1:] == [str(library)]
+
+
+def test_the_build_key_is_what_changes_the_code_not_who_asks(monkeypatch, tmp_path):
+    """Two checkouts, two virtualenvs or two PATHs (and so two ninjas) share one build; another compiler does not."""
+    flags = native.build_flags()
+    here = native.build_directory(tmp_path, flags)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(native, "CSRC", tmp_path / "another-checkout")
+    monkeypatch.setattr(native.sys, "executable", str(tmp_path / "another-venv" / "bin" / "python"))
+    assert native.build_directory(tmp_path, flags) == here
+    assert native.build_directory(tmp_path, [*flags, "-DANOTHER"]) != here
+    monkeypatch.setattr(native, "_compiler", lambda: "clang++: Debian clang version 16")
+    assert native.build_directory(tmp_path, flags) != here
+
+
+@pytest.mark.slow
+def test_a_second_checkout_in_a_second_venv_with_another_ninja_builds_nothing(op, tmp_path):
+    """The machine's build (this process's) is loaded by another copy of the code, from another virtualenv, with a
+    PATH whose first ninja records any call: nothing is built again."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    import depctl
+    from depctl import config
+
+    clone = tmp_path / "clone"
+    shutil.copytree(Path(native.__file__).parents[1], clone / "depctl_runtime")
+    shutil.copytree(Path(depctl.__file__).parent, clone / "depctl")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(tmp_path / "venv")}))
+    (site / "shared.pth").write_text(sysconfig.get_path("purelib") + "\n")  # torch and the rest, not depctl
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path}/ninja-ran\nexit 1\n")
+    (tools / "ninja").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{tools}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "PYTHONPATH": str(clone),
+        "DEPCTL_CACHE": str(config.cache_dir()),
+        "VIRTUAL_ENV": str(tmp_path / "venv"),
+    }
+    script = "from depctl_runtime.kernels import native; b = native.built(); native.load(); print(b, native.__file__)"
+    proc = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "python"), "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", str(clone / "depctl_runtime" / "kernels" / "native.py")]
+    assert not (tmp_path / "ninja-ran").exists()
 
 
 def test_ninja_from_the_virtualenv_is_found_without_an_activated_path(monkeypatch):
@@ -170,24 +253,3 @@ def test_ninja_from_the_virtualenv_is_found_without_an_activated_path(monkeypatc
     monkeypatch.setenv("PATH", "/nonexistent")
     native._ninja_on_path()
     assert ninja.BIN_DIR in os.environ["PATH"].split(os.pathsep)
-
-
-@pytest.mark.slow
-def test_a_build_lock_a_killed_build_left_does_not_hang_the_next_load(op):
-    # the bug: torch's build lock is a plain file; a process killed mid-build left it, and every later load of the
-    # ops (every deployment's) waited on it forever
-    import subprocess
-    import sys
-
-    from depctl import config
-
-    directory = native.build_directory(config.cache_dir() / "compiled", native.build_flags())
-    (directory / "lock").touch()
-    proc = subprocess.run(
-        [sys.executable, "-c", "from depctl_runtime.kernels import native; native.load(); print('loaded')"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "loaded", proc.stderr[-2000:]
-    assert not (directory / "lock").exists()

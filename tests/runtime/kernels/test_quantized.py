@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from depctl_runtime.kernels import native
 from depctl_runtime.kernels.quantized import (
     GROUP,
     QuantizedLinear,
@@ -17,7 +16,7 @@ from depctl_runtime.kernels.quantized import (
 )
 from depctl_runtime.kernels.surgery import products
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="depctl's C++ ops could not be built here")
+pytestmark = pytest.mark.usefixtures("native_ops")
 
 
 @pytest.mark.parametrize("bits, worst", [(4, 0.1), (8, 0.005)])

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from depctl_runtime.backends.precision import QUANTIZED, quantize_int8, surgery_for
-from depctl_runtime.kernels import native
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
     DraftModelProposer,
@@ -71,7 +70,7 @@ def test_greedy_output_equals_plain_decoding(target, draft, method, k):
     assert engine.stats.num_draft_tokens > 0
 
 
-@pytest.mark.skipif(not native.available(), reason="depctl's C++ ops could not be built here: no quantized targets")
+@pytest.mark.usefixtures("native_ops")
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("method", ["ngram", "float32 draft"])
 def test_a_quantized_target_speculating_decodes_as_it_does_plainly_alone_and_batched(target, quantization, method):
