@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import re
+import sys
+import time
 from datetime import datetime
 from typing import Any, Callable, Union
 
@@ -27,9 +31,25 @@ class Format(str, enum.Enum):
 
 
 def out() -> Console:
-    # piped (grep, less, a file): a row stays one line instead of wrapping at Rich's assumed 80 columns
     console = Console(soft_wrap=False)
-    return console if console.is_terminal else Console(soft_wrap=False, width=max(console.width, 240))
+    if console.is_terminal:
+        return console
+    # piped (grep, less, a file): a row stays one line instead of wrapping at Rich's assumed 80 columns, unless
+    # COLUMNS asks for a width
+    columns = os.environ.get("COLUMNS", "")
+    return Console(soft_wrap=False, width=int(columns) if columns.isdigit() and int(columns) > 0 else 240)
+
+
+def show(renderable: Any) -> None:
+    """Print a table or view on stdout; piped, without the spaces Rich pads each line with to the table's width."""
+    console = out()
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    with console.capture() as captured:
+        console.print(renderable)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+    sys.stdout.flush()
 
 
 def err() -> Console:
@@ -53,22 +73,79 @@ def emit(data: Any, fmt: Format, table: Callable[[Any], Any]) -> None:
     elif fmt == Format.yaml:
         print(yaml.safe_dump(_plain(data), sort_keys=False).rstrip())
     else:
-        out().print(table(data))
+        show(table(data))
 
 
-def progress() -> Progress:
+def progress() -> Progress | PlainProgress:
     """The one style for long waits (pulls, loads, installs), on stderr: a spinner, what is happening, a bar and a
-    percentage where the total is known, the time it has taken. A task's ``fields["since"]`` (a monotonic time),
-    where set, is when its current stage began."""
+    percentage where the total is known, the time it has taken. Where stderr is not a terminal (a log, CI, a pipe),
+    plain lines instead: one when the step changes, and one each tenth of the way or half minute."""
+    console = err()
+    if not console.is_terminal:
+        return PlainProgress(console)
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
         BarColumn(bar_width=24),
         TaskProgressColumn(),
         TimeElapsedColumn(),
-        console=err(),
+        console=console,
         transient=True,
     )
+
+
+class PlainProgress:
+    """``Progress``'s calls (``add_task``, ``update``, ``advance``, ``console``) as lines of text: ``[  12s] step
+    (40%)``. A line is printed when the step changes (not its counts: "12 MB of 98 MB" is the same step), when a
+    tenth of the total more is done, or every half minute of the same step."""
+
+    EVERY = 30.0
+
+    def __init__(self, console: Console):
+        self.console = console
+        self._tasks: dict[int, dict] = {}
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *_) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **_) -> int:
+        task = len(self._tasks)
+        self._tasks[task] = {"description": description, "total": total, "completed": 0.0, "start": time.monotonic()}
+        self._tasks[task]["said"] = None
+        self._say(task)
+        return task
+
+    def update(self, task: int, description: str | None = None, completed=None, total=None, advance=None, **_):
+        state = self._tasks[task]
+        if description is not None:
+            state["description"] = description
+        if total is not None:
+            state["total"] = total
+        if completed is not None:
+            state["completed"] = completed
+        if advance is not None:
+            state["completed"] += advance
+        self._say(task)
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, advance=advance)
+
+    def _say(self, task: int) -> None:
+        state = self._tasks[task]
+        now = time.monotonic()
+        total = state["total"]
+        tenth = int(10 * state["completed"] / total) if total else None
+        step = re.sub(r"\d[\d.,]*", "#", state["description"])  # counts in a step's text are not a new step
+        said = state["said"]
+        if said is not None and said[0] == step and said[1] == tenth and now - said[2] < self.EVERY:
+            return
+        state["said"] = (step, tenth, now)
+        done = f" ({min(state['completed'] / total, 1.0):.0%})" if total else ""
+        line = f"[{now - state['start']:5.0f}s] {state['description']}{done}"
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def message(*parts: Part) -> None:

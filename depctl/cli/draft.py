@@ -64,8 +64,11 @@ def train(
         help="The target's weights while it answers: the --quantization the head's deployment will use, so the head "
         "learns the features it will read. Default: the recorded deployment's with --from-deployment, else none.",
     ),
-    compile_passes: bool = typer.Option(
-        True, "--compile/--no-compile", help="Compile the target's passes to answer faster."
+    compile_passes: Optional[bool] = typer.Option(
+        None,
+        "--compile/--no-compile",
+        help="Compile the target's passes to answer faster. Default: when a library for it is already built, or "
+        "when --minutes is 20 or more (building one takes a minute or more of the budget on 2 cores).",
     ),
     force: bool = typer.Option(
         False, "--force", help="Write into --out even though it holds something other than a head of TARGET."
@@ -92,7 +95,7 @@ def train(
     cmd = config.python_module("depctl_runtime.training") + [target, "--out", str(out), "--minutes", str(minutes)]
     cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
     cmd += ["--samples", str(samples), "--quantization", quantization]
-    cmd += ["--device", device] + ([] if compile_passes else ["--no-compile"])
+    cmd += ["--device", device] + {None: [], True: ["--compile"], False: ["--no-compile"]}[compile_passes]
     cmd += ["--data", str(data)] if data is not None else []
     try:
         (out / ".train").mkdir(parents=True, exist_ok=True)
@@ -103,41 +106,21 @@ def train(
     log = out / ".train" / "train.log"  # the libraries' own messages, kept off the progress bar
     with log.open("a") as stderr:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
-    result, error = None, None
+    run = _Run()
     try:
         with output.progress() as bar:
             task = bar.add_task("starting", total=None)
             for line in proc.stdout:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue  # a library's own print
-                kind = event.get("event")
-                if kind == "stage":
-                    bar.update(task, description=event["name"], total=None)
-                elif kind == "answers":
-                    bar.update(
-                        task,
-                        description=f"the target answers the prompts ({event['tokens']} tokens)",
-                        completed=event["done"],
-                        total=event["total"],
-                    )
-                elif kind == "resumed":
-                    bar.update(task, description=f"resuming after {event['minutes']:.1f} min of training")
-                elif kind == "train":
-                    bar.update(
-                        task, description=_train_line(event), completed=event["minutes"], total=event["total_minutes"]
-                    )
-                elif kind == "done":
-                    result = event
-                elif kind == "error":
-                    error = event["message"]
+                run.hear(line, bar, task)
             code = proc.wait()
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)  # it saves the head and its state, then exits
+        for line in proc.stdout:
+            run.hear(line)
         proc.wait()
-        output.message(f"Stopped; the head so far is in {out}. Run the same command to resume.")
+        output.message(run.stopped_message(out))
         raise typer.Exit(130) from None
+    result, error = run.result, run.error
     if error:
         raise UsageError(error)
     if code != 0 or result is None:
@@ -152,6 +135,53 @@ def train(
         f"Serve it: depctl deployment create {target} --draft-model {out} --draft-token-count {steps}  "
         "(vLLM loads the same directory as its eagle3 method)"
     )
+
+
+class _Run:
+    """What the trainer has said so far (one JSON event a line on its stdout), drawn on ``bar`` while it runs."""
+
+    def __init__(self) -> None:
+        self.result: dict | None = None
+        self.error: str | None = None
+        self.trained_minutes = 0.0
+        self.answers = 0
+
+    def hear(self, line: str, bar=None, task=None) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return  # a library's own print
+        kind = event.get("event")
+        update = (lambda **fields: bar.update(task, **fields)) if bar is not None else (lambda **fields: None)
+        if kind == "stage":
+            update(description=event["name"], total=None)
+        elif kind == "answers":
+            self.answers = event["done"]
+            update(
+                description=f"the target answers the prompts ({event['tokens']} tokens)",
+                completed=event["done"],
+                total=event["total"],
+            )
+        elif kind == "resumed":
+            self.trained_minutes = event["minutes"]
+            update(description=f"resuming after {event['minutes']:.1f} min of training")
+        elif kind == "train":
+            self.trained_minutes = event["minutes"]
+            update(description=_train_line(event), completed=event["minutes"], total=event["total_minutes"])
+        elif kind == "done":
+            self.result = event
+            self.trained_minutes = event.get("minutes", self.trained_minutes)
+        elif kind == "error":
+            self.error = event["message"]
+
+    def stopped_message(self, out: Path) -> str:
+        if self.trained_minutes > 0:
+            return (
+                f"Stopped after {self.trained_minutes:.1f} min of training; the head so far is in {out}. "
+                "Run the same command to resume."
+            )
+        kept = f"; the {self.answers} answers generated so far are kept" if self.answers else ""
+        return f"Stopped before any training step: nothing was trained{kept}. Run the same command to go on."
 
 
 def _recorded_prompts(deployment_id: str, target: str) -> Path:

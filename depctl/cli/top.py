@@ -39,11 +39,10 @@ def _rows(client: Client) -> list[dict]:
 
 
 def _ps_table(data: dict) -> Table:
-    table = output.make_table(
-        "ID", "STATE", "RUNNING", "WAITING", "TOK/S (10s)", "ACCEPT (60s)", "MEMORY", "MODEL", whole=1
-    )
-    for r in data["deployments"]:
-        table.add_row(
+    # no wrapping: a row stays one line in 80 columns, every column but MODEL at its full width, and a model name
+    # too long for what is left ends in an ellipsis
+    rows = [
+        [
             r["id"],
             r["state"],
             str(r["running"]),
@@ -52,9 +51,32 @@ def _ps_table(data: dict) -> Table:
             fmt_rate(r["acceptance_rate"]),
             fmt_bytes(r["memory_bytes"]),
             r["model"] or "-",
-        )
-    table.caption = f"daemon pid {data['pid']}, {fmt_bytes(data['memory_bytes'])} resident"
+        ]
+        for r in data["deployments"]
+    ]
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    widest = [max([len(name), *(len(row[i]) for row in rows)]) for i, (name, _) in enumerate(PS_COLUMNS)]
+    room = max(len("MODEL"), output.out().width - sum(widest[:-1]) - 2 * (len(widest) - 1))
+    for (name, justify), width in zip(PS_COLUMNS, widest[:-1] + [min(widest[-1], room)]):
+        table.add_column(name, justify=justify, no_wrap=True, overflow="ellipsis", width=width)
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    table.caption = (
+        f"tok/s: last 10 s, acceptance: last 60 s; daemon pid {data['pid']}, {fmt_bytes(data['memory_bytes'])}"
+    )
     return table
+
+
+PS_COLUMNS = (
+    ("ID", "left"),
+    ("STATE", "left"),
+    ("RUN", "right"),
+    ("WAIT", "right"),
+    ("TOK/S", "right"),
+    ("ACCEPT", "right"),
+    ("MEMORY", "right"),
+    ("MODEL", "left"),
+)
 
 
 def _snapshot(client: Client) -> dict:
@@ -77,38 +99,48 @@ def ps(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[tabl
 
 
 def _top_view(data: dict, width: int) -> Group:
-    spark = max(10, min(60, (width - 70) // 2))
+    """The deployments' table at ``width`` columns: the numbers always, sparklines of the last seconds beside them
+    where they fit (at least 10 columns each; 80 columns have no room for them)."""
+    rows = data["deployments"]
+    id_width = min(24, max([2, *(len(r["id"]) for r in rows)]))
+    state_width = max([5, *(len(r["state"]) for r in rows)])
+    numbers = id_width + state_width + len("RUN/WAIT") + len("TOK/S") + 2 + len("ACCEPT") + len("MEMORY") + 3
+    spark = min(60, (width - numbers - 2 * 6 - 2 * 2) // 2)
+    columns = [("ID", "left"), ("STATE", "left"), ("RUN/WAIT", "right"), ("TOK/S", "right")]
+    if spark >= 10:
+        columns += [(f"TOK/S, {spark}s", "left"), ("ACCEPT", "right"), (f"ACCEPT, {spark}s", "left")]
+    else:
+        columns += [("ACCEPT", "right")]
+    columns += [("MEMORY", "right")]
     table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
-    for name, justify in (
-        ("ID", "left"),
-        ("STATE", "left"),
-        ("RUN/WAIT", "right"),
-        ("TOK/S", "right"),
-        (f"TOK/S, LAST {spark}s", "left"),
-        ("ACCEPT", "right"),
-        (f"ACCEPTANCE, LAST {spark}s", "left"),
-        ("MEMORY", "right"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True)
-    for r in data["deployments"]:
+    for name, justify in columns:
+        table.add_column(
+            name, justify=justify, no_wrap=True, overflow="ellipsis", max_width=24 if name == "ID" else None
+        )
+    for r in rows:
         series = r["series"]
-        table.add_row(
+        cells = [
             Text(r["id"], style="bold"),
             Text(r["state"], style="green" if r["state"] == "READY" else "yellow"),
             f"{r['running']}/{r['waiting']}",
             fmt_num(r["tokens_per_second"], 1),
-            Text(sparkline(series.get("tokens_per_second", []), spark), style="cyan"),
-            fmt_rate(r["acceptance_rate"]),
-            Text(sparkline(series.get("acceptance_rate", []), spark, top=1.0), style="magenta"),
-            fmt_bytes(r["memory_bytes"]),
-        )
+        ]
+        if spark >= 10:
+            cells += [
+                Text(sparkline(series.get("tokens_per_second", []), spark), style="cyan"),
+                fmt_rate(r["acceptance_rate"]),
+                Text(sparkline(series.get("acceptance_rate", []), spark, top=1.0), style="magenta"),
+            ]
+        else:
+            cells += [fmt_rate(r["acceptance_rate"])]
+        table.add_row(*cells, fmt_bytes(r["memory_bytes"]))
     title = Text.assemble(
         ("depctl top", "bold"),
-        f"  daemon pid {data['pid']}, {fmt_bytes(data['memory_bytes'])} resident  ",
+        f"  pid {data['pid']}, {fmt_bytes(data['memory_bytes'])}  ",
         (time.strftime("%H:%M:%S"), "dim"),
-        ("  Ctrl-C to quit", "dim"),
+        ("  Ctrl-C quits", "dim"),
     )
-    if not data["deployments"]:
+    if not rows:
         return Group(title, Text("No deployments: create one with `depctl deployment create MODEL`."))
     return Group(title, table)
 

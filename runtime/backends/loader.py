@@ -76,10 +76,15 @@ class LoadedDeployment:
 
 
 def load_deployment(
-    spec: DeploymentSpec, calibrate: bool = True, report: Report = log_progress, features: tuple[int, ...] = ()
+    spec: DeploymentSpec,
+    calibrate: bool = True,
+    report: Report = log_progress,
+    features: tuple[int, ...] = (),
+    build_passes: bool = True,
 ) -> LoadedDeployment:
     """``report`` hears each stage of a long load (shown by ``deployment get`` while it runs). ``features``: layers
-    whose outputs the target's passes return, as for an EAGLE head (``depctl draft train`` records them)."""
+    whose outputs the target's passes return, as for an EAGLE head (``depctl draft train`` records them).
+    ``build_passes``: False runs compiled passes only where their library was built before."""
     device = pick_device(spec.device)
     if device.type == "cpu":  # the products, the attention and the compiled passes use them; say so if they build
         native.available(building=lambda: report(Stage("building", "depctl's C++ ops (once per machine)")))
@@ -145,6 +150,7 @@ def load_deployment(
         draft=draft_runner,
         report=report,
         draft_precision=precision,
+        build=build_passes,
     )
     eos_ids = end_token_ids(target)
     engine = SpeculativeEngine(

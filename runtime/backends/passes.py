@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from depctl import config
 from depctl.errors import first_line
@@ -19,6 +20,10 @@ from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.model.screened_head import ScreenedHead
 
 log = logging.getLogger("depctl.loader")
+
+def libraries() -> Path:  # where the compiled libraries live (the cache directory is read when asked)
+    return config.cache_dir() / "compiled"
+
 
 COMPILED_PRECISIONS = (INT8_WEIGHTS, INT4_WEIGHTS, "float32", "bfloat16")  # compiled where faster: see compile_passes
 
@@ -100,11 +105,13 @@ def compile_passes(
     draft: ModelRunner | None = None,
     report: Report = log_progress,
     draft_precision: str | None = None,
+    build: bool = True,
 ) -> Passes:
     """The fastest exact pass strategy for this runner: a compiled library on a CPU where it is faster
     (benchmarks/passes.py), CUDA graphs on a GPU, else eager. Split-K and weight-major linears (where oneDNN is not
     row-invariant) would become inductor's own, slower products: those stay eager. A compile that fails leaves the
-    eager pass and says why; it never fails the deployment."""
+    eager pass and says why; it never fails the deployment. ``build``: False uses a library built before and never
+    builds one (a caller whose time budget a build would eat)."""
 
     def eager(why: str) -> Passes:
         return Passes(runner, draft, PassKind.EAGER, why)
@@ -127,6 +134,8 @@ def compile_passes(
     too_big = _too_big_to_build(runner, precision)
     if too_big:
         return eager(too_big)
+    if not build and not compiled.package_path(runner.model, precision, libraries(), runner.features).exists():
+        return eager("no compiled library for this model and precision yet, and this load builds none")
     built = ""
 
     def library() -> compiled.CompiledPass:
@@ -149,7 +158,7 @@ def _too_big_to_build(runner: ModelRunner, precision: str) -> str | None:
     """Why a library for this runner cannot be built now, if it cannot. Its cache's tensors exist afterwards."""
     runner.forward(0, [[0]], prefill=True)  # the cache's tensors exist from the first forward
     runner.set_length(0, 0)
-    if compiled.package_path(runner.model, precision, config.cache_dir() / "compiled").exists():
+    if compiled.package_path(runner.model, precision, libraries(), runner.features).exists():
         return None
     # the build traces over plain stand-ins of oneDNN's reordered weights (``surgery.plain_stand_ins``): the float
     # weights' size again, for as long as it compiles. Better to run eagerly than to meet the OOM killer.
@@ -166,7 +175,7 @@ def _too_big_to_build(runner: ModelRunner, precision: str) -> str | None:
 def _library(runner: ModelRunner, precision: str, what: str, report: Report) -> tuple[compiled.CompiledPass, str]:
     """The runner's compiled pass, built first where no library for its model and precision exists yet; and
     ", built in Ns" when it was."""
-    package = compiled.package_path(runner.model, precision, config.cache_dir() / "compiled", runner.features)
+    package = compiled.package_path(runner.model, precision, libraries(), runner.features)
     if package.exists():
         try:
             return compiled.CompiledPass(package, runner.model, runner.features), ""

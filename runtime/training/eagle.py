@@ -41,6 +41,7 @@ STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are re
 SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
 GENERATION_SHARE = 0.4  # answers stop being generated once this share of the budget is spent
 MIN_EXAMPLES = 10  # below this there is no meaningful held-out split
+COMPILE_WORTH_MINUTES = 20  # a budget this long pays for building compiled passes (minutes on 2 cores)
 
 
 @dataclass
@@ -57,7 +58,9 @@ class TrainOptions:
     lr: float = 5e-4
     device: str = "auto"
     quantization: str = "none"  # the target's weights while it answers: train at the precision it will serve
-    compile: bool = True  # compiled passes answer faster; the first build of a model takes a couple of minutes
+    # compiled passes answer faster, but the first build for a model (with the head's layers) takes minutes: None
+    # builds one only for a budget of COMPILE_WORTH_MINUTES or more, and otherwise uses one only if it exists
+    compile: bool | None = None
     heldout: float = 0.1
     seed: int = 0
 
@@ -166,10 +169,6 @@ def train(opts: TrainOptions) -> dict:
         }
         save_state(state_dir, head.state_dict(), optimizer.state_dict(), info)
 
-    def on_signal(*_):
-        raise Stop()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     warmup = min(30.0, total * 0.05)
     last_eval, running_loss, stopped = time.monotonic(), None, False
     try:
@@ -213,9 +212,6 @@ def train(opts: TrainOptions) -> dict:
                 }
             )
             save()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if not history:
         history.append(_evaluate(head, heldout, opts.steps, trained, None))
         save()
@@ -256,11 +252,22 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
             max_batch_size=opts.batch,
             device=opts.device,
             quantization=opts.quantization,
-            compile=opts.compile,
+            compile=opts.compile is not False,
         )
+        build = opts.compile is True or (opts.compile is None and opts.minutes >= COMPILE_WORTH_MINUTES)
         loaded = load_deployment(
-            spec, calibrate=False, report=lambda stage: emit("stage", name=str(stage)), features=tuple(layers)
+            spec,
+            calibrate=False,
+            report=lambda stage: emit("stage", name=str(stage)),
+            features=tuple(layers),
+            build_passes=build,
         )
+        if not build and loaded.compiled.startswith("no"):
+            emit(
+                "stage",
+                name=f"answering with eager passes: compiling them for this model takes minutes of a "
+                f"{opts.minutes:g}-minute budget (--compile builds them; later runs reuse them)",
+            )
         recorder = FeatureRecorder()
         engine = SpeculativeEngine(loaded.engine.target, recorder, loaded.engine.config)
         scheduler = Scheduler(engine, max_batch_size=opts.batch)
@@ -466,15 +473,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantization", default="none", choices=typing.get_args(Quantization))
+    parser.add_argument("--compile", dest="compile", action="store_true", default=None)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     opts = TrainOptions(**vars(args))
+
+    def on_signal(*_):
+        raise Stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C anywhere is a Stop: saved state, no traceback
+        signal.signal(sig, on_signal)
     try:
         train(opts)
     except (DataError, eagle_format.HeadError) as exc:
         emit("error", message=str(exc))
         return 2
+    except Stop:  # before the first training step: answers already generated are kept in .train for the next run
+        emit("stopped", trained=False)
+        return 130
     return 0
 
 

@@ -131,3 +131,17 @@ def test_out_holding_a_head_of_another_target_is_refused_naming_both(tmp_path):
     result = run("draft", "train", "smollm2-135m-instruct", "--out", str(out))
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "'other-model'" in text and "'smollm2-135m-instruct'" in text, text
+
+
+def test_ctrl_c_says_whether_anything_was_trained(tmp_path):
+    from depctl.cli.draft import _Run
+
+    run = _Run()
+    run.hear('{"event": "stage", "name": "compiling: the decode and verify passes"}')
+    assert run.stopped_message(tmp_path).startswith("Stopped before any training step: nothing was trained.")
+    run.hear('{"event": "answers", "done": 40, "total": 600, "tokens": 9000}')
+    assert "the 40 answers generated so far are kept" in run.stopped_message(tmp_path)
+    run.hear('{"event": "train", "minutes": 1.5, "total_minutes": 2.0, "acceptance": [0.1], "mean_accepted": 1.1}')
+    assert run.stopped_message(tmp_path) == (
+        f"Stopped after 1.5 min of training; the head so far is in {tmp_path}. Run the same command to resume."
+    )

@@ -24,13 +24,14 @@ pytestmark = [
 
 
 class Terminal:
-    """One tmux session on a server of its own, 120x40, running ``command`` and then saying how it exited."""
+    """One tmux session on a server of its own, 120x40 (or ``width`` columns), running ``command`` and then saying
+    how it exited."""
 
-    def __init__(self, command: str, env: dict):
+    def __init__(self, command: str, env: dict, width: int = 120):
         self.socket = f"depctl-test-{os.getpid()}-{time.monotonic_ns()}"
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         script = f"export {exports}; {command}; echo EXITED $?; sleep 60"
-        self._tmux("new-session", "-d", "-s", "t", "-x", "120", "-y", "40", script)
+        self._tmux("new-session", "-d", "-s", "t", "-x", str(width), "-y", "40", script)
 
     def _tmux(self, *args: str) -> str:
         return subprocess.run(
@@ -141,5 +142,30 @@ def test_top_draws_a_live_row_per_deployment_and_quits_on_ctrl_c(served):
         assert "READY" in rows[0] and "TOK/S" in term.screen()
         term.keys("C-c")
         term.wait_for("EXITED 0")
+    finally:
+        term.close()
+
+
+def test_top_and_ps_read_cleanly_at_80_columns(served):
+    """80 columns: every header whole and one line per deployment (sparklines only where they fit)."""
+    term = Terminal(f"{shlex.quote(sys.executable)} -m depctl top --interval 0.5", _env(served), width=80)
+    try:
+        screen = term.wait_for("READY")
+        header = next(line for line in screen.splitlines() if line.startswith("ID "))
+        assert {"ID", "STATE", "RUN/WAIT", "TOK/S", "ACCEPT", "MEMORY"} <= set(header.split()), screen
+        assert "…" not in screen and [line for line in screen.splitlines() if line.startswith("t ")], screen
+        term.keys("C-c")
+        term.wait_for("EXITED 0")
+    finally:
+        term.close()
+    term = Terminal(f"{shlex.quote(sys.executable)} -m depctl ps", _env(served), width=80)
+    try:
+        screen = term.wait_for("EXITED 0")
+        lines = screen.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("ID "))
+        assert lines[header].split() == ["ID", "STATE", "RUN", "WAIT", "TOK/S", "ACCEPT", "MEMORY", "MODEL"], screen
+        rows = [line.split() for line in lines[header + 1 : header + 3]]
+        assert sorted(row[:2] for row in rows) == [["long", "READY"], ["t", "READY"]], screen
+        assert all(row[-1].endswith("…") for row in rows) and "daemon pid" in lines[header + 3], screen
     finally:
         term.close()

@@ -162,6 +162,33 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_ctrl_c_before_any_training_step_says_so_without_a_traceback(tiny_model_dir, tmp_path):
+    """SIGINT while the target is still answering: the answers so far are kept, the trainer says nothing was trained
+    and exits 130, and its log holds no KeyboardInterrupt traceback."""
+    import signal
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}: what comes next?"}) + "\n" for i in range(12)))
+    out = tmp_path / "head"
+    command = [sys.executable, "-m", "depctl_runtime.training", str(tiny_model_dir), "--out", str(out)]
+    command += ["--data", str(data), "--max-tokens", "3000", "--batch", "2", "--no-compile", "--minutes", "5"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    events = []
+    for line in proc.stdout:
+        events.append(json.loads(line))
+        if events[-1]["event"] == "answers":  # answering: no training step has run
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, log = proc.communicate(timeout=120)
+    events += [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
+    assert proc.returncode == 130, log[-2000:]
+    assert events[-1] == {"event": "stopped", "trained": False}
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log
+    assert not (out / "model.safetensors").exists()
+    assert list((out / ".train").glob("answers-*.safetensors")), "the answers finished before Ctrl-C are kept"
+
+
+@pytest.mark.slow
 def test_train_refuses_a_target_without_a_chat_template(tmp_path):
     from tests.tiny import save_tiny
 
