@@ -193,6 +193,10 @@ class Client:
                 return None
             raise
 
+    def wake(self, deployment_id: str) -> dict:
+        """Load an IDLE deployment again now; its status (the load runs on)."""
+        return self._request("POST", f"/depctl/v1/deployments/{deployment_id}/wake").json()
+
     def reconcile(self) -> list[dict]:
         return self._request("POST", "/depctl/v1/reconcile").json()
 

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 from depctl.spec import DeploymentSpec, describe_duration, describe_engine, describe_speculation
 from depctl.store import SpecStore
@@ -355,12 +355,22 @@ class DeploymentManager:
         backend.start()
 
     # ---- the load turn ----
-    def _take_turn(self, turn: "_Turn") -> None:
-        with self._turn_cond:
-            while self._turn is not None:
-                self._turn_cond.wait()
-            self._turn = turn
-            turn.started = time.monotonic()
+    def _take_turn(self, turn: "_Turn", waiting: Callable[[str], None] | None = None) -> None:
+        """Wait for the one load turn; ``waiting(id)`` hears which deployment holds it, once per holder (called
+        without the turn's lock: it takes the manager's)."""
+        told = None
+        while True:
+            with self._turn_cond:
+                if self._turn is None:
+                    self._turn = turn
+                    turn.started = time.monotonic()
+                    return
+                holder = self._turn.dep.id
+                if waiting is None or holder == told:
+                    self._turn_cond.wait()
+                    continue
+            waiting(holder)
+            told = holder
 
     def _end_turn(self, turn: "_Turn") -> None:
         with self._turn_cond:
@@ -408,7 +418,7 @@ class _Owner:
     @contextlib.contextmanager
     def load_turn(self) -> Iterator[None]:
         turn = _Turn(self.dep, self.generation)
-        self.manager._take_turn(turn)
+        self.manager._take_turn(turn, self._waiting_for)
         try:
             yield
         finally:
@@ -424,6 +434,21 @@ class _Owner:
                 and dep.state != State.DELETING
                 and (dep.generation == self.generation or dep.backend is backend)
             )
+
+    def _waiting_for(self, holder: str) -> None:
+        """Another deployment's load holds the turn: say so in this one's status while it waits."""
+        dep = self.dep
+        stage = Stage("waiting", f"for {holder} to finish loading (one load at a time)")
+        with self.manager._lock:
+            if self.manager.deployments.get(dep.id) is not dep or dep.generation != self.generation:
+                return
+            if dep.state == State.UPDATING:
+                dep.reason = str(stage)
+            elif dep.state == State.CREATING:
+                dep.set_state(State.CREATING, str(stage))
+            else:
+                return
+            dep.enter(stage)
 
     def progress(self, backend: Backend, stage: Stage) -> None:
         dep = self.dep

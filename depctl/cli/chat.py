@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from depctl import config, output
+from depctl.cli import views
 from depctl.cli._common import daemon_client, handle_errors
 from depctl.client import Client
 from depctl.errors import DepctlError, NotFoundError, UsageError
@@ -80,16 +81,49 @@ class Timing:
         return line
 
 
+LOAD_WAIT = 3600.0  # the daemon fails a load that overruns its own --load-timeout; this only bounds a lost daemon
+
+
+def wait_until_serving(client: Client, deployment_id: str) -> None:
+    """A deployment that is loading (or unloaded by its keep-alive, which this loads again) is waited for here, its
+    stage shown on stderr, so that the request's first token is not the load's time."""
+    status = client.deployment(deployment_id)
+    if status is None or status["state"] not in ("IDLE", "CREATING"):
+        return  # serving, or a state the request itself explains (FAILED, unknown)
+    why = ""
+    if status["state"] == "IDLE":
+        why = " (unloaded after keep-alive)"
+        status = client.wake(deployment_id)
+    with output.progress() as progress:
+        task = progress.add_task(f"loading {deployment_id}{why}", total=None)
+
+        def show(status: dict | None) -> None:
+            if status:
+                line, fraction = views.wait_line(deployment_id, status)
+                stage = line.removeprefix(f"{deployment_id}: ")
+                progress.update(
+                    task,
+                    description=f"loading {deployment_id}{why}: {stage}",
+                    total=1 if fraction is not None else None,
+                )
+                progress.update(task, completed=fraction or 0)
+
+        show(status)
+        client.wait_settled(deployment_id, LOAD_WAIT, on_poll=show)
+
+
 def stream_reply(client: Client, path: str, body: dict) -> Reply:
     """Print a streamed reply as it arrives, then a summary line on stderr. Ctrl-C stops the reply (the connection
     closes, which cancels the request) and returns what came so far."""
-    timing, parts, usage, stopped = Timing(), [], None, False
+    wait_until_serving(client, body["model"])
+    timing, parts, usage, stopped, finish = Timing(), [], None, False, None
     chunks = client.stream(path, {**body, "stream_options": {"include_usage": True}})
     try:
         for chunk in chunks:
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
+                finish = choice.get("finish_reason") or finish
                 text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
                 if text:
                     timing.piece()
@@ -105,6 +139,13 @@ def stream_reply(client: Client, path: str, body: dict) -> Reply:
         output.message(("(stopped)", "dim"))
     else:
         output.message((timing.summary(usage), "dim"))
+        if finish == "length":
+            output.message(
+                (
+                    f"(cut off at the {body.get('max_tokens')}-token limit: --max-tokens, or /set max_tokens in a chat)",
+                    "yellow",
+                )
+            )
     return Reply("".join(parts), usage, stopped)
 
 

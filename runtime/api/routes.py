@@ -290,6 +290,20 @@ async def deployment(deployment_id: str, request: Request) -> dict:
     return (await _statuses([dep]))[0]
 
 
+@router.post("/depctl/v1/deployments/{deployment_id}/wake")
+async def wake(deployment_id: str, request: Request) -> dict:
+    """Load an IDLE deployment again now (as its next request would) and return its status without waiting: the CLI
+    shows the load's stages while it runs, and its first request then waits for no load."""
+    manager = request.app.state.manager
+    dep = manager.get(deployment_id)
+    if dep is None:
+        raise APIError(404, f"deployment {deployment_id!r} is not known to the daemon", code="deployment_not_found")
+    if dep.state == State.IDLE:
+        manager.touch(dep)
+        await run_in_threadpool(manager.wake, dep)
+    return (await _statuses([dep]))[0]
+
+
 @router.post("/depctl/v1/reconcile")
 async def reconcile(request: Request) -> list[dict]:
     manager = request.app.state.manager

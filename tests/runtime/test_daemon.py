@@ -320,6 +320,25 @@ def test_keep_alive_unloads_an_idle_deployment_and_a_request_loads_it_again(daem
     # (that it then never unloads is test_manager's, without waiting on the clock)
 
 
+def test_generate_says_it_is_loading_a_deployment_unloaded_by_keep_alive(daemon, tiny_model_dir):
+    """Its first line names the wait as it starts, then the load's stages; the answer's first-token time is the
+    answer's alone, not the load's."""
+    import re
+
+    cli_json(
+        "deployment", "create", str(tiny_model_dir), "--deployment-id", "nap", "--no-compile", "--keep-alive", "1s"
+    )
+    daemon.wait_state("nap", ("IDLE",), timeout=30)
+    result = cli("generate", "nap", "hello", "--max-tokens", "4")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].endswith("] loading nap (unloaded after keep-alive)"), result.stderr
+    assert any("loading nap (unloaded after keep-alive): " in line for line in lines[1:]), result.stderr
+    load_seconds = daemon.get("/depctl/v1/deployments/nap").json()["load_seconds"]
+    first_token_ms = float(re.search(r"first token (\d+) ms", result.stderr).group(1))
+    assert first_token_ms < 1000 * load_seconds, (first_token_ms, load_seconds)
+
+
 def test_reloads_and_deletes_give_their_memory_back(daemon, depctl_home, tmp_path):
     """A compiled library keeps aliases of the weights it borrows that torch 2.13's runtime never drops: every reload
     of a 135M deployment once kept ~1 GB for the life of the daemon."""

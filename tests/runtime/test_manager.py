@@ -14,6 +14,7 @@ from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.manager import DeploymentManager, State
 from depctl_runtime.speculation import GenerationParams
+from tests.waiting import wait_until
 
 
 def _spec(dep_id, model, **kw):
@@ -172,6 +173,35 @@ def test_a_long_load_step_shows_in_the_deployments_reason_while_it_runs(depctl_h
         assert dep.reason is None and dep.status()["stage"] is None and dep.status()["compiled"]
         # and what runs the target's products (ours where the C++ ops build; oneDNN's or weight-major loops without)
         assert dep.status()["products"].startswith(("depctl blocked ", "oneDNN", "weight-major")), dep.status()
+    finally:
+        release.set()
+        manager.stop()
+
+
+def test_a_load_waiting_for_anothers_turn_says_which_it_waits_for(depctl_home, tiny_model_dir):
+    release = threading.Event()
+    loaded = load_deployment(_spec("second", tiny_model_dir), calibrate=False)
+
+    def loader(spec, report):
+        if spec.id == "first":
+            report(Stage("compiling", "the decode and verify passes"))
+            release.wait(60)
+            return load_deployment(spec, calibrate=False)
+        return loaded
+
+    manager = DeploymentManager(SpecStore(), loader=loader)
+    try:
+        manager.store.create(_spec("first", tiny_model_dir))
+        manager.reconcile(force=True)
+        wait_until(lambda: manager.get("first").reason == "compiling: the decode and verify passes", "first compiles")
+        manager.store.create(_spec("second", tiny_model_dir))
+        manager.reconcile(force=True)
+        wanted = "waiting: for first to finish loading (one load at a time)"
+        wait_until(lambda: manager.get("second").reason == wanted, "second says what it waits for", timeout=10)
+        status = manager.get("second").status()
+        assert status["state"] == "CREATING" and status["stage"]["name"] == "waiting"
+        release.set()
+        assert _wait(manager, "second", ("READY",), timeout=30).reason is None
     finally:
         release.set()
         manager.stop()
