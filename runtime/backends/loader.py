@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from depctl.errors import first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl_runtime.backends import eagle
 from depctl_runtime.backends.base import Stage
+from depctl_runtime.backends.calibration import kept_costs_path, read_costs, write_costs
 from depctl_runtime.backends.passes import Passes, compile_passes
 from depctl_runtime.backends.precision import (
     QUANTIZED,
@@ -66,10 +68,13 @@ class LoadedDeployment:
     compiled: str = "no"  # what ``deployment get`` shows: how decode and verify passes run, and why
     products: str = ""  # and what computes the target's matrix products (``surgery.products``)
     grammars: GrammarCompiler | None = None  # compiles requests' constraints (None: the tokenizer cannot)
+    costs_file: Path | None = None  # where the policy's pass costs are kept for the next load (None: not calibrated)
 
     def release(self) -> None:
         """Free the weights now that nothing will run this engine again (a reload, a delete, a stale load): a compiled
-        library would otherwise keep them (``ModelRunner.release``)."""
+        library would otherwise keep them (``ModelRunner.release``). The pass costs serving refined are kept."""
+        if self.costs_file is not None:
+            write_costs(self.costs_file, self.engine.policy.snapshot())
         self.engine.target.release()
         if self.engine.draft_model is not None:
             self.engine.draft_model.release()
@@ -164,10 +169,20 @@ def load_deployment(
     except ValueError as exc:  # a slow (Python) tokenizer: requests that need it get a 400 saying so
         log.warning("no structured outputs for %s: %s", spec.id, exc)
     compiled_status = passes.describe()
-    if calibrate:
-        report(Stage("calibrating", "measuring pass costs for the speculation policy"))
-    calibration = engine.calibrate() if calibrate else {}
     kernels = products(target.model)
+    costs_file = None
+    if calibrate:
+        costs_file = kept_costs_path(spec, target.model, target.precision, passes.kind.value, kernels)
+        kept = read_costs(costs_file)
+        if kept is not None:
+            report(Stage("warming up", "the passes, with the costs an earlier load measured here"))
+            engine.calibrate(measure=False)
+            engine.policy.restore(kept)
+        else:
+            report(Stage("calibrating", "measuring pass costs for the speculation policy (once per model and machine)"))
+            engine.calibrate()
+            write_costs(costs_file, engine.policy.snapshot())
+    calibration = engine.policy.snapshot() if calibrate else {}
     log.info(
         "loaded %s on %s/%s%s, products: %s; calibration %s",
         spec.id,
@@ -178,7 +193,16 @@ def load_deployment(
         calibration,
     )
     return LoadedDeployment(
-        engine, target.tokenizer, target, draft, max_context, calibration, compiled_status, kernels, grammars
+        engine,
+        target.tokenizer,
+        target,
+        draft,
+        max_context,
+        calibration,
+        compiled_status,
+        kernels,
+        grammars,
+        costs_file,
     )
 
 

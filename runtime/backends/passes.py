@@ -21,6 +21,7 @@ from depctl_runtime.model.screened_head import ScreenedHead
 
 log = logging.getLogger("depctl.loader")
 
+
 def libraries() -> Path:  # where the compiled libraries live (the cache directory is read when asked)
     return config.cache_dir() / "compiled"
 

@@ -24,7 +24,7 @@ from depctl_runtime.model.runner import ModelRunner, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.params import GenerationParams
-from depctl_runtime.speculation.policy import DraftLengthPolicy, RequestAcceptance, RowPlan
+from depctl_runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
 from depctl_runtime.speculation.proposers import ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
 from depctl_runtime.speculation.sequence import Sequence, StepOutput
@@ -415,9 +415,12 @@ class SpeculativeEngine:
 
     # ---- load time ----
     @torch.inference_mode()
-    def calibrate(self, context: int = 64, repeats: int = 2) -> dict:
+    def calibrate(self, context: int = 64, repeats: int = 2, measure: bool = True) -> dict:
         """Measure passes over n tokens (and a draft model's or head's forwards over B rows) once, so the policy starts
-        from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation."""
+        from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation.
+        ``measure=False`` only warms up (each shape once), for a policy whose costs were kept from an earlier load."""
+        if not measure:
+            repeats = 0
         rows = self.target.max_rows
         widest = 1 + self.policy.max_k
         vocab = self.target.vocab_size or 256
@@ -438,9 +441,10 @@ class SpeculativeEngine:
                 best = min(best, time.perf_counter() - t0)
                 for r in range(b):
                     self.target.set_length(r, context)
-            self.policy.verify_cost.samples[b * s] = best
+            if measure:
+                self.policy.verify_cost.samples[b * s] = best
         if self.draft_model is not None:
-            self.draft_model.calibrate(self.policy.draft_cost, rows, prompt, repeats)
+            self.draft_model.calibrate(self.policy.draft_cost if measure else CostModel(), rows, prompt, repeats)
         for r in range(rows):
             self.target.set_length(r, 0)
         return self.policy.snapshot()

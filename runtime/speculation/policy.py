@@ -267,6 +267,12 @@ class DraftLengthPolicy:
             tokens[w] / (self.verify_cost(tokens[w]) + w * draft_seconds) >= margin for w in range(1, len(tokens))
         )
 
+    def restore(self, kept: dict) -> None:
+        """Start from pass costs a ``snapshot`` of an earlier load of the same deployment on this machine held (as
+        calibration would, and refined by its serving since)."""
+        for cost, field in ((self.verify_cost, "verify_ms"), (self.draft_cost, "draft_ms")):
+            cost.samples.update({int(n): ms / 1000 for n, ms in kept.get(field, {}).items()})
+
     def snapshot(self) -> dict:
         return {
             "adaptive": self.adaptive,

@@ -84,7 +84,7 @@ def test_one_thread_does_all_torch_work_and_requests_batch(tiny_model_dir):
     backend, owner, loaded_on = _start(spec, torch_threads)
     assert backend.ready and not owner.failures
     # the load's stages are reported
-    assert "calibrating: measuring pass costs for the speculation policy" in owner.progress_messages
+    assert any(m.startswith(("calibrating: ", "warming up: ")) for m in owner.progress_messages)
     # the loader's surgery is a module swap, visible on the model the engine runs
     modules = backend.loaded.engine.target.model.modules()
     assert any(isinstance(m, (BlockedLinear, OneDNNLinear, WeightMajorLinear)) for m in modules)

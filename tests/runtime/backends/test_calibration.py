@@ -1,0 +1,40 @@
+"""Pass costs kept between loads: a reload of the same deployment on the same machine starts from what the last load
+measured and refined while serving, and calibrates only when the shape is new."""
+
+from __future__ import annotations
+
+from depctl import config
+from depctl.spec import DeploymentSpec, NgramSpeculation
+from depctl_runtime.backends.loader import load_deployment
+
+
+def test_a_reload_starts_from_the_costs_the_last_load_kept_and_a_new_shape_calibrates(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(config, "cache_dir", lambda: tmp_path)
+    spec = DeploymentSpec(
+        id="c",
+        model=str(tiny_model_dir),
+        compile=False,
+        device="cpu",
+        max_batch_size=2,
+        speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=3),
+    )
+    stages = []
+    first = load_deployment(spec, report=stages.append)
+    assert "calibrating" in [s.name for s in stages] and "warming up" not in [s.name for s in stages]
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+    first.engine.policy.verify_cost.samples[1] = 0.5  # what serving measured since
+    first.release()
+
+    stages.clear()
+    second = load_deployment(spec, report=stages.append)
+    assert "warming up" in [s.name for s in stages] and "calibrating" not in [s.name for s in stages]
+    assert second.engine.policy.verify_cost.samples[1] == 0.5
+    assert set(second.calibration["verify_ms"]) == set(first.calibration["verify_ms"])
+    second.release()
+
+    stages.clear()
+    load_deployment(spec.model_copy(update={"max_batch_size": 4}), report=stages.append).release()
+    assert "calibrating" in [s.name for s in stages], "other rows price other widths: measured afresh"
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
