@@ -7,6 +7,22 @@ import typer
 from depctl import __version__
 from depctl.cli import bench, chat, daemon, deployment, draft, engine, model, top
 
+
+def _plain_arguments() -> None:
+    """Typer 0.2x writes a required argument as ``{ID}`` in usage lines and adds its Python type in the help
+    (``ID <str>``); depctl's usage reads ``depctl deployment get ID``, as click, firectl and git write it."""
+    from typer.core import TyperArgument
+
+    def usage(self) -> str:
+        name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    if hasattr(TyperArgument, "_usage_display_name"):
+        TyperArgument._usage_display_name = usage
+    TyperArgument.display_type_rich = lambda self, ctx: None
+
+
+_plain_arguments()
 app = typer.Typer(
     rich_markup_mode=None,
     name="depctl",

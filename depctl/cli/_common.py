@@ -10,6 +10,12 @@ import typer
 from depctl import config, output
 from depctl.client import Client, daemon_info, start_daemon
 from depctl.errors import DaemonNotRunning, DepctlError
+from depctl.output import Format
+
+# what several commands take, written once
+DEPLOYMENT_ID = typer.Argument(..., metavar="ID", help="The deployment's id (`depctl deployment list` shows them).")
+OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]", help="table, json or yaml.")
+DEVICE_HELP = "auto: a CUDA GPU where torch sees one, else the CPU."
 
 
 def handle_errors(fn):

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from depctl import output, workloads
-from depctl.cli._common import daemon_client, handle_errors
+from depctl.cli._common import DEPLOYMENT_ID, OUTPUT, daemon_client, handle_errors
 from depctl.output import Format
 
 
@@ -42,16 +42,16 @@ def _chart(d: dict) -> Table:
 
 @handle_errors
 def bench(
-    deployment_id: str = typer.Argument(..., metavar="ID"),
+    deployment_id: str = DEPLOYMENT_ID,
     workload: str = typer.Option(
         "grounded", "--workload", metavar="NAME", help="A prompt set depctl ships: grounded, chat or code."
     ),
     prompts_file: Optional[Path] = typer.Option(
         None, "--prompts", metavar="FILE", help='A JSONL file of {"prompt": ...} lines.'
     ),
-    max_tokens: int = typer.Option(128, "--max-tokens", metavar="N", min=1),
+    max_tokens: int = typer.Option(128, "--max-tokens", metavar="N", min=1, help="Most tokens each answer generates."),
     limit: Optional[int] = typer.Option(None, "--limit", metavar="N", min=1, help="Only the first N prompts."),
-    fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]"),
+    fmt: Format = OUTPUT,
 ) -> None:
     """Measure a deployment's speedup: its prompts with speculation off and on, alternating, greedy."""
     prompts = workloads.load(workload, prompts_file)[:limit]

@@ -18,7 +18,7 @@ import typer
 
 from depctl import config, output
 from depctl.cli import views
-from depctl.cli._common import daemon_client, handle_errors
+from depctl.cli._common import DEPLOYMENT_ID, daemon_client, handle_errors
 from depctl.client import Client
 from depctl.errors import DepctlError, NotFoundError, UsageError
 
@@ -142,7 +142,7 @@ def stream_reply(client: Client, path: str, body: dict) -> Reply:
         if finish == "length":
             output.message(
                 (
-                    f"(cut off at the {body.get('max_tokens')}-token limit: --max-tokens, or /set max_tokens in a chat)",
+                    f"(cut off at the {body.get('max_tokens')}-token limit: raise --max-tokens, or /set max_tokens)",
                     "yellow",
                 )
             )
@@ -165,7 +165,7 @@ def _prompt_from(prompt: str | None) -> str:
 
 @handle_errors
 def generate(
-    deployment_id: str = typer.Argument(..., metavar="ID"),
+    deployment_id: str = DEPLOYMENT_ID,
     prompt: Optional[str] = typer.Argument(
         None, metavar="PROMPT", help="The user message (or raw text with --raw); - or none: read stdin."
     ),
@@ -277,7 +277,7 @@ def _read_message(session) -> str | None:
 
 @handle_errors
 def chat(
-    deployment_id: str = typer.Argument(..., metavar="ID"),
+    deployment_id: str = DEPLOYMENT_ID,
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
     system: Optional[str] = SYSTEM,

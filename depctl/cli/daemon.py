@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from depctl import config, output
-from depctl.cli._common import handle_errors
+from depctl.cli._common import OUTPUT, handle_errors
 from depctl.client import Client, daemon_info, start_daemon, stop_daemon
 from depctl.errors import DaemonNotRunning
 from depctl.output import Format
@@ -127,7 +127,7 @@ def stop() -> None:
 
 @app.command()
 @handle_errors
-def status(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
+def status(fmt: Format = OUTPUT) -> None:
     """Is the daemon running, where, and what does it serve."""
     info = daemon_info()
     if info is None:

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from depctl import models, output
 from depctl import spec as spec_module
 from depctl.cli import views
-from depctl.cli._common import connect, handle_errors
+from depctl.cli._common import DEPLOYMENT_ID, DEVICE_HELP, OUTPUT, connect, handle_errors
 from depctl.errors import DepctlError, UsageError
 from depctl.output import Format
 from depctl.spec import (
@@ -157,6 +157,7 @@ def _batch_option(default):
     )
 
 
+DISPLAY_NAME = typer.Option(None, "--display-name", metavar="NAME", help="A name to show beside the id.")
 WAIT = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon reports READY or FAILED.")
 KEEP_ALIVE = typer.Option(
     None,
@@ -171,7 +172,6 @@ RECORD_HELP = (
     "depctl home, deleted with the deployment. Applies without a reload."
 )
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", metavar="SECONDS", min=1.0, help="Seconds to wait with --wait.")
-OUTPUT = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]", help="table, json or yaml.")
 
 
 def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.ResolvedModel:
@@ -314,7 +314,9 @@ def create(
     deployment_id: Optional[str] = typer.Option(
         None, "--deployment-id", metavar="ID", help="Default: derived from MODEL."
     ),
-    display_name: Optional[str] = typer.Option(None, "--display-name", metavar="NAME"),
+    display_name: Optional[str] = typer.Option(
+        None, "--display-name", metavar="NAME", help="A name to show beside the id."
+    ),
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
@@ -323,7 +325,7 @@ def create(
     suffix_scope: Optional[SuffixScope] = SUFFIX_SCOPE,
     draft_precision: Optional[DraftPrecision] = DRAFT_PRECISION,
     max_batch_size: int = _batch_option(DEFAULT_BATCH_SIZE),
-    device: Device = typer.Option(Device.auto, "--device", metavar="[auto|cpu|cuda]"),
+    device: Device = typer.Option(Device.auto, "--device", metavar="[auto|cpu|cuda]", help=DEVICE_HELP),
     dtype: Dtype = typer.Option(
         Dtype.auto,
         "--dtype",
@@ -418,7 +420,7 @@ def list_(fmt: Format = OUTPUT) -> None:
 
 @app.command()
 @handle_errors
-def get(deployment_id: str = typer.Argument(..., metavar="ID"), fmt: Format = OUTPUT) -> None:
+def get(deployment_id: str = DEPLOYMENT_ID, fmt: Format = OUTPUT) -> None:
     """Show one deployment: its spec, state and speculation statistics."""
     store = SpecStore()
     spec = store.get(deployment_id)
@@ -430,7 +432,7 @@ def get(deployment_id: str = typer.Argument(..., metavar="ID"), fmt: Format = OU
 @app.command()
 @handle_errors
 def update(
-    deployment_id: str = typer.Argument(..., metavar="ID"),
+    deployment_id: str = DEPLOYMENT_ID,
     draft_model: Optional[str] = DRAFT_MODEL,
     draft_token_count: Optional[int] = DRAFT_COUNT,
     ngram_speculation_length: Optional[int] = NGRAM,
@@ -441,10 +443,17 @@ def update(
     disable_speculative_decoding: bool = typer.Option(
         False, "--disable-speculative-decoding", help="Turn speculation off."
     ),
-    display_name: Optional[str] = typer.Option(None, "--display-name", metavar="NAME"),
+    display_name: Optional[str] = typer.Option(
+        None, "--display-name", metavar="NAME", help="A name to show beside the id."
+    ),
     max_batch_size: Optional[int] = _batch_option(None),
-    device: Optional[Device] = typer.Option(None, "--device", metavar="[auto|cpu|cuda]"),
-    dtype: Optional[Dtype] = typer.Option(None, "--dtype", metavar="[auto|float32|bfloat16|float16]"),
+    device: Optional[Device] = typer.Option(None, "--device", metavar="[auto|cpu|cuda]", help=DEVICE_HELP),
+    dtype: Optional[Dtype] = typer.Option(
+        None,
+        "--dtype",
+        metavar="[auto|float32|bfloat16|float16]",
+        help="auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32.",
+    ),
     quantization: Optional[Quantization] = typer.Option(
         None, "--quantization", metavar="[none|int8|int4]", help=QUANTIZATION_HELP
     ),
@@ -532,7 +541,7 @@ def update(
 @app.command()
 @handle_errors
 def delete(
-    deployment_id: str = typer.Argument(..., metavar="ID"),
+    deployment_id: str = DEPLOYMENT_ID,
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until the daemon has unloaded it."),
 ) -> None:
     """Delete a deployment: its spec is removed and the daemon unloads it."""
@@ -560,7 +569,7 @@ class ModelSource(str, enum.Enum):
 @app.command()
 @handle_errors
 def export(
-    deployment_id: str = typer.Argument(..., metavar="ID"),
+    deployment_id: str = DEPLOYMENT_ID,
     fmt: ExportFormat = typer.Option(
         ...,
         "--format",

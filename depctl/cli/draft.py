@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from depctl import config, models, output, recordings
-from depctl.cli._common import handle_errors
+from depctl.cli._common import DEVICE_HELP, handle_errors
 from depctl.errors import DepctlError, UsageError
 from depctl.spec import Quantization, check_quantization
 from depctl.store import SpecStore
@@ -45,18 +45,27 @@ def train(
         metavar="ID",
         help="Train on the prompts deployment ID has served (it records them with --record-prompts).",
     ),
-    minutes: float = typer.Option(30.0, "--minutes", min=0.1, help="The whole run's time budget, answers included."),
+    minutes: float = typer.Option(
+        30.0, "--minutes", metavar="MINUTES", min=0.1, help="The whole run's time budget, answers included."
+    ),
     draft_vocab: int = typer.Option(
-        8192, "--draft-vocab", min=16, help="Tokens the head predicts: the answers' most frequent."
+        8192, "--draft-vocab", metavar="N", min=16, help="Tokens the head predicts: the answers' most frequent."
     ),
     steps: int = typer.Option(
-        4, "--steps", min=1, max=16, help="Draft steps trained (training-time test): K it is for."
+        4, "--steps", metavar="K", min=1, max=16, help="Draft steps trained (training-time test): K it is for."
     ),
-    max_tokens: int = typer.Option(192, "--max-tokens", min=8, help="Longest answer generated per prompt."),
+    max_tokens: int = typer.Option(
+        192, "--max-tokens", metavar="N", min=8, help="Longest answer generated per prompt."
+    ),
     samples: int = typer.Option(
-        3, "--samples", min=1, max=16, help="Answers per prompt: one greedy, the rest sampled (more to learn from)."
+        3,
+        "--samples",
+        metavar="N",
+        min=1,
+        max=16,
+        help="Answers per prompt: one greedy, the rest sampled (more to learn from).",
     ),
-    device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]"),
+    device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]", help=DEVICE_HELP),
     quantization: Optional[str] = typer.Option(
         None,
         "--quantization",

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from depctl import engines, output
-from depctl.cli._common import handle_errors
+from depctl.cli._common import OUTPUT, handle_errors
 from depctl.output import Format
 from depctl.vllm import VLLM_VERSION
 
@@ -67,7 +67,7 @@ def install(
 
 @app.command("list")
 @handle_errors
-def list_(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
+def list_(fmt: Format = OUTPUT) -> None:
     """The engines deployments can run on, and where."""
     import importlib.metadata as md
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from depctl import models, output
-from depctl.cli._common import handle_errors
+from depctl.cli._common import OUTPUT, handle_errors
 from depctl.errors import UsageError
 from depctl.output import Format, fmt_bytes
 
@@ -44,7 +44,7 @@ def pull(
 
 @app.command("list")
 @handle_errors
-def list_(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
+def list_(fmt: Format = OUTPUT) -> None:
     """Packaged models (cached or not) and converted .gguf files, with size and location."""
     rows = models.cached_models()
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from depctl import output
-from depctl.cli._common import daemon_client, handle_errors
+from depctl.cli._common import OUTPUT, daemon_client, handle_errors
 from depctl.client import Client, tree_rss
 from depctl.output import Format, fmt_bytes, fmt_num, fmt_rate, sparkline
 
@@ -88,7 +88,7 @@ def _snapshot(client: Client) -> dict:
 
 
 @handle_errors
-def ps(fmt: Format = typer.Option(Format.table, "--output", "-o", metavar="[table|json|yaml]")) -> None:
+def ps(fmt: Format = OUTPUT) -> None:
     """What each deployment is doing now: state, requests running and waiting, tok/s over the last 10 s, acceptance
     over the last minute, memory."""
     data = _snapshot(daemon_client())

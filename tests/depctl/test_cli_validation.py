@@ -747,3 +747,28 @@ def test_get_shows_a_heads_layers_acceptance_per_position_and_recorded_prompts(d
     assert "drafts from the target's layers 2, 15, 27, over its 8192 most used tokens" in text
     assert "6 (60%), 2 (33%)" in text  # accepted at each position, of the drafts that reached it
     assert f"on, 1 prompt in {recordings.path('h')}" in text
+
+
+def _commands():
+    import typer
+
+    def walk(command, path):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_help_names_its_values_and_describes_every_argument_and_option():
+    """Usage lines read `depctl deployment get ID`, never `{ID}`; a value is named (N, SECONDS, ID), never by its
+    Python type (`<str>`, `<float range>`); and nothing is left without a description."""
+    import re
+
+    for path, command in _commands():
+        for param in command.params:
+            assert param.name == "help" or getattr(param, "help", None), f"depctl {' '.join(path)}: {param.name}"
+        text = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"}).output
+        usage = next(line for line in text.splitlines() if line.startswith("Usage:"))
+        assert "{" not in usage, usage
+        assert not re.search(r"<(str|int|float|path|text|int range|float range)>", text), text
