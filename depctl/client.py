@@ -30,6 +30,7 @@ class DaemonInfo:
     started_at: float
     api_key: str | None = None  # the daemon's key (daemon.json is readable by its owner only)
     drain_timeout: float = 10.0
+    log: str | None = None  # its log file; None: it logs to the stderr of the `depctl serve` that runs it
 
     @property
     def url(self) -> str:
@@ -73,6 +74,7 @@ def daemon_info() -> DaemonInfo | None:
             float(raw.get("started_at", 0)),
             raw.get("api_key"),
             float(raw.get("drain_timeout", 10.0)),
+            raw.get("log", str(config.daemon_log())),  # (a daemon from before the field: always the file)
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -113,7 +115,7 @@ def _spawn(port: int | None, timeout: float, env: dict) -> tuple[DaemonInfo, boo
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            env={**os.environ, **env},
+            env={**os.environ, **env, "DEPCTL_DAEMON_LOG": str(log_path)},
         )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

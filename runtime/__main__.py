@@ -40,6 +40,8 @@ def _write_daemon_file(host: str, port: int, settings: Settings) -> None:
         "version": __version__,
         "drain_timeout": settings.drain_timeout,
         "api_key": settings.api_key,
+        # where this daemon logs: the file a background start sends it to, or None for `depctl serve`'s stderr
+        "log": os.environ.get("DEPCTL_DAEMON_LOG") or None,
     }
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:

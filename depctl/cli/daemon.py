@@ -11,7 +11,7 @@ import typer
 from depctl import config, output
 from depctl.cli._common import OUTPUT, handle_errors
 from depctl.client import Client, daemon_info, start_daemon, stop_daemon
-from depctl.errors import DaemonNotRunning
+from depctl.errors import DaemonNotRunning, UsageError
 from depctl.output import Format
 from depctl.settings import SETTINGS, is_loopback
 
@@ -138,7 +138,7 @@ def status(fmt: Format = OUTPUT) -> None:
         "url": info.url,
         "uptime_seconds": round(time.time() - info.started_at),
         "home": str(config.home()),
-        "log": str(config.daemon_log()),
+        "log": info.log or f"the stderr of `depctl serve` (pid {info.pid})",
         "deployments": {d["id"]: d["state"] for d in deployments},
     }
 
@@ -159,6 +159,13 @@ def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
 ) -> None:
     """Print the daemon's log."""
+    info = daemon_info()
+    if info is not None and info.log is None:
+        raise UsageError(
+            f"the running daemon (pid {info.pid}) was started by `depctl serve` and logs to that command's stderr, "
+            "not to a file",
+            "read it where `depctl serve` runs (its terminal, `journalctl`, `docker logs`)",
+        )
     path = config.daemon_log()
     if not path.exists():
         output.message(f"No log yet at {path}.")

@@ -11,6 +11,9 @@ import time
 
 import httpx
 import pytest
+from typer.testing import CliRunner
+
+from depctl.cli import app
 
 pytestmark = pytest.mark.slow  # `depctl serve` in a subprocess
 
@@ -38,6 +41,13 @@ def test_serve_runs_in_the_foreground_logs_to_it_and_stops_on_sigterm(depctl_hom
                 time.sleep(0.2)
         assert info is not None, "the daemon did not come up"
         assert info["pid"] == proc.pid  # the command became the daemon: signals reach it directly
+        # it writes no log file: status says where its log is, and `daemon logs` does not show an older daemon's
+        (depctl_home / "daemon.log").write_text("an earlier background daemon's log\n")
+        status = CliRunner().invoke(app, ["daemon", "status", "-o", "json"])
+        assert json.loads(status.stdout)["log"] == f"the stderr of `depctl serve` (pid {proc.pid})"
+        logs = CliRunner().invoke(app, ["daemon", "logs"])
+        assert logs.exit_code != 0 and "earlier background" not in logs.output
+        assert "logs to that command's stderr" in " ".join(logs.output.split())
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     finally:
