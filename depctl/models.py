@@ -13,6 +13,7 @@ Resolution (``resolve``) only looks at the disk and the alias table; it never do
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Iterator, Literal
 
 from filelock import FileLock
 
@@ -338,11 +339,12 @@ def _convert(gguf: Path, out: Path, progress: Progress | None) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # its tqdm bars, in another style, under ours
-    if progress:
-        progress("converting", 0, 0)  # transformers says nothing as it goes
+    say = progress or (lambda *_: None)
+    say("converting", 0, 0, "reading the tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _tensor_count(say):
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for unsupported files
         raise ModelFetchError(
             f"transformers could not load {gguf}: {first_line(exc)}",
@@ -353,10 +355,35 @@ def _convert(gguf: Path, out: Path, progress: Progress | None) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.mkdir(parents=True, exist_ok=True)
+    say("converting", 0, 0, "writing safetensors")
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    if progress:
-        progress("converting", 1, 1)
+    say("converting", 1, 1, "done")
+
+
+@contextlib.contextmanager
+def _tensor_count(say: Progress) -> Iterator[None]:
+    """transformers counts the GGUF tensors it dequantizes with a tqdm bar of its own (not one its
+    ``disable_progress_bar`` reaches): count them on ours instead, then say what the rest of the load is."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+
+    def counted(iterable, *args, **kwargs):
+        total = len(iterable) if hasattr(iterable, "__len__") else 0
+        for done, item in enumerate(iterable):
+            say("converting", done, total, "dequantizing the GGUF tensors")
+            yield item
+        say("converting", 0, 0, "building the float32 model")
+
+    gguf_utils.tqdm = counted
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _write_marker(directory: Path, info: dict) -> None:

@@ -13,6 +13,7 @@ import re
 import sys
 import time
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any, Callable, Union
 
 import yaml
@@ -104,6 +105,7 @@ class PlainProgress:
     def __init__(self, console: Console):
         self.console = console
         self._tasks: dict[int, dict] = {}
+        self._start = time.monotonic()  # one clock for the whole wait, as the bar's
 
     def __enter__(self) -> PlainProgress:
         return self
@@ -112,8 +114,8 @@ class PlainProgress:
         return None
 
     def add_task(self, description: str, total: float | None = None, **_) -> int:
-        task = len(self._tasks)
-        self._tasks[task] = {"description": description, "total": total, "completed": 0.0, "start": time.monotonic()}
+        task = max(self._tasks, default=-1) + 1
+        self._tasks[task] = {"description": description, "total": total, "completed": 0.0, "start": self._start}
         self._tasks[task]["said"] = None
         self._say(task)
         return task
@@ -129,6 +131,13 @@ class PlainProgress:
         if advance is not None:
             state["completed"] += advance
         self._say(task)
+
+    @property
+    def tasks(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(total=t["total"]) for t in self._tasks.values()]
+
+    def remove_task(self, task: int) -> None:
+        self._tasks.pop(task, None)
 
     def advance(self, task: int, advance: float = 1) -> None:
         self.update(task, advance=advance)

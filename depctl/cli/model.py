@@ -34,9 +34,14 @@ def pull(
     with output.progress() as progress:
         task = progress.add_task(f"resolving {resolved.ref}", total=None)
 
-        def report(stage: str, done: int, total: int) -> None:
+        def report(stage: str, done: int, total: int, what: str = "") -> None:
             size = f" ({fmt_bytes(done)} of {fmt_bytes(total)})" if stage == "downloading" and total > 1 else ""
-            progress.update(task, description=f"{stage} {resolved.ref}{size}", completed=done, total=total or None)
+            nonlocal task
+            description = f"{stage} {resolved.ref}{size}{': ' + what if what else ''}"
+            if not total and progress.tasks[0].total is not None:  # a step of unknown length after a counted one
+                progress.remove_task(task)
+                task = progress.add_task(description, total=None)
+            progress.update(task, description=description, completed=done, total=total or None)
 
         path = models.materialize(resolved, report)
     output.message(f"{resolved.ref} is ready at {path}")

@@ -49,8 +49,8 @@ def resolve_source(ref: str, flag: str, report: Report = log_progress) -> str:
     """A model reference -> what ``from_pretrained`` loads, fetching/converting first when needed (each step reported
     as a stage, with how far it is)."""
 
-    def progress(step: str, done: int, total: int) -> None:
-        report(Stage(step, ref, done / total if total else None))
+    def progress(step: str, done: int, total: int, what: str = "") -> None:
+        report(Stage(step, f"{ref} ({what})" if what else ref, done / total if total else None))
 
     try:
         resolved = models.resolve(ref, flag)

@@ -177,3 +177,22 @@ def test_model_list_shows_every_alias_and_converted_files(tmp_path, cache):
     converted = [r for r in rows if r["title"] == "converted .gguf"]
     assert [(r["name"], r["cached"]) for r in converted] == [("/data/w.gguf", True)]
     assert converted[0]["size_bytes"] >= 10
+
+
+def test_the_gguf_conversion_counts_its_tensors_on_depctls_progress_not_a_library_bar():
+    """transformers dequantizes a GGUF's tensors under a tqdm bar of its own; the conversion counts them on ours."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from depctl import models
+
+    said = []
+    original = gguf_utils.tqdm
+    with models._tensor_count(lambda *args: said.append(args)):
+        assert list(gguf_utils.tqdm(["a", "b", "c"], desc="Converting and de-quantizing GGUF tensors...")) == [
+            "a",
+            "b",
+            "c",
+        ]
+    assert gguf_utils.tqdm is original
+    assert said[:3] == [("converting", i, 3, "dequantizing the GGUF tensors") for i in range(3)]
+    assert said[-1] == ("converting", 0, 0, "building the float32 model")
