@@ -190,10 +190,11 @@ def fmt_num(value: float | None, digits: int = 2) -> str:
 
 
 def fmt_bytes(n: int | None) -> str:
+    """Binary units, named as such (a 98 MB download is 93.8 MiB: two names for one size confused)."""
     if n is None:
         return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)

