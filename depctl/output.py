@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 from datetime import datetime
 from types import SimpleNamespace
@@ -80,7 +81,7 @@ def emit(data: Any, fmt: Format, table: Callable[[Any], Any]) -> None:
 def progress() -> Progress | PlainProgress:
     """The one style for long waits (pulls, loads, installs), on stderr: a spinner, what is happening, a bar and a
     percentage where the total is known, the time it has taken. Where stderr is not a terminal (a log, CI, a pipe),
-    plain lines instead: one when the step changes, and one each tenth of the way or half minute."""
+    plain lines instead: one when the step changes, and one each tenth of the way or 5 seconds."""
     console = err()
     if not console.is_terminal:
         return PlainProgress(console)
@@ -98,20 +99,31 @@ def progress() -> Progress | PlainProgress:
 class PlainProgress:
     """``Progress``'s calls (``add_task``, ``update``, ``advance``, ``console``) as lines of text: ``[  12s] step
     (40%)``. A line is printed when the step changes (not its counts: "12 MB of 98 MB" is the same step), when a
-    tenth of the total more is done, or every half minute of the same step."""
+    tenth of the total more is done, or every 5 seconds of the same step (a log never goes quiet for longer)."""
 
-    EVERY = 30.0
+    EVERY = 5.0
 
     def __init__(self, console: Console):
         self.console = console
         self._tasks: dict[int, dict] = {}
         self._start = time.monotonic()  # one clock for the whole wait, as the bar's
+        self._lock = threading.Lock()  # the ticker and the caller both print
 
     def __enter__(self) -> PlainProgress:
+        # a step that calls no update for a while (a library's long call) still gets its line every EVERY seconds
+        self._done = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="depctl-progress", daemon=True)
+        self._ticker.start()
         return self
 
     def __exit__(self, *_) -> None:
-        return None
+        self._done.set()
+        self._ticker.join(timeout=2)
+
+    def _tick(self) -> None:
+        while not self._done.wait(1.0):
+            for task in list(self._tasks):
+                self._say(task)
 
     def add_task(self, description: str, total: float | None = None, **_) -> int:
         task = max(self._tasks, default=-1) + 1
@@ -143,7 +155,13 @@ class PlainProgress:
         self.update(task, advance=advance)
 
     def _say(self, task: int) -> None:
-        state = self._tasks[task]
+        with self._lock:
+            self._say_locked(task)
+
+    def _say_locked(self, task: int) -> None:
+        state = self._tasks.get(task)
+        if state is None:
+            return
         now = time.monotonic()
         total = state["total"]
         tenth = int(10 * state["completed"] / total) if total else None

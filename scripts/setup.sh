@@ -24,8 +24,8 @@ fi
 stamp="$VENV/.depctl-installed"
 want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing depctl and its dependencies" >&2
-    "$PY" -m pip install -q -e ".[test]"
+    echo "setup: installing depctl and its dependencies (pip lists each; a minute or two the first time)" >&2
+    "$PY" -m pip install --progress-bar off -e ".[test]" >&2
     echo "$want" > "$stamp"
 fi
 

@@ -58,3 +58,16 @@ def test_progress_off_a_terminal_prints_a_line_per_step_and_tenth_not_per_update
     downloads = [line for line in lines if "downloading" in line]
     assert 10 <= len(downloads) <= 12 and downloads[-1].endswith("(100 MB of 100 MB) (100%)")
     assert "] converting smollm2" in lines[-1]
+
+
+def test_progress_off_a_terminal_never_goes_quiet_during_a_long_call(monkeypatch):
+    """A step that calls no update (a library's long call) still gets a line every EVERY seconds."""
+    import time
+
+    monkeypatch.setattr(output.PlainProgress, "EVERY", 0.2)
+    sink = io.StringIO()
+    with output.PlainProgress(Console(file=sink, width=200)) as bar:
+        bar.add_task("converting smollm2: reading the tokenizer", total=None)
+        time.sleep(3.2)
+    lines = sink.getvalue().splitlines()
+    assert len(lines) >= 3 and all(line.endswith("] converting smollm2: reading the tokenizer") for line in lines)
