@@ -68,6 +68,7 @@ def main() -> int:
     ensure(PLAIN, [])
     client = OpenAI(base_url=daemon_info().url + "/v1", api_key="not-needed")
 
+    print("\nasking both deployments the same question, alternating, twice each (about 10 s)...", file=sys.stderr)
     for dep in (SPEC, PLAIN):  # warm-up: first requests pay for lazy initialisation
         client.chat.completions.create(model=dep, messages=MESSAGES[:1], max_tokens=8, temperature=0)
     runs = {SPEC: [], PLAIN: []}

@@ -17,8 +17,8 @@ PY="$VENV/bin/python"
 if ! "$PY" -c "import torch" 2>/dev/null; then
     # an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build these machines have locally.
     # On a GPU machine install the CUDA build of torch into $VENV first and this step is skipped.
-    echo "setup: installing torch==2.13.0" >&2
-    "$PY" -m pip install -q torch==2.13.0
+    echo "setup: installing torch==2.13.0 (pip lists each package; half a minute to minutes)" >&2
+    "$PY" -m pip install --progress-bar off torch==2.13.0 >&2
 fi
 
 stamp="$VENV/.depctl-installed"

@@ -179,7 +179,7 @@ def load_deployment(
             engine.calibrate(measure=False)
             engine.policy.restore(kept)
         else:
-            report(Stage("calibrating", "measuring pass costs for the speculation policy (once per model and machine)"))
+            report(Stage("calibrating", "the pass costs for the speculation policy (once per model and machine)"))
             engine.calibrate()
             write_costs(costs_file, engine.policy.snapshot())
     calibration = engine.policy.snapshot() if calibrate else {}
