@@ -154,6 +154,7 @@ class _Run:
         self.error: str | None = None
         self.trained_minutes = 0.0
         self.answers = 0
+        self.measured: dict | None = None  # the last held-out measurement
 
     def hear(self, line: str, bar=None, task=None) -> None:
         try:
@@ -175,8 +176,12 @@ class _Run:
             self.trained_minutes = event["minutes"]
             update(description=f"resuming after {event['minutes']:.1f} min of training")
         elif kind == "train":
-            self.trained_minutes = event["minutes"]
+            self.trained_minutes, self.measured = event["minutes"], event
             update(description=_train_line(event), completed=event["minutes"], total=event["total_minutes"])
+        elif kind == "progress":
+            self.trained_minutes = event["minutes"]
+            line = _train_line({**self.measured, "loss": event["loss"]}) if self.measured else "training"
+            update(description=line, completed=event["minutes"], total=event["total_minutes"])
         elif kind == "done":
             self.result = event
             self.trained_minutes = event.get("minutes", self.trained_minutes)

@@ -172,6 +172,8 @@ def train(opts: TrainOptions) -> dict:
 
     warmup = min(30.0, total * 0.05)
     last_eval, running_loss, stopped = time.monotonic(), None, False
+    last_said = 0.0
+    emit("stage", name="training the head (held-out acceptance measured each minute)")
     try:
         head.train()
         clock = time.monotonic()
@@ -193,6 +195,9 @@ def train(opts: TrainOptions) -> dict:
             now = time.monotonic()
             trained += now - clock
             clock = now
+            if now - last_said > 5:  # between the minute's measurements: how far, and the loss
+                emit("progress", minutes=round(trained / 60, 2), total_minutes=round(total / 60, 2), loss=running_loss)
+                last_said = now
             if now - last_eval > 60 or trained >= total:
                 history.append(
                     {

@@ -141,6 +141,8 @@ def test_ctrl_c_says_whether_anything_was_trained(tmp_path):
     assert run.stopped_message(tmp_path).startswith("Stopped before any training step: nothing was trained.")
     run.hear('{"event": "answers", "done": 40, "total": 600, "tokens": 9000}')
     assert "the 40 answers generated so far are kept" in run.stopped_message(tmp_path)
+    run.hear('{"event": "progress", "minutes": 0.4, "total_minutes": 2.0, "loss": 5.1}')
+    assert run.stopped_message(tmp_path).startswith("Stopped after 0.4 min of training")
     run.hear('{"event": "train", "minutes": 1.5, "total_minutes": 2.0, "acceptance": [0.1], "mean_accepted": 1.1}')
     assert run.stopped_message(tmp_path) == (
         f"Stopped after 1.5 min of training; the head so far is in {tmp_path}. Run the same command to resume."
