@@ -160,6 +160,32 @@ class SlotCache(Cache):
         self.lengths[row] = length
 
     @torch.inference_mode()
+    def read_block(self, row: int, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of positions ``start .. start + n`` of ``row``, every layer's keys and values (``model.prefix``)."""
+        if start + n > self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} positions; cannot read up to {start + n}")
+        return [
+            (layer.keys[row, :, start : start + n].clone(), layer.values[row, :, start : start + n].clone())
+            for layer in self.layers
+        ]
+
+    @torch.inference_mode()
+    def write_block(self, row: int, start: int, block: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a block read by ``read_block`` at ``start`` of ``row``, which holds exactly ``start`` positions, and
+        extend the row over it."""
+        if start != self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} positions; a block goes at its end, not {start}")
+        n = block[0][0].shape[1]
+        if not self.allocated:
+            raise ValueError("the cache's tensors do not exist yet (a first forward makes them)")
+        if start + n > self.capacity:
+            self._grow(start + n)
+        for layer, (keys, values) in zip(self.layers, block):
+            layer.keys[row, :, start : start + n] = keys
+            layer.values[row, :, start : start + n] = values
+        self.lengths[row] = start + n
+
+    @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
         """Copy row ``src`` into row ``dst`` (a finished sequence's row is refilled so the batch stays rows 0..B-1)."""
         n = self.lengths[src]

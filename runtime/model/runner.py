@@ -141,6 +141,12 @@ class ModelRunner:
     def move_row(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
 
+    def read_block(self, row: int, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.cache.read_block(row, start, n)
+
+    def write_block(self, row: int, start: int, block: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.cache.write_block(row, start, block)
+
     @torch.inference_mode()
     def forward(
         self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False, prefill: bool = False

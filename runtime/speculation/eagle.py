@@ -35,6 +35,7 @@ class EagleProposer:
     # a catch-up on up to K + 1 positions is a few more rows of the q/k/v products: a drafting step's cost, whatever K
     # (only a prompt's, hundreds of positions, says nothing of what drafting costs)
     steady_catch_up = 17
+    needs_prompt_features = True  # it reads every prompt position's layer features: no prompt from the prefix cache
 
     def __init__(self, head: EagleHead, max_rows: int, vocab_size: int):
         self.head = head

@@ -20,6 +20,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from depctl_runtime.model.prefix import PrefixStore
 from depctl_runtime.model.runner import ModelRunner, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
@@ -40,6 +41,8 @@ class EngineConfig:
     adaptive: bool = True  # let DraftLengthPolicy pick the draft width each step
     prediction_draft_tokens: int = 8  # K for a request's predicted output (drafting from it is free)
     grammar_draft_tokens: int = 8  # most tokens a grammar's forced continuation drafts in one step
+    prefix_cache_bytes: int = 0  # the prefix cache's budget (model.prefix); 0: none
+    prefix_block: int = 128  # tokens a cached block: the scheduler's prefill chunk, so that blocks are whole chunks
 
 
 class DraftSource(enum.Enum):
@@ -80,6 +83,11 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
+        # prompt blocks already read, for requests that start the same way; not with a proposer that must see every
+        # prompt position's layer features (an EAGLE head), which the blocks do not keep
+        self.prefix: PrefixStore | None = None
+        if self.config.prefix_cache_bytes > 0 and not getattr(proposer, "needs_prompt_features", False):
+            self.prefix = PrefixStore(self.config.prefix_cache_bytes, self.config.prefix_block)
         # computes grammar masks during the target pass (llguidance releases the GIL); it uses a row's matcher only
         # while the engine thread waits on that pass, so the two never touch one matcher at once
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="depctl-grammar")
@@ -122,11 +130,16 @@ class SpeculativeEngine:
     def prefill(self, seq: Sequence, budget: int) -> StepOutput | None:
         """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
         t0 = time.perf_counter()
+        if seq.prefilled == 0 and self.prefix is not None:
+            self._restore_prefix(seq)
+        start = seq.prefilled
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
         logits, features = self.target.prefill(seq.row, chunk)  # [1, vocab], [len(chunk), F] or None
         if self.draft_model is not None:
             self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
         seq.prefilled += len(chunk)
+        if self.prefix is not None and budget == self.prefix.block:
+            self._keep_block(seq, start, len(chunk))
         self.stats.prefill_seconds += time.perf_counter() - t0
         if seq.prefilled < seq.prompt_len:
             return None
@@ -139,6 +152,28 @@ class SpeculativeEngine:
             return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], lambda: logits[rows]))
         except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or prediction: it ends alone
             return self._failed(seq, "sampling", exc)
+
+    def _restore_prefix(self, seq: Sequence) -> None:
+        """Start ``seq``'s row from the stored blocks of its prompt's longest stored prefix, leaving at least its last
+        token to read (its logits give the first output token)."""
+        store, block = self.prefix, self.prefix.block
+        keys = seq.prefix_keys((seq.prompt_len - 1) // block, block)
+        store.queries += seq.prompt_len
+        if not keys or not self.target.cache.allocated:
+            return
+        for i, found in enumerate(store.lookup(keys)):
+            self.target.write_block(seq.row, i * block, found.tensors)
+            seq.prefilled = seq.cached_tokens = (i + 1) * block
+        store.hits += seq.cached_tokens
+
+    def _keep_block(self, seq: Sequence, start: int, n: int) -> None:
+        """A chunk that filled a whole block at a block's place goes into the store (once)."""
+        block = self.prefix.block
+        if n != block or start % block:
+            return
+        key = seq.prefix_keys(start // block + 1, block)[-1]
+        if key not in self.prefix:
+            self.prefix.add(key, self.target.read_block(seq.row, start, block))
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence]) -> list[StepOutput]:
@@ -411,7 +446,8 @@ class SpeculativeEngine:
         self.stats.record_row(drafted, accepted, len(emitted))
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]
-        return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa, gd, ga, logprobs)
+        cached, seq.cached_tokens_told = (0, True) if seq.cached_tokens_told else (seq.cached_tokens, True)
+        return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa, gd, ga, logprobs, cached_tokens=cached)
 
     # ---- load time ----
     @torch.inference_mode()

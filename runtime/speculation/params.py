@@ -77,3 +77,4 @@ class GenerationParams:
     penalties: Penalties = field(default_factory=Penalties)
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely (0-20)
     tenant: Tenant = Tenant()
+    cache_salt: str = ""  # requests with different salts never share cached prompt blocks (vLLM's field)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import hashlib
 import itertools
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ class StepOutput:
     grammar_accepted: int = 0  # of ``accepted``, forced tokens the target agreed with
     logprobs: list[TokenLogprob] | None = None  # one per token of ``token_ids``, when the request asked
     error: RowFault | None = None  # why the request ended, with finish_reason "error"
+    cached_tokens: int = 0  # on a request's first output: its prompt tokens read from the prefix cache
 
 
 _ids = itertools.count()
@@ -55,6 +58,9 @@ class Sequence:
         self.stop_ids = stop_ids
         self.row = -1
         self.prefilled = 0  # prompt tokens already in the caches
+        self.cached_tokens = 0  # of those, tokens copied from the prefix cache rather than read
+        self.cached_tokens_told = False
+        self._prefix_keys: list[bytes] = []
         self.acceptance = acceptance
         self.prediction = prediction
         self.prediction_acceptance = prediction_acceptance
@@ -70,6 +76,22 @@ class Sequence:
             # only draws a draft model's guesses, which never change the output
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+
+    def prefix_keys(self, n: int, block: int) -> list[bytes]:
+        """The names of the prompt's first ``n`` blocks of ``block`` tokens: each a digest of the tenant, the cache
+        salt and every token up to the block's end, so a block is found only after the same whole prefix, and only
+        by the same tenant."""
+        keys = self._prefix_keys
+        while len(keys) < n:
+            i = len(keys)
+            digest = hashlib.sha256(keys[-1] if keys else self._tenant_digest())
+            digest.update(array.array("q", self.tokens[i * block : (i + 1) * block]).tobytes())
+            keys.append(digest.digest())
+        return keys[:n]
+
+    def _tenant_digest(self) -> bytes:
+        tenant = self.params.tenant
+        return hashlib.sha256(f"{tenant.key}\0{tenant.user}\0{self.params.cache_salt}".encode()).digest()
 
     @property
     def produced(self) -> int:

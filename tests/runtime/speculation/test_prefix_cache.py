@@ -1,0 +1,129 @@
+"""The prefix cache in the engine: a request that starts from stored prompt blocks gets exactly what reading its
+whole prompt gives, under every speculation method, greedy and seeded, alone and batched; a block is found only by
+the same tenant and cache salt; the store keeps to its budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from depctl_runtime.model.runner import ModelRunner
+from depctl_runtime.speculation import GenerationParams, SamplingParams
+from depctl_runtime.speculation.engine import EngineConfig, SpeculativeEngine
+from depctl_runtime.speculation.params import Tenant
+from depctl_runtime.speculation.proposers import DraftModelProposer, NgramProposer, SuffixProposer
+from depctl_runtime.speculation.scheduler import Scheduler
+from tests.tiny import tiny_llama
+
+BLOCK = 8
+SHARED = [(7 * i + 3) % 200 + 10 for i in range(29)]  # 3 whole blocks and 5 tokens
+TAILS = [[41, 42, 43], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60], [9]]
+GREEDY = GenerationParams(max_tokens=24, ignore_eos=True)
+SEEDED = GenerationParams(max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=0.9, seed=7))
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    return tiny_llama(seed=0), tiny_llama(seed=1, layers=1)
+
+
+def _engine(models, method: str, rows: int, cache_bytes: int) -> SpeculativeEngine:
+    target, draft = models
+    proposer = {
+        "plain": lambda: None,
+        "ngram": lambda: NgramProposer(2),
+        "suffix": lambda: SuffixProposer(4096),
+        "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
+    }[method]()
+    config = EngineConfig(
+        num_draft_tokens=4 if proposer else 0, max_context=512, prefix_cache_bytes=cache_bytes, prefix_block=BLOCK
+    )
+    engine = SpeculativeEngine(ModelRunner(target, max_rows=rows, max_context=512), proposer, config)
+    engine.calibrate(context=16, repeats=0)  # the cache's tensors exist from here, as after a deployment's load
+    return engine
+
+
+def _run(engine, prompts, params) -> tuple[list[list[int]], list[int]]:
+    """Every prompt at once; each one's output tokens and its prompt tokens read from the prefix cache."""
+    scheduler = Scheduler(engine, engine.max_rows, prefill_chunk=BLOCK)
+    seqs = [engine.new_sequence(p, params) for p in prompts]
+    got, cached = {s.id: [] for s in seqs}, {s.id: 0 for s in seqs}
+    for s in seqs:
+        scheduler.add(s)
+    while scheduler.has_work():
+        for s, o in scheduler.step():
+            got[s.id] += o.token_ids
+            cached[s.id] += o.cached_tokens
+    return [got[s.id] for s in seqs], [cached[s.id] for s in seqs]
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prompt_from_cached_blocks_gives_what_reading_it_all_gives(models, method, params):
+    prompts = [SHARED + tail for tail in TAILS]
+    plain, _ = _run(_engine(models, method, 3, 0), prompts, params)
+    cached_engine = _engine(models, method, 3, 1 << 30)
+    first, cached = _run(cached_engine, prompts[:1], params)  # reads the shared blocks, and keeps them
+    assert cached == [0] and first == plain[:1]
+    again, cached = _run(cached_engine, prompts, params)  # a batch of three, each starting from them
+    assert again == plain
+    assert cached == [3 * BLOCK] * 3, "each found the shared prefix's 3 whole blocks"
+    stats = cached_engine.prefix.stats()
+    assert stats["hits"] == 9 * BLOCK and stats["queries"] == sum(len(p) for p in prompts[:1] + prompts)
+
+
+def test_a_conversation_reads_only_what_is_new_each_turn(models):
+    engine = _engine(models, "ngram", 1, 1 << 30)
+    reference = _engine(models, "ngram", 1, 0)
+    prompt, expected_cached = list(SHARED), 0
+    for turn in range(4):
+        (out,), (cached,) = _run(engine, [prompt], GREEDY)
+        (want,), _ = _run(reference, [prompt], GREEDY)
+        assert out == want and cached == expected_cached, turn
+        expected_cached = (len(prompt) // BLOCK) * BLOCK  # the whole blocks of this turn's prompt
+        prompt = prompt + out + [60 + turn, 61, 62]  # the next turn: this one, its answer, a new message
+
+
+def test_blocks_are_found_only_by_the_same_tenant_and_salt(models):
+    engine = _engine(models, "plain", 1, 1 << 30)
+    prompt = SHARED + [1, 2]
+    alice = dataclasses.replace(GREEDY, tenant=Tenant(key="alice-key"))
+    _run(engine, [prompt], alice)
+    hits = engine.prefix.stats()["hits"]
+    for other in (
+        dataclasses.replace(GREEDY, tenant=Tenant(key="bob-key")),
+        dataclasses.replace(GREEDY, tenant=Tenant(key="alice-key", user="someone")),
+        dataclasses.replace(alice, cache_salt="private"),
+    ):
+        _, (cached,) = _run(engine, [prompt], other)
+        assert cached == 0 and engine.prefix.stats()["hits"] == hits, other
+    _, (cached,) = _run(engine, [prompt], alice)
+    assert cached == 3 * BLOCK
+
+
+def test_the_store_keeps_to_its_budget_evicting_the_least_recently_used(models):
+    engine = _engine(models, "plain", 1, 1)
+    _run(engine, [SHARED], GREEDY)
+    assert engine.prefix.stats()["blocks"] == 0, "a budget smaller than a block keeps none"
+    per_block = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in _a_block(engine))
+    engine = _engine(models, "plain", 1, 5 * per_block)
+    for i in range(10):  # 10 distinct prompts of 3 whole blocks each: six times the budget
+        _run(engine, [[i + 1] * 25], GREEDY)
+        assert engine.prefix.stats()["bytes"] <= 5 * per_block
+    stats = engine.prefix.stats()
+    assert stats["blocks"] == 5 and stats["evictions"] == 25
+    _, (cached,) = _run(engine, [[10] * 25], GREEDY)  # the most recent prompt's blocks are still there
+    assert cached == 3 * BLOCK
+    _, (cached,) = _run(engine, [[1] * 25], GREEDY)  # the oldest's are gone
+    assert cached == 0
+
+
+def _a_block(engine):
+    engine.target.prefill(0, SHARED[:BLOCK])
+    try:
+        return engine.target.read_block(0, 0, BLOCK)
+    finally:
+        engine.target.set_length(0, 0)
