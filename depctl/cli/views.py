@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from depctl import output, recordings
-from depctl.output import fmt_num, fmt_rate
+from depctl.output import fmt_bytes, fmt_num, fmt_rate
 from depctl.spec import DeploymentSpec, describe_duration, describe_engine, describe_speculation
 
 
@@ -127,6 +127,18 @@ def _suffix_cell(d: _Detail) -> str | None:
     return (
         f"{index['requests']} requests, {index['tokens']} / {index['budget_tokens']} tokens "
         f"({index['evicted_requests']} evicted); {index['hits']} of {index['lookups']} lookups drafted"
+    )
+
+
+def _prefix_cell(d: _Detail) -> str | None:
+    cache = d.status.get("prefix_cache")
+    if not cache:
+        return None
+    rate = cache["hits"] / cache["queries"] if cache["queries"] else None
+    return (
+        f"{cache['blocks']} blocks of {cache['block_tokens']} tokens, {fmt_bytes(cache['bytes'])} of "
+        f"{fmt_bytes(cache['budget_bytes'])}; {cache['hits']} of {cache['queries']} prompt tokens found "
+        f"({fmt_rate(rate)}), {cache['evictions']} blocks evicted"
     )
 
 
@@ -251,6 +263,7 @@ _DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], st
         ),
     ),
     ("Suffix index", _suffix_cell),
+    ("Prefix cache", _prefix_cell),
     (
         "Created / updated",
         lambda d: f"{d.r['created_at']} / {d.r['updated_at']}" if d.r.get("created_at") else None,

@@ -66,6 +66,16 @@ class SpecDecodeCollector:
         suffix_requests = GaugeMetricFamily(
             "depctl:suffix_cache_requests", "Requests held by suffix speculation's index", labels=["deployment"]
         )
+        # vLLM's names: prompt tokens looked up in the prefix cache, and found there
+        prefix_queries = CounterMetricFamily(
+            "depctl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["deployment"]
+        )
+        prefix_hits = CounterMetricFamily(
+            "depctl:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=["deployment"]
+        )
+        prefix_bytes = GaugeMetricFamily(
+            "depctl:prefix_cache_bytes", "Bytes held by the prefix cache's blocks", labels=["deployment"]
+        )
         for dep in self.manager.all():
             state.add_metric([dep.id, dep.state.value], 1)
             if dep.backend is None:
@@ -84,11 +94,14 @@ class SpecDecodeCollector:
                 (waiting, c.waiting),
                 (suffix_tokens, c.suffix_tokens),
                 (suffix_requests, c.suffix_requests),
+                (prefix_queries, c.prefix_cache_queries),
+                (prefix_hits, c.prefix_cache_hits),
+                (prefix_bytes, c.prefix_cache_bytes),
             ):
                 if value is not None:
                     family.add_metric([dep.id], value)
         yield from (state, running, waiting, drafts, draft_tokens, accepted, per_pos, suffix_tokens, suffix_requests)
-        yield from (grammar_tokens, grammar_accepted, grammar_seconds)
+        yield from (grammar_tokens, grammar_accepted, grammar_seconds, prefix_queries, prefix_hits, prefix_bytes)
 
 
 class Metrics:

@@ -117,6 +117,8 @@ class _Common(_Request):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, each its own row in the batch
     user: str | None = None
+    # requests with different salts never share cached prompt blocks, even from one tenant (vLLM's field)
+    cache_salt: str | None = Field(default=None, max_length=256)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -320,6 +320,7 @@ class Service:
             penalties=penalties,
             logprobs=req.logprobs_count,
             tenant=Tenant(key, req.user or ""),  # the key presented (a digest) and the user field
+            cache_salt=req.cache_salt or "",
         )
         request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), constraint)
         return Job(kind, dep_id, req.model, request, backend)  # not runnable before ``prepare``
@@ -349,7 +350,7 @@ class Service:
         endpoint = "chat" if job.kind == "chat.completion" else "completions"
         t0 = time.perf_counter()
         status, completion, first_at, last_at = "error", 0, None, None
-        drafted = accepted = pred_accepted = grammar_drafted = grammar_accepted = 0
+        drafted = accepted = pred_accepted = grammar_drafted = grammar_accepted = cached = 0
         try:
             async with aclosing(job.backend.generate(job.request, self.cut)) as deltas:
                 async for delta in deltas:
@@ -366,12 +367,14 @@ class Service:
                     pred_accepted += delta.prediction_accepted
                     grammar_drafted += delta.grammar_drafted
                     grammar_accepted += delta.grammar_accepted
+                    cached += delta.cached_tokens
                     yield delta
                     if delta.finish_reason:
                         status = "ok"
                         job.usage = self._usage(
                             job, completion, drafted, accepted, pred_accepted, grammar_drafted, grammar_accepted
                         )
+                        job.usage["prompt_tokens_details"] = {"cached_tokens": cached}
                         return
             status = "cancelled"
         except Interrupted:

@@ -67,6 +67,7 @@ class Delta:
     grammar_drafted: int = 0  # of ``drafted``, tokens the grammar forced
     grammar_accepted: int = 0
     logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked
+    cached_tokens: int = 0  # on the first delta: prompt tokens read from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class Counters:
     grammar_seconds: float | None = None
     generated_tokens: int = 0  # output tokens since the engine started (rates come from differences)
     memory_bytes: int | None = None  # what the deployment holds: weights and KV cache, or vLLM's processes
+    prefix_cache_queries: int | None = None  # prompt tokens looked up in the prefix cache (depctl's engine)
+    prefix_cache_hits: int | None = None  # of those, tokens found
+    prefix_cache_bytes: int | None = None  # what the cached blocks hold
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from depctl_runtime.backends.weights import (
     check_draft_compatible,
     check_memory,
     estimate_bytes,
+    free_bytes,
     load_model,
     log_progress,
     real_vocab_size,
@@ -161,7 +162,12 @@ def load_deployment(
     engine = SpeculativeEngine(
         passes.target,
         pick_proposer(spec_method, passes, head, rows, vocab),
-        EngineConfig(num_draft_tokens=num_draft_tokens, max_context=max_context, eos_token_ids=eos_ids),
+        EngineConfig(
+            num_draft_tokens=num_draft_tokens,
+            max_context=max_context,
+            eos_token_ids=eos_ids,
+            prefix_cache_bytes=prefix_cache_budget(device),
+        ),
     )
     grammars = None
     try:  # llguidance's table of every token's bytes: structured outputs and logprobs' token bytes
@@ -204,6 +210,16 @@ def load_deployment(
         grammars,
         costs_file,
     )
+
+
+PREFIX_CACHE_MAX = 1 << 30  # the prefix cache's default budget: a tenth of free memory, at most 1 GiB
+
+
+def prefix_cache_budget(device) -> int:
+    """Bytes for cached prompt blocks: a tenth of what is free after the weights load, at most 1 GiB (a 2k-token
+    prefix of SmolLM2 in float32 is about 95 MB); 64 MiB where free memory cannot be read."""
+    free = free_bytes(device)
+    return min(PREFIX_CACHE_MAX, free // 10) if free is not None else 64 << 20
 
 
 def pick_proposer(method, passes: Passes, head, rows: int, vocab: int) -> Proposer | None:

@@ -163,7 +163,7 @@ class LocalBackend:
             "products": loaded.products,
             "max_context": loaded.max_context,
             "max_batch_size": worker.max_batch_size,
-            "memory_bytes": self.memory_bytes,
+            "memory_bytes": self._held(loaded),
             "weights_bytes": self.weights_bytes,
             "stats": engine.stats.to_dict(),
             "policy": engine.policy.snapshot(),
@@ -175,6 +175,8 @@ class LocalBackend:
             out["eagle_head"] = {"aux_layers": list(c.aux_layers), "draft_vocab_size": c.draft_vocab_size}
         if isinstance(engine.proposer, SuffixProposer):
             out["suffix_index"] = engine.proposer.snapshot()
+        if engine.prefix is not None:
+            out["prefix_cache"] = engine.prefix.stats()
         return out
 
     def counters(self, fresh: bool = False) -> Counters:
@@ -183,6 +185,7 @@ class LocalBackend:
             return Counters()
         stats, proposer = loaded.engine.stats, loaded.engine.proposer
         index = proposer.snapshot() if isinstance(proposer, SuffixProposer) else None
+        prefix = loaded.engine.prefix
         return Counters(
             stats.num_drafts,
             stats.num_draft_tokens,
@@ -196,8 +199,18 @@ class LocalBackend:
             stats.num_grammar_accepted_tokens,
             stats.grammar_seconds,
             stats.num_generated_tokens,
-            self.memory_bytes,
+            self._held(loaded),
+            prefix.queries if prefix else None,
+            prefix.hits if prefix else None,
+            prefix.bytes if prefix else None,
         )
+
+    def _held(self, loaded) -> int | None:
+        """Weights and KV cache (measured once: preallocated), and the prefix cache's blocks (they come and go)."""
+        prefix = loaded.engine.prefix
+        if self.memory_bytes is None:
+            return None
+        return self.memory_bytes + (prefix.bytes if prefix is not None else 0)
 
     @property
     def method(self) -> str:
@@ -261,6 +274,7 @@ class LocalBackend:
                     grammar_drafted=out.grammar_drafted,
                     grammar_accepted=out.grammar_accepted,
                     logprobs=self._logprobs(loaded, out),
+                    cached_tokens=out.cached_tokens,
                 )
                 if stopper.stopped:
                     yield Delta(text, n, "stop", **counts)

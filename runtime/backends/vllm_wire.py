@@ -8,6 +8,7 @@ import json
 
 from depctl_runtime.backends.base import BackendError, GenerateRequest, Logprob
 from depctl_runtime.backends.structured import vllm_structured_outputs
+from depctl_runtime.speculation.params import cache_scope
 
 METRICS_TTL = 1.0  # seconds a reading of the server's metrics is reused
 
@@ -89,6 +90,7 @@ def completion_payload(model: str, request: GenerateRequest) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": params.ignore_eos,
+        "cache_salt": cache_scope(params),  # vLLM's prefix cache, kept apart per tenant as ours is
     }
     if sampling.top_k:
         payload["top_k"] = sampling.top_k

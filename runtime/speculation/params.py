@@ -6,6 +6,7 @@ builds or checks requests (the CLI, the API models, a test of the Backend protoc
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -78,3 +79,11 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely (0-20)
     tenant: Tenant = Tenant()
     cache_salt: str = ""  # requests with different salts never share cached prompt blocks (vLLM's field)
+
+
+def cache_scope(params: GenerationParams) -> str:
+    """Who may share cached prompt blocks with this request: a digest of its tenant (the API key's digest and the
+    user) and its cache salt. Our prefix cache names blocks under it, and a vLLM deployment gets it as the request's
+    ``cache_salt``, so neither lets one tenant's time to first token tell another what was sent before."""
+    tenant = params.tenant
+    return hashlib.sha256(f"{tenant.key}\0{tenant.user}\0{params.cache_salt}".encode()).hexdigest()

@@ -11,7 +11,7 @@ import torch
 
 from depctl_runtime.speculation.faults import RowFault
 from depctl_runtime.speculation.grammar import RowGrammar
-from depctl_runtime.speculation.params import GenerationParams, SamplingParams
+from depctl_runtime.speculation.params import GenerationParams, SamplingParams, cache_scope
 from depctl_runtime.speculation.policy import RequestAcceptance
 from depctl_runtime.speculation.proposers import PredictionTracker
 from depctl_runtime.speculation.sampling import TokenLogprob
@@ -90,8 +90,7 @@ class Sequence:
         return keys[:n]
 
     def _tenant_digest(self) -> bytes:
-        tenant = self.params.tenant
-        return hashlib.sha256(f"{tenant.key}\0{tenant.user}\0{self.params.cache_salt}".encode()).digest()
+        return cache_scope(self.params).encode()
 
     @property
     def produced(self) -> int:

@@ -716,3 +716,26 @@ def test_tools_on_a_template_without_them_and_bad_tools_are_400s(client):
             tool_choice={"type": "function", "function": {"name": "nope"}},
             max_tokens=5,
         )
+
+
+def test_a_repeated_prefix_is_read_from_the_cache_only_by_its_own_tenant_and_salt(client, daemon):
+    """usage.prompt_tokens_details.cached_tokens in every response; the same answer with and without a hit; another
+    API user or cache_salt finds nothing, as /metrics' counters (no timing) show."""
+    system = "You answer in one word. " * 12  # ~290 byte tokens: two whole 128-token blocks
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "abcabc"}]
+    first = client.chat.completions.create(model="plain", messages=messages, max_tokens=8, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model="plain", messages=messages, max_tokens=8, **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens == 256
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    def hits() -> float:
+        families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics").text)}
+        return next(s.value for s in families["depctl:prefix_cache_hits"].samples if s.labels["deployment"] == "plain")
+
+    before = hits()
+    for extra in ({"user": "someone-else"}, {"extra_body": {"cache_salt": "my-own"}}):
+        other = client.chat.completions.create(model="plain", messages=messages, max_tokens=8, **GREEDY, **extra)
+        assert other.usage.prompt_tokens_details.cached_tokens == 0, extra
+        assert other.choices[0].message.content == first.choices[0].message.content
+    assert hits() == before
