@@ -255,3 +255,43 @@ def test_target_speculation_is_exact_alone_and_in_a_batch_after_the_loaders_surg
     )
     assert together == plain
     assert "Paris" in tokenizer.decode(plain[0])  # still the model it was: int8 weights keep the answer
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_prompts_from_the_prefix_cache_answer_as_read_whole_on_the_real_model(smollm2, quantization):
+    """SmolLM2 as the daemon loads it (compiled passes, n-gram speculation, the prefix cache on): questions after a
+    shared 300-token system prompt, read from cached blocks, alone and three at once, answer token for token as
+    with the whole prompt read."""
+    from depctl.spec import DeploymentSpec as Spec
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.speculation import Scheduler
+
+    spec = Spec(
+        id="prefix",
+        model=models.DEFAULT_MODEL,
+        quantization=quantization,
+        max_batch_size=3,
+        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+    )
+    loaded = load_deployment(spec)
+    engine, tokenizer = loaded.engine, loaded.tokenizer
+    system = "You are a careful assistant. Answer briefly and quote the passage where you can. " * 20
+
+    def ids(question: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompts = [ids(q) for q in ("What is the capital of France?", "Name a colour.", "Count to five.")]
+    assert len(prompts[0]) > 300
+    params = GenerationParams(max_tokens=32)
+    store = engine.prefix
+    engine.prefix = None
+    whole = Scheduler(engine, 3).run_all(prompts, params)
+    engine.prefix = store
+    assert Scheduler(engine, 3).run_all(prompts[:1], params) == whole[:1]  # reads the prefix, keeps its blocks
+    hits = store.hits
+    assert Scheduler(engine, 3).run_all(prompts, params) == whole  # three at once, each from the cached blocks
+    common = next(i for i, tokens in enumerate(zip(*prompts)) if len(set(tokens)) > 1)  # the shared system prompt
+    assert store.hits - hits == 3 * (common // 128 * 128)
+    loaded.release()
