@@ -138,6 +138,9 @@ class DeploymentSpec(_Strict):
     keep_alive: float | None = Field(None, gt=0)
     # keep the prompts it serves (depctl.recordings) to train a draft head on them; changes apply without a reload
     record_prompts: bool = False
+    # bytes of prompt blocks kept for later prompts of the same tenant that start the same way (depctl's engine);
+    # None: a tenth of the memory free after loading, at most 1 GiB; 0: none
+    prefix_cache_bytes: int | None = Field(None, ge=0)
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 
@@ -430,6 +433,38 @@ def parse_duration(text: str) -> float | None:
     if not seconds > 0:
         raise UsageError(f"--keep-alive must be longer than 0, got {text!r}", "use forever to keep it loaded")
     return seconds
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str, flag: str = "--prefix-cache-size") -> int | None:
+    """``512MiB``, ``2GiB``, ``1g``, plain bytes, ``off`` (0) or ``auto`` (None: the default)."""
+    value = text.strip().lower().replace(" ", "")
+    if value == "auto":
+        return None
+    if value in ("off", "none", "0"):
+        return 0
+    number = value.rstrip("kmgib")
+    unit = value[len(number) :]
+    try:
+        size = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise UsageError(f"{flag} must be a size such as 512MiB or 2GiB (or auto, or off), got {text!r}") from None
+    if size < 0:
+        raise UsageError(f"{flag} cannot be negative, got {text!r}", "use off for none")
+    return int(size)
+
+
+def describe_size(size: int | None) -> str:
+    if size is None:
+        return "auto"
+    if size == 0:
+        return "off"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:g}{unit}"
+    return f"{size}B"
 
 
 def describe_duration(seconds: float | None) -> str:

@@ -29,9 +29,11 @@ from depctl.spec import (
     check_deployment_id,
     describe_duration,
     describe_engine,
+    describe_size,
     describe_speculation,
     new_deployment_id,
     parse_duration,
+    parse_size,
     speculation_from_flags,
 )
 from depctl.store import SpecStore
@@ -166,6 +168,14 @@ KEEP_ALIVE = typer.Option(
     help="Free the deployment's memory after it has been idle this long (30s, 10m, 2h); the next request loads it "
     "again and waits for it. forever (the default) keeps it loaded. Applies without a reload.",
 )
+PREFIX_CACHE = typer.Option(
+    None,
+    "--prefix-cache-size",
+    metavar="SIZE",
+    help="Memory for prompt blocks already read, so a prompt that starts as an earlier one of the same tenant did "
+    "reads only the rest (512MiB, 2GiB; off: none). auto (the default): a tenth of the memory free after loading, "
+    "at most 1 GiB. depctl's engine.",
+)
 RECORD_HELP = (
     "Keep the prompts this deployment serves (chat messages up to the last user turn, completion prompts; never "
     "answers), to train a draft head on its traffic: depctl draft train MODEL --from-deployment ID. Kept under the "
@@ -232,7 +242,7 @@ def _changes(old: DeploymentSpec, new: DeploymentSpec) -> str:
     parts = []
     if old.speculation != new.speculation:
         parts.append(f"speculation: {describe_speculation(old.speculation)} -> {describe_speculation(new.speculation)}")
-    shown = {"keep_alive": describe_duration}  # as the flag takes it, not the stored seconds
+    shown = {"keep_alive": describe_duration, "prefix_cache_bytes": describe_size}  # as the flags take them
     for key in after:
         if key not in skip and before.get(key) != after[key]:
             show = shown.get(key, str)
@@ -342,6 +352,7 @@ def create(
     pipeline_parallel_size: int = _parallel_option("--pipeline-parallel-size", 1, PP_WHAT),
     ray_address: Optional[str] = RAY,
     keep_alive: Optional[str] = KEEP_ALIVE,
+    prefix_cache_size: Optional[str] = PREFIX_CACHE,
     record_prompts: bool = typer.Option(False, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     validate_only: bool = typer.Option(
         False, "--validate-only", help="Print the spec that would be written; write nothing."
@@ -389,6 +400,7 @@ def create(
             ray_address=ray_address or None,
             keep_alive=parse_duration(keep_alive) if keep_alive is not None else None,
             record_prompts=record_prompts,
+            prefix_cache_bytes=parse_size(prefix_cache_size) if prefix_cache_size is not None else None,
         )
     )
     _check_device(spec.device, spec.engine)
@@ -464,6 +476,7 @@ def update(
     pipeline_parallel_size: Optional[int] = _parallel_option("--pipeline-parallel-size", None, PP_WHAT),
     ray_address: Optional[str] = RAY,
     keep_alive: Optional[str] = KEEP_ALIVE,
+    prefix_cache_size: Optional[str] = PREFIX_CACHE,
     record_prompts: Optional[bool] = typer.Option(None, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
@@ -501,6 +514,8 @@ def update(
     others = {k: v for k, v in others.items() if v is not None}
     if keep_alive is not None:
         others["keep_alive"] = parse_duration(keep_alive)  # None: forever
+    if prefix_cache_size is not None:
+        others["prefix_cache_bytes"] = parse_size(prefix_cache_size)  # None: auto
     if "ray_address" in others and not others["ray_address"]:
         others["ray_address"] = None  # --ray-address "": back to one machine
     if speculation is None and not others:
@@ -510,7 +525,8 @@ def update(
             "--draft-token-count, --suffix-cache-tokens, --suffix-scope, --draft-precision, "
             "--disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, --quantization, "
             "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
-            "--pipeline-parallel-size, --ray-address, --keep-alive or --record-prompts/--no-record-prompts",
+            "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size or "
+            "--record-prompts/--no-record-prompts",
         )
     checked = _checked(
         lambda: DeploymentSpec.model_validate(

@@ -166,7 +166,9 @@ def load_deployment(
             num_draft_tokens=num_draft_tokens,
             max_context=max_context,
             eos_token_ids=eos_ids,
-            prefix_cache_bytes=prefix_cache_budget(device),
+            prefix_cache_bytes=(
+                spec.prefix_cache_bytes if spec.prefix_cache_bytes is not None else prefix_cache_budget(device)
+            ),
         ),
     )
     grammars = None

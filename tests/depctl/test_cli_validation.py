@@ -310,6 +310,9 @@ def test_an_update_says_what_changed_in_the_flags_words():
     old = DeploymentSpec(id="d", model="m")
     assert _changes(old, old.model_copy(update={"keep_alive": 30.0})) == "keep_alive: forever -> 30s"
     assert _changes(old.model_copy(update={"keep_alive": 600.0}), old) == "keep_alive: 10m -> forever"
+    assert (
+        _changes(old, old.model_copy(update={"prefix_cache_bytes": 512 << 20})) == "prefix_cache_bytes: auto -> 512MiB"
+    )
 
 
 def test_local_directory_is_stored_as_an_absolute_path(tiny_model_dir, depctl_home, monkeypatch):
@@ -772,3 +775,21 @@ def test_every_help_names_its_values_and_describes_every_argument_and_option():
         usage = next(line for line in text.splitlines() if line.startswith("Usage:"))
         assert "{" not in usage, usage
         assert not re.search(r"<(str|int|float|path|text|int range|float range)>", text), text
+
+
+@pytest.mark.parametrize(
+    ("flag", "stored", "shown"),
+    [("512MiB", 512 << 20, "512MiB"), ("2g", 2 << 30, "2GiB"), ("off", 0, "off"), ("auto", None, "auto")],
+)
+def test_prefix_cache_size_is_read_as_sizes_and_shown_as_the_flag_takes_them(flag, stored, shown):
+    from depctl.spec import describe_size, parse_size
+
+    assert parse_size(flag) == stored and describe_size(stored) == shown
+
+
+def test_a_bad_prefix_cache_size_names_the_flag_and_the_forms(depctl_home):
+    result = runner.invoke(app, ["deployment", "create", "smollm2-135m-instruct", "--prefix-cache-size", "lots"])
+    assert result.exit_code != 0
+    text = " ".join(result.output.split())
+    assert "--prefix-cache-size must be a size such as 512MiB or 2GiB (or auto, or off), got 'lots'" in text
+    assert not list((depctl_home / "deployments").glob("*.yaml"))

@@ -41,6 +41,7 @@ def test_round_trip_keeps_only_intent(depctl_home):
         "ray_address",
         "keep_alive",
         "record_prompts",
+        "prefix_cache_bytes",
         "created_at",
         "updated_at",
     }

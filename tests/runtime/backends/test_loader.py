@@ -63,3 +63,12 @@ def test_a_load_that_builds_the_cpp_ops_says_so_first(tiny_model_dir, monkeypatc
     stages.clear()
     load_deployment(spec, calibrate=False, report=stages.append)
     assert [s.name for s in stages][:1] == ["resolving"] and "building" not in [s.name for s in stages]
+
+
+def test_the_prefix_cache_takes_the_specs_budget_auto_by_default_and_none_when_off(tiny_model_dir):
+    spec = DeploymentSpec(id="p", model=str(tiny_model_dir), compile=False, device="cpu")
+    auto = load_deployment(spec, calibrate=False).engine.prefix
+    assert auto is not None and 0 < auto.budget_bytes <= loader.PREFIX_CACHE_MAX
+    sized = load_deployment(spec.model_copy(update={"prefix_cache_bytes": 3 << 20}), calibrate=False).engine.prefix
+    assert sized.budget_bytes == 3 << 20
+    assert load_deployment(spec.model_copy(update={"prefix_cache_bytes": 0}), calibrate=False).engine.prefix is None
