@@ -81,7 +81,8 @@ def assert_speculation_is_exact(runner: ModelRunner) -> None:
     assert Scheduler(engine(NgramProposer(2), 4), max_batch_size=3).run_all(prompts, params) == plain
 
 
-def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
+def engine_for(target, method, rows, draft=None, k=4, adaptive=False, **config):
+    """An engine of ``method`` over ``rows`` rows; ``config``: more EngineConfig fields (a prefix cache, say)."""
     proposer = {
         "plain": lambda: None,
         "ngram": lambda: NgramProposer(2),
@@ -91,7 +92,7 @@ def engine_for(target, method, rows, draft=None, k=4, adaptive=False):
     return SpeculativeEngine(
         ModelRunner(target, max_rows=rows, max_context=512),
         proposer,
-        EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive),
+        EngineConfig(num_draft_tokens=k if proposer else 0, max_context=512, adaptive=adaptive, **config),
     )
 
 

@@ -9,12 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import GenerationParams, SamplingParams
-from depctl_runtime.speculation.engine import EngineConfig, SpeculativeEngine
+from depctl_runtime.speculation.engine import SpeculativeEngine
 from depctl_runtime.speculation.params import Tenant
-from depctl_runtime.speculation.proposers import DraftModelProposer, NgramProposer, SuffixProposer
 from depctl_runtime.speculation.scheduler import Scheduler
+from tests.driving import engine_for
 from tests.tiny import tiny_llama
 
 BLOCK = 8
@@ -32,16 +31,7 @@ def models():
 
 def _engine(models, method: str, rows: int, cache_bytes: int) -> SpeculativeEngine:
     target, draft = models
-    proposer = {
-        "plain": lambda: None,
-        "ngram": lambda: NgramProposer(2),
-        "suffix": lambda: SuffixProposer(4096),
-        "draft": lambda: DraftModelProposer(ModelRunner(draft, max_rows=rows, max_context=512)),
-    }[method]()
-    config = EngineConfig(
-        num_draft_tokens=4 if proposer else 0, max_context=512, prefix_cache_bytes=cache_bytes, prefix_block=BLOCK
-    )
-    engine = SpeculativeEngine(ModelRunner(target, max_rows=rows, max_context=512), proposer, config)
+    engine = engine_for(target, method, rows, draft, prefix_cache_bytes=cache_bytes, prefix_block=BLOCK)
     engine.calibrate(context=16, repeats=0)  # the cache's tensors exist from here, as after a deployment's load
     return engine
 
