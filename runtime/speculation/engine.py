@@ -130,7 +130,9 @@ class SpeculativeEngine:
     def prefill(self, seq: Sequence, budget: int) -> StepOutput | None:
         """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
         t0 = time.perf_counter()
-        if seq.prefilled == 0 and self.prefix is not None:
+        # blocks hold what chunks of exactly a block wrote: a prompt cut otherwise neither reads nor keeps them
+        cached = self.prefix is not None and budget == self.prefix.block
+        if cached and seq.prefilled == 0:
             self._restore_prefix(seq)
         start = seq.prefilled
         chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
@@ -138,7 +140,7 @@ class SpeculativeEngine:
         if self.draft_model is not None:
             self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
         seq.prefilled += len(chunk)
-        if self.prefix is not None and budget == self.prefix.block:
+        if cached:
             self._keep_block(seq, start, len(chunk))
         self.stats.prefill_seconds += time.perf_counter() - t0
         if seq.prefilled < seq.prompt_len:
@@ -149,7 +151,8 @@ class SpeculativeEngine:
             _, token = self._accept(seq, [], None, lambda rows: logits[rows], rows, greedy(logits).tolist())
             seq.tokens.append(token)
             pa = seq.prediction.observe_first(token) if seq.prediction is not None else 0
-            return self._emit(seq, [token], pa=pa, logprobs=self._logprobs(seq, [token], lambda: logits[rows]))
+            logprobs = self._logprobs(seq, [token], lambda: logits[rows])
+            return self._emit(seq, [token], pa=pa, logprobs=logprobs, cached=seq.cached_tokens)
         except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or prediction: it ends alone
             return self._failed(seq, "sampling", exc)
 
@@ -431,7 +434,7 @@ class SpeculativeEngine:
         return self._emit(seq, emitted, k, n, pd, pa, gd, n if gd else 0, logprobs)
 
     def _emit(
-        self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0, gd=0, ga=0, logprobs=None
+        self, seq: Sequence, emitted: list[int], drafted=0, accepted=0, pd=0, pa=0, gd=0, ga=0, logprobs=None, cached=0
     ) -> StepOutput:
         for i, t in enumerate(emitted):
             if t in seq.stop_ids:
@@ -446,7 +449,6 @@ class SpeculativeEngine:
         self.stats.record_row(drafted, accepted, len(emitted))
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]
-        cached, seq.cached_tokens_told = (0, True) if seq.cached_tokens_told else (seq.cached_tokens, True)
         return StepOutput(emitted, seq.finish_reason, drafted, accepted, pd, pa, gd, ga, logprobs, cached_tokens=cached)
 
     # ---- load time ----

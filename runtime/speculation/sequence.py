@@ -59,7 +59,6 @@ class Sequence:
         self.row = -1
         self.prefilled = 0  # prompt tokens already in the caches
         self.cached_tokens = 0  # of those, tokens copied from the prefix cache rather than read
-        self.cached_tokens_told = False
         self._prefix_keys: list[bytes] = []
         self.acceptance = acceptance
         self.prediction = prediction

@@ -36,9 +36,9 @@ def _engine(models, method: str, rows: int, cache_bytes: int) -> SpeculativeEngi
     return engine
 
 
-def _run(engine, prompts, params) -> tuple[list[list[int]], list[int]]:
+def _run(engine, prompts, params, chunk: int = BLOCK) -> tuple[list[list[int]], list[int]]:
     """Every prompt at once; each one's output tokens and its prompt tokens read from the prefix cache."""
-    scheduler = Scheduler(engine, engine.max_rows, prefill_chunk=BLOCK)
+    scheduler = Scheduler(engine, engine.max_rows, prefill_chunk=chunk)
     seqs = [engine.new_sequence(p, params) for p in prompts]
     got, cached = {s.id: [] for s in seqs}, {s.id: 0 for s in seqs}
     for s in seqs:
@@ -117,3 +117,15 @@ def _a_block(engine):
         return engine.target.read_block(0, 0, BLOCK)
     finally:
         engine.target.set_length(0, 0)
+
+
+def test_a_prompt_read_in_other_chunks_never_starts_from_the_blocks(models):
+    """Blocks hold what 8-token chunks wrote; a prompt read 4 tokens at a time would have written other bits (the
+    products of a chunk round by its size), so it reads its whole prompt and keeps nothing."""
+    engine = _engine(models, "plain", 1, 1 << 30)
+    prompt = SHARED + [1, 2]
+    _run(engine, [prompt], GREEDY)
+    stored = engine.prefix.stats()["blocks"]
+    (out,), (cached,) = _run(engine, [prompt], GREEDY, chunk=4)
+    assert cached == 0 and engine.prefix.stats()["blocks"] == stored
+    assert out == _run(_engine(models, "plain", 1, 0), [prompt], GREEDY, chunk=4)[0][0]
