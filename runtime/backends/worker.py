@@ -118,6 +118,21 @@ class EngineWorker:
         """Has steps to take, or a stop to carry out (a drain that just ended must not wait for more mail)."""
         return self.scheduler.has_work() or self._stopping is not None
 
+    @property
+    def has_idle_work(self) -> bool:
+        """Work for when no deployment has requests (``Scheduler.idle``)."""
+        scheduler = self.scheduler
+        return scheduler is not None and self._stopping is None and scheduler.has_idle_work()
+
+    def idle_tick(self) -> None:
+        """A slice of idle work; a failure there is logged and the idle work dropped, never the deployment."""
+        try:
+            self.scheduler.idle()
+        except Exception:  # noqa: BLE001 - the prefix cache misses what it would have kept; requests are untouched
+            log.exception("deployment %s: reading finished answers into the prefix cache failed", self.name)
+            self.scheduler.answers.clear()
+            self.scheduler.abandon()
+
     def tick(self) -> bool:
         """Read the inbox, then take one step if there is work; False once the worker has exited."""
         try:
@@ -248,7 +263,8 @@ class EngineHost:
     def _run(self) -> None:
         while True:
             try:
-                worker = self._mail.get(block=not any(w.busy for w in self._workers))
+                idle = not any(w.busy or w.has_idle_work for w in self._workers)
+                worker = self._mail.get(block=idle)
             except queue.Empty:
                 worker = None
             while worker is not None:  # take all the mail: new workers join the round
@@ -266,6 +282,11 @@ class EngineHost:
                     alive = False
                 if not alive:
                     self._workers.remove(w)
+            if not any(w.busy for w in self._workers):  # no requests anywhere: one deployment's idle work
+                for w in self._workers:
+                    if w.has_idle_work:
+                        w.idle_tick()
+                        break
 
 
 def _deliver(sink: Sink, item: object) -> None:

@@ -186,16 +186,18 @@ class SlotCache(Cache):
         self.lengths[row] = start + n
 
     @torch.inference_mode()
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy row ``src`` into row ``dst`` (a finished sequence's row is refilled so the batch stays rows 0..B-1)."""
-        n = self.lengths[src]
+    def move_row(self, src: int, dst: int, pending: int = 0) -> None:
+        """Copy row ``src`` into row ``dst`` (a finished sequence's row is refilled so the batch stays rows 0..B-1),
+        with ``pending`` positions past its length that a prompt pass in progress has written."""
+        n = self.lengths[src] + pending
         if src != dst:
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.keys[dst, :, :n] = layer.keys[src, :, :n]
                     layer.values[dst, :, :n] = layer.values[src, :, :n]
-        self.lengths[dst] = n
-        self.lengths[src] = 0 if src != dst else n
+        self.lengths[dst] = self.lengths[src]
+        if src != dst:
+            self.lengths[src] = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.step.layout.kv_len if self.step else max(self.lengths)

@@ -161,17 +161,70 @@ def forward_with_features(
     cos, sin = inner.rotary_emb(x, positions[None])  # [1, T, dim] each
     taken = {}
     for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        q, k, v = attn.project(_rms_norm(x, layer.input_layernorm), cos, sin)
-        out = attend(i, attn, q, k, v)
-        x = x + attn.o_proj(out.reshape(1, x.shape[1], -1))
-        x = x + layer.mlp(_rms_norm(x, layer.post_attention_layernorm))
+        x = _mlp(layer, _attention(i, layer, x, cos, sin, attend))
         if i in features:
             taken[i] = x[0]
+    return _output(model, x, taken, features, keep, head)
+
+
+class LayeredPass:
+    """``forward_with_features`` a part of a layer at a time, for a prompt chunk read beside running streams: ``run``
+    goes on from the first part not yet run and stops between parts (a layer's attention, its MLP) once ``more()`` says
+    so. The same ops on the same tensors in the same order as one call, so the result has the same bits however the
+    pass is split. Between calls the caller owns the cache; ``attend`` must find it ready for this pass when ``run``
+    is called."""
+
+    def __init__(self, model, input_ids, positions, attend, keep=None, head=True, features: tuple[int, ...] = ()):
+        self.model, self.attend, self.keep, self.head, self.features = model, attend, keep, head, features
+        inner = model.model
+        self.x = inner.embed_tokens(input_ids)[None]  # [1, T, hidden]
+        self.cos, self.sin = inner.rotary_emb(self.x, positions[None])
+        self.taken: dict[int, torch.Tensor] = {}
+        self.parts = 0  # parts run: layer i's attention is part 2i, its MLP part 2i + 1
+
+    @property
+    def done(self) -> bool:
+        return self.parts == 2 * len(self.model.model.layers)
+
+    def run(self, more=None) -> bool:
+        """Run parts until the last, or until ``more()`` is false after one (None: to the last). Returns ``done``."""
+        layers = self.model.model.layers
+        while not self.done:
+            i, mlp = divmod(self.parts, 2)
+            if mlp:
+                self.x = _mlp(layers[i], self.x)
+                if i in self.features:
+                    self.taken[i] = self.x[0]
+            else:
+                self.x = _attention(i, layers[i], self.x, self.cos, self.sin, self.attend)
+            self.parts += 1
+            if more is not None and not more():
+                break
+        return self.done
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``forward_with_features`` returns, once ``done``."""
+        if not self.done:
+            raise RuntimeError(f"the pass has run {self.parts} of {2 * len(self.model.model.layers)} parts")
+        return _output(self.model, self.x, self.taken, self.features, self.keep, self.head)
+
+
+def _attention(i: int, layer: nn.Module, x: torch.Tensor, cos, sin, attend) -> torch.Tensor:
+    attn = layer.self_attn
+    q, k, v = attn.project(_rms_norm(x, layer.input_layernorm), cos, sin)
+    out = attend(i, attn, q, k, v)
+    return x + attn.o_proj(out.reshape(1, x.shape[1], -1))
+
+
+def _mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x + layer.mlp(_rms_norm(x, layer.post_attention_layernorm))
+
+
+def _output(model, x, taken: dict, features, keep, head) -> tuple[torch.Tensor, torch.Tensor | None]:
     states = torch.cat([taken[i] for i in features], dim=-1) if features else None  # [T, 3 * hidden]
     if keep is not None:
         x = x[:, keep]
-    x = _rms_norm(x, inner.norm)[0]  # [T, hidden]
+    x = _rms_norm(x, model.model.norm)[0]  # [T, hidden]
     return (model.lm_head(x) if head else x), states
 
 

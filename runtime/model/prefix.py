@@ -37,6 +37,7 @@ class PrefixStore:
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found (prefix_cache_hits)
         self.evictions = 0
+        self.from_answers = 0  # blocks read from finished requests' answers while idle (``engine.keep_answer``)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -79,4 +80,5 @@ class PrefixStore:
             "queries": self.queries,
             "hits": self.hits,
             "evictions": self.evictions,
+            "from_answers": self.from_answers,
         }

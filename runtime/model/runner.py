@@ -138,8 +138,9 @@ class ModelRunner:
     def set_length(self, row: int, length: int) -> None:
         self.cache.set_length(row, length)
 
-    def move_row(self, src: int, dst: int) -> None:
-        self.cache.move_row(src, dst)
+    def move_row(self, src: int, dst: int, pending: int = 0) -> None:
+        """pending: positions past the row's length that a ``PromptPass`` in progress has written (they move too)."""
+        self.cache.move_row(src, dst, pending)
 
     def read_block(self, row: int, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.cache.read_block(row, start, n)
@@ -169,9 +170,13 @@ class ModelRunner:
     def prefill(self, row: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A prompt chunk into ``row``: its last token's logits [1, vocab], and the chunk's layer features
         [len(tokens), layers * hidden] (None where the runner takes none)."""
-        scores = self.score(row, [tokens], last_only=True, prefill=True)
-        with prefill_pass(self._prefill_linears):
-            return scores.logits(), scores.features
+        chunk = self.begin_prefill(row, tokens)
+        chunk.run()
+        return chunk.result()
+
+    def begin_prefill(self, row: int, tokens: list[int]) -> PromptPass:
+        """``prefill``, run a part of a layer at a time by the caller (``PromptPass``)."""
+        return PromptPass(self, row, tokens)
 
     @torch.inference_mode()
     def score(
@@ -220,6 +225,68 @@ class ModelRunner:
             **{self.cache_kwarg: self.cache},
         ).logits[0]
         return Scores(self.model.lm_head, self.vocab_size, logits=logits)
+
+
+class PromptPass:
+    """A prompt chunk's pass into one row, resumable between parts of layers (``decoder.LayeredPass``): a long prompt
+    is read beside running streams a little at a time, with the bits one whole pass gives. Until its last part has
+    run, the row's length stays where it was and other rows may run passes of their own: the cache's step is this
+    pass's only while ``run`` runs. A model stepped through transformers' own forward runs whole on the first
+    ``run``."""
+
+    def __init__(self, runner: ModelRunner, row: int, tokens: list[int]):
+        self.runner, self.width = runner, len(tokens)
+        cache = runner.cache
+        self.layout = cache.begin(row, [len(tokens)], runner.device, runner.per_position)
+        self.step, cache.step = cache.step, None
+        self.input_ids = torch.tensor([tokens], dtype=torch.long, device=runner.device)
+        self.keep = torch.tensor([len(tokens) - 1], device=runner.device)
+        self.layers: decoder.LayeredPass | None = None
+        if runner.fused:
+            attend = decoder.cache_attention(cache, self.layout)
+            self.layers = decoder.LayeredPass(
+                runner.model, self.input_ids[0], self.step.positions, attend, self.keep, False, runner.features
+            )
+        self._result: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def row(self) -> int:
+        return self.layout.first
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    @torch.inference_mode()
+    def run(self, more=None) -> bool:
+        """Run layers until the last, or until ``more()`` is false after one (None: to the last). Returns ``done``."""
+        runner, cache = self.runner, self.runner.cache
+        cache.step = self.step
+        try:
+            with prefill_pass(runner._prefill_linears):  # the output layer is part of the pass
+                if self.layers is None:
+                    scores = runner._forward(self.input_ids, self.step.positions[None], self.layout, self.keep)
+                elif self.layers.run(more):
+                    hidden, features = self.layers.result()
+                    scores = Scores(runner.model.lm_head, runner.vocab_size, hidden=hidden, features=features)
+                else:
+                    return False
+                self._result = (scores.logits(), scores.features)
+        finally:
+            cache.step = None
+        cache.advance(self.row, [self.width])
+        return True
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last token's logits [1, vocab] and the chunk's layer features (or None), once ``done``."""
+        if self._result is None:
+            raise RuntimeError("the prompt pass has not run to its last layer")
+        return self._result
+
+    def move(self, dst: int) -> None:
+        """The row moved (``ModelRunner.move_row`` with this pass's ``width`` pending): the rest of the pass writes
+        and reads row ``dst``. The attention holds this layout, so it changes in place."""
+        self.layout.first = dst
 
 
 class FastPass(Protocol):

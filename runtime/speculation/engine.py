@@ -21,7 +21,7 @@ from typing import Sequence as Seq
 import torch
 
 from depctl_runtime.model.prefix import PrefixStore
-from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.model.runner import ModelRunner, PromptPass, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.params import GenerationParams
@@ -65,6 +65,15 @@ class Guess:
     prediction_start: int | None = None  # where in the prediction this step's guess starts (-1: none; None: not asked)
 
 
+@dataclass
+class _Reading:
+    """A prompt chunk being read a part of a layer at a time."""
+
+    seq: Sequence
+    chunk: PromptPass
+    start: int  # the chunk's first position
+
+
 class SpeculativeEngine:
     def __init__(
         self,
@@ -88,6 +97,9 @@ class SpeculativeEngine:
         self.prefix: PrefixStore | None = None
         if self.config.prefix_cache_bytes > 0 and not getattr(proposer, "needs_prompt_features", False):
             self.prefix = PrefixStore(self.config.prefix_cache_bytes, self.config.prefix_block)
+        # the prompt chunk whose pass is half-way through its layers (``prefill`` with ``more``), if any
+        self._reading: _Reading | None = None
+        self._answer: Sequence | None = None  # the finished sequence whose blocks row 0 holds (``keep_answer``)
         # computes grammar masks during the target pass (llguidance releases the GIL); it uses a row's matcher only
         # while the engine thread waits on that pass, so the two never touch one matcher at once
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="depctl-grammar")
@@ -127,22 +139,35 @@ class SpeculativeEngine:
         )
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, budget: int) -> StepOutput | None:
-        """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token."""
+    def prefill(self, seq: Sequence, budget: int, more: Callable[[], bool] | None = None) -> StepOutput | None:
+        """Feed up to ``budget`` more prompt tokens into ``seq``'s row; the last chunk yields its first token.
+
+        more: None reads the chunk whole; otherwise its pass stops between parts of layers (attention, MLP) once
+        ``more()`` is false, and the next call goes on with it (the same chunk, the same bits). Returns None until the
+        prompt is read."""
         t0 = time.perf_counter()
         # blocks hold what chunks of exactly a block wrote: a prompt cut otherwise neither reads nor keeps them
         cached = self.prefix is not None and budget == self.prefix.block
-        if cached and seq.prefilled == 0:
-            self._restore_prefix(seq)
-        start = seq.prefilled
-        chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
-        logits, features = self.target.prefill(seq.row, chunk)  # [1, vocab], [len(chunk), F] or None
-        if self.draft_model is not None:
-            self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
-        seq.prefilled += len(chunk)
-        if cached:
-            self._keep_block(seq, start, len(chunk))
+        reading = self._reading
+        if reading is not None and reading.seq is not seq:
+            raise RuntimeError(f"row {reading.chunk.row} is half-way through a prompt chunk of another sequence")
+        if reading is None:
+            if cached and seq.prefilled == 0:
+                self._restore_prefix(seq)
+            chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
+            reading = self._reading = _Reading(seq, self.target.begin_prefill(seq.row, chunk), seq.prefilled)
+        done = reading.chunk.run(more)
+        if done:
+            self._reading = None
+            logits, features = reading.chunk.result()  # [1, vocab], [len(chunk), F] or None
+            if self.draft_model is not None:
+                self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
+            seq.prefilled += reading.chunk.width
+            if cached:
+                self._keep_block(seq, reading.start, reading.chunk.width)
         self.stats.prefill_seconds += time.perf_counter() - t0
+        if not done:
+            return None
         if seq.prefilled < seq.prompt_len:
             return None
         # the first output token, chosen as a step with no drafts would choose it
@@ -155,6 +180,39 @@ class SpeculativeEngine:
             return self._emit(seq, [token], pa=pa, logprobs=logprobs, cached=seq.cached_tokens)
         except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or prediction: it ends alone
             return self._failed(seq, "sampling", exc)
+
+    @torch.inference_mode()
+    def keep_answer(self, seq: Sequence, more: Callable[[], bool] | None = None) -> bool:
+        """Idle time: put into the prefix store the whole blocks of a finished sequence's tokens, its prompt and its
+        answer, that the store lacks, so that a prompt going on from the answer (a conversation's next turn) starts
+        from them. The answer's own keys and values came from decode passes, which round differently from a prompt's
+        chunks, so they are read again here as a later prompt would read them: row 0 (free while idle), one chunk's
+        pass a call, stopping between parts of layers once ``more()`` is false. True once nothing is left to read; a
+        request that needs row 0 takes it back with ``release_row(0)``."""
+        store = self.prefix
+        block = store.block
+        reading = self._reading
+        if reading is not None and reading.seq is not seq:
+            raise RuntimeError(f"row {reading.chunk.row} is half-way through a prompt chunk of another sequence")
+        if reading is None:
+            whole = min(seq.answered, self.config.max_context) // block
+            keys = seq.prefix_keys(whole, block)
+            stored = len(store.lookup(keys))
+            if stored == whole:
+                return True
+            if self._answer is not seq or self.target.length(0) != stored * block:  # row 0 holds another prefix
+                self.target.set_length(0, 0)
+                for i, found in enumerate(store.lookup(keys[:stored])):
+                    self.target.write_block(0, i * block, found.tensors)
+                self._answer = seq
+            start = stored * block
+            chunk = self.target.begin_prefill(0, seq.tokens[start : start + block])
+            reading = self._reading = _Reading(seq, chunk, start)
+        if not reading.chunk.run(more):
+            return False
+        self._reading = None
+        store.from_answers += self._keep_block(seq, reading.start, block, row=0)
+        return False
 
     def _restore_prefix(self, seq: Sequence) -> None:
         """Start ``seq``'s row from the stored blocks of its prompt's longest stored prefix, leaving at least its last
@@ -169,14 +227,17 @@ class SpeculativeEngine:
             seq.prefilled = seq.cached_tokens = (i + 1) * block
         store.hits += seq.cached_tokens
 
-    def _keep_block(self, seq: Sequence, start: int, n: int) -> None:
-        """A chunk that filled a whole block at a block's place goes into the store (once)."""
+    def _keep_block(self, seq: Sequence, start: int, n: int, row: int | None = None) -> bool:
+        """A chunk that filled a whole block at a block's place goes into the store (once); row: where it was read, if
+        not ``seq``'s. Whether it was added."""
         block = self.prefix.block
         if n != block or start % block:
-            return
+            return False
         key = seq.prefix_keys(start // block + 1, block)[-1]
-        if key not in self.prefix:
-            self.prefix.add(key, self.target.read_block(seq.row, start, block))
+        if key in self.prefix:
+            return False
+        self.prefix.add(key, self.target.read_block(seq.row if row is None else row, start, block))
+        return True
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence]) -> list[StepOutput]:
@@ -239,11 +300,19 @@ class SpeculativeEngine:
         return outputs
 
     def move_row(self, src: int, dst: int) -> None:
-        self.target.move_row(src, dst)
+        pending = 0
+        if self._reading is not None and self._reading.chunk.row == src:
+            pending = self._reading.chunk.width
+            self._reading.chunk.move(dst)
+        self.target.move_row(src, dst, pending)
         if self.draft_model is not None:
             self.draft_model.move_row(src, dst)
 
     def release_row(self, row: int) -> None:
+        if self._reading is not None and self._reading.chunk.row == row:
+            self._reading = None
+        if row == 0:
+            self._answer = None
         self.target.set_length(row, 0)
         if self.draft_model is not None:
             self.draft_model.set_length(row, 0)

@@ -1,15 +1,21 @@
 """Continuous batching over one engine: which sequences run this step, and when prompts are prefilled.
 
 - Requests wait in arrival order (FIFO) until a row is free (at most ``max_batch_size`` run at once).
-- The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, one chunk per
-  iteration, before the running batch's step: running streams keep producing while a long prompt is read, at the
-  cost of one chunk's time per step. A separate pass rather than the chunk mixed into the batch's stream: a batch
-  whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a call per
-  row (``model.attention``), and a 128-token chunk would make every step ragged. With nothing running, every
-  chunk is read in the same iteration. A prompt is cut in the same places whatever the load: the cache a chunk leaves
-  depends on where it was cut (the chunks' products round differently), so a request's output cannot depend on when
-  it arrived. The last chunk's logits give the request its first token, and
-  the request joins the batch in the same iteration's step.
+- The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, before the
+  running batch's step. A prompt is cut in the same places whatever the load: the cache a chunk leaves depends on
+  where it was cut (the chunks' products round differently), so a request's output cannot depend on when it arrived.
+  With nothing running, every chunk is read in the same iteration. While streams run, an iteration gives the prompt
+  about ``prefill_share`` times the batch step's own time: a chunk's pass runs a few parts of layers (an attention,
+  an MLP), stops between two, and goes on in the next iteration (``engine.prefill`` with ``more``), so a running
+  stream's gap between tokens grows by that share, not by a whole chunk (a 128-token chunk of a long prompt is tens
+  of decode steps' time on a CPU). Stopping between parts changes no bits; cutting the chunk smaller would. A
+  separate pass rather than the chunk mixed into the batch's stream: a batch whose rows are equally wide (every plain
+  step) runs attention as one batched call, a ragged one as a call per row (``model.attention``), and a chunk would
+  make every step ragged. The last chunk's logits give the request its first token, and the request joins the batch
+  in the same iteration's step.
+- With the prefix cache on, idle time reads the last few finished requests' answers into it (``idle``), as a later
+  prompt's chunks would read them: a conversation's next turn then reads only what follows the answer. A request that
+  arrives takes the row back at once.
 - A finished or cancelled request leaves at once; the last running row moves into its place, so the batch is
   always rows 0..B-1 of every cache and a pass never touches an idle row.
 
@@ -19,6 +25,7 @@ The scheduler is not thread-safe: one thread owns it and its engine (see ``depct
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Iterator
 from typing import Sequence as Seq
@@ -27,20 +34,29 @@ from depctl_runtime.speculation.faults import RowFault
 from depctl_runtime.speculation.params import GenerationParams
 from depctl_runtime.speculation.sequence import Sequence, StepOutput
 
-PREFILL_CHUNK = 128  # tokens per prefill pass while others are decoding: a couple of decode steps' time
+PREFILL_CHUNK = 128  # tokens per prefill pass: where prompts are cut, and the prefix cache's block
+ANSWERS_KEPT = 8  # finished requests whose answers idle time reads into the prefix cache, the latest first
+IDLE_SLICE = 0.05  # seconds of idle work between looks at the inbox: what a new request may wait for it
+PREFILL_SHARE = 1.0  # prompt work per iteration while streams run, in batch steps' time: their token gaps at most ~2x
 
 
 class Scheduler:
-    def __init__(self, engine, max_batch_size: int, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(
+        self, engine, max_batch_size: int, prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE
+    ):
         if not 1 <= max_batch_size <= engine.max_rows:
             raise ValueError(f"max_batch_size must be in 1..{engine.max_rows} (the engine's cache rows)")
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
+        self.prefill_share = prefill_share
+        self.step_seconds = 0.0  # the running batch's last step, the measure of an iteration's prompt work
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[b].row == b
         self.prefilling: Sequence | None = None  # row len(running) while its prompt is read
         self._cancelled: set[int] = set()
+        self.answers: deque[Sequence] = deque(maxlen=ANSWERS_KEPT)  # for ``idle``, the latest first
+        self._idle_row = False  # ``idle`` has used row 0 since the last request
 
     @property
     def num_running(self) -> int:
@@ -65,6 +81,9 @@ class Scheduler:
         (every chunk when nothing else runs; a prompt read to its end joins the batch), then step the running batch.
         Returns each sequence's new output (a sequence whose output carries a finish_reason has left)."""
         out: list[tuple[Sequence, StepOutput]] = []
+        if self._idle_row:  # requests first: idle work gives row 0 back
+            self.engine.release_row(0)
+            self._idle_row = False
         if self._cancelled:
             self._drop_cancelled(out)
         if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
@@ -72,7 +91,12 @@ class Scheduler:
             self.prefilling.row = len(self.running)
         if self.prefilling is not None:  # before the step: a short prompt's first token does not wait a step
             seq = self.prefilling
-            o = self.engine.prefill(seq, self.prefill_chunk)
+            if self.running:  # a share of a step's time, stopping between parts of layers
+                o = self.engine.prefill(
+                    seq, self.prefill_chunk, more=self._within(self.prefill_share * self.step_seconds)
+                )
+            else:
+                o = self.engine.prefill(seq, self.prefill_chunk)
             while o is None and not self.running:  # idle: every chunk now, cut where a busy deployment cuts
                 o = self.engine.prefill(seq, self.prefill_chunk)
             if o is not None:
@@ -83,11 +107,40 @@ class Scheduler:
                 else:
                     self.running.append(seq)
         if self.running:
-            for seq, o in zip(list(self.running), self.engine.step(self.running)):
+            t0 = time.perf_counter()
+            outputs = self.engine.step(self.running)
+            self.step_seconds = time.perf_counter() - t0
+            for seq, o in zip(list(self.running), outputs):
                 out.append((seq, o))
                 if o.finish_reason:
                     self._leave(seq)
         return out
+
+    def has_idle_work(self) -> bool:
+        return bool(self.answers)
+
+    def idle(self, seconds: float = IDLE_SLICE) -> None:
+        """With no request to serve: about ``seconds`` of reading the latest finished answer into the prefix cache
+        (``engine.keep_answer``), stopping between parts of layers; the next ``step`` takes row 0 back."""
+        if self.has_work() or not self.answers:
+            return
+        self._idle_row = True
+        if self.engine.keep_answer(self.answers[0], more=self._within(seconds)):
+            self.answers.popleft()
+
+    @staticmethod
+    def _within(seconds: float):
+        """``more`` for a prompt pass: another part of a layer only if one more of the parts' mean time still fits."""
+        start = time.perf_counter()
+        parts = 0
+
+        def more() -> bool:
+            nonlocal parts
+            parts += 1
+            spent = time.perf_counter() - start
+            return spent + spent / parts <= seconds
+
+        return more
 
     def abandon(self) -> list[Sequence]:
         """After a step whose shared work failed (the target's pass, a draft model's forward: not one row's part):
@@ -132,6 +185,8 @@ class Scheduler:
         if seq.finish_reason is None:
             seq.finish_reason = "cancelled"
         self.engine.finish(seq)
+        if self.engine.prefix is not None and seq.finish_reason in ("stop", "length") and seq.produced:
+            self.answers.appendleft(seq)
 
     # ---- run to the end in the calling thread (tests, benchmarks) ----
     def run_all(self, prompts: list[Seq[int]], params: GenerationParams) -> list[list[int]]:

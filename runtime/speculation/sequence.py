@@ -92,6 +92,15 @@ class Sequence:
         return cache_scope(self.params).encode()
 
     @property
+    def answered(self) -> int:
+        """Tokens of the prompt and the answer as the client got it, its stop token included: a step may have
+        accepted drafts past a stop, which are not part of it."""
+        for i in range(self.prompt_len, len(self.tokens)):
+            if self.tokens[i] in self.stop_ids:
+                return i + 1
+        return len(self.tokens)
+
+    @property
     def produced(self) -> int:
         return len(self.tokens) - self.prompt_len
 

@@ -739,3 +739,29 @@ def test_a_repeated_prefix_is_read_from_the_cache_only_by_its_own_tenant_and_sal
         assert other.usage.prompt_tokens_details.cached_tokens == 0, extra
         assert other.choices[0].message.content == first.choices[0].message.content
     assert hits() == before
+
+
+def test_a_conversations_next_turn_finds_the_answer_read_while_idle(client, daemon):
+    """While no request runs, the daemon reads the last answer into the prefix cache: the next turn, which sends that
+    answer back, reads only what follows it, and answers as without the cache."""
+    messages = [{"role": "system", "content": "Say what comes next. " * 10}, {"role": "user", "content": "xyzxyz"}]
+    first = client.chat.completions.create(model="plain", messages=messages, max_tokens=150, **GREEDY)
+    answer = first.choices[0].message.content
+    read_before = first.usage.prompt_tokens // 128 * 128  # the whole blocks of the first prompt
+    # the byte-level tiny model's answer goes back as the same tokens when it is ASCII (its head prefers ASCII)
+    assert first.usage.completion_tokens == 150 and answer.isascii()
+    whole = (first.usage.prompt_tokens + 150) // 128 * 128  # the whole blocks of the prompt and its answer
+    blocks = (whole - read_before) // 128
+    assert blocks >= 1
+    wait_until(
+        lambda: daemon.get("/depctl/v1/deployments/plain").json()["prefix_cache"]["from_answers"] >= blocks,
+        "the answer's blocks read while idle",
+    )
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model="plain", messages=messages, max_tokens=8, **GREEDY)
+    assert second.usage.prompt_tokens_details.cached_tokens == whole
+    uncached = client.chat.completions.create(
+        model="plain", messages=messages, max_tokens=8, **GREEDY, extra_body={"cache_salt": "elsewhere"}
+    )
+    assert uncached.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message.content == uncached.choices[0].message.content

@@ -112,3 +112,26 @@ def test_the_loader_fuses_before_the_precision_surgery(tiny_model_dir):
     layer = loaded.target.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.gate_up_proj, QuantizedLinear)
     assert loaded.engine.target.fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_pass_stopped_within_layers_has_the_bits_of_one_pass(dtype):
+    model = tiny_llama(3, layers=3).to(dtype)
+    fuse_projections(model)
+    whole, split = ModelRunner(model, max_rows=2), ModelRunner(copy.deepcopy(model), max_rows=2)
+    for runner in (whole, split):
+        runner.prefill(0, list(range(10, 30)))
+        runner.forward(1, [[5, 6, 7]])
+    logits, _ = whole.prefill(0, list(range(40, 72)))
+    chunk = split.begin_prefill(0, list(range(40, 72)))
+    runs = 0
+    while not chunk.run(more=lambda: False):  # half a layer a call, other rows' passes in between
+        split.forward(1, [[8 + runs]])
+        runs += 1
+    assert runs == 2 * len(model.model.layers) - 1
+    assert torch.equal(chunk.result()[0], logits)
+    assert whole.length(0) == split.length(0) == 52
+    for a, b in zip(whole.cache.layers, split.cache.layers):
+        assert torch.equal(a.keys[0, :, :52], b.keys[0, :, :52]) and torch.equal(
+            a.values[0, :, :52], b.values[0, :, :52]
+        )

@@ -129,3 +129,51 @@ def test_a_prompt_read_in_other_chunks_never_starts_from_the_blocks(models):
     (out,), (cached,) = _run(engine, [prompt], GREEDY, chunk=4)
     assert cached == 0 and engine.prefix.stats()["blocks"] == stored
     assert out == _run(_engine(models, "plain", 1, 0), [prompt], GREEDY, chunk=4)[0][0]
+
+
+def _turn(scheduler, prompt, params) -> tuple[list[int], int]:
+    """One request through a scheduler that lives across turns: its output tokens and prompt tokens found cached."""
+    seq = scheduler.engine.new_sequence(prompt, params)
+    scheduler.add(seq)
+    got, cached = [], 0
+    while scheduler.has_work():
+        for s, o in scheduler.step():
+            got += o.token_ids
+            cached += o.cached_tokens
+    return got, cached
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_idle_time_reads_each_answer_so_the_next_turn_starts_after_it(fused_target, models, method, params):
+    models = (fused_target, models[1])  # depctl's own forward: its passes stop within layers
+    engine, reference = _engine(models, method, 2, 1 << 30), _engine(models, method, 1, 0)
+    scheduler = Scheduler(engine, 2, prefill_chunk=BLOCK)
+    prompt, expected_cached = list(SHARED), 0
+    for turn in range(4):
+        out, cached = _turn(scheduler, prompt, params)
+        (want,), _ = _run(reference, [prompt], params)
+        assert out == want and cached == expected_cached, turn
+        slices = 0
+        while scheduler.has_idle_work():  # slices of no time: each stops after one part of a layer
+            scheduler.idle(seconds=0)
+            slices += 1
+        assert slices > 2 * len(models[0].model.layers)
+        answered = prompt + out
+        expected_cached = (len(answered) // BLOCK) * BLOCK  # the answer's whole blocks too, not only the prompt's
+        prompt = answered + [60 + turn, 61, 62]
+    assert engine.prefix.stats()["from_answers"] > 0
+
+
+def test_a_request_arriving_while_an_answer_is_read_takes_the_row_back(fused_target, models):
+    models = (fused_target, models[1])
+    engine, reference = _engine(models, "ngram", 1, 1 << 30), _engine(models, "ngram", 1, 0)
+    scheduler = Scheduler(engine, 1, prefill_chunk=BLOCK)
+    first, _ = _turn(scheduler, SHARED, GREEDY)
+    scheduler.idle(seconds=0)  # half-way through the first block that is not stored
+    assert engine._reading is not None
+    for prompt in (SHARED + first + [60, 61], [5, 6, 7]):  # the conversation's next turn, and another request
+        out, _ = _turn(scheduler, prompt, GREEDY)
+        (want,), _ = _run(reference, [prompt], GREEDY)
+        assert out == want
+    assert all(length == 0 for length in engine.target.cache.lengths)

@@ -175,10 +175,11 @@ def _prefill_chunks(engine):
     """Record every prefill pass's (sequence id, first prompt position, tokens) on ``engine``."""
     calls, prefill = [], engine.prefill
 
-    def spy(seq, budget):
+    def spy(seq, budget, more=None):
         before = seq.prefilled
-        out = prefill(seq, budget)
-        calls.append((seq.id, before, seq.prefilled - before))
+        out = prefill(seq, budget, more)
+        if seq.prefilled != before or out is not None:  # a chunk's pass ran to its last layer
+            calls.append((seq.id, before, seq.prefilled - before))
         return out
 
     engine.prefill = spy
@@ -209,3 +210,39 @@ def test_half_precision_long_prompts_are_the_same_alone_and_arriving_under_load(
     solo = [Scheduler(engine(1), 1, prefill_chunk=32).run_all([p], params)[0] for p in prompts]
     got, _ = drive(Scheduler(engine(4), 4, prefill_chunk=32), [(3 * i, p, params) for i, p in enumerate(prompts)])
     assert [got[i] for i in range(len(prompts))] == solo
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+def test_a_prompt_read_a_layer_at_a_time_beside_running_streams_is_exact(fused_target, draft, method):
+    # prefill_share=0: every iteration runs half a layer of the prompt's chunk, then the batch's step; streams leave
+    # (their rows move, the half-read one with them) and one is cancelled while a chunk is half-way through
+    engine = engine_for(fused_target, method, 3, draft)
+    scheduler = Scheduler(engine, 3, prefill_chunk=16, prefill_share=0.0)
+    long_prompts = [list(range(30, 100)), list(range(140, 180))]
+    arrivals = [
+        (0, PROMPTS[0], GenerationParams(max_tokens=6, ignore_eos=True)),
+        (0, PROMPTS[1], GenerationParams(max_tokens=40, ignore_eos=True)),
+        (1, long_prompts[0], GenerationParams(max_tokens=12, ignore_eos=True)),
+        (2, PROMPTS[2], GenerationParams(max_tokens=9, ignore_eos=True)),
+        (3, long_prompts[1], GenerationParams(max_tokens=12, ignore_eos=True)),
+        (4, PROMPTS[3], GenerationParams(max_tokens=30, ignore_eos=True)),
+    ]
+    half_read = []
+    step = scheduler.step
+
+    def watched():
+        out = step()
+        half_read.append(engine._reading is not None)
+        return out
+
+    scheduler.step = watched
+    got, finish = drive(scheduler, arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(fused_target, prompt, params), i
+    assert sum(half_read) >= 2 * len(fused_target.model.layers)  # chunks did stop within layers
+    cancelled = engine_for(fused_target, method, 3, draft)
+    scheduler = Scheduler(cancelled, 3, prefill_chunk=16, prefill_share=0.0)
+    got, finish = drive(scheduler, arrivals[:3] + arrivals[4:], cancel_at={2: 3})
+    assert finish[2] == "cancelled" and cancelled._reading is None
+    assert got[3] == solo(fused_target, long_prompts[1], arrivals[4][2])
+    assert all(length == 0 for length in cancelled.target.cache.lengths)
