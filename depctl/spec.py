@@ -45,6 +45,9 @@ MAX_SUFFIX_CACHE_TOKENS = 1 << 26
 # who shares suffix speculation's drafts: "user" (the default) indexes each (API key, `user` field) apart, so
 # drafts, counts and timing never depend on another user's requests; "deployment" shares one index (opt-in)
 SuffixScope = Literal["user", "deployment"]
+# who shares the prefix cache's prompt blocks: "user" (the default) keys them by API key and `user` field, so no
+# user's time to first token tells what another sent; "deployment" shares them (opt-in). A cache_salt always separates
+PrefixCacheScope = Literal["user", "deployment"]
 MAX_BATCH_SIZE = 256
 DEFAULT_BATCH_SIZE = 8
 ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -141,6 +144,7 @@ class DeploymentSpec(_Strict):
     # bytes of prompt blocks kept for later prompts of the same tenant that start the same way (depctl's engine);
     # None: a tenth of the memory free after loading, at most 1 GiB; 0: none
     prefix_cache_bytes: int | None = Field(None, ge=0)
+    prefix_cache_scope: PrefixCacheScope = "user"
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 

@@ -52,6 +52,7 @@ DraftPrecision = _choices("DraftPrecision", spec_module.DraftPrecision)
 Quantization = _choices("Quantization", spec_module.Quantization)
 Engine = _choices("Engine", spec_module.Engine)
 SuffixScope = _choices("SuffixScope", spec_module.SuffixScope)
+PrefixCacheScope = _choices("PrefixCacheScope", spec_module.PrefixCacheScope)
 
 
 # Shared option declarations: bounds live in depctl.spec and are documented in README.md ("Flags").
@@ -175,6 +176,14 @@ PREFIX_CACHE = typer.Option(
     help="Memory for prompt blocks already read, so a prompt that starts as an earlier one of the same tenant did "
     "reads only the rest (512MiB, 2GiB; off: none). auto (the default): a tenth of the memory free after loading, "
     "at most 1 GiB. depctl's engine.",
+)
+PREFIX_CACHE_SCOPE = typer.Option(
+    None,
+    "--prefix-cache-scope",
+    metavar="[user|deployment]",
+    help="Who finds the prompt blocks a request leaves in the prefix cache. user (the default): requests with the "
+    "same API key and `user` field only, so no user learns from time to first token what another sent; deployment: "
+    "everyone (a system prompt shared by all users is read once). A request's cache_salt always keeps it apart.",
 )
 RECORD_HELP = (
     "Keep the prompts this deployment serves (chat messages up to the last user turn, completion prompts; never "
@@ -353,6 +362,7 @@ def create(
     ray_address: Optional[str] = RAY,
     keep_alive: Optional[str] = KEEP_ALIVE,
     prefix_cache_size: Optional[str] = PREFIX_CACHE,
+    prefix_cache_scope: Optional[PrefixCacheScope] = PREFIX_CACHE_SCOPE,
     record_prompts: bool = typer.Option(False, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     validate_only: bool = typer.Option(
         False, "--validate-only", help="Print the spec that would be written; write nothing."
@@ -401,6 +411,7 @@ def create(
             keep_alive=parse_duration(keep_alive) if keep_alive is not None else None,
             record_prompts=record_prompts,
             prefix_cache_bytes=parse_size(prefix_cache_size) if prefix_cache_size is not None else None,
+            prefix_cache_scope=(prefix_cache_scope or PrefixCacheScope.user).value,
         )
     )
     _check_device(spec.device, spec.engine)
@@ -477,6 +488,7 @@ def update(
     ray_address: Optional[str] = RAY,
     keep_alive: Optional[str] = KEEP_ALIVE,
     prefix_cache_size: Optional[str] = PREFIX_CACHE,
+    prefix_cache_scope: Optional[PrefixCacheScope] = PREFIX_CACHE_SCOPE,
     record_prompts: Optional[bool] = typer.Option(None, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
@@ -510,6 +522,7 @@ def update(
         "pipeline_parallel_size": pipeline_parallel_size,
         "ray_address": ray_address,
         "record_prompts": record_prompts,
+        "prefix_cache_scope": prefix_cache_scope and prefix_cache_scope.value,
     }
     others = {k: v for k, v in others.items() if v is not None}
     if keep_alive is not None:
@@ -525,7 +538,7 @@ def update(
             "--draft-token-count, --suffix-cache-tokens, --suffix-scope, --draft-precision, "
             "--disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, --quantization, "
             "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
-            "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size or "
+            "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size, --prefix-cache-scope or "
             "--record-prompts/--no-record-prompts",
         )
     checked = _checked(

@@ -135,10 +135,12 @@ def _prefix_cell(d: _Detail) -> str | None:
     if not cache:
         return None
     rate = cache["hits"] / cache["queries"] if cache["queries"] else None
+    shared = ", shared by all users" if d.r.get("prefix_cache_scope") == "deployment" else ""
+    answers = f", {cache['from_answers']} read from answers while idle" if cache.get("from_answers") else ""
     return (
-        f"{cache['blocks']} blocks of {cache['block_tokens']} tokens, {fmt_bytes(cache['bytes'])} of "
+        f"{cache['blocks']} blocks of {cache['block_tokens']} tokens{shared}, {fmt_bytes(cache['bytes'])} of "
         f"{fmt_bytes(cache['budget_bytes'])}; {cache['hits']} of {cache['queries']} prompt tokens found "
-        f"({fmt_rate(rate)}), {cache['evictions']} blocks evicted"
+        f"({fmt_rate(rate)}), {cache['evictions']} blocks evicted{answers}"
     )
 
 

@@ -321,6 +321,7 @@ class Service:
             logprobs=req.logprobs_count,
             tenant=Tenant(key, req.user or ""),  # the key presented (a digest) and the user field
             cache_salt=req.cache_salt or "",
+            cache_shared=backend.spec.prefix_cache_scope == "deployment",
         )
         request = GenerateRequest(list(prompt_ids), params, tuple(req.stop_strings), constraint)
         return Job(kind, dep_id, req.model, request, backend)  # not runnable before ``prepare``

@@ -6,10 +6,10 @@ load (``speculation.scheduler``), so a block read from the store holds the very 
 again: a request that starts from stored blocks gets the same output as one that reads its whole prompt.
 
 Blocks are named by the caller (a digest of the tenant and every token up to the block's end, so a block is found
-only after the same whole prefix) and evicted least recently used first within a byte budget. A lookup walks a
-prefix's blocks from the first and stops at the first it misses, and touches each it finds, so a block is never
-more recently used than its parent and eviction takes the tails of prefixes first. Rows hold copies, never
-references: nothing running pins a block, and eviction is always possible.
+only after the same whole prefix) and evicted least recently used first within a byte budget. A block is useless
+without its parent (a lookup stops at the first block it misses), so the parents of a block added or found are
+touched after it: a block is never more recently used than its parent, and eviction takes the tails of prefixes
+first. Rows hold copies, never references: nothing running pins a block, and eviction is always possible.
 
 One engine thread uses it; ``stats`` may be read from any thread.
 """
@@ -49,23 +49,29 @@ class PrefixStore:
             block = self._blocks.get(key)
             if block is None:
                 break
-            self._blocks.move_to_end(key)
             found.append(block)
+        self._touch(keys[: len(found)])
         return found
 
-    def add(self, key: bytes, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in tensors)
-        if nbytes > self.budget_bytes:
-            return
-        while self._blocks and self.bytes + nbytes > self.budget_bytes:
-            _, old = self._blocks.popitem(last=False)
-            self.bytes -= old.nbytes
-            self.evictions += 1
-        self._blocks[key] = Block(tensors, nbytes)
-        self.bytes += nbytes
+    def add(self, key: bytes, tensors: list[tuple[torch.Tensor, torch.Tensor]], parents: list[bytes] = ()) -> None:
+        """Keep a block; parents: the keys of the blocks before it in its prefix, from the first."""
+        if key not in self._blocks:
+            nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in tensors)
+            if nbytes > self.budget_bytes:
+                return
+            while self._blocks and self.bytes + nbytes > self.budget_bytes:
+                _, old = self._blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.evictions += 1
+            self._blocks[key] = Block(tensors, nbytes)
+            self.bytes += nbytes
+        self._touch([*parents, key])
+
+    def _touch(self, keys: list[bytes]) -> None:
+        """Make a prefix's blocks the most recently used, its first block most of all."""
+        for key in reversed(keys):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
 
     def clear(self) -> None:
         self._blocks.clear()

@@ -148,6 +148,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         # blocks hold what chunks of exactly a block wrote: a prompt cut otherwise neither reads nor keeps them
         cached = self.prefix is not None and budget == self.prefix.block
+        if self._answer is not None and seq.row == 0:  # idle work (``keep_answer``) held row 0: requests come first
+            self.release_row(0)
         reading = self._reading
         if reading is not None and reading.seq is not seq:
             raise RuntimeError(f"row {reading.chunk.row} is half-way through a prompt chunk of another sequence")
@@ -187,8 +189,8 @@ class SpeculativeEngine:
         answer, that the store lacks, so that a prompt going on from the answer (a conversation's next turn) starts
         from them. The answer's own keys and values came from decode passes, which round differently from a prompt's
         chunks, so they are read again here as a later prompt would read them: row 0 (free while idle), one chunk's
-        pass a call, stopping between parts of layers once ``more()`` is false. True once nothing is left to read; a
-        request that needs row 0 takes it back with ``release_row(0)``."""
+        pass a call, stopping between parts of layers once ``more()`` is false. True once nothing is left to read; the
+        next request's ``prefill`` takes row 0 back, dropping a chunk half read."""
         store = self.prefix
         block = store.block
         reading = self._reading
@@ -197,15 +199,16 @@ class SpeculativeEngine:
         if reading is None:
             whole = min(seq.answered, self.config.max_context) // block
             keys = seq.prefix_keys(whole, block)
-            stored = len(store.lookup(keys))
-            if stored == whole:
-                return True
-            if self._answer is not seq or self.target.length(0) != stored * block:  # row 0 holds another prefix
+            if self._answer is not seq:  # row 0 starts from what the store holds of this sequence
                 self.target.set_length(0, 0)
-                for i, found in enumerate(store.lookup(keys[:stored])):
-                    self.target.write_block(0, i * block, found.tensors)
                 self._answer = seq
-            start = stored * block
+            # the row only grows, so blocks evicted behind it (a budget smaller than the sequence) are never read again
+            start = self.target.length(0)
+            for found in store.lookup(keys[start // block :]):
+                self.target.write_block(0, start, found.tensors)
+                start += block
+            if start == whole * block:
+                return True
             chunk = self.target.begin_prefill(0, seq.tokens[start : start + block])
             reading = self._reading = _Reading(seq, chunk, start)
         if not reading.chunk.run(more):
@@ -233,10 +236,10 @@ class SpeculativeEngine:
         block = self.prefix.block
         if n != block or start % block:
             return False
-        key = seq.prefix_keys(start // block + 1, block)[-1]
+        *parents, key = seq.prefix_keys(start // block + 1, block)
         if key in self.prefix:
             return False
-        self.prefix.add(key, self.target.read_block(seq.row if row is None else row, start, block))
+        self.prefix.add(key, self.target.read_block(seq.row if row is None else row, start, block), parents)
         return True
 
     @torch.inference_mode()

@@ -79,11 +79,13 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; n: each token's log-probability and the n most likely (0-20)
     tenant: Tenant = Tenant()
     cache_salt: str = ""  # requests with different salts never share cached prompt blocks (vLLM's field)
+    cache_shared: bool = False  # the deployment shares cached prompt blocks across tenants (its owner's opt-in)
 
 
 def cache_scope(params: GenerationParams) -> str:
     """Who may share cached prompt blocks with this request: a digest of its tenant (the API key's digest and the
     user) and its cache salt. Our prefix cache names blocks under it, and a vLLM deployment gets it as the request's
-    ``cache_salt``, so neither lets one tenant's time to first token tell another what was sent before."""
-    tenant = params.tenant
+    ``cache_salt``, so neither lets one tenant's time to first token tell another what was sent before. A deployment
+    whose owner chose to share them across tenants (``cache_shared``) keeps only the salt apart."""
+    tenant = Tenant() if params.cache_shared else params.tenant
     return hashlib.sha256(f"{tenant.key}\0{tenant.user}\0{params.cache_salt}".encode()).hexdigest()

@@ -56,7 +56,6 @@ class Scheduler:
         self.prefilling: Sequence | None = None  # row len(running) while its prompt is read
         self._cancelled: set[int] = set()
         self.answers: deque[Sequence] = deque(maxlen=ANSWERS_KEPT)  # for ``idle``, the latest first
-        self._idle_row = False  # ``idle`` has used row 0 since the last request
 
     @property
     def num_running(self) -> int:
@@ -81,9 +80,6 @@ class Scheduler:
         (every chunk when nothing else runs; a prompt read to its end joins the batch), then step the running batch.
         Returns each sequence's new output (a sequence whose output carries a finish_reason has left)."""
         out: list[tuple[Sequence, StepOutput]] = []
-        if self._idle_row:  # requests first: idle work gives row 0 back
-            self.engine.release_row(0)
-            self._idle_row = False
         if self._cancelled:
             self._drop_cancelled(out)
         if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
@@ -121,10 +117,9 @@ class Scheduler:
 
     def idle(self, seconds: float = IDLE_SLICE) -> None:
         """With no request to serve: about ``seconds`` of reading the latest finished answer into the prefix cache
-        (``engine.keep_answer``), stopping between parts of layers; the next ``step`` takes row 0 back."""
+        (``engine.keep_answer``), stopping between parts of layers; the next request takes row 0 back."""
         if self.has_work() or not self.answers:
             return
-        self._idle_row = True
         if self.engine.keep_answer(self.answers[0], more=self._within(seconds)):
             self.answers.popleft()
 

@@ -793,3 +793,24 @@ def test_a_bad_prefix_cache_size_names_the_flag_and_the_forms(depctl_home):
     text = " ".join(result.output.split())
     assert "--prefix-cache-size must be a size such as 512MiB or 2GiB (or auto, or off), got 'lots'" in text
     assert not list((depctl_home / "deployments").glob("*.yaml"))
+
+
+def test_the_prefix_cache_scope_is_per_user_unless_the_owner_shares_it(depctl_home, monkeypatch):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+    from depctl.spec import DeploymentSpec
+    from depctl.store import SpecStore
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)  # the spec is the point here, not loading it
+
+    result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "dep", "--validate-only")
+    assert yaml.safe_load(result.stdout)["prefix_cache_scope"] == "user"
+    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct"))
+    run("deployment", "update", "dep", "--no-wait", "--prefix-cache-scope", "deployment")
+    assert SpecStore().get("dep").prefix_cache_scope == "deployment"
+    bad = run("deployment", "update", "dep", "--no-wait", "--prefix-cache-scope", "everyone")
+    assert bad.exit_code != 0 and "--prefix-cache-scope" in " ".join(bad.stderr.split())
+    assert SpecStore().get("dep").prefix_cache_scope == "deployment"

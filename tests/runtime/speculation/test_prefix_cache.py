@@ -94,18 +94,34 @@ def test_blocks_are_found_only_by_the_same_tenant_and_salt(models):
     assert cached == 3 * BLOCK
 
 
+def test_a_deployment_that_shares_its_cache_keeps_only_salts_apart(models):
+    engine = _engine(models, "plain", 1, 1 << 30)
+    prompt = SHARED + [1, 2]
+    shared = dataclasses.replace(GREEDY, cache_shared=True)
+    _run(engine, [prompt], dataclasses.replace(shared, tenant=Tenant(key="alice-key")))
+    _, (cached,) = _run(engine, [prompt], dataclasses.replace(shared, tenant=Tenant(key="bob-key", user="b")))
+    assert cached == 3 * BLOCK
+    _, (cached,) = _run(engine, [prompt], dataclasses.replace(shared, cache_salt="private"))
+    assert cached == 0
+
+
 def test_the_store_keeps_to_its_budget_evicting_the_least_recently_used(models):
     engine = _engine(models, "plain", 1, 1)
     _run(engine, [SHARED], GREEDY)
     assert engine.prefix.stats()["blocks"] == 0, "a budget smaller than a block keeps none"
     per_block = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in _a_block(engine))
     engine = _engine(models, "plain", 1, 5 * per_block)
-    for i in range(10):  # 10 distinct prompts of 3 whole blocks each: six times the budget
-        _run(engine, [[i + 1] * 25], GREEDY)
+    scheduler = Scheduler(engine, 1, prefill_chunk=BLOCK)
+    for i in range(17):  # 17 distinct prompts of 3 whole blocks each, their answers read while idle: 10x the budget
+        _turn(scheduler, [i + 1] * 25, GREEDY)
         assert engine.prefix.stats()["bytes"] <= 5 * per_block
+        while scheduler.has_idle_work():
+            scheduler.idle()
+            assert engine.prefix.stats()["bytes"] <= 5 * per_block
     stats = engine.prefix.stats()
-    assert stats["blocks"] == 5 and stats["evictions"] == 25
-    _, (cached,) = _run(engine, [[10] * 25], GREEDY)  # the most recent prompt's blocks are still there
+    assert stats["from_answers"] == 17 * 3  # each answer's 24 tokens end the 4th block and fill the 5th and 6th
+    assert stats["blocks"] == 5 and stats["blocks"] + stats["evictions"] == 17 * 6
+    _, (cached,) = _run(engine, [[17] * 25], GREEDY)  # the most recent prompt's blocks are still there
     assert cached == 3 * BLOCK
     _, (cached,) = _run(engine, [[1] * 25], GREEDY)  # the oldest's are gone
     assert cached == 0
