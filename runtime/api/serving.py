@@ -375,8 +375,7 @@ class Service:
                         job.usage = self._usage(
                             job, completion, drafted, accepted, pred_accepted, grammar_drafted, grammar_accepted
                         )
-                        if job.backend.per_request_speculation:  # depctl's engine: it knows what it read
-                            job.usage["prompt_tokens_details"] = {"cached_tokens": cached}
+                        job.usage["prompt_tokens_details"] = {"cached_tokens": cached}
                         return
             status = "cancelled"
         except Interrupted:

@@ -244,7 +244,7 @@ class VLLMBackend:
             asyncio.ensure_future(upstream.aclose())
 
         cut.add_done_callback(on_cut)
-        counted, final, completion = 0, None, None
+        counted, final, completion, cached = 0, None, None, 0
         try:
             if upstream.status_code != 200:
                 raise upstream_error(upstream.status_code, await upstream.aread())
@@ -268,9 +268,10 @@ class VLLMBackend:
                         final = delta
                 elif chunk.get("usage"):
                     completion = chunk["usage"].get("completion_tokens")
+                    cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
             if final is not None:
                 extra = completion - counted if completion is not None else 0
-                yield dataclasses.replace(final, tokens=final.tokens + extra)
+                yield dataclasses.replace(final, tokens=final.tokens + extra, cached_tokens=cached)
         except (httpx.HTTPError, httpx.StreamError) as exc:
             if cut.done():
                 raise Interrupted() from None
@@ -424,6 +425,7 @@ class VLLMBackend:
             "--port",
             str(self.port),
             "--disable-uvicorn-access-log",
+            "--enable-prompt-tokens-details",  # its prefix cache's hits, passed on as usage.prompt_tokens_details
             *args,
         ]
         env = {

@@ -114,6 +114,7 @@ def test_serves_through_the_daemon_with_depctls_ids_errors_and_counters(
         # under speculation a chunk may carry several tokens: the count is vLLM's, not the chunks'
         r = client.completions.create(model="v", prompt="abc", max_tokens=7)
         assert r.choices[0].text == "hello from vllm" and r.usage.completion_tokens == 7
+        assert r.usage.prompt_tokens_details.cached_tokens == 3  # vLLM's prefix cache, as vLLM counted it
 
         bodies = [json.loads(line) for line in (tmp_path / "bodies.jsonl").read_text().splitlines()]
         assert all(b["model"] == "v" and "speculate" not in b for b in bodies)

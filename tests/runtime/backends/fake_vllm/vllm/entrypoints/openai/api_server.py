@@ -67,7 +67,9 @@ def make_handler(args):
             words = ["hello", " from", " vllm"]
             # max_tokens=7: as under speculation, a chunk carries several tokens (3 chunks, 7 tokens)
             done = 7 if body.get("max_tokens") == 7 else 3
-            usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done, "prompt_tokens_details": None}
+            # vLLM says how many prompt tokens its prefix cache held only when started with --enable-prompt-tokens-details
+            details = {"cached_tokens": 3} if "--enable-prompt-tokens-details" in sys.argv else None
+            usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done, "prompt_tokens_details": details}
             head = {"id": "chatcmpl-fromvllm" if chat else "cmpl-fromvllm", "created": 1, "model": body["model"],
                     "system_fingerprint": None, "prompt_token_ids": None}
             if not body.get("stream"):
