@@ -21,6 +21,7 @@ def _rows(client: Client) -> list[dict]:
     rows = []
     for d in client.deployments():
         recent = d.get("recent") or {}
+        cache = d.get("prefix_cache") or {}
         rows.append(
             {
                 "id": d["id"],
@@ -32,6 +33,8 @@ def _rows(client: Client) -> list[dict]:
                 "tokens_per_second": recent.get("tokens_per_second"),
                 "acceptance_rate": recent.get("acceptance_rate"),
                 "memory_bytes": d.get("memory_bytes"),
+                # the share of prompt tokens the prefix cache held (vLLM's prefix_cache_hits / queries)
+                "cached_rate": cache["hits"] / cache["queries"] if cache.get("queries") else None,
                 "series": recent.get("series") or {},
             }
         )
@@ -49,6 +52,7 @@ def _ps_table(data: dict) -> Table:
             str(r["waiting"]),
             fmt_num(r["tokens_per_second"], 1),
             fmt_rate(r["acceptance_rate"]),
+            fmt_rate(r.get("cached_rate")),
             fmt_bytes(r["memory_bytes"]),
             r["model"] or "-",
         ]
@@ -62,7 +66,8 @@ def _ps_table(data: dict) -> Table:
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
     table.caption = (
-        f"tok/s: last 10 s, acceptance: last 60 s; daemon pid {data['pid']}, {fmt_bytes(data['memory_bytes'])}"
+        "tok/s: last 10 s, acceptance: last 60 s, cached: prompt tokens found in the prefix cache; "
+        f"daemon pid {data['pid']}, {fmt_bytes(data['memory_bytes'])}"
     )
     return table
 
@@ -74,6 +79,7 @@ PS_COLUMNS = (
     ("WAIT", "right"),
     ("TOK/S", "right"),
     ("ACCEPT", "right"),
+    ("CACHED", "right"),
     ("MEMORY", "right"),
     ("MODEL", "left"),
 )

@@ -42,6 +42,7 @@ def test_round_trip_keeps_only_intent(depctl_home):
         "keep_alive",
         "record_prompts",
         "prefix_cache_bytes",
+        "prefix_cache_scope",
         "created_at",
         "updated_at",
     }
