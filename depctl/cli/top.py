@@ -66,7 +66,7 @@ def _ps_table(data: dict) -> Table:
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
     table.caption = (
-        "tok/s: last 10 s, acceptance: last 60 s, cached: prompt tokens found in the prefix cache; "
+        "tok/s: last 10 s, accept: last 60 s, cached: share of prompt from the prefix cache; "
         f"daemon pid {data['pid']}, {fmt_bytes(data['memory_bytes'])}"
     )
     return table
@@ -96,7 +96,7 @@ def _snapshot(client: Client) -> dict:
 @handle_errors
 def ps(fmt: Format = OUTPUT) -> None:
     """What each deployment is doing now: state, requests running and waiting, tok/s over the last 10 s, acceptance
-    over the last minute, memory."""
+    over the last minute, the share of prompts found in the prefix cache, memory."""
     data = _snapshot(daemon_client())
     if fmt != Format.table:
         for r in data["deployments"]:
@@ -110,14 +110,16 @@ def _top_view(data: dict, width: int) -> Group:
     rows = data["deployments"]
     id_width = min(24, max([2, *(len(r["id"]) for r in rows)]))
     state_width = max([5, *(len(r["state"]) for r in rows)])
-    numbers = id_width + state_width + len("RUN/WAIT") + len("TOK/S") + 2 + len("ACCEPT") + len("MEMORY") + 3
+    numbers = (
+        id_width + state_width + len("RUN/WAIT") + len("TOK/S") + 2 + len("ACCEPT") + len("CACHED") + len("MEMORY") + 4
+    )
     spark = min(60, (width - numbers - 2 * 6 - 2 * 2) // 2)
     columns = [("ID", "left"), ("STATE", "left"), ("RUN/WAIT", "right"), ("TOK/S", "right")]
     if spark >= 10:
         columns += [(f"TOK/S, {spark}s", "left"), ("ACCEPT", "right"), (f"ACCEPT, {spark}s", "left")]
     else:
         columns += [("ACCEPT", "right")]
-    columns += [("MEMORY", "right")]
+    columns += [("CACHED", "right"), ("MEMORY", "right")]
     table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
     for name, justify in columns:
         table.add_column(
@@ -139,7 +141,7 @@ def _top_view(data: dict, width: int) -> Group:
             ]
         else:
             cells += [fmt_rate(r["acceptance_rate"])]
-        table.add_row(*cells, fmt_bytes(r["memory_bytes"]))
+        table.add_row(*cells, fmt_rate(r.get("cached_rate")), fmt_bytes(r["memory_bytes"]))
     title = Text.assemble(
         ("depctl top", "bold"),
         f"  pid {data['pid']}, {fmt_bytes(data['memory_bytes'])}  ",
@@ -156,7 +158,7 @@ def top(
     interval: float = typer.Option(1.0, "--interval", metavar="SECONDS", min=0.25, help="Seconds between updates."),
 ) -> None:
     """A live view of every deployment: throughput and acceptance with sparklines of the last minute, requests
-    running and waiting, memory."""
+    running and waiting, the share of prompts found in the prefix cache, memory."""
     client = daemon_client()
     console = output.out()
     try:
