@@ -137,8 +137,10 @@ def _prefix_cell(d: _Detail) -> str | None:
     rate = cache["hits"] / cache["queries"] if cache["queries"] else None
     shared = ", shared by all users" if d.r.get("prefix_cache_scope") == "deployment" else ""
     answers = f", {cache['from_answers']} read from answers while idle" if cache.get("from_answers") else ""
+    # mid-block: prompts resume wherever a stored one ended; else at whole blocks (prompt passes round by chunk here)
+    unit = "blocks and tails of up to" if cache.get("mid_block") else "blocks of"
     return (
-        f"{cache['blocks']} blocks of {cache['block_tokens']} tokens{shared}, {fmt_bytes(cache['bytes'])} of "
+        f"{cache['blocks']} {unit} {cache['block_tokens']} tokens{shared}, {fmt_bytes(cache['bytes'])} of "
         f"{fmt_bytes(cache['budget_bytes'])}; {cache['hits']} of {cache['queries']} prompt tokens found "
         f"({fmt_rate(rate)}), {cache['evictions']} blocks evicted{answers}"
     )

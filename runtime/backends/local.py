@@ -176,7 +176,8 @@ class LocalBackend:
         if isinstance(engine.proposer, SuffixProposer):
             out["suffix_index"] = engine.proposer.snapshot()
         if engine.prefix is not None:
-            out["prefix_cache"] = engine.prefix.stats()
+            # whether prompts resume mid-block (engine.prefix_mid_block), or at whole blocks only
+            out["prefix_cache"] = {**engine.prefix.stats(), "mid_block": engine.prefix_mid_block}
         return out
 
     def counters(self, fresh: bool = False) -> Counters:

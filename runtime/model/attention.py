@@ -15,7 +15,11 @@ function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kern
   that position. The CPU's SDPA kernels round a query differently when more query rows share the call (in bf16 and
   float32 alike), so a row batched with others would come out differently from the same row alone; this way neither
   a verify pass nor a batch can change a row's bits.
-  Prefill chunks (wider than ``PER_POSITION_MAX_WIDTH``) keep one call per row: both modes prefill alike.
+- ``prompt`` (a prompt chunk, one row): one SDPA call whose keys run to the next multiple of ``PROMPT_KEYS`` and
+  whose folded query rows are padded to a multiple of ``PROMPT_QUERIES``. The CPU's flash kernel cuts the keys into
+  blocks of min(512, their number) and takes a different path for a last block of fewer than 4 query rows, so
+  with both padded a position's keys and values come out the same whatever chunk it was read in: a prompt may be
+  cut anywhere (a prefix cache resuming mid-block) and still give the bits of reading it whole.
 
 Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.
 """
@@ -32,6 +36,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "depctl_rows"
 PER_POSITION_MAX_WIDTH = 33  # the widest verify pass: 1 + the largest --draft-token-count
+PROMPT_KEYS = 512  # a prompt chunk attends keys up to a multiple of this (the flash kernel's widest key block)
+PROMPT_QUERIES = 32  # and its folded query rows are padded to a multiple of this
 
 
 @dataclass
@@ -44,6 +50,7 @@ class RowLayout:
     offsets: list[int]  # [B + 1] where each row's tokens start in the flat stream
     device: torch.device
     per_position: bool = False  # attend a verify pass position by position (see the module docstring)
+    prompt: bool = False  # a prompt chunk of one row, attended the same wherever the prompt was cut
     _masks: dict = field(default_factory=dict, repr=False)  # per forward: masks by window, per-row layouts
 
     @property
@@ -52,7 +59,10 @@ class RowLayout:
 
     @property
     def kv_len(self) -> int:
-        return max(s + w for s, w in zip(self.starts, self.widths))
+        """Keys the attention reads: each row's up to its last new token; a prompt chunk's up to the next multiple
+        of ``PROMPT_KEYS`` (masked past its last token)."""
+        end = max(s + w for s, w in zip(self.starts, self.widths))
+        return -(-end // PROMPT_KEYS) * PROMPT_KEYS if self.prompt else end
 
     def alone(self, b: int) -> "RowLayout":
         """Row b's layout as if it were the only row: for ``per_position`` attention, built once per forward."""
@@ -73,6 +83,16 @@ class RowLayout:
             width = self.widths[0]
             q_pos = torch.tensor(self.starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
             self._masks[key] = _additive(q_pos[:, None, :, None], 0, self.kv_len, window, groups, dtype)
+        return self._masks[key]
+
+    def prompt_mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """A prompt chunk's mask: ``batched_mask`` with rows added up to a multiple of ``PROMPT_QUERIES``, each
+        seeing every key (the zero queries ``_attend`` pads with)."""
+        key = ("prompt", window, groups, dtype)
+        if key not in self._masks:
+            mask = self.batched_mask(window, groups, dtype)
+            extra = -mask.shape[2] % PROMPT_QUERIES
+            self._masks[key] = torch.cat([mask, mask.new_zeros(1, 1, extra, mask.shape[3])], 2)
         return self._masks[key]
 
     def row_mask(self, b: int, first_key: int, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -142,6 +162,11 @@ def rows_attention(
                 depctl_rows=lay.alone(b),
             )[0]
         return out, None
+    if lay.prompt:
+        k, v = key[lay.first : lay.first + 1, :, : lay.kv_len], value[lay.first : lay.first + 1, :, : lay.kv_len]
+        q = query.reshape(1, heads, lay.widths[0], dim)
+        out = _attend(q, k, v, lay.prompt_mask(window, groups, query.dtype), scaling)
+        return out.transpose(1, 2).reshape(1, lay.widths[0], heads, dim), None
     per_position = lay.per_position and max(lay.widths) <= PER_POSITION_MAX_WIDTH
     if lay.uniform:
         rows, width = len(lay.widths), lay.widths[0]
@@ -183,15 +208,17 @@ def _one_query(q, key, value, position, window, scale):
 
 def _attend(q, k, v, mask, scale):
     """SDPA with grouped-query heads folded into the query length: q [B, heads, S, dim], k and v
-    [B, kv_heads, L, dim], mask [B, 1, groups * S, L] (already folded: ``RowLayout.batched_mask``) or None. Folding
-    keeps SDPA on its fused CPU kernel; ``enable_gqa`` with a mask took the math path (2x the attention time, and
-    copies of every key)."""
+    [B, kv_heads, L, dim], mask [B, 1, groups * S (or more: ``RowLayout.prompt_mask``), L] (already folded:
+    ``RowLayout.batched_mask``) or None. Folding keeps SDPA on its fused CPU kernel; ``enable_gqa`` with a mask took
+    the math path (2x the attention time, and copies of every key)."""
     batch, heads, width, dim = q.shape
-    groups = heads // k.shape[1]
-    if groups > 1:
-        q = q.reshape(batch, k.shape[1], groups * width, dim)  # head h = kv_head * groups + g; row g * S + s
+    kv_heads = k.shape[1]
+    rows = heads // kv_heads * width
+    q = q.reshape(batch, kv_heads, rows, dim)  # head h = kv_head * groups + g; row g * S + s
+    if mask is not None and mask.shape[2] > rows:  # a prompt chunk's padding rows: zeros, sliced off
+        q = torch.cat([q, q.new_zeros(batch, kv_heads, mask.shape[2] - rows, dim)], 2)
     out = sdpa(q, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(batch, heads, width, dim)
+    return out[:, :, :rows].reshape(batch, heads, width, dim)
 
 
 AttentionInterface.register(NAME, rows_attention)

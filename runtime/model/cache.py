@@ -19,7 +19,7 @@ import functools
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from depctl_runtime.model.attention import RowLayout
+from depctl_runtime.model.attention import PROMPT_KEYS, RowLayout
 
 
 class SlotLayer(CacheLayerMixin):
@@ -89,7 +89,8 @@ class SlotCache(Cache):
         self.num_layers = text_config.num_hidden_layers
         super().__init__(layers=[SlotLayer(self) for _ in range(self.num_layers)])
         self.max_rows = max_rows
-        self.max_capacity = max_capacity  # the most positions a row may ever need (context + draft slack)
+        # the most positions a row may ever need (context + draft slack), up to the keys a prompt chunk attends
+        self.max_capacity = -(-max_capacity // PROMPT_KEYS) * PROMPT_KEYS
         self.capacity = min(capacity, max_capacity)  # allocated positions per row; doubles on demand
         self.lengths = [0] * max_rows  # valid positions per row
         self.scratch: int | None = None  # a row past the last, where a fixed-shape pass's padding writes
@@ -112,14 +113,17 @@ class SlotCache(Cache):
                         setattr(layer, name, torch.cat([old, old.new_zeros((1, *old.shape[1:]))]))
         return self.scratch
 
-    def begin(self, first: int, widths: list[int], device: torch.device, per_position: bool = False) -> RowLayout:
+    def begin(
+        self, first: int, widths: list[int], device: torch.device, per_position: bool = False, prompt: bool = False
+    ) -> RowLayout:
         """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens to the flat
-        stream. Returns the layout the attention needs (``depctl_runtime.model.attention``)."""
+        stream; prompt: a prompt chunk of one row (``RowLayout.prompt``). Returns the layout the attention needs
+        (``depctl_runtime.model.attention``)."""
         starts = [self.lengths[first + b] for b in range(len(widths))]
         offsets = [0]
         for w in widths:
             offsets.append(offsets[-1] + w)
-        layout = RowLayout(first, starts, list(widths), offsets, device, per_position=per_position)
+        layout = RowLayout(first, starts, list(widths), offsets, device, per_position=per_position, prompt=prompt)
         if layout.kv_len > self.capacity:
             self._grow(layout.kv_len)
         self.step = _Step(layout)

@@ -100,6 +100,7 @@ class ModelRunner:
         # the layers whose outputs every pass also returns (``Scores.features``): an EAGLE head drafts from them
         self.features = tuple(features)
         self._prefill_linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+        self._cuts_exact: bool | None = None  # prompt_cuts_exact, once measured
 
     def release(self) -> None:
         """Nothing runs this runner again: its fast pass lets go, and the model's weights are emptied in place. A
@@ -174,6 +175,41 @@ class ModelRunner:
         chunk.run()
         return chunk.result()
 
+    @torch.inference_mode()
+    def prompt_cuts_exact(self, row: int = 0) -> bool:
+        """Whether a prompt read in chunks cut anywhere leaves the bits of reading it in whole 128-token chunks, on
+        this machine with these products (every chunk width from 1 to 16 and some wider, across block boundaries):
+        what lets a prefix cache resume a prompt mid-block. The attention is built for it (``attention``: prompt
+        chunks); the linears must be row-invariant at every width, which the loader's products are and a plain
+        ``F.linear`` often is not below a dozen rows. Measured once per runner; uses ``row`` and leaves it empty, so
+        call it while no sequence runs."""
+        if self._cuts_exact is None:
+            self._cuts_exact = self._check_prompt_cuts(row)
+        return self._cuts_exact
+
+    def _check_prompt_cuts(self, row: int) -> bool:
+        n = min(300, self.max_context - 1)
+        vocab = self.vocab_size or self.model.get_input_embeddings().num_embeddings
+        tokens = [(i * 7919 + 13) % vocab for i in range(n)]
+        widths = [*range(1, 17), 24, 40, 56, 1]  # 1 + ... + 16 + 24 + 40 + 56 = 256, then one token past a block
+
+        def read(cuts: list[int]) -> tuple[torch.Tensor, list]:
+            self.set_length(row, 0)
+            logits, start = None, 0
+            for end in [*(c for c in cuts if c < n), n]:
+                logits, _ = self.prefill(row, tokens[start:end])
+                start = end
+            return logits.clone(), self.read_block(row, 0, n)
+
+        try:
+            logits, kv = read(list(range(128, n, 128)))
+            cut_logits, cut_kv = read(list(itertools.accumulate(widths)))
+            return torch.equal(logits, cut_logits) and all(
+                torch.equal(a, b) for pair, other in zip(kv, cut_kv) for a, b in zip(pair, other)
+            )
+        finally:
+            self.set_length(row, 0)
+
     def begin_prefill(self, row: int, tokens: list[int]) -> PromptPass:
         """``prefill``, run a part of a layer at a time by the caller (``PromptPass``)."""
         return PromptPass(self, row, tokens)
@@ -189,7 +225,7 @@ class ModelRunner:
         else:
             widths = [len(x) for x in inputs]
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
-        layout = self.cache.begin(first, widths, self.device, self.per_position)
+        layout = self.cache.begin(first, widths, self.device, self.per_position, prompt=prefill and len(widths) == 1)
         keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
         try:
             fast = self.fast_pass
@@ -237,7 +273,7 @@ class PromptPass:
     def __init__(self, runner: ModelRunner, row: int, tokens: list[int]):
         self.runner, self.width = runner, len(tokens)
         cache = runner.cache
-        self.layout = cache.begin(row, [len(tokens)], runner.device, runner.per_position)
+        self.layout = cache.begin(row, [len(tokens)], runner.device, runner.per_position, prompt=True)
         self.step, cache.step = cache.step, None
         self.input_ids = torch.tensor([tokens], dtype=torch.long, device=runner.device)
         self.keep = torch.tensor([len(tokens) - 1], device=runner.device)

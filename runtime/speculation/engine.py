@@ -20,7 +20,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from depctl_runtime.model.prefix import PrefixStore
+from depctl_runtime.model.prefix import PrefixStore, tail_key
 from depctl_runtime.model.runner import ModelRunner, PromptPass, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
@@ -97,6 +97,9 @@ class SpeculativeEngine:
         self.prefix: PrefixStore | None = None
         if self.config.prefix_cache_bytes > 0 and not getattr(proposer, "needs_prompt_features", False):
             self.prefix = PrefixStore(self.config.prefix_cache_bytes, self.config.prefix_block)
+        # a prompt may resume mid-block (from a tail, or from part of a block) only where the target's prompt passes
+        # give the same bits wherever a prompt is cut; elsewhere the cache keeps and uses whole blocks only
+        self.prefix_mid_block = self.prefix is not None and self.target.prompt_cuts_exact()
         # the prompt chunk whose pass is half-way through its layers (``prefill`` with ``more``), if any
         self._reading: _Reading | None = None
         self._answer: Sequence | None = None  # the finished sequence whose blocks row 0 holds (``keep_answer``)
@@ -156,7 +159,10 @@ class SpeculativeEngine:
         if reading is None:
             if cached and seq.prefilled == 0:
                 self._restore_prefix(seq)
-            chunk = seq.tokens[seq.prefilled : seq.prompt_len][:budget]
+            end = seq.prompt_len
+            if cached:  # chunks end on block boundaries (a prompt resumed mid-block reads up to the next first)
+                end = min(end, (seq.prefilled // budget + 1) * budget)
+            chunk = seq.tokens[seq.prefilled : end][:budget]
             reading = self._reading = _Reading(seq, self.target.begin_prefill(seq.row, chunk), seq.prefilled)
         done = reading.chunk.run(more)
         if done:
@@ -166,7 +172,7 @@ class SpeculativeEngine:
                 self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
             seq.prefilled += reading.chunk.width
             if cached:
-                self._keep_block(seq, reading.start, reading.chunk.width)
+                self._keep(seq, seq.prefilled, seq.prompt_len)
         self.stats.prefill_seconds += time.perf_counter() - t0
         if not done:
             return None
@@ -185,62 +191,86 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def keep_answer(self, seq: Sequence, more: Callable[[], bool] | None = None) -> bool:
-        """Idle time: put into the prefix store the whole blocks of a finished sequence's tokens, its prompt and its
-        answer, that the store lacks, so that a prompt going on from the answer (a conversation's next turn) starts
-        from them. The answer's own keys and values came from decode passes, which round differently from a prompt's
-        chunks, so they are read again here as a later prompt would read them: row 0 (free while idle), one chunk's
-        pass a call, stopping between parts of layers once ``more()`` is false. True once nothing is left to read; the
-        next request's ``prefill`` takes row 0 back, dropping a chunk half read."""
-        store = self.prefix
-        block = store.block
+        """Idle time: put into the prefix store what the store lacks of a finished sequence's tokens, its prompt and
+        its answer (whole blocks, and the tail after them where prompts may resume mid-block), so that a prompt going
+        on from the answer (a conversation's next turn) starts from them. The answer's own keys and values came from
+        decode passes, which round differently from a prompt's chunks, so they are read again here as a later prompt
+        would read them: row 0 (free while idle), one chunk's pass a call, stopping between parts of layers once
+        ``more()`` is false. True once nothing is left to read; the next request's ``prefill`` takes row 0 back,
+        dropping a chunk half read."""
+        block = self.prefix.block
         reading = self._reading
         if reading is not None and reading.seq is not seq:
             raise RuntimeError(f"row {reading.chunk.row} is half-way through a prompt chunk of another sequence")
         if reading is None:
-            whole = min(seq.answered, self.config.max_context) // block
-            keys = seq.prefix_keys(whole, block)
+            end = min(seq.answered, self.config.max_context)
+            if not self.prefix_mid_block:
+                end -= end % block
             if self._answer is not seq:  # row 0 starts from what the store holds of this sequence
                 self.target.set_length(0, 0)
                 self._answer = seq
             # the row only grows, so blocks evicted behind it (a budget smaller than the sequence) are never read again
-            start = self.target.length(0)
-            for found in store.lookup(keys[start // block :]):
-                self.target.write_block(0, start, found.tensors)
-                start += block
-            if start == whole * block:
+            start = self._write_found(seq, 0, self.target.length(0), end)
+            if start == end:
                 return True
-            chunk = self.target.begin_prefill(0, seq.tokens[start : start + block])
+            chunk = self.target.begin_prefill(0, seq.tokens[start : min(end, (start // block + 1) * block)])
             reading = self._reading = _Reading(seq, chunk, start)
         if not reading.chunk.run(more):
             return False
         self._reading = None
-        store.from_answers += self._keep_block(seq, reading.start, block, row=0)
+        self.prefix.from_answers += self._keep(seq, reading.start + reading.chunk.width, end=None, row=0)
         return False
 
     def _restore_prefix(self, seq: Sequence) -> None:
         """Start ``seq``'s row from the stored blocks of its prompt's longest stored prefix, leaving at least its last
         token to read (its logits give the first output token)."""
-        store, block = self.prefix, self.prefix.block
-        keys = seq.prefix_keys((seq.prompt_len - 1) // block, block)
-        store.queries += seq.prompt_len
-        if not keys or not self.target.cache.allocated:
+        self.prefix.queries += seq.prompt_len
+        if not self.target.cache.allocated:
             return
-        for i, found in enumerate(store.lookup(keys)):
-            self.target.write_block(seq.row, i * block, found.tensors)
-            seq.prefilled = seq.cached_tokens = (i + 1) * block
-        store.hits += seq.cached_tokens
+        seq.prefilled = seq.cached_tokens = self._write_found(seq, seq.row, 0, seq.prompt_len - 1)
+        self.prefix.hits += seq.cached_tokens
 
-    def _keep_block(self, seq: Sequence, start: int, n: int, row: int | None = None) -> bool:
-        """A chunk that filled a whole block at a block's place goes into the store (once); row: where it was read, if
-        not ``seq``'s. Whether it was added."""
+    def _write_found(self, seq: Sequence, row: int, start: int, end: int) -> int:
+        """Write into ``row`` (holding ``start`` positions of ``seq``, ``start`` on a block boundary or at a tail's
+        end) what the store holds of ``seq``'s tokens from ``start`` up to at most ``end``; returns where the row
+        ends then."""
+        store, block = self.prefix, self.prefix.block
+        if start % block:  # a tail was read last: nothing stored goes on from the middle of a block
+            return start
+        keys = seq.prefix_keys(end // block, block)
+        limit = end if self.prefix_mid_block else 0
+        found = store.lookup(keys[start // block :], self._parent(seq, start), seq.tokens, limit)
+        for stored in found.blocks:
+            self.target.write_block(row, start, stored.tensors)
+            start += block
+        if found.part is not None:
+            self.target.write_block(row, start, [(k[:, : found.n], v[:, : found.n]) for k, v in found.part.tensors])
+            start += found.n
+        return start
+
+    def _parent(self, seq: Sequence, start: int) -> bytes:
+        """The key of the block ending at ``start`` (a block boundary), or the prefix's root at 0."""
+        return seq.prefix_keys(start // self.prefix.block, self.prefix.block)[-1] if start else seq.root_key()
+
+    def _keep(self, seq: Sequence, upto: int, end: int | None, row: int | None = None) -> bool:
+        """A chunk's pass has written ``seq``'s row up to ``upto``: keep the block it completed, or, where it ended a
+        prompt (``upto == end``; None: any chunk) short of a block's end, that tail. row: where it was read, if not
+        ``seq``'s. Whether something was added."""
         block = self.prefix.block
-        if n != block or start % block:
+        first = (upto - 1) // block * block  # the block the chunk ended in
+        if upto % block and not (self.prefix_mid_block and (end is None or upto == end)):
             return False
-        *parents, key = seq.prefix_keys(start // block + 1, block)
+        parents = seq.prefix_keys(first // block, block)
+        tokens = tuple(seq.tokens[first:upto])
+        key = (
+            seq.prefix_keys(first // block + 1, block)[-1]
+            if upto % block == 0
+            else tail_key(self._parent(seq, first), tokens)
+        )
         if key in self.prefix:
             return False
-        self.prefix.add(key, self.target.read_block(seq.row if row is None else row, start, block), parents)
-        return True
+        tensors = self.target.read_block(seq.row if row is None else row, first, upto - first)
+        return self.prefix.add(key, tensors, tokens, parents, seq.root_key())
 
     @torch.inference_mode()
     def step(self, batch: list[Sequence]) -> list[StepOutput]:

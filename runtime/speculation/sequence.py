@@ -83,12 +83,13 @@ class Sequence:
         keys = self._prefix_keys
         while len(keys) < n:
             i = len(keys)
-            digest = hashlib.sha256(keys[-1] if keys else self._tenant_digest())
+            digest = hashlib.sha256(keys[-1] if keys else self.root_key())
             digest.update(array.array("q", self.tokens[i * block : (i + 1) * block]).tobytes())
             keys.append(digest.digest())
         return keys[:n]
 
-    def _tenant_digest(self) -> bytes:
+    def root_key(self) -> bytes:
+        """What every cached block of this tenant's prompts descends from: its scope (``cache_scope``)."""
         return cache_scope(self.params).encode()
 
     @property

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from depctl_runtime.backends.precision import surgery_for
 from depctl_runtime.speculation import GenerationParams, SamplingParams
 from depctl_runtime.speculation.engine import SpeculativeEngine
 from depctl_runtime.speculation.params import Tenant
@@ -27,6 +28,14 @@ SEEDED = GenerationParams(max_tokens=24, ignore_eos=True, sampling=SamplingParam
 def models():
     torch.manual_seed(0)
     return tiny_llama(seed=0), tiny_llama(seed=1, layers=1)
+
+
+@pytest.fixture(scope="module")
+def cut_anywhere():
+    """A target whose prompt passes give the same bits wherever a prompt is cut (the loader's row-invariant products,
+    depctl's own forward), and the draft: prompts resume mid-block."""
+    torch.manual_seed(0)
+    return surgery_for(tiny_llama(seed=0), "float32", exact=True), tiny_llama(seed=1, layers=1)
 
 
 def _engine(models, method: str, rows: int, cache_bytes: int) -> SpeculativeEngine:
@@ -193,3 +202,40 @@ def test_a_request_arriving_while_an_answer_is_read_takes_the_row_back(fused_tar
         (want,), _ = _run(reference, [prompt], GREEDY)
         assert out == want
     assert all(length == 0 for length in engine.target.cache.lengths)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prompt_resumes_mid_block_where_a_stored_prompt_ended(cut_anywhere, method, params):
+    engine = _engine(cut_anywhere, method, 3, 1 << 30)
+    assert engine.prefix_mid_block
+    prompts = [SHARED + tail for tail in TAILS]
+    plain, _ = _run(_engine(cut_anywhere, method, 3, 0), prompts, params)
+    _, cached = _run(engine, [SHARED], params)  # 3 whole blocks and a tail of 5 tokens kept
+    assert cached == [0]
+    again, cached = _run(engine, prompts, params)
+    assert again == plain and cached == [len(SHARED)] * 3, "each went on from the tail"
+    # a prompt that leaves a stored block half-way starts from the block's first positions
+    diverging = SHARED[:20] + [99, 98, 97, 96]
+    (out,), (cached,) = _run(engine, [diverging], params)
+    assert cached == 20 and out == _run(_engine(cut_anywhere, method, 1, 0), [diverging], params)[0][0]
+    # the very prompt again: all of it but its last token, whose logits give the first output token
+    (out,), (cached,) = _run(engine, [prompts[1]], params)
+    assert out == plain[1] and cached == len(prompts[1]) - 1
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["at-once", "after-idle"])
+def test_each_turn_reads_only_its_new_message(cut_anywhere, idle):
+    """An agent's next call comes at once (its prompt's own tail is there); a person's after a pause, in which the
+    answer is read too."""
+    engine, reference = _engine(cut_anywhere, "ngram", 2, 1 << 30), _engine(cut_anywhere, "ngram", 1, 0)
+    scheduler = Scheduler(engine, 2, prefill_chunk=BLOCK)
+    prompt, expected_cached = list(SHARED), 0
+    for turn in range(4):
+        out, cached = _turn(scheduler, prompt, GREEDY)
+        (want,), _ = _run(reference, [prompt], GREEDY)
+        assert out == want and cached == expected_cached, turn
+        while idle and scheduler.has_idle_work():
+            scheduler.idle(seconds=0)
+        expected_cached = len(prompt) + (len(out) if idle else 0)
+        prompt = prompt + out + [60 + turn, 61, 62]
