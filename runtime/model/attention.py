@@ -15,11 +15,12 @@ function unchanged (as it does ``cu_seq_lens`` for flash-attention's varlen kern
   that position. The CPU's SDPA kernels round a query differently when more query rows share the call (in bf16 and
   float32 alike), so a row batched with others would come out differently from the same row alone; this way neither
   a verify pass nor a batch can change a row's bits.
-- ``prompt`` (a prompt chunk, one row): one SDPA call whose keys run to the next multiple of ``PROMPT_KEYS`` and
-  whose folded query rows are padded to a multiple of ``PROMPT_QUERIES``. The CPU's flash kernel cuts the keys into
-  blocks of min(512, their number) and takes a different path for a last block of fewer than 4 query rows, so
-  with both padded a position's keys and values come out the same whatever chunk it was read in: a prompt may be
-  cut anywhere (a prefix cache resuming mid-block) and still give the bits of reading it whole.
+- ``prompt`` (a prompt chunk, one row): one SDPA call whose keys run to the end of the ``PROMPT_KEYS``-token block
+  the chunk ends in, and whose folded query rows are padded to a multiple of ``PROMPT_QUERIES``. The CPU's flash
+  kernel cuts the keys into blocks of min(512, their number) and takes another path for a last block of fewer than
+  4 query rows; with both padded, and chunks that never cross a multiple of ``PROMPT_KEYS`` (the scheduler's
+  chunks do not), a position's keys and values come out the same whatever chunk it was read in: a prompt may be
+  cut anywhere (a prefix cache resuming mid-block) and still give the bits of reading it in whole chunks.
 
 Called without a layout (``model.generate`` on the same model object), it is transformers' own SDPA attention.
 """
@@ -36,7 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "depctl_rows"
 PER_POSITION_MAX_WIDTH = 33  # the widest verify pass: 1 + the largest --draft-token-count
-PROMPT_KEYS = 512  # a prompt chunk attends keys up to a multiple of this (the flash kernel's widest key block)
+PROMPT_KEYS = 128  # a prompt chunk attends keys up to a multiple of this: the scheduler's prefill chunk
 PROMPT_QUERIES = 32  # and its folded query rows are padded to a multiple of this
 
 

@@ -177,8 +177,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prompt_cuts_exact(self, row: int = 0) -> bool:
-        """Whether a prompt read in chunks cut anywhere leaves the bits of reading it in whole 128-token chunks, on
-        this machine with these products (every chunk width from 1 to 16 and some wider, across block boundaries):
+        """Whether a prompt read in chunks cut anywhere (within 128-token blocks, as the scheduler cuts) leaves the
+        bits of reading it in whole blocks, on this machine with these products (chunk widths 1 to 15 and wider):
         what lets a prefix cache resume a prompt mid-block. The attention is built for it (``attention``: prompt
         chunks); the linears must be row-invariant at every width, which the loader's products are and a plain
         ``F.linear`` often is not below a dozen rows. Measured once per runner; uses ``row`` and leaves it empty, so
@@ -188,10 +188,10 @@ class ModelRunner:
         return self._cuts_exact
 
     def _check_prompt_cuts(self, row: int) -> bool:
-        n = min(300, self.max_context - 1)
+        n = min(160, self.max_context - 1)
         vocab = self.vocab_size or self.model.get_input_embeddings().num_embeddings
         tokens = [(i * 7919 + 13) % vocab for i in range(n)]
-        widths = [*range(1, 17), 24, 40, 56, 1]  # 1 + ... + 16 + 24 + 40 + 56 = 256, then one token past a block
+        widths = [*range(1, 16), 8, 3]  # 1 + ... + 15 + 8 = 128, then 3 and the rest (29)
 
         def read(cuts: list[int]) -> tuple[torch.Tensor, list]:
             self.set_length(row, 0)
