@@ -100,7 +100,6 @@ class ModelRunner:
         # the layers whose outputs every pass also returns (``Scores.features``): an EAGLE head drafts from them
         self.features = tuple(features)
         self._prefill_linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
-        self._cuts_exact: bool | None = None  # prompt_cuts_exact, once measured
 
     def release(self) -> None:
         """Nothing runs this runner again: its fast pass lets go, and the model's weights are emptied in place. A
@@ -181,11 +180,13 @@ class ModelRunner:
         bits of reading it in whole blocks, on this machine with these products (chunk widths 1 to 15 and wider):
         what lets a prefix cache resume a prompt mid-block. The attention is built for it (``attention``: prompt
         chunks); the linears must be row-invariant at every width, which the loader's products are and a plain
-        ``F.linear`` often is not below a dozen rows. Measured once per runner; uses ``row`` and leaves it empty, so
-        call it while no sequence runs."""
-        if self._cuts_exact is None:
-            self._cuts_exact = self._check_prompt_cuts(row)
-        return self._cuts_exact
+        ``F.linear`` often is not below a dozen rows. Measured once per model (its products decide); uses ``row`` and
+        leaves it empty, so call it while no sequence runs."""
+        known = getattr(self.model, "_depctl_prompt_cuts_exact", None)
+        if known is None:
+            known = self._check_prompt_cuts(row)
+            self.model._depctl_prompt_cuts_exact = known
+        return known
 
     def _check_prompt_cuts(self, row: int) -> bool:
         n = min(160, self.max_context - 1)

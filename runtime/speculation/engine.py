@@ -97,9 +97,11 @@ class SpeculativeEngine:
         self.prefix: PrefixStore | None = None
         if self.config.prefix_cache_bytes > 0 and not getattr(proposer, "needs_prompt_features", False):
             self.prefix = PrefixStore(self.config.prefix_cache_bytes, self.config.prefix_block)
-        # a prompt may resume mid-block (from a tail, or from part of a block) only where the target's prompt passes
-        # give the same bits wherever a prompt is cut; elsewhere the cache keeps and uses whole blocks only
-        self.prefix_mid_block = self.prefix is not None and self.target.prompt_cuts_exact()
+        # whether the target's prompt passes give the same bits wherever a prompt is cut within a block: then a
+        # prompt may resume mid-block (from a tail, or part of a block) and be read in narrower chunks beside running
+        # streams; elsewhere prompts are read in whole blocks and the cache keeps and uses whole blocks only
+        self.cuts_exact = self.target.prompt_cuts_exact()
+        self.prefix_mid_block = self.prefix is not None and self.cuts_exact
         # the prompt chunk whose pass is half-way through its layers (``prefill`` with ``more``), if any
         self._reading: _Reading | None = None
         self._answer: Sequence | None = None  # the finished sequence whose blocks row 0 holds (``keep_answer``)
@@ -149,8 +151,11 @@ class SpeculativeEngine:
         ``more()`` is false, and the next call goes on with it (the same chunk, the same bits). Returns None until the
         prompt is read."""
         t0 = time.perf_counter()
-        # blocks hold what chunks of exactly a block wrote: a prompt cut otherwise neither reads nor keeps them
-        cached = self.prefix is not None and budget == self.prefix.block
+        # chunks within blocks: whole blocks, or narrower where cuts leave the same bits (``cuts_exact``); a prompt
+        # cut otherwise (a scheduler with another chunk) neither reads nor keeps cached blocks
+        block = self.config.prefix_block
+        in_blocks = budget == block or (self.cuts_exact and budget < block)
+        cached = self.prefix is not None and in_blocks
         if self._answer is not None and seq.row == 0:  # idle work (``keep_answer``) held row 0: requests come first
             self.release_row(0)
         reading = self._reading
@@ -160,8 +165,8 @@ class SpeculativeEngine:
             if cached and seq.prefilled == 0:
                 self._restore_prefix(seq)
             end = seq.prompt_len
-            if cached:  # chunks end on block boundaries (a prompt resumed mid-block reads up to the next first)
-                end = min(end, (seq.prefilled // budget + 1) * budget)
+            if in_blocks:  # chunks end on block boundaries (a prompt resumed mid-block reads up to the next first)
+                end = min(end, (seq.prefilled // block + 1) * block)
             chunk = seq.tokens[seq.prefilled : end][:budget]
             reading = self._reading = _Reading(seq, self.target.begin_prefill(seq.row, chunk), seq.prefilled)
         done = reading.chunk.run(more)

@@ -38,6 +38,7 @@ PREFILL_CHUNK = 128  # tokens per prefill pass: where prompts are cut, and the p
 ANSWERS_KEPT = 8  # finished requests whose answers idle time reads into the prefix cache, the latest first
 IDLE_SLICE = 0.05  # seconds of idle work between looks at the inbox: what a new request may wait for it
 PREFILL_SHARE = 1.0  # prompt work per iteration while streams run, in batch steps' time: their token gaps at most ~2x
+NARROWEST_CHUNK = 16  # a prompt read beside streams narrows its chunks down to this while one part outlasts a step
 
 
 class Scheduler:
@@ -50,6 +51,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.prefill_share = prefill_share
+        # the chunk a prompt read beside running streams is cut into: narrower while a part of a layer (at a long
+        # context, one layer's attention) takes longer than the iteration's share, where the engine's cuts are exact
+        self.width = prefill_chunk
         self.step_seconds = 0.0  # the running batch's last step, the measure of an iteration's prompt work
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[b].row == b
@@ -88,9 +92,9 @@ class Scheduler:
         if self.prefilling is not None:  # before the step: a short prompt's first token does not wait a step
             seq = self.prefilling
             if self.running:  # a share of a step's time, stopping between parts of layers
-                o = self.engine.prefill(
-                    seq, self.prefill_chunk, more=self._within(self.prefill_share * self.step_seconds)
-                )
+                more = _Share(self.prefill_share * self.step_seconds)
+                o = self.engine.prefill(seq, self.width, more=more)
+                self._narrow(more)
             else:
                 o = self.engine.prefill(seq, self.prefill_chunk)
             while o is None and not self.running:  # idle: every chunk now, cut where a busy deployment cuts
@@ -120,22 +124,18 @@ class Scheduler:
         (``engine.keep_answer``), stopping between parts of layers; the next request takes row 0 back."""
         if self.has_work() or not self.answers:
             return
-        if self.engine.keep_answer(self.answers[0], more=self._within(seconds)):
+        if self.engine.keep_answer(self.answers[0], more=_Share(seconds)):
             self.answers.popleft()
 
-    @staticmethod
-    def _within(seconds: float):
-        """``more`` for a prompt pass: another part of a layer only if one more of the parts' mean time still fits."""
-        start = time.perf_counter()
-        parts = 0
-
-        def more() -> bool:
-            nonlocal parts
-            parts += 1
-            spent = time.perf_counter() - start
-            return spent + spent / parts <= seconds
-
-        return more
+    def _narrow(self, share: "_Share") -> None:
+        """The next chunk's width beside running streams: half while a part outlasted the share, double (up to a
+        whole chunk) while parts take under a quarter of it. Only where any cut gives the same bits."""
+        if not getattr(self.engine, "cuts_exact", False) or share.parts == 0:
+            return
+        if share.longest > share.seconds and self.width > NARROWEST_CHUNK:
+            self.width //= 2
+        elif share.longest < share.seconds / 4 and self.width < self.prefill_chunk:
+            self.width *= 2
 
     def abandon(self) -> list[Sequence]:
         """After a step whose shared work failed (the target's pass, a draft model's forward: not one row's part):
@@ -220,3 +220,20 @@ def generate(
 ) -> Iterator[StepOutput]:
     """One request on its own, stepped in the calling thread (tests, benchmarks)."""
     yield from Scheduler(engine, max_batch_size=1).generate(prompt_ids, params, cancel)
+
+
+class _Share:
+    """``more`` for a prompt pass: another part of a layer only if one more of the parts' mean time still fits in
+    ``seconds``; it keeps the longest part seen."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.parts, self.longest = seconds, 0, 0.0
+        self._start = self._last = time.perf_counter()
+
+    def __call__(self) -> bool:
+        now = time.perf_counter()
+        self.parts += 1
+        self.longest = max(self.longest, now - self._last)
+        self._last = now
+        spent = now - self._start
+        return spent + spent / self.parts <= self.seconds

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from depctl_runtime.backends.precision import surgery_for
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import (
     EngineConfig,
@@ -18,6 +19,7 @@ from depctl_runtime.speculation import (
 )
 from tests.driving import BATCH_PROMPTS as PROMPTS
 from tests.driving import GREEDY, drive, engine_for, solo
+from tests.tiny import tiny_llama
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
@@ -246,3 +248,26 @@ def test_a_prompt_read_a_layer_at_a_time_beside_running_streams_is_exact(fused_t
     assert finish[2] == "cancelled" and cancelled._reading is None
     assert got[3] == solo(fused_target, long_prompts[1], arrivals[4][2])
     assert all(length == 0 for length in cancelled.target.cache.lengths)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
+def test_a_prompt_read_in_narrower_chunks_beside_running_streams_is_exact(draft, method):
+    """Where any cut within a block leaves the same bits (row-invariant products), a prompt read beside streams
+    takes narrower chunks while a part of a layer outlasts the iteration's share (prefill_share=0: always), and
+    never crosses a block's end."""
+    target = surgery_for(tiny_llama(3, layers=2, max_positions=1024), "float32", exact=True)
+    engine = engine_for(target, method, 3, draft)
+    assert engine.cuts_exact
+    calls = _prefill_chunks(engine)
+    scheduler = Scheduler(engine, 3, prefill_share=0.0)
+    long_prompt = [(7 * i) % 200 + 20 for i in range(300)]
+    arrivals = [
+        (0, PROMPTS[0], GenerationParams(max_tokens=200, ignore_eos=True)),
+        (1, long_prompt, GenerationParams(max_tokens=12, ignore_eos=True)),
+        (2, PROMPTS[1], GenerationParams(max_tokens=8, ignore_eos=True)),
+    ]
+    got, _ = drive(scheduler, arrivals)
+    for i, (_, prompt, params) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, params), i
+    chunks = [(start, n) for _, start, n in calls]
+    assert 16 in {n for _, n in chunks} and all(start // 128 == (start + n - 1) // 128 for start, n in chunks)
