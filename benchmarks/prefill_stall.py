@@ -4,6 +4,7 @@ depctl once read it) and with the scheduler's share of a step (stopping between 
 
     .venv/bin/python benchmarks/prefill_stall.py        # SmolLM2 float32, 4 streams, an 8000-token prompt, both ways
     .venv/bin/python benchmarks/prefill_stall.py --quantization int4 --prompt-tokens 4096 --shares 1
+    .venv/bin/python benchmarks/prefill_stall.py --shares 1 --narrowest 16,128  # narrower chunks, and whole ones
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from depctl.spec import DeploymentSpec
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.speculation import GenerationParams
-from depctl_runtime.speculation.scheduler import PREFILL_SHARE, Scheduler
+from depctl_runtime.speculation.scheduler import NARROWEST_CHUNK, PREFILL_SHARE, Scheduler
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -23,9 +24,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run(engine, streams: int, prompt_tokens: int, warm_steps: int, share: float, seed: int):
+def run(engine, streams: int, prompt_tokens: int, warm_steps: int, share: float, narrowest: int, seed: int):
     """Gaps between the running streams' tokens before and while the long prompt is read, and its read time."""
-    scheduler = Scheduler(engine, streams + 1, prefill_share=share)
+    scheduler = Scheduler(engine, streams + 1, prefill_share=share, narrowest_chunk=narrowest)
     decoding = GenerationParams(max_tokens=100_000, ignore_eos=True)
     running = [engine.new_sequence([100 + i, 200, 300, 400], decoding) for i in range(streams)]
     for seq in running:
@@ -70,25 +71,31 @@ def main() -> None:
         default=f"inf,{PREFILL_SHARE:g}",
         help="prompt work per step, in steps' time, one run each: inf reads a whole chunk before each step",
     )
+    parser.add_argument(
+        "--narrowest",
+        default=f"{NARROWEST_CHUNK}",
+        help="narrowest chunk beside streams, one run each per share: 128 keeps whole chunks",
+    )
     args = parser.parse_args()
     spec = DeploymentSpec(id="stall", model=args.model, quantization=args.quantization, max_batch_size=args.streams + 1)
     loaded = load_deployment(spec)
     rows = []
-    for seed, share in enumerate(float(s) for s in args.shares.split(",")):
-        gaps, read = run(loaded.engine, args.streams, args.prompt_tokens, args.warm_steps, share, seed)
-        rows.append((share, gaps, read))
+    runs = [(float(s), int(n)) for s in args.shares.split(",") for n in args.narrowest.split(",")]
+    for seed, (share, narrowest) in enumerate(runs):
+        gaps, read = run(loaded.engine, args.streams, args.prompt_tokens, args.warm_steps, share, narrowest, seed)
+        rows.append((share, narrowest, gaps, read))
     print(f"\n{args.model}, {loaded.target.precision}, {args.streams} streams, a {args.prompt_tokens}-token prompt")
     print(
-        "| prompt work a step | streams' gap before, p50 ms | while read: p50 ms | p99 ms | p99 / p50 before | "
-        "prompt read, s | prompt tokens/s |"
+        "| prompt work a step | narrowest chunk | streams' gap before, p50 ms | while read: p50 ms | p99 ms | "
+        "p99 / p50 while read | prompt read, s | prompt tokens/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for share, gaps, read in rows:
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for share, narrowest, gaps, read in rows:
         before = statistics.median(gaps["before"]) * 1000
         p50, p99 = statistics.median(gaps["during"]) * 1000, percentile(gaps["during"], 0.99) * 1000
         name = "a whole chunk" if share == float("inf") else f"{share:g} x a step"
         print(
-            f"| {name} | {before:.1f} | {p50:.1f} | {p99:.1f} | {p99 / before:.1f}x | {read:.1f} | "
+            f"| {name} | {narrowest} | {before:.1f} | {p50:.1f} | {p99:.1f} | {p99 / p50:.1f}x | {read:.1f} | "
             f"{args.prompt_tokens / read:.0f} |"
         )
 

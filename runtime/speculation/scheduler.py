@@ -43,7 +43,12 @@ NARROWEST_CHUNK = 16  # a prompt read beside streams narrows its chunks down to 
 
 class Scheduler:
     def __init__(
-        self, engine, max_batch_size: int, prefill_chunk: int = PREFILL_CHUNK, prefill_share: float = PREFILL_SHARE
+        self,
+        engine,
+        max_batch_size: int,
+        prefill_chunk: int = PREFILL_CHUNK,
+        prefill_share: float = PREFILL_SHARE,
+        narrowest_chunk: int = NARROWEST_CHUNK,
     ):
         if not 1 <= max_batch_size <= engine.max_rows:
             raise ValueError(f"max_batch_size must be in 1..{engine.max_rows} (the engine's cache rows)")
@@ -53,7 +58,7 @@ class Scheduler:
         self.prefill_share = prefill_share
         # the chunk a prompt read beside running streams is cut into: narrower while a part of a layer (at a long
         # context, one layer's attention) takes longer than the iteration's share, where the engine's cuts are exact
-        self.width = prefill_chunk
+        self.width, self.narrowest_chunk = prefill_chunk, narrowest_chunk
         self.step_seconds = 0.0  # the running batch's last step, the measure of an iteration's prompt work
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[b].row == b
@@ -132,7 +137,7 @@ class Scheduler:
         whole chunk) while parts take under a quarter of it. Only where any cut gives the same bits."""
         if not getattr(self.engine, "cuts_exact", False) or share.parts == 0:
             return
-        if share.longest > share.seconds and self.width > NARROWEST_CHUNK:
+        if share.longest > share.seconds and self.width > self.narrowest_chunk:
             self.width //= 2
         elif share.longest < share.seconds / 4 and self.width < self.prefill_chunk:
             self.width *= 2
