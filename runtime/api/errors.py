@@ -1,4 +1,6 @@
-"""Errors in OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}`` with the matching status.
+"""Errors in OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}`` with the matching status; on
+Anthropic's Messages API paths (``/v1/messages...``) in Anthropic's, ``{"type": "error", "error": {"type",
+"message"}}``, so each SDK raises its own matching exception.
 
 Raised as ``APIError`` anywhere below the routes and mapped to a response in exactly one place
 (``install_handlers``), so the SDK raises its matching exception (NotFoundError, BadRequestError, ...). Everything
@@ -28,6 +30,18 @@ TYPES = {
 HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 # pydantic's error types that OpenAI names otherwise; the rest are invalid_type (a *_type error) or invalid_value
 VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
 
 
 class APIError(Exception):
@@ -50,8 +64,14 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def anthropic_body(self) -> dict:
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The envelope of the API ``path`` belongs to: Anthropic's on the Messages API, OpenAI's elsewhere."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return JSONResponse(body, status_code=self.status)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -79,7 +99,7 @@ def _http_error(request: Request, exc: HTTPException) -> APIError:
     if exc.status_code == 404:
         message = (
             f"no route {request.method} {request.url.path}: the API serves /v1/models, /v1/completions, "
-            "/v1/chat/completions, /health, /metrics and /depctl/v1/deployments"
+            "/v1/chat/completions, /v1/messages, /health, /metrics and /depctl/v1/deployments"
         )
     elif exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}"
@@ -94,15 +114,15 @@ def _http_error(request: Request, exc: HTTPException) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+        return _validation_error(exc).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        response = _http_error(request, exc).response()
+        response = _http_error(request, exc).response(request.url.path)
         if exc.headers:
             response.headers.update(exc.headers)
         return response
@@ -115,4 +135,4 @@ def install_handlers(app: FastAPI) -> None:
             f"internal error ({type(exc).__name__}: {exc}); this is a bug in depctl: the daemon log "
             "(`depctl daemon logs`) has the traceback",
             code="internal_error",
-        ).response()
+        ).response(request.url.path)

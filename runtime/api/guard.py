@@ -4,11 +4,12 @@
    ``127.0.0.1``, ``[::1]`` or the bound address (with a numeric port or none), and a request line in absolute form
    only to one of those, so a web page that rebinds its own domain to 127.0.0.1 (DNS rebinding) cannot drive the API
    from a browser. Bound elsewhere, the API key is the protection.
-2. **API key**: with one configured, every route but ``/health`` needs ``Authorization: Bearer KEY`` (401 otherwise).
+2. **API key**: with one configured, every route but ``/health`` needs ``Authorization: Bearer KEY`` or, as
+   Anthropic's clients send it, ``x-api-key: KEY`` (401 otherwise).
 3. **Body size**: a body over ``max_body_bytes`` is refused with 413 from its ``Content-Length``, or as soon as a
    chunked body passes the limit, before it is buffered or parsed.
 
-Refusals use OpenAI's error envelope like every other error.
+Refusals use the path's API's error envelope like every other error.
 """
 
 from __future__ import annotations
@@ -124,25 +125,32 @@ class Guard:
     def _unauthorized(self, scope, headers: dict) -> APIError | None:
         if self._key is None or scope["path"] in OPEN_PATHS:
             return None
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = _presented_key(headers)
+        if not token:
             return APIError(
                 401,
-                "this daemon needs an API key: send `Authorization: Bearer KEY` (the depctl CLI reads "
-                "DEPCTL_API_KEY or the running daemon's daemon.json)",
+                "this daemon needs an API key: send `Authorization: Bearer KEY` or `x-api-key: KEY` (the depctl CLI "
+                "reads DEPCTL_API_KEY or the running daemon's daemon.json)",
                 code="missing_api_key",
             )
-        if not secrets.compare_digest(token.strip().encode(), self._key):
+        if not secrets.compare_digest(token.encode(), self._key):
             return APIError(401, "the API key is not this daemon's", code="invalid_api_key")
         return None
 
 
+def _presented_key(headers) -> str:
+    """The API key a request presented: ``Authorization: Bearer KEY`` (OpenAI's clients), else ``x-api-key``
+    (Anthropic's); "" for none."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip()
+
+
 def key_digest(headers) -> str:
     """A digest of the API key a request presented ("" for none): what keeps one key's traffic from informing
-    another's (suffix speculation), without holding the key itself."""
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else ""
+    another's (suffix speculation, the prefix cache), without holding the key itself."""
+    token = _presented_key(headers)
     return hashlib.sha256(token.encode()).hexdigest()[:16] if token else ""
 
 
@@ -156,7 +164,7 @@ def _too_large(size: int, limit: int) -> APIError:
 
 
 async def _send_error(scope, receive, send, error: APIError) -> None:
-    response = error.response()
+    response = error.response(scope["path"])
     if error.status == 401:
         response.headers["www-authenticate"] = "Bearer"
     await response(scope, receive, send)

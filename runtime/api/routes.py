@@ -1,4 +1,5 @@
-"""HTTP routes: thin wrappers over ``Service`` (OpenAI API) and ``DeploymentManager`` (depctl's own API)."""
+"""HTTP routes: thin wrappers over ``Service`` (OpenAI's API, Anthropic's Messages API) and ``DeploymentManager``
+(depctl's own API)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from starlette.concurrency import run_in_threadpool
 
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.guard import key_digest
+from depctl_runtime.api.messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessageStream,
+    error_event,
+    message,
+    to_chat,
+)
 from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from depctl_runtime.api.render import chat_logprobs, completion_logprobs
 from depctl_runtime.api.serving import Job, Service, named_deployment
@@ -107,6 +116,46 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     await service.awake(body.model)
     job = await run_in_threadpool(service.chat_job, body, key_digest(request.headers))
     return await _respond(service, job, body, request)
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    """Anthropic's Messages API: a chat job, answered in Anthropic's shapes (``api.messages``)."""
+    service = _service(request)
+    chat = to_chat(body)
+    await service.awake(chat.model)
+    job = await run_in_threadpool(service.chat_job, chat, key_digest(request.headers), True)
+    await service.prepare(job)
+    if body.stream:
+        return EventSourceResponse(_message_events(service, job), ping=15)
+    text, finish, _ = await _unless_disconnected(service.collect(job), request)
+    return message(job, text, finish)
+
+
+async def _message_events(service: Service, job: Job):
+    stream = MessageStream(job)
+    for event in stream.start():
+        yield event
+    tokens = 0
+    try:
+        async with aclosing(service.run(job)) as deltas:
+            async for delta in deltas:
+                tokens += delta.tokens
+                if delta.text or delta.finish_reason:
+                    for event in stream.feed(delta.text, delta.finish_reason, tokens):
+                        yield event
+    except APIError as exc:  # the status line has gone out: reported in the stream, as Anthropic does
+        yield error_event(exc)
+    except Exception as exc:  # noqa: BLE001
+        yield error_event(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error"))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    service = _service(request)
+    chat = to_chat(body)
+    await service.awake(chat.model)
+    return {"input_tokens": await run_in_threadpool(service.count_chat_tokens, chat)}
 
 
 async def _respond(service: Service, job: Job, body, request: Request):

@@ -118,6 +118,7 @@ class Job:
     usage: dict | None = None  # filled in when the run ends
     tools: frozenset[str] = frozenset()  # the functions offered: the output is read for calls to them
     example: dict | None = None  # the prompt as a recording keeps it, once the job is runnable
+    stop: str | None = None  # the stop string that ended the output, once it has (Anthropic's stop_sequence)
 
 
 class Service:
@@ -210,7 +211,9 @@ class Service:
             job.example = {"prompt": prompt}
         return job
 
-    def chat_job(self, req: ChatCompletionRequest, key: str = "") -> Job:
+    def chat_job(self, req: ChatCompletionRequest, key: str = "", clamp: bool = False) -> Job:
+        """clamp: max_tokens beyond what the context leaves is cut to it, not refused (the Messages API's clients
+        send a fixed, large max_tokens and expect stop_reason max_tokens)."""
         req.check_supported()
         dep_id, backend = self.deployment(req.model)
         tokenizer = backend.tokenizer
@@ -226,7 +229,7 @@ class Service:
         if req.prediction is not None:
             prediction = tuple(encode(tokenizer, req.prediction.text(), add_special_tokens=False))
         job = self._job(
-            "chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint, key
+            "chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint, key, clamp
         )
         if req.calling_tools:
             job.tools = frozenset(t.function.name for t in req.tools)
@@ -259,6 +262,14 @@ class Service:
             ids = encode(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": backend.max_context, "tokens": ids}
 
+    def count_chat_tokens(self, req: ChatCompletionRequest) -> int:
+        """The prompt tokens a chat request renders to (tools included), as its job would read them."""
+        dep_id, backend = self.deployment(req.model)
+        tools = req.tools if req.calling_tools else None
+        if tools:
+            check_tool_support(backend.tokenizer, dep_id)
+        return len(chat_prompt_ids(backend.tokenizer, dep_id, req.messages, tools))
+
     def detokenize(self, req: DetokenizeRequest) -> dict:
         dep_id, backend = self.deployment(req.model)
         vocab = len(backend.tokenizer)
@@ -270,7 +281,17 @@ class Service:
         return {"prompt": backend.tokenizer.decode(req.tokens)}
 
     def _job(
-        self, kind, dep_id: str, backend: Backend, req, prompt_ids, max_tokens, prediction, constraint, key: str
+        self,
+        kind,
+        dep_id: str,
+        backend: Backend,
+        req,
+        prompt_ids,
+        max_tokens,
+        prediction,
+        constraint,
+        key: str,
+        clamp: bool = False,
     ) -> Job:
         prompt_param = "prompt" if kind == "text_completion" else "messages"
         if not prompt_ids:
@@ -288,6 +309,8 @@ class Service:
         room = max_context - len(prompt_ids)
         if max_tokens is None:  # a chat request without max_tokens: the daemon's default, within the context
             max_tokens = min(self.settings.default_max_tokens, room)
+        elif clamp and room >= 1:
+            max_tokens = min(max_tokens, room)
         if room < 1 or max_tokens > room:
             raise APIError(
                 400,
@@ -371,7 +394,7 @@ class Service:
                     cached += delta.cached_tokens
                     yield delta
                     if delta.finish_reason:
-                        status = "ok"
+                        status, job.stop = "ok", delta.stop
                         job.usage = self._usage(
                             job, completion, drafted, accepted, pred_accepted, grammar_drafted, grammar_accepted
                         )

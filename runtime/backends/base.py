@@ -68,6 +68,7 @@ class Delta:
     grammar_accepted: int = 0
     logprobs: tuple[Logprob, ...] = ()  # one per token, when the request asked
     cached_tokens: int = 0  # on the first delta: prompt tokens read from the prefix cache
+    stop: str | None = None  # on the last delta: the stop string that ended the output, if one did
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class StopMatcher:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.buffer = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Returns the text that is safe to emit; sets ``stopped`` when a stop string appeared (it is not emitted)."""
@@ -77,10 +78,11 @@ class StopMatcher:
         if not self.stops:
             out, self.buffer = self.buffer, ""
             return out
-        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.buffer.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
-            out, self.buffer = self.buffer[: min(hits)], ""
+            out, self.buffer = self.buffer[:at], ""
             return out
         cut = max(len(self.buffer) - self.hold, 0)
         out, self.buffer = self.buffer[:cut], self.buffer[cut:]

@@ -278,10 +278,12 @@ class LocalBackend:
                     cached_tokens=out.cached_tokens,
                 )
                 if stopper.stopped:
-                    yield Delta(text, n, "stop", **counts)
+                    yield Delta(text, n, "stop", stop=stopper.matched, **counts)
                     return
                 if out.finish_reason:
-                    yield Delta(text + stopper.feed(detok.flush()) + stopper.flush(), n, out.finish_reason, **counts)
+                    text += stopper.feed(detok.flush()) + stopper.flush()
+                    finish = "stop" if stopper.stopped else out.finish_reason
+                    yield Delta(text, n, finish, stop=stopper.matched, **counts)
                     return
                 yield Delta(text, n, None, **counts)
         finally:

@@ -261,7 +261,14 @@ class VLLMBackend:
                 if choices:
                     text, finish = choices[0].get("text") or "", choices[0].get("finish_reason")
                     counted += bool(text)  # a chunk a token, until the usage says exactly
-                    delta = Delta(text, int(bool(text)), finish, logprobs=parse_logprobs(choices[0].get("logprobs")))
+                    matched = choices[0].get("stop_reason")  # vLLM: the stop string, or a stop token's id
+                    delta = Delta(
+                        text,
+                        int(bool(text)),
+                        finish,
+                        logprobs=parse_logprobs(choices[0].get("logprobs")),
+                        stop=matched if isinstance(matched, str) else None,
+                    )
                     if finish is None:
                         yield delta
                     else:  # held until the usage chunk, which comes after it, gives the true token count

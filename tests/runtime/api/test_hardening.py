@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -78,6 +79,16 @@ def test_api_key_on_every_route_but_health(daemon):
         openai.OpenAI(base_url=daemon.url + "/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=KEY, max_retries=0)
     assert sorted(m.id for m in client.models.list()) == ["long", "tiny"]
+    # Anthropic's clients send the key as x-api-key, and get Anthropic's envelope on its paths
+    r = httpx.post(daemon.url + "/v1/messages", json={}, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=daemon.url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model="tiny", messages=[{"role": "user", "content": "hi"}]
+        )
+    claude = anthropic.Anthropic(base_url=daemon.url, api_key=KEY, max_retries=0)
+    counted = claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert counted.input_tokens > 0
 
 
 def test_foreign_host_headers_are_refused(daemon):

@@ -1,0 +1,291 @@
+"""Anthropic's Messages API through the official ``anthropic`` SDK, in process (an ASGI transport, tiny models),
+beside the same conversation through chat completions: the same text under every speculation method."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from depctl.settings import Settings
+from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
+from depctl.store import SpecStore
+from depctl_runtime.api.errors import APIError
+from depctl_runtime.api.messages import MessagesRequest, to_chat
+from depctl_runtime.app import create_app
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.manager import DeploymentManager, State
+from tests.tiny import TOOLS_TEMPLATE, save_tiny
+
+METHODS = ("plain", "ngram", "suffix", "drafted")
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+# ---- the request's translation, no model -------------------------------------------------------------------------
+
+
+def _chat(**body):
+    return to_chat(MessagesRequest.model_validate({"model": "m", "max_tokens": 8, **body}))
+
+
+def test_a_conversation_with_tools_becomes_the_chat_messages_it_stands_for():
+    chat = _chat(
+        system=[{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools.", "cache_control": {}}],
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "a call", "signature": "x"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "rain"}]},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no such city", "is_error": True},
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ],
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        stop_sequences=["END"],
+        metadata={"user_id": '{"device_id": "d"}'},
+        thinking={"type": "adaptive"},
+        context_management={"edits": []},
+    )
+    roles = [(m.role, m.text()) for m in chat.messages]
+    assert roles == [
+        ("system", "Be brief.\nUse tools."),
+        ("user", "Weather in Oslo?"),
+        ("assistant", "Checking."),
+        ("tool", "rain"),
+        ("tool", "Error: no such city"),
+        ("user", "And tomorrow?"),
+    ]
+    call = chat.messages[2].tool_calls[0]
+    assert call.id == "toolu_1" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert [m.tool_call_id for m in chat.messages[3:5]] == ["toolu_1", "toolu_2"]
+    assert chat.tools[0].function.parameters == WEATHER["input_schema"]
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.stop == ["END"] and chat.user == '{"device_id": "d"}' and chat.max_tokens == 8
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "web_search_20250305"}]}, "tools.0.type"),
+        ({"messages": [{"role": "user", "content": "hi"}], "system": [{"type": "image"}]}, "system.0"),
+    ],
+    ids=["image", "server-tool", "system-image"],
+)
+def test_what_depctl_cannot_do_is_refused_by_name(body, param):
+    with pytest.raises(APIError) as refused:
+        _chat(**body)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+# ---- over HTTP, through the SDKs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
+    import os
+
+    home = tmp_path_factory.mktemp("messages-home")
+    old = os.environ.get("DEPCTL_HOME")
+    os.environ["DEPCTL_HOME"] = str(home)
+    store = SpecStore(home / "deployments")
+    model = str(tiny_model_dir)
+    with_tools = str(save_tiny(tmp_path_factory.mktemp("with-tools"), seed=0, chat_template=TOOLS_TEMPLATE))
+    specs = [
+        DeploymentSpec(id="plain", model=model, compile=False),
+        DeploymentSpec(
+            id="ngram", model=model, compile=False, speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
+        ),
+        DeploymentSpec(id="suffix", model=model, compile=False, speculation=SuffixSpeculation(num_draft_tokens=6)),
+        DeploymentSpec(
+            id="drafted",
+            model=model,
+            compile=False,
+            speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
+        ),
+        DeploymentSpec(id="tools", model=with_tools, compile=False),
+    ]
+    for spec in specs:
+        store.create(spec)
+    manager = DeploymentManager(
+        store, loader=lambda spec, report: load_deployment(spec, calibrate=False, report=report)
+    )
+    manager.start()
+    deadline = time.monotonic() + 300
+    while any(manager.get(s.id).state != State.READY for s in specs):
+        assert time.monotonic() < deadline, [(s.id, manager.get(s.id).state) for s in specs]
+        time.sleep(0.1)
+    yield create_app(manager=manager, settings=Settings())
+    manager.stop()
+    if old is None:
+        os.environ.pop("DEPCTL_HOME", None)
+    else:
+        os.environ["DEPCTL_HOME"] = old
+
+
+def _run(app, scenario):
+    """``scenario(anthropic_client, openai_client, httpx_client)`` on one event loop, all talking to ``app``."""
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=120) as http:
+            claude = anthropic.AsyncAnthropic(base_url="http://127.0.0.1", api_key="k", http_client=http, max_retries=0)
+            oai = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="k", http_client=http, max_retries=0)
+            return await scenario(claude, oai, http)
+
+    return asyncio.run(go())
+
+
+QUESTION = [{"role": "user", "content": "abcabcabc"}]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_message_whole_and_streamed_has_the_chat_completions_text(app, method):
+    async def scenario(claude, oai, http):
+        chat = await oai.chat.completions.create(model=method, messages=QUESTION, max_tokens=24, temperature=0)
+        whole = await claude.messages.create(model=method, messages=QUESTION, max_tokens=24, temperature=0)
+        async with claude.messages.stream(model=method, messages=QUESTION, max_tokens=24, temperature=0) as stream:
+            streamed = "".join([text async for text in stream.text_stream])
+            final = await stream.get_final_message()
+        return chat, whole, streamed, final
+
+    chat, whole, streamed, final = _run(app, scenario)
+    text = chat.choices[0].message.content
+    assert whole.content[0].type == "text" and whole.content[0].text == text == streamed == final.content[0].text
+    assert whole.role == "assistant" and whole.id.startswith("msg_")
+    assert (
+        whole.stop_reason
+        == final.stop_reason
+        == {"stop": "end_turn", "length": "max_tokens"}[chat.choices[0].finish_reason]
+    )
+    usage = whole.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert usage.output_tokens == final.usage.output_tokens == chat.usage.completion_tokens
+
+
+def test_max_tokens_beyond_the_context_is_cut_to_it_and_stop_sequences_are_named(app):
+    async def scenario(claude, oai, http):
+        long = await claude.messages.create(model="plain", messages=QUESTION, max_tokens=32000, temperature=0)
+        plain = await oai.chat.completions.create(model="plain", messages=QUESTION, max_tokens=40, temperature=0)
+        stop = plain.choices[0].message.content[10:13]  # three characters the answer holds: it stops there
+        stopped = await claude.messages.create(
+            model="plain", messages=QUESTION, max_tokens=40, temperature=0, stop_sequences=["zzzz", stop]
+        )
+        return long, plain, stop, stopped
+
+    long, plain, stop, stopped = _run(app, scenario)
+    assert long.stop_reason in ("max_tokens", "end_turn") and long.usage.output_tokens > 0
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert stopped.content[0].text == plain.choices[0].message.content.split(stop)[0]
+
+
+def test_count_tokens_counts_what_a_request_reads(app):
+    async def scenario(claude, oai, http):
+        counted = await claude.messages.count_tokens(
+            model="tools", messages=QUESTION, system="Be brief.", tools=[WEATHER]
+        )
+        sent = await claude.messages.create(
+            model="tools", messages=QUESTION, system="Be brief.", tools=[WEATHER], max_tokens=2, temperature=0
+        )
+        return counted, sent
+
+    counted, sent = _run(app, scenario)
+    assert counted.input_tokens == sent.usage.input_tokens + sent.usage.cache_read_input_tokens > 20
+
+
+def test_a_tool_use_and_its_result_make_a_round_trip(app):
+    async def scenario(claude, oai, http):
+        first = await claude.messages.create(
+            model="tools",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER],
+            tool_choice={"type": "any"},
+            max_tokens=200,
+            temperature=0,
+        )
+        call = next(b for b in first.content if b.type == "tool_use")
+        follow = [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "rain"}]},
+        ]
+        second = await claude.messages.create(
+            model="tools", messages=follow, tools=[WEATHER], tool_choice={"type": "none"}, max_tokens=8, temperature=0
+        )
+        async with claude.messages.stream(
+            model="tools",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER],
+            tool_choice={"type": "tool", "name": "get_weather"},
+            max_tokens=200,
+            temperature=0,
+        ) as stream:
+            streamed = await stream.get_final_message()
+        return first, call, second, streamed
+
+    first, call, second, streamed = _run(app, scenario)
+    assert first.stop_reason == "tool_use" and call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    assert second.content[0].type == "text" and second.stop_reason in ("end_turn", "max_tokens")
+    streamed_call = next(b for b in streamed.content if b.type == "tool_use")
+    assert streamed.stop_reason == "tool_use" and streamed_call.input == call.input
+
+
+def test_errors_come_in_anthropics_envelope_as_the_sdk_expects(app):
+    async def scenario(claude, oai, http):
+        errors = []
+        for kwargs in (
+            {"model": "ghost", "messages": QUESTION, "max_tokens": 4},
+            {
+                "model": "plain",
+                "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                "max_tokens": 4,
+            },
+            {"model": "plain", "messages": QUESTION, "max_tokens": 0},
+        ):
+            try:
+                await claude.messages.create(**kwargs)
+            except anthropic.APIStatusError as exc:
+                errors.append(exc)
+        raw = await http.post("/v1/messages", json={"model": "plain", "messages": QUESTION})
+        return errors, raw
+
+    errors, raw = _run(app, scenario)
+    assert [type(e) for e in errors] == [anthropic.NotFoundError, anthropic.BadRequestError, anthropic.BadRequestError]
+    assert "image" in errors[1].message
+    body = raw.json()
+    assert raw.status_code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+
+
+def test_x_api_key_is_a_key_as_a_bearer_token_is():
+    from depctl_runtime.api.guard import key_digest
+
+    assert key_digest({"x-api-key": "secret"}) == key_digest({"authorization": "Bearer secret"}) != ""
+    assert key_digest({}) == ""
