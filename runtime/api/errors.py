@@ -99,7 +99,7 @@ def _http_error(request: Request, exc: HTTPException) -> APIError:
     if exc.status_code == 404:
         message = (
             f"no route {request.method} {request.url.path}: the API serves /v1/models, /v1/completions, "
-            "/v1/chat/completions, /v1/messages, /health, /metrics and /depctl/v1/deployments"
+            "/v1/chat/completions, /v1/responses, /v1/messages, /health, /metrics and /depctl/v1/deployments"
         )
     elif exc.status_code == 405:
         message = f"{request.method} is not allowed on {request.url.path}"

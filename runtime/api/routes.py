@@ -25,6 +25,9 @@ from depctl_runtime.api.messages import (
 )
 from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from depctl_runtime.api.render import chat_logprobs, completion_logprobs
+from depctl_runtime.api.responses import ResponsesRequest, ResponseStream, response
+from depctl_runtime.api.responses import error_event as response_error_event
+from depctl_runtime.api.responses import to_chat as to_responses_chat
 from depctl_runtime.api.serving import Job, Service, named_deployment
 from depctl_runtime.api.tools import ToolCallParser, gather
 from depctl_runtime.manager import State
@@ -148,6 +151,37 @@ async def _message_events(service: Service, job: Job):
         yield error_event(exc)
     except Exception as exc:  # noqa: BLE001
         yield error_event(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error"))
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request):
+    """OpenAI's Responses API: a chat job, answered in the Responses API's shapes (``api.responses``)."""
+    service = _service(request)
+    chat = to_responses_chat(body)
+    await service.awake(chat.model)
+    job = await run_in_threadpool(service.chat_job, chat, key_digest(request.headers))
+    await service.prepare(job)
+    if body.stream:
+        return EventSourceResponse(_response_events(service, job, body), ping=15)
+    text, finish, _ = await _unless_disconnected(service.collect(job), request)
+    return response(job, body, text, finish)
+
+
+async def _response_events(service: Service, job: Job, body: ResponsesRequest):
+    stream = ResponseStream(job, body)
+    for event in stream.start():
+        yield event
+    try:
+        async with aclosing(service.run(job)) as deltas:
+            async for delta in deltas:
+                if delta.text or delta.finish_reason:
+                    for event in stream.feed(delta.text, delta.finish_reason):
+                        yield event
+    except APIError as exc:  # the status line has gone out: reported in the stream
+        yield response_error_event(exc, stream.sequence)
+    except Exception as exc:  # noqa: BLE001
+        error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error")
+        yield response_error_event(error, stream.sequence)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -3,27 +3,17 @@ beside the same conversation through chat completions: the same text under every
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import anthropic
-import httpx
 import jsonschema
-import openai
 import pytest
 
-from depctl.settings import Settings
-from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
-from depctl.store import SpecStore
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.messages import MessagesRequest, to_chat
-from depctl_runtime.app import create_app
-from depctl_runtime.backends.loader import load_deployment
-from depctl_runtime.manager import DeploymentManager, State
-from tests.tiny import TOOLS_TEMPLATE, save_tiny
+from tests.runtime.api.sdks import METHODS
+from tests.runtime.api.sdks import run as _run
 
-METHODS = ("plain", "ngram", "suffix", "drafted")
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
@@ -104,62 +94,7 @@ def test_what_depctl_cannot_do_is_refused_by_name(body, param):
     assert refused.value.status == 400 and refused.value.param == param
 
 
-# ---- over HTTP, through the SDKs ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
-    import os
-
-    home = tmp_path_factory.mktemp("messages-home")
-    old = os.environ.get("DEPCTL_HOME")
-    os.environ["DEPCTL_HOME"] = str(home)
-    store = SpecStore(home / "deployments")
-    model = str(tiny_model_dir)
-    with_tools = str(save_tiny(tmp_path_factory.mktemp("with-tools"), seed=0, chat_template=TOOLS_TEMPLATE))
-    specs = [
-        DeploymentSpec(id="plain", model=model, compile=False),
-        DeploymentSpec(
-            id="ngram", model=model, compile=False, speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
-        ),
-        DeploymentSpec(id="suffix", model=model, compile=False, speculation=SuffixSpeculation(num_draft_tokens=6)),
-        DeploymentSpec(
-            id="drafted",
-            model=model,
-            compile=False,
-            speculation=DraftModelSpeculation(draft_model=str(tiny_draft_dir), num_draft_tokens=3),
-        ),
-        DeploymentSpec(id="tools", model=with_tools, compile=False),
-    ]
-    for spec in specs:
-        store.create(spec)
-    manager = DeploymentManager(
-        store, loader=lambda spec, report: load_deployment(spec, calibrate=False, report=report)
-    )
-    manager.start()
-    deadline = time.monotonic() + 300
-    while any(manager.get(s.id).state != State.READY for s in specs):
-        assert time.monotonic() < deadline, [(s.id, manager.get(s.id).state) for s in specs]
-        time.sleep(0.1)
-    yield create_app(manager=manager, settings=Settings())
-    manager.stop()
-    if old is None:
-        os.environ.pop("DEPCTL_HOME", None)
-    else:
-        os.environ["DEPCTL_HOME"] = old
-
-
-def _run(app, scenario):
-    """``scenario(anthropic_client, openai_client, httpx_client)`` on one event loop, all talking to ``app``."""
-
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=120) as http:
-            claude = anthropic.AsyncAnthropic(base_url="http://127.0.0.1", api_key="k", http_client=http, max_retries=0)
-            oai = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="k", http_client=http, max_retries=0)
-            return await scenario(claude, oai, http)
-
-    return asyncio.run(go())
+# ---- over HTTP, through the SDKs (the app: tests/runtime/api/conftest.py) ---------------------------------------
 
 
 QUESTION = [{"role": "user", "content": "abcabcabc"}]
