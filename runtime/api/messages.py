@@ -16,9 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from depctl_runtime.api.errors import APIError
-from depctl_runtime.api.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, Text
+from depctl_runtime.api.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, Text, required_str, text_of
 from depctl_runtime.api.serving import Job
-from depctl_runtime.api.tools import ToolCallDelta, ToolCallParser, gather
+from depctl_runtime.api.tools import ToolCallDelta, ToolCallParser, split_calls
 
 IGNORED_BLOCKS = ("thinking", "redacted_thinking")  # a model's earlier reasoning: nothing of it goes to this model
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -103,17 +103,24 @@ def _chat_messages(message: Message, where: str) -> list[dict]:
     for j, block in enumerate(message.content):
         kind = block.get("type")
         if kind == "text":
-            texts.append(_str(block.get("text"), f"{where}.{j}.text"))
+            texts.append(required_str(block.get("text"), f"{where}.{j}.text"))
         elif kind == "tool_use" and message.role == "assistant":
-            call = {"name": _str(block.get("name"), f"{where}.{j}.name"), "arguments": json.dumps(block.get("input"))}
-            calls.append({"id": _str(block.get("id"), f"{where}.{j}.id"), "type": "function", "function": call})
+            call = {
+                "name": required_str(block.get("name"), f"{where}.{j}.name"),
+                "arguments": json.dumps(block.get("input")),
+            }
+            calls.append({"id": required_str(block.get("id"), f"{where}.{j}.id"), "type": "function", "function": call})
         elif kind == "tool_result" and message.role == "user":
             content = block.get("content")
             text = "" if content is None else _text(content, f"{where}.{j}.content")
             if block.get("is_error"):
                 text = f"Error: {text}"
             results.append(
-                {"role": "tool", "tool_call_id": _str(block.get("tool_use_id"), f"{where}.{j}"), "content": text}
+                {
+                    "role": "tool",
+                    "tool_call_id": required_str(block.get("tool_use_id"), f"{where}.{j}"),
+                    "content": text,
+                }
             )
         elif kind in IGNORED_BLOCKS:
             continue
@@ -135,27 +142,8 @@ def _chat_messages(message: Message, where: str) -> list[dict]:
 
 
 def _text(content: str | list, where: str) -> str:
-    """A string, or text blocks joined (other blocks refused by type)."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise APIError(
-                400,
-                f"{where}.{j}: blocks of type {kind!r} are not supported here (text only)",
-                param=f"{where}.{j}",
-                code="unsupported_value",
-            )
-        parts.append(_str(block.get("text"), f"{where}.{j}.text"))
-    return "\n".join(parts) if where == "system" else "".join(parts)
-
-
-def _str(value, where: str) -> str:
-    if not isinstance(value, str):
-        raise APIError(400, f"{where} must be a string", param=where, code="invalid_type")
-    return value
+    """A string or text blocks (the system prompt's joined by newlines, as Anthropic joins them)."""
+    return text_of(content, where, ("text",), "\n" if where == "system" else "")
 
 
 def _function(tool: dict, i: int) -> dict:
@@ -169,7 +157,7 @@ def _function(tool: dict, i: int) -> dict:
             param=f"tools.{i}.type",
             code="unsupported_value",
         )
-    function = {"name": _str(tool.get("name"), f"tools.{i}.name"), "parameters": tool.get("input_schema")}
+    function = {"name": required_str(tool.get("name"), f"tools.{i}.name"), "parameters": tool.get("input_schema")}
     if tool.get("description"):
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
@@ -203,10 +191,7 @@ def message(job: Job, text: str, finish: str) -> dict:
     content: list[dict] = []
     calls: list[dict] = []
     if job.tools:
-        parser = ToolCallParser(job.tools)
-        text, deltas = parser.feed(text)
-        rest, more = parser.finish()
-        text, calls = text + rest, gather(deltas + more)
+        text, calls = split_calls(text, job.tools)
     blocks = []
     for call in calls:
         try:
@@ -261,10 +246,7 @@ class MessageStream:
         events = []
         calls: list[ToolCallDelta] = []
         if self.parser is not None:
-            text, calls = self.parser.feed(text)
-            if finish:
-                rest, more = self.parser.finish()
-                text, calls = text + rest, calls + more
+            text, calls = self.parser.feed_run(text, last=bool(finish))
         if text:
             events += self._open("text", {"type": "text", "text": ""})
             events.append(_event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text}))

@@ -41,6 +41,34 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
+def text_of(content, where: str, kinds: tuple[str, ...], sep: str = "") -> str:
+    """A string, or a list of text parts (blocks whose ``type`` is one of ``kinds``) joined by ``sep``; any other
+    part is refused by its type (images, documents, files)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", param=where, code="invalid_type")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise APIError(
+                400,
+                f"{where}.{j}: parts of type {kind!r} are not supported by depctl (text only)",
+                param=f"{where}.{j}.type",
+                code="unsupported_value",
+            )
+        parts.append(required_str(part.get("text"), f"{where}.{j}.text"))
+    return sep.join(parts)
+
+
+def required_str(value, where: str) -> str:
+    """A field of a loosely typed block (Anthropic's content blocks, Responses input items) that must be a string."""
+    if not isinstance(value, str):
+        raise APIError(400, f"{where} must be a string", param=where, code="invalid_type")
+    return _unicode(value)
+
+
 def _unsupported(name: str, value: Any, why: str = "") -> None:
     raise APIError(
         400,

@@ -17,9 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from depctl_runtime.api.errors import APIError
-from depctl_runtime.api.protocol import ChatCompletionRequest, Text
+from depctl_runtime.api.protocol import ChatCompletionRequest, Text, required_str, text_of
 from depctl_runtime.api.serving import Job
-from depctl_runtime.api.tools import ToolCallDelta, ToolCallParser, gather
+from depctl_runtime.api.tools import ToolCallDelta, ToolCallParser, split_calls
 
 IGNORED_ITEMS = ("reasoning",)  # a model's earlier reasoning: nothing of it goes to this model
 
@@ -94,10 +94,10 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
         messages.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
     elif kind == "function_call":
         call = {
-            "name": _str(item.get("name"), f"{where}.name"),
-            "arguments": _str(item.get("arguments"), f"{where}.arguments"),
+            "name": required_str(item.get("name"), f"{where}.name"),
+            "arguments": required_str(item.get("arguments"), f"{where}.arguments"),
         }
-        entry = {"id": _str(item.get("call_id"), f"{where}.call_id"), "type": "function", "function": call}
+        entry = {"id": required_str(item.get("call_id"), f"{where}.call_id"), "type": "function", "function": call}
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(entry)  # parallel calls: one assistant turn
@@ -107,7 +107,7 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
         output = item.get("output")
         text = output if isinstance(output, str) else _content(output, f"{where}.output")
         messages.append(
-            {"role": "tool", "tool_call_id": _str(item.get("call_id"), f"{where}.call_id"), "content": text}
+            {"role": "tool", "tool_call_id": required_str(item.get("call_id"), f"{where}.call_id"), "content": text}
         )
     elif kind in IGNORED_ITEMS:
         return
@@ -122,29 +122,7 @@ def _add_item(messages: list[dict], item: dict, where: str) -> None:
 
 
 def _content(content, where: str) -> str:
-    """A string, or input_text / output_text parts joined (other parts refused by type)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of text parts", param=where, code="invalid_type")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise APIError(
-                400,
-                f"{where}.{j}: content parts of type {kind!r} are not supported by depctl (text only)",
-                param=f"{where}.{j}.type",
-                code="unsupported_value",
-            )
-        parts.append(_str(part.get("text"), f"{where}.{j}.text"))
-    return "".join(parts)
-
-
-def _str(value, where: str) -> str:
-    if not isinstance(value, str):
-        raise APIError(400, f"{where} must be a string", param=where, code="invalid_type")
-    return value
+    return text_of(content, where, ("input_text", "output_text", "text"))
 
 
 def _function(tool: dict, i: int) -> dict:
@@ -157,7 +135,7 @@ def _function(tool: dict, i: int) -> dict:
             param=f"tools.{i}.type",
             code="unsupported_value",
         )
-    function = {"name": _str(tool.get("name"), f"tools.{i}.name")}
+    function = {"name": required_str(tool.get("name"), f"tools.{i}.name")}
     for key in ("description", "parameters", "strict"):
         if tool.get(key) is not None:
             function[key] = tool[key]
@@ -253,10 +231,7 @@ def response(job: Job, req: ResponsesRequest, text: str, finish: str) -> dict:
     """The whole response: a message item with the text, function_call items for the calls read out of it."""
     calls: list[dict] = []
     if job.tools:
-        parser = ToolCallParser(job.tools)
-        text, deltas = parser.feed(text)
-        rest, more = parser.finish()
-        text, calls = text + rest, gather(deltas + more)
+        text, calls = split_calls(text, job.tools)
     output = []
     if text.strip() or not calls:
         output.append(_text_item(job, text.strip() if calls else text))
@@ -287,10 +262,7 @@ class ResponseStream:
         events: list[dict] = []
         calls: list[ToolCallDelta] = []
         if self.parser is not None:
-            text, calls = self.parser.feed(text)
-            if finish:
-                rest, more = self.parser.finish()
-                text, calls = text + rest, calls + more
+            text, calls = self.parser.feed_run(text, last=bool(finish))
         if text:
             if self.open is None or self.open["type"] != "message":
                 events += self._close()

@@ -29,7 +29,7 @@ from depctl_runtime.api.responses import ResponsesRequest, ResponseStream, respo
 from depctl_runtime.api.responses import error_event as response_error_event
 from depctl_runtime.api.responses import to_chat as to_responses_chat
 from depctl_runtime.api.serving import Job, Service, named_deployment
-from depctl_runtime.api.tools import ToolCallParser, gather
+from depctl_runtime.api.tools import ToolCallParser, split_calls
 from depctl_runtime.manager import State
 
 router = APIRouter()
@@ -228,13 +228,10 @@ def _choice(job: Job, index: int, text: str, finish: str, logprobs) -> dict:
 
 def _with_calls(text: str, finish: str, names: frozenset[str]) -> tuple[dict, str]:
     """The assistant message with the tool calls read out of ``text``, and the finish reason OpenAI gives it."""
-    parser = ToolCallParser(names)
-    content, deltas = parser.feed(text)
-    rest, more = parser.finish()
-    calls = gather(deltas + more)
+    content, calls = split_calls(text, names)
     if not calls:
         return {"role": "assistant", "content": text}, finish
-    message = {"role": "assistant", "content": (content + rest).strip() or None, "tool_calls": calls}
+    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
     return message, "tool_calls" if finish == "stop" else finish
 
 
@@ -282,10 +279,8 @@ class _ChoiceStream:
         if self.chat:
             calls, parser = [], self.parser
             if parser is not None and not first:
-                text, calls = parser.feed(text or "")
+                text, calls = parser.feed_run(text or "", last=bool(finish))
                 if finish:
-                    rest, more = parser.finish()
-                    text, calls = text + rest, calls + more
                     finish = "tool_calls" if parser.calls and finish == "stop" else finish
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
             if calls:

@@ -189,6 +189,14 @@ class ToolCallParser:
                 self._call = None
         return content, deltas
 
+    def feed_run(self, text: str, last: bool) -> tuple[str, list[ToolCallDelta]]:
+        """``feed`` a run of output; on the ``last`` one, ``finish`` too."""
+        content, deltas = self.feed(text)
+        if last:
+            rest, more = self.finish()
+            content, deltas = content + rest, deltas + more
+        return content, deltas
+
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """The end of the output: content held back, and the rest of an unclosed call's arguments."""
         content, deltas = "", []
@@ -258,6 +266,12 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def split_calls(text: str, names: frozenset[str]) -> tuple[str, list[dict]]:
+    """A whole output's content and the tool calls to ``names`` read out of it (OpenAI's ``tool_calls`` shape)."""
+    content, deltas = ToolCallParser(names).feed_run(text, last=True)
+    return content, gather(deltas)
 
 
 def gather(deltas: list[ToolCallDelta]) -> list[dict]:

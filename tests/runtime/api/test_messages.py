@@ -84,7 +84,7 @@ def test_a_conversation_with_tools_becomes_the_chat_messages_it_stands_for():
     [
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0.type"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "web_search_20250305"}]}, "tools.0.type"),
-        ({"messages": [{"role": "user", "content": "hi"}], "system": [{"type": "image"}]}, "system.0"),
+        ({"messages": [{"role": "user", "content": "hi"}], "system": [{"type": "image"}]}, "system.0.type"),
     ],
     ids=["image", "server-tool", "system-image"],
 )
