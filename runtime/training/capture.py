@@ -30,6 +30,7 @@ class Recorded:
 class FeatureRecorder:
     name = "features"
     steady_catch_up = 0
+    needs_prompt_features = True  # every prompt position's: no prompt from the prefix cache
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype  # kept at half size: an answer's features are [tokens, 3 * hidden]
