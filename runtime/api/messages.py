@@ -228,6 +228,7 @@ class MessageStream:
         self.index = -1  # the open block's index
         self.open: str | None = None  # "text", "tool_use" or None
         self.called = False
+        self.tokens = 0  # output tokens so far
 
     def start(self) -> list[dict]:
         head = {
@@ -242,7 +243,10 @@ class MessageStream:
         }
         return [_event("message_start", message=head), _event("ping")]
 
-    def feed(self, text: str, finish: str | None, tokens: int) -> list[dict]:
+    def feed(self, delta) -> list[dict]:
+        """A run of output (``backends.Delta``) as events."""
+        text, finish = delta.text, delta.finish_reason
+        self.tokens += delta.tokens
         events = []
         calls: list[ToolCallDelta] = []
         if self.parser is not None:
@@ -261,7 +265,7 @@ class MessageStream:
         if finish:
             events += self._close()
             reason, sequence = _stop(self.job, finish, self.called)
-            usage = _usage(self.job, tokens)
+            usage = _usage(self.job, self.tokens)
             events.append(
                 _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage)
             )
@@ -282,11 +286,11 @@ class MessageStream:
         self.open = None
         return [_event("content_block_stop", index=self.index)]
 
+    @staticmethod
+    def error(error: APIError) -> dict:
+        return {"event": "error", "data": json.dumps(error.anthropic_body())}
+
 
 def _event(kind: str, **fields) -> dict:
     """An SSE event as sse-starlette sends it: Anthropic names each event and repeats the name as ``type``."""
     return {"event": kind, "data": json.dumps({"type": kind, **fields})}
-
-
-def error_event(error: APIError) -> dict:
-    return {"event": "error", "data": json.dumps(error.anthropic_body())}

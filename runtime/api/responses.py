@@ -258,7 +258,9 @@ class ResponseStream:
         shell = _shell(self.job, self.req, "in_progress", [], None)
         return [self._event("response.created", response=shell), self._event("response.in_progress", response=shell)]
 
-    def feed(self, text: str, finish: str | None) -> list[dict]:
+    def feed(self, delta) -> list[dict]:
+        """A run of output (``backends.Delta``) as events."""
+        text, finish = delta.text, delta.finish_reason
         events: list[dict] = []
         calls: list[ToolCallDelta] = []
         if self.parser is not None:
@@ -316,17 +318,10 @@ class ResponseStream:
         self.open = None
         return events
 
+    def error(self, error: APIError) -> dict:
+        body = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+        return {"event": "error", "data": json.dumps({**body, "sequence_number": self.sequence})}
+
     def _event(self, kind: str, **fields) -> dict:
         self.sequence += 1
         return {"event": kind, "data": json.dumps({"type": kind, "sequence_number": self.sequence - 1, **fields})}
-
-
-def error_event(error: APIError, sequence: int) -> dict:
-    body = {
-        "type": "error",
-        "sequence_number": sequence,
-        "code": error.code,
-        "message": error.message,
-        "param": error.param,
-    }
-    return {"event": "error", "data": json.dumps(body)}

@@ -15,18 +15,10 @@ from starlette.concurrency import run_in_threadpool
 
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.guard import key_digest
-from depctl_runtime.api.messages import (
-    CountTokensRequest,
-    MessagesRequest,
-    MessageStream,
-    error_event,
-    message,
-    to_chat,
-)
+from depctl_runtime.api.messages import CountTokensRequest, MessagesRequest, MessageStream, message, to_chat
 from depctl_runtime.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from depctl_runtime.api.render import chat_logprobs, completion_logprobs
 from depctl_runtime.api.responses import ResponsesRequest, ResponseStream, response
-from depctl_runtime.api.responses import error_event as response_error_event
 from depctl_runtime.api.responses import to_chat as to_responses_chat
 from depctl_runtime.api.serving import Job, Service, named_deployment
 from depctl_runtime.api.tools import ToolCallParser, split_calls
@@ -130,27 +122,9 @@ async def messages(body: MessagesRequest, request: Request):
     job = await run_in_threadpool(service.chat_job, chat, key_digest(request.headers), True)
     await service.prepare(job)
     if body.stream:
-        return EventSourceResponse(_message_events(service, job), ping=15)
+        return EventSourceResponse(_translated_events(service, job, MessageStream(job)), ping=15)
     text, finish, _ = await _unless_disconnected(service.collect(job), request)
     return message(job, text, finish)
-
-
-async def _message_events(service: Service, job: Job):
-    stream = MessageStream(job)
-    for event in stream.start():
-        yield event
-    tokens = 0
-    try:
-        async with aclosing(service.run(job)) as deltas:
-            async for delta in deltas:
-                tokens += delta.tokens
-                if delta.text or delta.finish_reason:
-                    for event in stream.feed(delta.text, delta.finish_reason, tokens):
-                        yield event
-    except APIError as exc:  # the status line has gone out: reported in the stream, as Anthropic does
-        yield error_event(exc)
-    except Exception as exc:  # noqa: BLE001
-        yield error_event(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error"))
 
 
 @router.post("/v1/responses")
@@ -162,26 +136,26 @@ async def responses(body: ResponsesRequest, request: Request):
     job = await run_in_threadpool(service.chat_job, chat, key_digest(request.headers))
     await service.prepare(job)
     if body.stream:
-        return EventSourceResponse(_response_events(service, job, body), ping=15)
+        return EventSourceResponse(_translated_events(service, job, ResponseStream(job, body)), ping=15)
     text, finish, _ = await _unless_disconnected(service.collect(job), request)
     return response(job, body, text, finish)
 
 
-async def _response_events(service: Service, job: Job, body: ResponsesRequest):
-    stream = ResponseStream(job, body)
+async def _translated_events(service: Service, job: Job, stream):
+    """A chat job's deltas as another API's events: ``stream`` (``MessageStream``, ``ResponseStream``) shapes them,
+    and an error after the start (the status line has gone out) as that API's error event."""
     for event in stream.start():
         yield event
     try:
         async with aclosing(service.run(job)) as deltas:
             async for delta in deltas:
                 if delta.text or delta.finish_reason:
-                    for event in stream.feed(delta.text, delta.finish_reason):
+                    for event in stream.feed(delta):
                         yield event
-    except APIError as exc:  # the status line has gone out: reported in the stream
-        yield response_error_event(exc, stream.sequence)
+    except APIError as exc:
+        yield stream.error(exc)
     except Exception as exc:  # noqa: BLE001
-        error = APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error")
-        yield response_error_event(error, stream.sequence)
+        yield stream.error(APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error"))
 
 
 @router.post("/v1/messages/count_tokens")

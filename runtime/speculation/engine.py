@@ -101,13 +101,17 @@ class SpeculativeEngine:
         # prompt may resume mid-block (from a tail, or part of a block) and be read in narrower chunks beside running
         # streams; elsewhere prompts are read in whole blocks and the cache keeps and uses whole blocks only
         self.cuts_exact = self.target.prompt_cuts_exact()
-        self.prefix_mid_block = self.prefix is not None and self.cuts_exact
         # the prompt chunk whose pass is half-way through its layers (``prefill`` with ``more``), if any
         self._reading: _Reading | None = None
         self._answer: Sequence | None = None  # the finished sequence whose blocks row 0 holds (``keep_answer``)
         # computes grammar masks during the target pass (llguidance releases the GIL); it uses a row's matcher only
         # while the engine thread waits on that pass, so the two never touch one matcher at once
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="depctl-grammar")
+
+    @property
+    def prefix_mid_block(self) -> bool:
+        """Whether the prefix cache keeps tails and prompts resume from the middle of a block."""
+        return self.prefix is not None and self.cuts_exact
 
     @property
     def max_rows(self) -> int:

@@ -135,7 +135,7 @@ class Scheduler:
     def _narrow(self, share: "_Share") -> None:
         """The next chunk's width beside running streams: half while a part outlasted the share, double (up to a
         whole chunk) while parts take under a quarter of it. Only where any cut gives the same bits."""
-        if not getattr(self.engine, "cuts_exact", False) or share.parts == 0:
+        if not self.engine.cuts_exact or share.parts == 0:
             return
         if share.longest > share.seconds and self.width > self.narrowest_chunk:
             self.width //= 2
