@@ -114,21 +114,32 @@ def _counters(engine) -> tuple[int, int]:
     return engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens
 
 
-def cpu_reference(model_dir: Path, prompt: list[int], tokens: int) -> list[int]:
-    """Transformers' own greedy decoding of the same weights on the CPU, float32."""
+NEAR_TIE = 1e-3  # float32 logits this close to the top one are a tie that the order of additions may break
+
+
+def cpu_gaps(model_dir: Path, prompt: list[int], got: list[int]) -> list[float]:
+    """Transformers' own float32 forward of the same weights on the CPU over ``prompt + got``: for each token depctl
+    chose, how far its logit lies below that position's largest (0.0 where it is the argmax). Teacher-forced, so one
+    broken tie does not turn every later position into a mismatch."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
+        logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+    chosen = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+    return (logits.max(dim=1).values - chosen).tolist()
 
 
-def compare(got: list[int], want: list[int]) -> str:
-    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    return f"yes ({len(want)} tokens)" if same is None and len(got) == len(want) else f"no: first differs at {same}"
+def judge(gaps: list[float]) -> str:
+    worst = max(gaps, default=0.0)
+    ties = sum(g > 0 for g in gaps)
+    if worst == 0.0:
+        return f"yes ({len(gaps)} tokens)"
+    if worst <= NEAR_TIE:
+        return f"yes, up to near ties: {ties} of {len(gaps)} tokens within {worst:.1e} of the top logit"
+    first = next(i for i, g in enumerate(gaps) if g > NEAR_TIE)
+    return f"NO: token {first} lies {gaps[first]:.3g} below the top logit ({ties} of {len(gaps)} off the argmax)"
 
 
 def check_shape(shape: str, args, report: Report, work: Path, deadline: float) -> None:
@@ -191,7 +202,7 @@ def against_the_cpu(model_dir: Path, device: str, tokens: int, vocab: int) -> st
     params = GenerationParams(max_tokens=tokens, ignore_eos=True)
     got = [t for out in generate(loaded.engine, prompt, params) for t in out.token_ids]
     loaded.release()
-    return compare(got, cpu_reference(model_dir, prompt, tokens))
+    return judge(cpu_gaps(model_dir, prompt, got))
 
 
 def _same(outs: list[list[int]] | None, reference: list[list[int]] | None) -> str:
@@ -219,7 +230,11 @@ def table(report: Report, args) -> str:
             f"{c.accepted}/{c.drafted} | {c.same_as_plain} | {c.note} |"
         )
     if report.references:
-        lines += ["", "| model shape | float32 greedy tokens here = transformers' on the CPU? |", "|---|---|"]
+        lines += [
+            "",
+            "| model shape | float32 greedy tokens here = transformers' argmax on the CPU (teacher-forced)? |",
+            "|---|---|",
+        ]
         lines += [f"| {shape} | {result} |" for shape, result in report.references]
     lines += ["", "| model shape | passes | method | how the passes ran (load time) |", "|---|---|---|---|"]
     lines += [f"| {s} | {p} | {m} | {status} |" for s, p, m, status in report.loads]

@@ -61,10 +61,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__)"
 status=0
-echo "== the gpu tests"
-mapfile -t files < <(grep -rl "mark.gpu" tests --include="test_*.py")
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeout 150 "${files[@]}" \
-    2>&1 | tee "$RESULTS/gpu_tests.log" | tail -25 || status=1
+echo "== the gpu tests, a process per file (a device-side assert poisons the rest of its process)"
+mapfile -t files < <(grep -rl "mark.gpu" tests --include="test_*.py" | sort)
+: >"$RESULTS/gpu_tests.log"
+for file in "${files[@]}"; do
+    echo "-- $file" >>"$RESULTS/gpu_tests.log"
+    if ! timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -o addopts="" --timeout 120 "$file" \
+        >>"$RESULTS/gpu_tests.log" 2>&1; then
+        status=1
+    fi
+    printf '%-50s %s\n' "$file" "$(tail -1 "$RESULTS/gpu_tests.log")"
+done
+grep -E "^(FAILED|ERROR) " "$RESULTS/gpu_tests.log" || true
 echo "== eager beside CUDA graphs, random weights"
 timeout 330 "$PY" benchmarks/gpu_check.py "${bench[@]}" --out "$RESULTS/gpu_check.md" "$@" || status=1
 exit $status

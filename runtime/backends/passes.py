@@ -62,10 +62,14 @@ def _exact(runner: ModelRunner, make, failed: str, what: str, device: str) -> tu
     return fast, None
 
 
-def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None) -> Passes:
+def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = None, record: bool = True) -> Passes:
     """On CUDA: the target's decode and verify passes at one fixed shape, ``max_rows x width`` tokens (width = 1 +
     the most drafts a row verifies), replayed from CUDA graphs (``model.graphs``) once proven exact on this
-    GPU; a draft model's one- and two-token forwards likewise (its output only proposes, so no check)."""
+    GPU; a draft model's one- and two-token forwards likewise (its output only proposes, so no check).
+
+    ``record=False`` (a spec's ``compile: false``) runs the same fixed-shape passes eagerly. cuBLAS picks its kernels
+    by the product's shape, so an eager pass of 5 tokens rounds differently from 5 passes of one: only one shape for
+    every decode and verify pass keeps speculation exact on a GPU."""
     if not runner.fused:
         return Passes(
             runner,
@@ -77,13 +81,22 @@ def graph_passes(runner: ModelRunner, width: int, draft: ModelRunner | None = No
     runner.set_length(0, 0)
     target, refused = _exact(
         runner,
-        lambda: graphs.FixedShapePass(runner.model, runner.cache, runner.max_rows, (width,), features=runner.features),
-        "recording CUDA graphs failed",
-        "a verify pass through the CUDA graphs",
+        lambda: graphs.FixedShapePass(
+            runner.model,
+            runner.cache,
+            runner.max_rows,
+            (width,),
+            capture=None if record else False,
+            features=runner.features,
+        ),
+        "recording CUDA graphs failed" if record else "the fixed-shape pass failed",
+        "a verify pass through the CUDA graphs" if record else "a fixed-shape verify pass",
         "GPU",
     )
     if refused:
         return Passes(runner, draft, PassKind.EAGER, refused)
+    if not record:
+        return Passes(target, draft, PassKind.EAGER, f"the spec says compile: false; {target.fast_pass.describe()}")
     drafts = ""
     if draft is not None and draft.fused:
         try:
@@ -117,10 +130,10 @@ def compile_passes(
     def eager(why: str) -> Passes:
         return Passes(runner, draft, PassKind.EAGER, why)
 
+    if runner.device.type == "cuda":
+        return graph_passes(runner, width, draft, record=wanted)
     if not wanted:
         return eager("the spec says compile: false")
-    if runner.device.type == "cuda":
-        return graph_passes(runner, width, draft)
     if runner.device.type != "cpu":
         return eager(f"no compiled passes on {runner.device.type}")
     if precision not in COMPILED_PRECISIONS:

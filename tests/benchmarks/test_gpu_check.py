@@ -76,3 +76,13 @@ def test_the_table_on_a_cpu_with_a_tiny_model(tmp_path):
     assert len(rows) == 6, table  # plain, n-gram and a draft model at 1 and 2 rows
     assert all("| yes" in r or "| reference |" in r for r in rows), table
     assert "| tiny | yes (8 tokens) |" in table
+
+
+def test_the_cpu_comparison_tells_a_broken_tie_from_a_wrong_token():
+    """Random weights give nearly flat logits: a GPU's order of additions may break a tie, which is no error."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_check import judge
+
+    assert judge([0.0, 0.0]) == "yes (2 tokens)"
+    assert judge([0.0, 4e-4, 0.0]) == "yes, up to near ties: 1 of 3 tokens within 4.0e-04 of the top logit"
+    assert judge([0.0, 4e-4, 0.5]) == "NO: token 2 lies 0.5 below the top logit (2 of 3 off the argmax)"

@@ -136,6 +136,16 @@ def test_the_gpu_path_puts_target_and_draft_on_fixed_shapes_once_they_check_exac
     assert target.fast_pass is None  # the eager runners are left as they were
 
 
+def test_a_gpu_deployment_without_compiling_keeps_the_fixed_shape_passes_unrecorded(tiny_model_dir, tiny_draft_dir):
+    """cuBLAS picks kernels by shape: eager passes of changing widths would make speculation round differently."""
+    target, draft = _graph_runners(tiny_model_dir, tiny_draft_dir)
+    chosen = passes.graph_passes(target, 5, draft, record=False)
+    assert chosen.kind == passes.PassKind.EAGER
+    assert chosen.describe() == "no (the spec says compile: false; fixed-shape passes of 4 x 5 tokens)"
+    assert chosen.target.fast_pass.widths == (5,) and not chosen.target.fast_pass.capture
+    assert chosen.draft is draft and draft.fast_pass is None  # a draft only proposes: its forwards stay eager
+
+
 def test_the_gpu_path_falls_back_to_eager_and_says_why(tiny_model_dir, tiny_draft_dir, monkeypatch):
     from depctl_runtime.model import compiled, graphs
 
