@@ -120,6 +120,11 @@ def load(root: Path | None = None, building: Callable[[], None] | None = None) -
         flags = build_flags()
         directory = build_directory(root or _default_root(), flags)
         library = directory / LIBRARY
+        failed = directory.parent / f"{directory.name}.failed"
+        if not library.exists() and (earlier := _recent_failure(failed)) is not None:
+            raise NativeUnavailable(
+                _unavailable(earlier, f" {(time.time() - failed.stat().st_mtime) / 60:.0f} min ago")
+            )
         try:
             built_here = False
             if not library.exists():
@@ -137,15 +142,45 @@ def load(root: Path | None = None, building: Callable[[], None] | None = None) -
             if not built_here:  # torch's builder loaded its own copy: a second would register every op twice
                 torch.ops.load_library(str(library))
         except Exception as e:  # no compiler, no ninja, headers missing: the caller runs eagerly and says why
-            last = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise NativeUnavailable(
-                f"could not build depctl's C++ ops ({last}); install a C++ compiler "
-                "(g++ or clang++) and update the deployment to retry, or use --no-compile"
-            ) from e
+            reason = _why(e)
+            log.debug("the build of depctl's C++ ops failed", exc_info=e)
+            try:
+                failed.parent.mkdir(parents=True, exist_ok=True)
+                failed.write_text(reason)
+            except OSError:
+                pass
+            raise NativeUnavailable(_unavailable(reason)) from e
         torch.library.register_fake("depctl_native::token_attention")(_token_attention_shape)
         torch.library.register_fake("depctl_native::blocked_linear")(_blocked_linear_shape)
         torch.library.register_fake("depctl_native::quantized_linear")(_quantized_linear_shape)
         _loaded = True
+
+
+RETRY_AFTER = 600.0  # seconds a failed build is remembered: the processes started meanwhile do not each spend a minute
+
+
+def _recent_failure(marker: Path) -> str | None:
+    """Why the last build on this machine failed, if it failed less than ``RETRY_AFTER`` seconds ago."""
+    try:
+        if time.time() - marker.stat().st_mtime < RETRY_AFTER:
+            return marker.read_text()
+    except OSError:
+        pass
+    return None
+
+
+def _why(error: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first error, else the output's last line (ninja's
+    "build stopped" says nothing)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return next((line for line in lines if "error:" in line), lines[-1])[:300]
+
+
+def _unavailable(reason: str, when: str = "") -> str:
+    return (
+        f"could not build depctl's C++ ops{when} ({reason}); install a C++ compiler (g++ or clang++) and update the "
+        f"deployment to retry (a failed build is tried again after {RETRY_AFTER / 60:.0f} min), or use --no-compile"
+    )
 
 
 def _build(directory: Path, flags: list[str]) -> None:

@@ -197,7 +197,7 @@ class EagleHead(nn.Module):
         q = attn.q_proj(x).view(t, attn.heads, attn.dim).transpose(0, 1)
         k = attn.k_proj(x).view(t, attn.kv_heads, attn.dim).transpose(0, 1)
         v = attn.v_proj(x).view(t, attn.kv_heads, attn.dim).transpose(0, 1)
-        cos, sin = self._rope(positions)
+        cos, sin = (c.to(q.dtype) for c in self._rope(positions))  # computed in float32, applied in the head's dtype
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         return q, k, v, normed  # norm_before_residual: the normed state is the residual
 

@@ -5,6 +5,7 @@ built."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,33 @@ def test_a_build_that_fails_says_why_and_what_to_do_and_leaves_nothing_behind(mo
     with pytest.raises(native.NativeUnavailable, match=r"c\+\+: command not found.*--no-compile"):
         native.load(tmp_path)
     assert not list(tmp_path.glob("*/" + native.LIBRARY)) and not list(tmp_path.glob("*.build-*"))
+
+
+def test_a_failed_build_is_remembered_for_a_while_and_names_the_compilers_error(monkeypatch, tmp_path):
+    """Each test process, each daemon start, would otherwise spend the build's minute failing again."""
+    from torch.utils import cpp_extension
+
+    tries = []
+
+    def failing(**_):
+        tries.append(1)
+        raise RuntimeError(
+            "Error building extension 'depctl_native': [1/5] c++ -c a.cpp\nFAILED: a.o\n"
+            "a.cpp:3:10: fatal error: Python.h: No such file or directory\nninja: build stopped: subcommand failed."
+        )
+
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(cpp_extension, "load", failing)
+    with pytest.raises(native.NativeUnavailable, match=r"\(a.cpp:3:10: fatal error: Python.h: No such file"):
+        native.load(tmp_path)
+    with pytest.raises(native.NativeUnavailable, match=r"C\+\+ ops 0 min ago \(a.cpp:3:10: fatal error: Python.h"):
+        native.load(tmp_path)  # another process, soon after: not built again
+    assert len(tries) == 1
+    later = time.time() + native.RETRY_AFTER + 1
+    monkeypatch.setattr(native.time, "time", lambda: later)
+    with pytest.raises(native.NativeUnavailable):
+        native.load(tmp_path)
+    assert len(tries) == 2  # tried again once the failure is old
 
 
 def test_a_build_is_announced_installed_in_one_rename_and_never_repeated(monkeypatch, tmp_path):

@@ -50,3 +50,12 @@ def test_aux_layers_are_low_middle_and_high():
     assert default_aux_layers(30) == (2, 15, 27)  # SmolLM2-135M
     assert default_aux_layers(28) == (2, 14, 25)  # Qwen2.5-1.5B
     assert default_aux_layers(2) == (0, 1, 1)
+
+
+def test_a_bfloat16_head_keeps_its_queries_and_keys_in_bfloat16():
+    """RoPE's frequencies stay float32: rotated queries must not be promoted (SDPA refuses float32 queries over the
+    bfloat16 keys a GPU deployment's head keeps)."""
+    head = tiny_head().to(torch.bfloat16)
+    head.inv_freq = head.inv_freq.float()  # as loading leaves it
+    q, k, v, _ = head._qkv(torch.tensor([1, 2]), torch.zeros(2, 32, dtype=torch.bfloat16), torch.tensor([3, 4]))
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16
