@@ -37,7 +37,7 @@ from depctl_runtime.api.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from depctl_runtime.api.tools import check_tool_support, history, tool_constraint
+from depctl_runtime.api.tools import check_tool_support, history, prompted, renders_tools, tool_constraint
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from depctl_runtime.backends.structured import GrammarLimits
 from depctl_runtime.manager import DeploymentManager, State
@@ -49,8 +49,8 @@ SERVING_STATES = (State.READY, State.UPDATING)  # UPDATING keeps serving with th
 
 
 def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation_prompt: bool = True) -> list[int]:
-    """Messages (and tools, which the caller has checked the template takes) rendered by the model's own chat
-    template, as token ids."""
+    """Messages (and tools: through the template where it renders them, else described in a system message)
+    rendered by the model's own chat template, as token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400,
@@ -58,10 +58,14 @@ def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation
             param="messages",
             code="no_chat_template",
         )
-    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+    turns, extra = history(messages), {}
+    if tools and renders_tools(tokenizer):
+        extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]}
+    elif tools:
+        turns = prompted(turns, [t.function.model_dump(exclude_none=True) for t in tools])
     try:
         text = tokenizer.apply_chat_template(
-            history(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            turns, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except Exception as exc:  # jinja templates raise on roles they do not support
         raise APIError(

@@ -3,7 +3,10 @@
 JSON schemas (which also makes every forced key and tag a free draft).
 
 One format is understood today, the one Qwen2.5, Hermes and many fine-tunes write:
-``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call.
+``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call. A model whose template never
+renders tools is asked for the same blocks by a system message that describes the tools (``prompted``), as
+llama.cpp's generic format does, so every chat model can call tools; the grammar holds it to them where a call is
+required.
 """
 
 from __future__ import annotations
@@ -27,19 +30,15 @@ def template_text(tokenizer) -> str:
     return template if isinstance(template, str) else "\n".join(str(t) for t in template.values())
 
 
+def renders_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders ``tools`` itself (else ``prompted`` describes them)."""
+    return "tools" in template_text(tokenizer)
+
+
 def check_tool_support(tokenizer, deployment: str) -> None:
-    """A 400 naming the deployment when its chat template cannot render tools or writes calls depctl cannot read."""
+    """A 400 naming the deployment when its chat template renders tools but writes calls depctl cannot read."""
     template = template_text(tokenizer)
-    if "tools" not in template:
-        raise APIError(
-            400,
-            f"deployment {deployment!r}: its model's chat template has no tool support (it never renders `tools`); "
-            "use a model whose template does (qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct) or "
-            "describe the tools in the prompt",
-            param="tools",
-            code="tools_unsupported",
-        )
-    if OPEN not in template:
+    if "tools" in template and OPEN not in template:
         raise APIError(
             400,
             f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
@@ -80,6 +79,45 @@ def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str
     call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return Constraint("grammar", f"{start}\ncall: {call}", param)
+
+
+TOOLS_PROMPT = """You can call functions to answer. Each one, with the JSON schema of its arguments:
+{functions}
+
+To call a function, reply with only this, one block per call:
+<tool_call>
+{{"name": "<the function's name>", "arguments": <its arguments, a JSON object>}}
+</tool_call>
+Each result comes back in a <tool_response> block. When you need no call, answer in plain text."""
+
+
+def prompted(turns: list[dict], functions: list[dict]) -> list[dict]:
+    """``turns`` (as ``history`` gives them) for a template that never renders tools: ``functions`` described in the
+    system message, an assistant's earlier calls written as the blocks it is asked for, and tool results as one user
+    turn of ``<tool_response>`` blocks (such templates know no tool role, and some refuse two turns of one role)."""
+    described = TOOLS_PROMPT.format(functions="\n".join(json.dumps(f, ensure_ascii=False) for f in functions))
+    out: list[dict] = []
+    for turn in turns:
+        role, content = turn["role"], turn.get("content") or ""
+        if role == "assistant" and turn.get("tool_calls"):
+            calls = [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in turn["tool_calls"]
+            ]
+            blocks = [f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}" for call in calls]
+            out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)})
+        elif role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append(turn)
+    for turn in out:
+        turn.pop("tool_results", None)
+    if out and out[0]["role"] == "system":
+        return [{**out[0], "content": f"{described}\n\n{out[0]['content']}"}, *out[1:]]
+    return [{"role": "system", "content": described}, *out]
 
 
 def history(messages) -> list[dict]:

@@ -10,8 +10,14 @@ import jsonschema
 import pytest
 
 from depctl import models
-from depctl_runtime.api.errors import APIError
-from depctl_runtime.api.tools import ToolCallParser, check_tool_support, gather, tool_constraint
+from depctl_runtime.api.tools import (
+    ToolCallParser,
+    check_tool_support,
+    gather,
+    renders_tools,
+    split_calls,
+    tool_constraint,
+)
 from depctl_runtime.backends import Constraint
 from depctl_runtime.backends.structured import compile_constraint
 from depctl_runtime.model.runner import ModelRunner
@@ -125,10 +131,24 @@ def test_smollm2_writes_schema_valid_json_exactly_under_every_method(smollm2, na
             assert engine.stats.num_grammar_accepted_tokens > 0
 
 
-def test_smollm2s_template_has_no_tools_and_says_so(smollm2):
-    _, tokenizer, _ = smollm2
-    with pytest.raises(APIError, match="no tool support"):
-        check_tool_support(tokenizer, "smol")
+def test_smollm2_has_no_tools_in_its_template_and_calls_one_from_its_system_prompt(smollm2):
+    """Its template never renders tools: they are described in a system message, and a required call is held to
+    the blocks that message asks for; the same call under every method."""
+    from depctl_runtime.api.protocol import ChatMessage, Tool
+    from depctl_runtime.api.serving import chat_prompt_ids
+
+    model, tokenizer, compiler = smollm2
+    assert not renders_tools(tokenizer)
+    check_tool_support(tokenizer, "smol")  # nothing to refuse
+    messages = [ChatMessage(role="user", content="What is the weather in Paris, in celsius?")]
+    ids = chat_prompt_ids(tokenizer, "smol", messages, [Tool(type="function", function=WEATHER)])
+    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [WEATHER], False, "tool_choice"))
+    plain, finish = _run(_engine(model, tokenizer, "plain"), ids, grammar, speculate=False)
+    content, calls = split_calls(tokenizer.decode(plain, skip_special_tokens=True), frozenset({"get_weather"}))
+    assert finish == "stop" and not content.strip() and [c["function"]["name"] for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER["parameters"])
+    for method in ("ngram", "suffix"):
+        assert _run(_engine(model, tokenizer, method), ids, grammar) == (plain, finish), method
 
 
 WEATHER = {

@@ -702,9 +702,26 @@ def test_a_conversation_with_calls_and_results_renders(client):
     assert none.choices[0].message.tool_calls is None
 
 
-def test_tools_on_a_template_without_them_and_bad_tools_are_400s(client):
-    with pytest.raises(openai.BadRequestError, match="no tool support"):
-        client.chat.completions.create(model="plain", messages=ASK, tools=[WEATHER], max_tokens=5)
+def test_a_model_whose_template_has_no_tools_gets_them_in_its_prompt_and_calls_them(client, daemon):
+    required = client.chat.completions.create(
+        model="long", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY
+    )
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and required.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    auto = client.chat.completions.create(model="long", messages=ASK, tools=[WEATHER], max_tokens=8, **GREEDY)
+    assert auto.usage.prompt_tokens == required.usage.prompt_tokens > 300  # the tools' description is read
+    counted = daemon.post("/tokenize", {"model": "long", "messages": ASK, "tools": [WEATHER]}).json()["count"]
+    assert counted == auto.usage.prompt_tokens
+    answered = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
+    ]
+    after = client.chat.completions.create(model="long", messages=answered, tools=[WEATHER], max_tokens=8, **GREEDY)
+    assert after.usage.prompt_tokens > auto.usage.prompt_tokens
+
+
+def test_bad_tools_are_400s(client):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
     with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters is not a valid JSON Schema"):
         client.chat.completions.create(model="tools", messages=ASK, tools=[bad], max_tokens=5)

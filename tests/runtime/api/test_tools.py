@@ -79,3 +79,41 @@ def test_call_schema_pins_the_name_and_takes_the_parameters():
     schema = call_schema([fn])
     assert schema["properties"]["name"] == {"const": "f"} and schema["properties"]["arguments"] == fn["parameters"]
     assert "anyOf" in call_schema([fn, {**fn, "name": "g"}])
+
+
+def test_a_template_without_tools_gets_them_in_the_system_prompt_and_calls_as_text():
+    """As llama.cpp's generic format and vLLM's "required" path give a model whose template never renders tools: the
+    tools described in a system message, earlier calls written as the blocks the model is asked to write, results as
+    a user turn (such templates know no tool role)."""
+    from depctl_runtime.api.tools import prompted
+
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "21 C"},
+        {"role": "tool", "tool_call_id": "b", "content": "25 C"},
+    ]
+    system, user, assistant, results = prompted(turns, [weather])
+    assert system["role"] == "system" and system["content"].endswith("\n\nBe brief.")
+    assert json.dumps(weather) in system["content"] and "<tool_call>" in system["content"]
+    assert user == turns[1]
+    assert assistant == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    }
+    assert results == {
+        "role": "user",
+        "content": "<tool_response>\n21 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response>",
+    }
+    [system, _] = prompted(turns[1:2], [weather])  # no system message: one is added
+    assert system["role"] == "system" and system["content"].startswith("You can call")
