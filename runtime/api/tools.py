@@ -175,6 +175,7 @@ class _Call:
     body: str = ""  # the text after OPEN
     args_from: int = -1  # where the arguments start in ``body`` (-1: header not read yet)
     sent: int = 0  # characters of the arguments already streamed
+    cut: bool = False  # the output ended inside it (max_tokens): no close tag
 
 
 @dataclass
@@ -243,6 +244,7 @@ class ToolCallParser:
             if deltas:
                 self._text = ""
         if self._call is not None:
+            self._call.cut = True
             deltas = self._advance(self._call, closed=True)
             self._call = None
         elif self._text.strip() or not self.calls:  # a newline after the last call is not content
@@ -307,9 +309,15 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def split_calls(text: str, names: frozenset[str]) -> tuple[str, list[dict]]:
-    """A whole output's content and the tool calls to ``names`` read out of it (OpenAI's ``tool_calls`` shape)."""
-    content, deltas = ToolCallParser(names).feed_run(text, last=True)
-    return content, gather(deltas)
+    """A whole output's content and the tool calls to ``names`` read out of it (OpenAI's ``tool_calls`` shape). A
+    call the output ended inside (cut by max_tokens) is no call: its text is returned as content."""
+    parser = ToolCallParser(names)
+    content, deltas = parser.feed_run(text, last=True)
+    calls = gather(deltas)
+    cut = [i for i, call in enumerate(parser.calls) if call.cut]
+    for i in cut:
+        content += OPEN + parser.calls[i].body
+    return content, [call for i, call in enumerate(calls) if i not in cut]
 
 
 def gather(deltas: list[ToolCallDelta]) -> list[dict]:

@@ -666,6 +666,15 @@ def test_a_named_function_is_called_once_and_streams_as_openai_does(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+def test_a_call_cut_by_max_tokens_comes_back_as_text_not_as_a_call(client):
+    r = client.chat.completions.create(
+        model="tools", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=40, **GREEDY
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('<tool_call>\n{"name": "get_weather"')
+
+
 def test_parallel_tool_calls_false_allows_one_call(client):
     r = client.chat.completions.create(
         model="tools",

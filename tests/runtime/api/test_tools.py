@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from depctl_runtime.api.tools import ToolCallParser, call_schema, gather
+from depctl_runtime.api.tools import ToolCallParser, call_schema, gather, split_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
 TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_time")
@@ -46,10 +46,16 @@ def test_text_without_calls_is_content_even_when_it_looks_like_a_tag():
     assert parse("", 1)[:2] == ("", [])
 
 
-def test_a_call_cut_by_max_tokens_keeps_what_it_has():
-    content, calls, _ = parse(CALL[:64], 4)
-    assert content == "" and calls[0]["function"]["name"] == "get_weather"
-    assert calls[0]["function"]["arguments"].startswith('{"city": "Par')
+def test_a_call_cut_by_max_tokens_is_never_returned_as_a_call():
+    """A client parses every call's arguments: a cut call's text is returned as content, the calls before it stay."""
+    names = frozenset({"get_weather", "get_time"})
+    content, calls = split_calls(CALL + "\n" + CALL[:64], names)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Paris"]
+    assert content == CALL[:64]
+    assert split_calls(CALL[:64], names) == (CALL[:64], [])
+    # streamed, its id, name and argument fragments have gone out as they were written (finish_reason says length)
+    _, streamed, _ = parse(CALL[:64], 4)
+    assert streamed[0]["function"]["arguments"].startswith('{"city": "Par')
 
 
 @pytest.mark.parametrize(
