@@ -246,7 +246,8 @@ class _ChoiceStream:
         self.parser = ToolCallParser(job.tools) if job.tools else None
         self.offset = 0  # where the next chunk's text starts (completions' text_offset)
 
-    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str:
+    def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str | None:
+        """The chunk for a run of output; None where there is nothing to send yet (text a tool call holds back)."""
         shown = None
         if self.with_logprobs and not first:
             shown = chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, self.offset)
@@ -259,6 +260,8 @@ class _ChoiceStream:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
             if calls:
                 delta["tool_calls"] = [c.to_dict() for c in calls]
+            if not (first or delta or finish or shown):
+                return None
             choice = {"index": self.index, "delta": delta, "finish_reason": finish, "logprobs": shown}
         else:
             choice = {"index": self.index, "text": text or "", "finish_reason": finish, "logprobs": shown}
@@ -305,7 +308,9 @@ async def _stream(service: Service, jobs: list[Job], include_usage: bool):
                 failed = item
                 break
             elif item.text or item.finish_reason or item.logprobs:
-                yield {"data": s.chunk(item.text, item.finish_reason, logprobs=item.logprobs)}
+                chunk = s.chunk(item.text, item.finish_reason, logprobs=item.logprobs)
+                if chunk is not None:
+                    yield {"data": chunk}
     finally:
         for task in tasks:
             task.cancel()

@@ -176,14 +176,51 @@ class _Call:
     args_from: int = -1  # where the arguments start in ``body`` (-1: header not read yet)
     sent: int = 0  # characters of the arguments already streamed
     cut: bool = False  # the output ended inside it (max_tokens): no close tag
+    opening: str = OPEN  # what came before ``body``: the tag, or for a call without tags its fence (if any)
+    braces: _Braces | None = None  # a call without tags: it ends where its object closes
+
+
+@dataclass
+class _Braces:
+    """Where a JSON object written piece by piece closes: its depth outside strings, over the text seen so far."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    seen: int = 0
+
+    def close(self, text: str) -> int:
+        """The index just past the object's closing brace in ``text`` (which only grows between calls), or -1."""
+        for i in range(self.seen, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "{":
+                self.depth += 1
+            elif ch == "}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seen = i + 1
+                    return i + 1
+        self.seen = len(text)
+        return -1
 
 
 @dataclass
 class ToolCallParser:
     """Splits the output into content and tool calls as it arrives: ``feed`` returns (content, call deltas).
 
-    Small models often skip the tags and answer with the call's JSON alone, bare or in a ```json fence. An output
-    that begins like that is held until it ends; if it is then a call to one of ``names``, it is returned as one.
+    Small models often skip the tags and answer with the call's JSON alone, bare or in a ```json fence. Once such an
+    output has shown ``{"name": <one of names>, "arguments":`` it streams as a call, which ends where its object
+    closes; any other output that begins like that (a list of calls, keys in another order) is held until it ends,
+    and returned as calls if it then is one.
     """
 
     names: frozenset[str] = frozenset()
@@ -191,6 +228,7 @@ class ToolCallParser:
     _text: str = ""  # content not yet given out (it may end in the start of OPEN)
     _call: _Call | None = None
     _bare: bool | None = None  # the output may be a call without tags (None: not known yet)
+    _fence: bool = False  # a fenced call without tags has closed: its closing fence may follow
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
@@ -200,9 +238,15 @@ class ToolCallParser:
             if not start:
                 return "", []
             self._bare = bool(self.names) and start[0] in "{`[" and OPEN not in self._text
-            if self._bare:
+            if self._bare and not self._open_bare():
                 return "", []
         while self._text:
+            if self._fence:
+                rest = self._text.lstrip()
+                if len(rest) < 3 and "```".startswith(rest):
+                    break  # held: the fence may still be arriving
+                self._text, self._fence = rest.removeprefix("```"), False
+                continue
             if self._call is None:
                 at = self._text.find(OPEN)
                 if at < 0:
@@ -220,13 +264,42 @@ class ToolCallParser:
                 self.calls.append(self._call)
             call = self._call
             call.body += self._text
-            end = call.body.find(CLOSE)
-            self._text = "" if end < 0 else call.body[end + len(CLOSE) :]
+            if call.braces is None:
+                end = call.body.find(CLOSE)
+                self._text = "" if end < 0 else call.body[end + len(CLOSE) :]
+            else:
+                end = call.braces.close(call.body)
+                self._text = "" if end < 0 else call.body[end:]
+                self._fence = end >= 0 and bool(call.opening)  # its closing fence is no content
             call.body = call.body if end < 0 else call.body[:end]
             deltas += self._advance(call, closed=end >= 0)
             if end >= 0:
                 self._call = None
         return content, deltas
+
+    def _open_bare(self) -> bool:
+        """Begin streaming a call written without tags, once the held output shows its header naming one of
+        ``names``; False: hold on."""
+        body = self._text.lstrip()
+        opening = ""
+        if body.startswith("```"):
+            newline = body.find("\n")
+            if newline < 0:
+                return False
+            opening, body = body[: newline + 1], body[newline + 1 :].lstrip()
+        header = _HEADER.match(body)
+        if header is None or header.end() == len(body):
+            return False
+        try:
+            name = json.loads(f'"{header.group(1)}"')
+        except json.JSONDecodeError:
+            return False
+        if name not in self.names:
+            return False
+        self._call = _Call(id="call_" + secrets.token_hex(12), opening=opening, braces=_Braces())
+        self.calls.append(self._call)
+        self._text, self._bare = body, False
+        return True
 
     def feed_run(self, text: str, last: bool) -> tuple[str, list[ToolCallDelta]]:
         """``feed`` a run of output; on the ``last`` one, ``finish`` too."""
@@ -316,7 +389,7 @@ def split_calls(text: str, names: frozenset[str]) -> tuple[str, list[dict]]:
     calls = gather(deltas)
     cut = [i for i, call in enumerate(parser.calls) if call.cut]
     for i in cut:
-        content += OPEN + parser.calls[i].body
+        content += parser.calls[i].opening + parser.calls[i].body
     return content, [call for i, call in enumerate(calls) if i not in cut]
 
 

@@ -661,6 +661,8 @@ def test_a_named_function_is_called_once_and_streams_as_openai_does(client):
     )
     deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
     assert deltas[0].id and deltas[0].function.name == "get_time" and deltas[0].index == 0
+    said = [c for c in chunks[1:] if c.choices]  # no empty chunk while a call's header is held back
+    assert all(c.choices[0].delta.content or c.choices[0].delta.tool_calls or c.choices[0].finish_reason for c in said)
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]

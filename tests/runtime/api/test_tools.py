@@ -123,3 +123,25 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt_and_calls_as_te
     }
     [system, _] = prompted(turns[1:2], [weather])  # no system message: one is added
     assert system["role"] == "system" and system["content"].startswith("You can call")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Paris", "note": "a } and a \\" inside"}}',
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris", "note": "a } and a \\" inside"}}\n```',
+    ],
+)
+def test_a_call_written_without_tags_streams_its_arguments_as_they_come(text):
+    """Held to the end, a small model's bare call reached the client as one chunk after the whole answer."""
+    content, calls, deltas = parse(text, 3)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "note": 'a } and a " inside'}
+    assert sum(1 for d in deltas if d.id is None and d.arguments) > 5  # fragments, not one piece at the end
+
+
+def test_text_after_a_bare_call_is_content_and_a_bare_call_cut_short_is_no_call():
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    content, calls, _ = parse(call + "\nDone.", 2)
+    assert content.strip() == "Done." and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert split_calls(call[:40], frozenset({"get_weather"})) == (call[:40], [])
