@@ -228,6 +228,9 @@ class Service:
             required = req.required_functions()
             if required:
                 constraint = tool_constraint(tokenizer, required, req.parallel_tool_calls, "tool_choice")
+            elif constraint is None:  # auto: free text, and a call where the model begins one
+                functions = [t.function.model_dump(exclude_none=True) for t in tools]
+                constraint = tool_constraint(tokenizer, functions, req.parallel_tool_calls, "tools", lazy=True)
         prompt_ids = chat_prompt_ids(tokenizer, dep_id, req.messages, tools)
         prediction = ()
         if req.prediction is not None:

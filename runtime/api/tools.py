@@ -74,11 +74,23 @@ def call_schema(functions: list[dict]) -> dict:
     return {**schema, "x-guidance": JSON_OPTIONS}
 
 
-def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str) -> Constraint:
-    """The output is one call (or, with ``parallel``, one or more) to ``functions``, in the model's format."""
-    call = f'{_tag(tokenizer, OPEN)} "\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return Constraint("grammar", f"{start}\ncall: {call}", param)
+def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str, lazy: bool = False) -> Constraint:
+    """The output is one call (or, with ``parallel``, one or more) to ``functions``, in the model's format.
+
+    ``lazy`` (tool_choice "auto"): the output is free text, and the grammar starts where the model writes the call
+    tag (llguidance's lazy rule: free text up to the tag's first appearance), so every call it writes names an
+    offered function with arguments that match its schema; text may follow a call."""
+    body = f'"\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
+    if not lazy:
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return Constraint("grammar", f"{start}\ncall: {_tag(tokenizer, OPEN)} {body}", param)
+    opening = _tag(tokenizer, OPEN)
+    if opening.startswith("<["):  # the model's own token: text cannot spell it, so no lazy rule is needed
+        rules = f"call: TEXT {opening} {body}"
+    else:
+        rules = f"call: trigger {body}\ntrigger[lazy]: TEXT {opening}"
+    start = "start: call* TEXT" if parallel else "start: call? TEXT"
+    return Constraint("grammar", f"%llguidance {{}}\n{start}\n{rules}\nTEXT: /(.|\\n)*/", param)
 
 
 TOOLS_PROMPT = """You can call functions to answer. Each one, with the JSON schema of its arguments:

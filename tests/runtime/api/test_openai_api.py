@@ -668,6 +668,18 @@ def test_a_named_function_is_called_once_and_streams_as_openai_does(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+def test_tool_choice_auto_runs_under_the_lazy_call_grammar(client, daemon):
+    """Free text stays free (the grammar only starts at the call tag), but the request runs through the matcher."""
+
+    def matcher_seconds() -> float:
+        families = {f.name: f for f in text_string_to_metric_families(daemon.get("/metrics").text)}
+        return {s.labels["deployment"]: s.value for s in families["depctl:grammar_seconds"].samples}.get("tools", 0)
+
+    before = matcher_seconds()
+    client.chat.completions.create(model="tools", messages=ASK, tools=[WEATHER], max_tokens=24, **GREEDY)
+    assert matcher_seconds() > before
+
+
 def test_a_call_cut_by_max_tokens_comes_back_as_text_not_as_a_call(client):
     r = client.chat.completions.create(
         model="tools", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=40, **GREEDY

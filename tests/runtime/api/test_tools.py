@@ -145,3 +145,33 @@ def test_text_after_a_bare_call_is_content_and_a_bare_call_cut_short_is_no_call(
     content, calls, _ = parse(call + "\nDone.", 2)
     assert content.strip() == "Done." and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
     assert split_calls(call[:40], frozenset({"get_weather"})) == (call[:40], [])
+
+
+def test_auto_constrains_only_what_follows_the_call_tag():
+    """tool_choice auto: free text, and once the model writes <tool_call> a call to an offered function whose
+    arguments match their schema."""
+    from depctl_runtime.api.tools import tool_constraint
+    from depctl_runtime.backends.structured import compile_constraint
+    from depctl_runtime.speculation.grammar import GrammarCompiler
+    from tests.tiny import VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    weather = {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [weather], True, "tool_choice", lazy=True))
+
+    def valid(text: str) -> int:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return grammar.start().valid_prefix(ids) == len(ids)
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert valid("Sure: {not a call} <tool and text")
+    assert valid("Let me check.\n" + call) and valid(call + "\n" + call)
+    assert not valid('<tool_call>\n{"name": "get_time"')
+    assert not valid('<tool_call>\n{"name": "get_weather", "arguments": {"town": ')
+    row = grammar.start()
+    row.advance(tokenizer.encode(call, add_special_tokens=False))
+    assert row.allows(tokenizer.eos_token_id)  # the answer may end after a whole call
