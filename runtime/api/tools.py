@@ -82,7 +82,8 @@ def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str
     offered function with arguments that match its schema; text may follow a call."""
     body = f'"\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
     if not lazy:
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        # a model ends its last call with a newline as often as with its end token: let it end after one
+        start = 'start: call ("\\n" call)* "\\n"?' if parallel else 'start: call "\\n"?'
         return Constraint("grammar", f"{start}\ncall: {_tag(tokenizer, OPEN)} {body}", param)
     opening = _tag(tokenizer, OPEN)
     if opening.startswith("<["):  # the model's own token: text cannot spell it, so no lazy rule is needed

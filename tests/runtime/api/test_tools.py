@@ -175,3 +175,23 @@ def test_auto_constrains_only_what_follows_the_call_tag():
     row = grammar.start()
     row.advance(tokenizer.encode(call, add_special_tokens=False))
     assert row.allows(tokenizer.eos_token_id)  # the answer may end after a whole call
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_call_may_end_after_its_newline(parallel):
+    """Models end their last call with a newline as often as with their end token; a grammar that then forced
+    another call made them write calls until max_tokens."""
+    from depctl_runtime.api.tools import tool_constraint
+    from depctl_runtime.backends.structured import compile_constraint
+    from depctl_runtime.speculation.grammar import GrammarCompiler
+    from tests.tiny import VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [weather], parallel, "tool_choice"))
+    row = grammar.start()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    row.advance(tokenizer.encode(call, add_special_tokens=False))
+    assert row.complete or row.allows(tokenizer.eos_token_id)  # complete: the engine ends the answer there
+    assert row.allows(tokenizer.encode("<", add_special_tokens=False)[0]) == parallel
