@@ -10,11 +10,15 @@ a request awaits its compile here, holding no thread. A compile that overruns it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.backends import Backend, BackendError, GenerateRequest
 from depctl_runtime.backends.structured import GrammarLimits, check_limits
+
+log = logging.getLogger("depctl.grammars")
 
 
 class GrammarPool:
@@ -34,6 +38,8 @@ class GrammarPool:
         try:
             check_limits(constraint, self.limits)
         except BackendError as exc:
+            if constraint.optional:
+                return self._without(backend, request, exc)
             raise _api_error(exc) from None
         if self._under_way >= self._capacity:
             raise APIError(
@@ -56,7 +62,15 @@ class GrammarPool:
                 code="grammar_too_complex",
             ) from None
         except BackendError as exc:
+            if constraint.optional:
+                return self._without(backend, request, exc)
             raise _api_error(exc) from None
+
+    @staticmethod
+    def _without(backend: Backend, request: GenerateRequest, why: BackendError) -> GenerateRequest:
+        """The request without the constraint depctl added to it (the client asked for none), which cannot run."""
+        log.warning("%s: running unconstrained, as its grammar cannot run: %s", request.constraint.param, why.message)
+        return backend.prepare(dataclasses.replace(request, constraint=None))
 
     def _done(self, _future) -> None:
         self._under_way -= 1

@@ -39,7 +39,7 @@ class ToolChoice(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system turns inside the conversation
     content: Text | list[dict]
 
 

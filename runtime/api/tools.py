@@ -71,7 +71,9 @@ def call_schema(functions: list[dict]) -> dict:
             }
         )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    # lenient: a keyword the grammar cannot enforce (propertyNames, in Claude Code's tools) is left unenforced; a
+    # client's tools must never turn its requests into 400s
+    return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
 
 
 def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str, lazy: bool = False) -> Constraint:
@@ -91,7 +93,7 @@ def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str
     else:
         rules = f"call: trigger {body}\ntrigger[lazy]: TEXT {opening}"
     start = "start: call* TEXT" if parallel else "start: call? TEXT"
-    return Constraint("grammar", f"%llguidance {{}}\n{start}\n{rules}\nTEXT: /(.|\\n)*/", param)
+    return Constraint("grammar", f"%llguidance {{}}\n{start}\n{rules}\nTEXT: /(.|\\n)*/", param, optional=True)
 
 
 TOOLS_PROMPT = """You can call functions to answer. Each one, with the JSON schema of its arguments:

@@ -32,6 +32,7 @@ class Constraint:
     kind: Literal["json", "regex", "grammar", "choice"]
     value: Any
     param: str  # the request field it came from, named in errors
+    optional: bool = False  # the request runs without it where it does not compile (tool_choice auto's calls)
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,8 @@ class VLLMBackend:
         return self._client
 
     def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        if request.constraint is not None and request.constraint.optional:
+            return dataclasses.replace(request, constraint=None)  # vLLM runs tool_choice auto unconstrained
         if request.constraint is not None:
             vllm_structured_outputs(request.constraint)  # a malformed schema is refused here, as by our own engine
         return request

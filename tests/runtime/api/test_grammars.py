@@ -100,3 +100,20 @@ def test_grammars_that_cannot_run_are_refused_when_compiled(kind, value, needle)
         compile_constraint(compiler, Constraint(kind, value, f"structured_outputs.{kind}"))
     assert err.value.status == 400 and err.value.code == "invalid_grammar" and needle in err.value.message
     assert "<state>" not in err.value.message and "\n" not in err.value.message
+
+
+def test_a_grammar_the_client_did_not_ask_for_is_dropped_where_it_does_not_compile():
+    """tool_choice auto's call grammar is depctl's own addition: a tool schema it cannot compile runs the request
+    unconstrained; a grammar the client sent is a 400 naming its field."""
+
+    class Refusing:
+        def prepare(self, request):
+            if request.constraint is not None:
+                raise BackendError(400, f"{request.constraint.param}: cannot be compiled", param="x")
+            return request
+
+    pool = GrammarPool()
+    optional = GenerateRequest([1, 2], GenerationParams(), (), Constraint("grammar", "start: x", "tools", True))
+    assert asyncio.run(pool.prepare(Refusing(), optional)).constraint is None
+    with pytest.raises(APIError, match="structured_outputs.grammar: cannot be compiled"):
+        asyncio.run(pool.prepare(Refusing(), _request("grammar", "start: x")))

@@ -79,6 +79,23 @@ def test_a_conversation_with_tools_becomes_the_chat_messages_it_stands_for():
     assert chat.stop == ["END"] and chat.user == '{"device_id": "d"}' and chat.max_tokens == 8
 
 
+def test_a_system_message_inside_the_conversation_stays_where_it_was_sent():
+    """Claude Code 2.1 sends one after the first user turn (the agent types it offers); a 400 stopped it there."""
+    chat = _chat(
+        system="Be brief.",
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is 2+2?", "cache_control": {}}]},
+            {"role": "system", "content": "Available agent types: none."},
+        ],
+        output_config={"effort": "high"},
+    )
+    assert [(m.role, m.text()) for m in chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "What is 2+2?"),
+        ("system", "Available agent types: none."),
+    ]
+
+
 @pytest.mark.parametrize(
     "body,param",
     [

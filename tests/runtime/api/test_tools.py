@@ -195,3 +195,21 @@ def test_a_required_call_may_end_after_its_newline(parallel):
     row.advance(tokenizer.encode(call, add_special_tokens=False))
     assert row.complete or row.allows(tokenizer.eos_token_id)  # complete: the engine ends the answer there
     assert row.allows(tokenizer.encode("<", add_special_tokens=False)[0]) == parallel
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_tool_schema_with_keywords_the_grammar_cannot_enforce_still_compiles(lazy):
+    """Claude Code's tools use propertyNames, which llguidance does not implement: a 400 stopped every request."""
+    from depctl_runtime.api.tools import tool_constraint
+    from depctl_runtime.backends.structured import compile_constraint
+    from depctl_runtime.speculation.grammar import GrammarCompiler
+    from tests.tiny import VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    tags = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}}
+    agent = {"name": "agent", "parameters": {"type": "object", "properties": {"tags": tags}, "required": ["tags"]}}
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [agent], True, "tools", lazy=lazy))
+    call = '<tool_call>\n{"name": "agent", "arguments": {"tags": {"x": "y"}}}\n</tool_call>'
+    ids = tokenizer.encode(call, add_special_tokens=False)
+    assert grammar.start().valid_prefix(ids) == len(ids)

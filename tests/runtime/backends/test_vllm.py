@@ -263,3 +263,17 @@ vllm:request_success_total{engine="0",finished_reason="length",model_name="v"} 1
     assert stats["acceptance_rate"] == 0.625 and stats["mean_acceptance_length"] == 3.5
     assert stats["accepted_per_position"] == [5, 3]  # ordered by position, summed over engines
     assert stats_from_metrics({})["acceptance_rate"] is None
+
+
+def test_the_call_grammar_depctl_adds_to_tool_choice_auto_is_not_sent_to_vllm():
+    from depctl.spec import DeploymentSpec
+    from depctl_runtime.backends import GenerateRequest
+    from depctl_runtime.backends.base import Constraint
+    from depctl_runtime.backends.vllm import VLLMBackend
+    from depctl_runtime.speculation import GenerationParams
+
+    backend = VLLMBackend(DeploymentSpec(id="v", model="m"), owner=None, load_timeout=1)
+    lazy = GenerateRequest([1], GenerationParams(), (), Constraint("grammar", "start: x", "tools", optional=True))
+    assert backend.prepare(lazy).constraint is None
+    asked = GenerateRequest([1], GenerationParams(), (), Constraint("regex", "a+", "structured_outputs.regex"))
+    assert backend.prepare(asked).constraint == asked.constraint
