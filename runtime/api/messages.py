@@ -68,8 +68,9 @@ class CountTokensRequest(_Body):
 def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages request stands for."""
     messages: list[dict] = []
-    if req.system:
-        messages.append({"role": "system", "content": _text(req.system, "system")})
+    system = _without_billing_header(req.system)
+    if system:
+        messages.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(req.messages):
         messages.extend(_chat_messages(message, f"messages.{i}.content"))
     body: dict[str, Any] = {"model": req.model, "messages": messages}
@@ -139,6 +140,18 @@ def _chat_messages(message: Message, where: str) -> list[dict]:
             turn["tool_calls"] = calls
         out.append(turn)
     return out
+
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _without_billing_header(system: str | list | None) -> str | list | None:
+    """The system prompt without Claude Code's billing header block, which means nothing to a model and whose hash
+    changes with every request: at the front of the prompt it would leave the prefix cache nothing to find (as
+    llama.cpp's server also drops it)."""
+    if not isinstance(system, list):
+        return system
+    return [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))]
 
 
 def _text(content: str | list, where: str) -> str:
