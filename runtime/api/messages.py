@@ -179,10 +179,12 @@ def _function(tool: dict, i: int) -> dict:
 # ---- responses ------------------------------------------------------------------------------------------------
 
 
-def _usage(job: Job, output_tokens: int) -> dict:
-    """Anthropic counts prompt tokens read from a cache apart from ``input_tokens``."""
+def _usage(job: Job, output_tokens: int, cached: int | None = None) -> dict:
+    """Anthropic counts prompt tokens read from a cache apart from ``input_tokens``. ``cached``: as counted so far
+    (a stream's last event comes before the job's usage is set), else the job's."""
     prompt = len(job.request.prompt_ids)
-    cached = ((job.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    if cached is None:
+        cached = ((job.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
@@ -242,6 +244,7 @@ class MessageStream:
         self.open: str | None = None  # "text", "tool_use" or None
         self.called = False
         self.tokens = 0  # output tokens so far
+        self.cached = 0  # prompt tokens read from the prefix cache
 
     def start(self) -> list[dict]:
         head = {
@@ -260,6 +263,7 @@ class MessageStream:
         """A run of output (``backends.Delta``) as events."""
         text, finish = delta.text, delta.finish_reason
         self.tokens += delta.tokens
+        self.cached += delta.cached_tokens
         events = []
         calls: list[ToolCallDelta] = []
         if self.parser is not None:
@@ -278,7 +282,7 @@ class MessageStream:
         if finish:
             events += self._close()
             reason, sequence = _stop(self.job, finish, self.called)
-            usage = _usage(self.job, self.tokens)
+            usage = _usage(self.job, self.tokens, self.cached)  # the whole usage: the SDKs take each field
             events.append(
                 _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage)
             )

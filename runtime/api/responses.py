@@ -167,11 +167,15 @@ def _format(fmt: dict) -> dict:
 # ---- responses ------------------------------------------------------------------------------------------------
 
 
-def _usage(job: Job) -> dict:
+def _usage(job: Job, counted: tuple[int, int] | None = None) -> dict:
+    """``counted``: (output tokens, cached prompt tokens) as a stream counted them (its last event comes before the
+    job's usage is set), else the job's."""
     usage = job.usage or {}
     prompt = len(job.request.prompt_ids)
     output = usage.get("completion_tokens", 0)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    if counted is not None:
+        output, cached = counted
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached},
@@ -253,6 +257,7 @@ class ResponseStream:
         self.items: list[dict] = []  # finished output items
         self.open: dict | None = None  # the item being written
         self.text = ""  # the open message's text so far
+        self.tokens = self.cached = 0  # output tokens, and prompt tokens read from the prefix cache
 
     def start(self) -> list[dict]:
         shell = _shell(self.job, self.req, "in_progress", [], None)
@@ -261,6 +266,8 @@ class ResponseStream:
     def feed(self, delta) -> list[dict]:
         """A run of output (``backends.Delta``) as events."""
         text, finish = delta.text, delta.finish_reason
+        self.tokens += delta.tokens
+        self.cached += delta.cached_tokens
         events: list[dict] = []
         calls: list[ToolCallDelta] = []
         if self.parser is not None:
@@ -286,7 +293,7 @@ class ResponseStream:
         if finish:
             events += self._close()
             status = "incomplete" if finish == "length" else "completed"
-            final = _shell(self.job, self.req, status, self.items, _usage(self.job))
+            final = _shell(self.job, self.req, status, self.items, _usage(self.job, (self.tokens, self.cached)))
             events.append(self._event(f"response.{status}", response=final))
         return events
 

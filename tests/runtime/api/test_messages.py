@@ -156,6 +156,19 @@ def test_a_message_whole_and_streamed_has_the_chat_completions_text(app, method)
     assert usage.output_tokens == final.usage.output_tokens == chat.usage.completion_tokens
 
 
+def test_a_streamed_message_counts_the_prompt_tokens_read_from_the_cache(app):
+    """Claude Code reads a streamed answer's usage: its cache reads were 0 although the prefix cache had them."""
+    long = [{"role": "user", "content": "The prefix cache keeps blocks of 128 tokens. " * 8}]
+
+    async def scenario(claude, oai, http):
+        await claude.messages.create(model="plain", messages=long, max_tokens=4, temperature=0)  # read once
+        async with claude.messages.stream(model="plain", messages=long, max_tokens=4, temperature=0) as stream:
+            return await stream.get_final_message()
+
+    usage = _run(app, scenario).usage
+    assert usage.cache_read_input_tokens >= 256 and usage.input_tokens < 128
+
+
 def test_max_tokens_beyond_the_context_is_cut_to_it_and_stop_sequences_are_named(app):
     async def scenario(claude, oai, http):
         long = await claude.messages.create(model="plain", messages=QUESTION, max_tokens=32000, temperature=0)

@@ -111,6 +111,7 @@ def test_a_response_whole_and_streamed_has_the_chat_completions_text(app, method
     )
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output_text == text
+    assert events[-1].response.usage.output_tokens == chat.usage.completion_tokens  # counted before the job's usage
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
