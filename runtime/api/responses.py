@@ -5,8 +5,9 @@ A Responses request becomes the chat request it stands for (``to_chat``): ``inst
 engine), function tools and ``tool_choice`` the chat ones. depctl keeps no responses: ``store`` is accepted and
 nothing is stored, and ``previous_response_id`` is a 400 that says to send the conversation in ``input`` (as
 stateless clients such as Codex CLI with ``store: false`` do). Hints a local model cannot honour (``reasoning``,
-``include``, ``truncation``, ``service_tier``) are ignored; built-in tools (web search, file search, computer use)
-are refused by name.
+``include``, ``truncation``, ``service_tier``, ``prompt_cache_key``, ``client_metadata``) are ignored; built-in tools
+(web search, file search, computer use) are left out of what the model is offered, and a ``tool_choice`` naming one
+is refused.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     body.update({k: v for k, v in (("temperature", req.temperature), ("top_p", req.top_p)) if v is not None})
     if req.user:
         body["user"] = req.user
-    if req.tools:
-        body["tools"] = [_function(tool, i) for i, tool in enumerate(req.tools)]
+    functions = _functions(req.tools or [])
+    if functions:
+        body["tools"] = functions
         body["parallel_tool_calls"] = req.parallel_tool_calls
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
@@ -125,17 +127,26 @@ def _content(content, where: str) -> str:
     return text_of(content, where, ("input_text", "output_text", "text"))
 
 
-def _function(tool: dict, i: int) -> dict:
-    kind = tool.get("type")
-    if kind != "function":
+def _functions(tools: list[dict]) -> list[dict]:
+    """The chat functions the model is offered: function tools, and those inside a ``namespace`` (a group of them,
+    offered by their own names). OpenAI's built-in tools (``web_search``, ``file_search``, computer use, ...) are
+    left out: a local model has none to call, and Codex CLI sends ``web_search`` with every request."""
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function(tool, f"tools.{i}"))
+        elif kind == "namespace":
+            out += [_function(inner, f"tools.{i}.tools.{j}") for j, inner in enumerate(tool.get("tools") or [])]
+    return out
+
+
+def _function(tool: dict, where: str) -> dict:
+    if tool.get("type") != "function":
         raise APIError(
-            400,
-            f"tools.{i}: tools of type {kind!r} are built into OpenAI's service and not supported by depctl; send "
-            "function tools",
-            param=f"tools.{i}.type",
-            code="unsupported_value",
+            400, f"{where}: a namespace holds function tools", param=f"{where}.type", code="unsupported_value"
         )
-    function = {"name": required_str(tool.get("name"), f"tools.{i}.name")}
+    function = {"name": required_str(tool.get("name"), f"{where}.name")}
     for key in ("description", "parameters", "strict"):
         if tool.get(key) is not None:
             function[key] = tool[key]
@@ -148,7 +159,10 @@ def _tool_choice(choice) -> Any:
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(
-        400, "tool_choice must be auto, required, none or a function by name", param="tool_choice", code="invalid_value"
+        400,
+        "tool_choice must be auto, required, none or a function by name (depctl serves no built-in tools)",
+        param="tool_choice",
+        code="invalid_value",
     )
 
 

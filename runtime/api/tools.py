@@ -140,7 +140,9 @@ def history(messages) -> list[dict]:
     (templates write them with ``tojson``), a tool's reply with its ``tool_call_id``."""
     out = []
     for m in messages:
-        msg: dict = {"role": m.role, "content": m.text()}
+        # OpenAI's developer role is the system role of newer models; templates know only system (Qwen2.5's drops
+        # a turn of a role it does not know)
+        msg: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             calls = []
             for call in m.tool_calls:

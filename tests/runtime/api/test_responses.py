@@ -64,6 +64,41 @@ def test_input_items_become_the_chat_messages_they_stand_for():
     assert chat.max_tokens == 9 and chat.response_format.json_schema.schema_ == {"type": "object"}
 
 
+def test_what_codex_cli_sends_becomes_a_chat_request():
+    """Codex CLI 0.x: developer messages, a namespace of function tools, and web_search with every request (which a
+    400 turned into a client that could not start)."""
+    close = {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}
+    chat = _chat(
+        input=[
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: none."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
+        ],
+        tools=[
+            WEATHER,
+            {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [close]},
+            {"type": "web_search", "external_web_access": False},
+        ],
+        tool_choice="auto",
+        store=False,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key="01a2",
+        client_metadata={"session_id": "01a2"},
+    )
+    assert [t.function.name for t in chat.tools] == ["get_weather", "close_agent"]
+    assert [(m.role, m.text()) for m in chat.messages] == [("developer", "Sandbox: none."), ("user", "What is 2+2?")]
+    with pytest.raises(APIError) as refused:  # a built-in tool the model is made to call cannot be served
+        _chat(input="hi", tools=[{"type": "web_search"}], tool_choice={"type": "web_search"})
+    assert refused.value.param == "tool_choice"
+
+
+def test_a_developer_message_reaches_the_template_as_a_system_message():
+    """Chat templates know system, not developer: Qwen2.5's dropped a developer turn without a word."""
+    from depctl_runtime.api.tools import history
+
+    chat = _chat(input=[{"type": "message", "role": "developer", "content": "Be brief."}])
+    assert history(chat.messages) == [{"role": "system", "content": "Be brief."}]
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
@@ -72,10 +107,9 @@ def test_input_items_become_the_chat_messages_they_stand_for():
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0.type",
         ),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"type": "computer_call", "call_id": "x"}]}, "input.0.type"),
     ],
-    ids=["previous-response", "image", "built-in-tool", "computer-call"],
+    ids=["previous-response", "image", "computer-call"],
 )
 def test_what_depctl_cannot_do_is_refused_by_name(body, param):
     with pytest.raises(APIError) as refused:
