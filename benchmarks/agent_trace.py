@@ -1,6 +1,7 @@
 """A coding agent's session replayed through the Messages API: time to first token and decode speed per turn, with
 plain, n-gram and suffix speculation (each a deployment of its own, prefix cache on), beside llama.cpp's server on
-the same trace when given one.
+the same trace when given one. Each turn goes round the servers before the next (each keeps its own cache), so a
+slow minute of the machine falls on all of them.
 
 The session is scripted, as an agent's traffic looks to a server: a system prompt and four tools, a task, then turns
 that each add the agent's last tool call and its result (a file read, an edit, a test run, a second read, a second
@@ -160,7 +161,7 @@ def conversation(turn: int) -> list[dict]:
     messages: list[dict] = [{"role": "user", "content": "The tests fail. Find out why and fix calc.py."}]
     for i, (name, arguments, result) in enumerate(STEPS[:turn]):
         call = {"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": arguments}
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": "Let me check."}, call]})
+        messages.append({"role": "assistant", "content": [call]})
         messages.append(
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": result}]}
         )
@@ -168,11 +169,18 @@ def conversation(turn: int) -> list[dict]:
 
 
 def answer(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed answer: seconds to its first token, its decode tok/s, its tokens and the prompt's."""
+    """One streamed answer, a tool call (``tool_choice: any``, as an agent's working turns are): seconds to its
+    first token and to its end, its decode tok/s, its tokens and the prompt's."""
     t0 = time.perf_counter()
     first = last = None
     with client.messages.stream(
-        model=model, system=SYSTEM, tools=TOOLS, messages=messages, max_tokens=max_tokens, temperature=0
+        model=model,
+        system=SYSTEM,
+        tools=TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
     ) as stream:
         for event in stream:
             if event.type == "content_block_delta":
@@ -182,13 +190,11 @@ def answer(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     usage = final.usage
     out = usage.output_tokens
     first = first or time.perf_counter()
-    decode = (out - 1) / (last - first) if last and last > first and out > 1 else float("nan")
+    end = time.perf_counter()
+    decode = (out - 1) / (end - first) if out > 1 else float("nan")
     cached = usage.cache_read_input_tokens or 0
-    return {"ttft": first - t0, "tok_s": decode, "out": out, "prompt": usage.input_tokens + cached, "cached": cached}
-
-
-def run_session(client, model: str, max_tokens: int) -> list[dict]:
-    return [answer(client, model, conversation(turn), max_tokens) for turn in range(len(STEPS) + 1)]
+    prompt = usage.input_tokens + cached
+    return {"ttft": first - t0, "total": end - t0, "tok_s": decode, "out": out, "prompt": prompt, "cached": cached}
 
 
 def main() -> int:
@@ -234,8 +240,11 @@ def main() -> int:
             servers.append((f"llama.cpp {args.gguf.stem}", llama, "bench"))
         for name, c, model in servers:
             answer(c, model, [{"role": "user", "content": "Hello"}], 4)  # lazy start-up work, not the trace's
-            results[name] = run_session(c, model, args.max_tokens)
-            print(f"# {name}: done", file=sys.stderr)
+            results[name] = []
+        for turn in range(len(STEPS) + 1):  # each turn round the servers: a slow minute of the machine hits all
+            for name, c, model in servers:
+                results[name].append(answer(c, model, conversation(turn), args.max_tokens))
+            print(f"# turn {turn + 1}: done", file=sys.stderr)
     finally:
         for proc in procs:
             proc.terminate()
@@ -243,21 +252,30 @@ def main() -> int:
             proc.wait(timeout=60)
     names = list(results)
     print(f"\n{args.model} ({args.quantization}); {len(STEPS) + 1} turns, up to {args.max_tokens} tokens each, greedy")
-    print("| turn | prompt tokens | " + " | ".join(f"{n}: TTFT s / tok/s" for n in names) + " |")
+    print("| turn | prompt tokens | " + " | ".join(f"{n}: TTFT / turn s (tokens)" for n in names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     for turn in range(len(STEPS) + 1):
-        cells = " | ".join(f"{results[n][turn]['ttft']:.2f} / {results[n][turn]['tok_s']:.1f}" for n in names)
+        cells = " | ".join(
+            f"{results[n][turn]['ttft']:.2f} / {results[n][turn]['total']:.2f} ({results[n][turn]['out']})"
+            for n in names
+        )
         print(f"| {turn + 1} | {results[names[0]][turn]['prompt']} | {cells} |")
-    base = names[0]
+    base = sum(r["total"] for r in results[names[0]])
+    print("| whole session, s | |" + " | ".join(f"{sum(r['total'] for r in results[n]):.1f}" for n in names) + " |")
+    print(
+        "| vs "
+        + names[0]
+        + " | |"
+        + " | ".join(f"{base / sum(r['total'] for r in results[n]):.2f}x" for n in names)
+        + " |"
+    )
     for n in names:
         rows = results[n]
-        speed = statistics.mean(r["tok_s"] for r in rows[1:])
-        ratio = speed / statistics.mean(r["tok_s"] for r in results[base][1:])
-        ttft = statistics.mean(r["ttft"] for r in rows[1:])
+        decode = sum(r["out"] - 1 for r in rows) / sum(r["total"] - r["ttft"] for r in rows)
         cached = sum(r["cached"] for r in rows) / max(1, sum(r["prompt"] for r in rows))
+        ttft = statistics.mean(r["ttft"] for r in rows)
         print(
-            f"# {n}: turns 2-{len(rows)}: mean decode {speed:.1f} tok/s ({ratio:.2f}x {base}), mean TTFT {ttft:.2f} s;"
-            f" prompt read from cache {cached:.0%}; answers {[r['out'] for r in rows]}"
+            f"# {n}: decode {decode:.1f} tok/s over all turns, mean TTFT {ttft:.2f} s, prompt from cache {cached:.0%}"
         )
     print(json.dumps(results), file=sys.stderr)
     return 0
