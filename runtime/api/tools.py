@@ -21,7 +21,8 @@ from depctl_runtime.backends import Constraint
 from depctl_runtime.speculation.params import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+# a call's head; its arguments are "arguments" (Hermes, Qwen2.5) or "parameters" (Llama 3.1's template asks for it)
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 HOLD = len(CLOSE) + 8  # characters of a call held back while streaming: the wrapper's "}" and a partial close tag
 
 
@@ -353,9 +354,7 @@ class ToolCallParser:
             return []
         found = found if isinstance(found, list) else [found]
         valid = [
-            c
-            for c in found
-            if isinstance(c, dict) and c.get("name") in self.names and isinstance(c.get("arguments", {}), dict)
+            c for c in found if isinstance(c, dict) and c.get("name") in self.names and isinstance(_arguments(c), dict)
         ]
         if not valid or len(valid) != len(found):
             return []
@@ -364,7 +363,7 @@ class ToolCallParser:
             call = _Call(id="call_" + secrets.token_hex(12), name=c["name"])
             self.calls.append(call)
             index = len(self.calls) - 1
-            arguments = json.dumps(c.get("arguments", {}), ensure_ascii=False)
+            arguments = json.dumps(_arguments(c), ensure_ascii=False)
             deltas += [ToolCallDelta(index, call.id, call.name), ToolCallDelta(index, arguments=arguments)]
         return deltas
 
@@ -388,6 +387,11 @@ class ToolCallParser:
             deltas.append(ToolCallDelta(index, arguments=args[call.sent : upto]))
             call.sent = upto
         return deltas
+
+
+def _arguments(call: dict):
+    """A bare call's arguments, under either name models give them."""
+    return call.get("arguments", call.get("parameters", {}))
 
 
 def _partial_suffix(text: str, tag: str) -> int:

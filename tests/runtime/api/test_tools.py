@@ -213,3 +213,12 @@ def test_a_tool_schema_with_keywords_the_grammar_cannot_enforce_still_compiles(l
     call = '<tool_call>\n{"name": "agent", "arguments": {"tags": {"x": "y"}}}\n</tool_call>'
     ids = tokenizer.encode(call, add_special_tokens=False)
     assert grammar.start().valid_prefix(ids) == len(ids)
+
+
+@pytest.mark.parametrize("pieces", [2, 1000])
+def test_a_call_whose_arguments_are_named_parameters_is_a_call(pieces):
+    """Llama 3.1's template asks for {"name": ..., "parameters": ...}, and small models write that shape too."""
+    bare = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    for text in (bare, "<tool_call>\n" + bare + "\n</tool_call>", "[" + bare + "]"):
+        content, calls, _ = parse(text, pieces)
+        assert content == "" and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}, text
