@@ -18,6 +18,9 @@ TOOLS_TEMPLATE = (
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Llama 3.1's own template (as Meta ships it with the model): tools rendered its way, calls written as
+# {"name": ..., "parameters": ...}
+LLAMA31_TEMPLATE = (Path(__file__).parent / "templates" / "llama-3.1-8b-instruct.jinja").read_text()
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
 # a request that must still be running when a test acts (a disconnect, a drain, Ctrl-C): a tiny model with room for

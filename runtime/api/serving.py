@@ -37,7 +37,14 @@ from depctl_runtime.api.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from depctl_runtime.api.tools import check_tool_support, history, prompted, renders_tools, tool_constraint
+from depctl_runtime.api.tools import (
+    check_tool_support,
+    history,
+    prompted,
+    renders_tools,
+    tool_constraint,
+    tool_format,
+)
 from depctl_runtime.backends import Backend, BackendError, Delta, GenerateRequest, Interrupted, Logprob
 from depctl_runtime.backends.structured import GrammarLimits
 from depctl_runtime.manager import DeploymentManager, State
@@ -224,13 +231,14 @@ class Service:
         constraint = req.constraint()
         tools = req.tools if req.calling_tools else None
         if tools:
-            check_tool_support(tokenizer, dep_id)
+            fmt = tool_format(tokenizer, dep_id)
+            parallel = req.parallel_tool_calls and fmt.parallel
             required = req.required_functions()
             if required:
-                constraint = tool_constraint(tokenizer, required, req.parallel_tool_calls, "tool_choice")
+                constraint = tool_constraint(tokenizer, required, parallel, "tool_choice", fmt=fmt)
             elif constraint is None:  # auto: free text, and a call where the model begins one
                 functions = [t.function.model_dump(exclude_none=True) for t in tools]
-                constraint = tool_constraint(tokenizer, functions, req.parallel_tool_calls, "tools", lazy=True)
+                constraint = tool_constraint(tokenizer, functions, parallel, "tools", lazy=True, fmt=fmt)
         prompt_ids = chat_prompt_ids(tokenizer, dep_id, req.messages, tools)
         prediction = ()
         if req.prediction is not None:

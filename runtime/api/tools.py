@@ -31,19 +31,47 @@ def template_text(tokenizer) -> str:
     return template if isinstance(template, str) else "\n".join(str(t) for t in template.values())
 
 
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model family writes a call: between tags, or as a bare JSON object (``open`` None); the key its
+    arguments go under; whether it writes more than one call an answer."""
+
+    name: str
+    open: str | None
+    close: str | None
+    arguments: str
+    parallel: bool
+
+
+HERMES = ToolFormat("hermes", OPEN, CLOSE, "arguments", True)  # Qwen2.5, Hermes; and models told it (``prompted``)
+LLAMA3 = ToolFormat("llama3", None, None, "parameters", False)  # Llama 3.1-3.3's template: one bare object
+
+
 def renders_tools(tokenizer) -> bool:
     """Whether the model's chat template renders ``tools`` itself (else ``prompted`` describes them)."""
     return "tools" in template_text(tokenizer)
 
 
+def tool_format(tokenizer, deployment: str) -> ToolFormat:
+    """The call format of the model's family (a template that never renders tools is told HERMES's); a 400 naming
+    the deployment where its template asks for calls in a format depctl does not read."""
+    template = template_text(tokenizer)
+    if "tools" not in template or OPEN in template:
+        return HERMES
+    if '"parameters": ' in template:
+        return LLAMA3
+    check_tool_support(tokenizer, deployment)
+    return HERMES
+
+
 def check_tool_support(tokenizer, deployment: str) -> None:
     """A 400 naming the deployment when its chat template renders tools but writes calls depctl cannot read."""
     template = template_text(tokenizer)
-    if "tools" in template and OPEN not in template:
+    if "tools" in template and OPEN not in template and '"parameters": ' not in template:
         raise APIError(
             400,
             f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
-            f"(depctl reads {OPEN}...{CLOSE} blocks)",
+            f'(depctl reads {OPEN}...{CLOSE} blocks and Llama 3\'s bare {{"name", "parameters"}} objects)',
             param="tools",
             code="tools_unsupported",
         )
@@ -58,16 +86,17 @@ def _tag(tokenizer, text: str) -> str:
     return json.dumps(text)
 
 
-def call_schema(functions: list[dict]) -> dict:
-    """The JSON of one call to any of ``functions`` (OpenAI tool ``function`` objects), keys in the model's order."""
+def call_schema(functions: list[dict], key: str = "arguments") -> dict:
+    """The JSON of one call to any of ``functions`` (OpenAI tool ``function`` objects), keys in the model's order;
+    ``key``: what its family names the arguments."""
     options = []
     for fn in functions:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, key: params},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
@@ -77,12 +106,20 @@ def call_schema(functions: list[dict]) -> dict:
     return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
 
 
-def tool_constraint(tokenizer, functions: list[dict], parallel: bool, param: str, lazy: bool = False) -> Constraint:
-    """The output is one call (or, with ``parallel``, one or more) to ``functions``, in the model's format.
+def tool_constraint(
+    tokenizer, functions: list[dict], parallel: bool, param: str, lazy: bool = False, fmt: ToolFormat = HERMES
+) -> Constraint | None:
+    """The output is one call (or, with ``parallel`` where the family writes several, one or more) to
+    ``functions``, in the model's format ``fmt``.
 
     ``lazy`` (tool_choice "auto"): the output is free text, and the grammar starts where the model writes the call
     tag (llguidance's lazy rule: free text up to the tag's first appearance), so every call it writes names an
-    offered function with arguments that match its schema; text may follow a call."""
+    offered function with arguments that match its schema; text may follow a call. A family without tags has no
+    such trigger (any JSON in the text would set it off): None, auto runs unconstrained there."""
+    if fmt.open is None:
+        if lazy:
+            return None
+        return Constraint("grammar", f"start: %json {json.dumps(call_schema(functions, fmt.arguments))}", param)
     body = f'"\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
     if not lazy:
         # a model ends its last call with a newline as often as with its end token: let it end after one

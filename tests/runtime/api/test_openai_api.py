@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import LONG, LONG_ANSWER, TOOLS_TEMPLATE, save_tiny, save_tiny_head
+from tests.tiny import LLAMA31_TEMPLATE, LONG, LONG_ANSWER, TOOLS_TEMPLATE, save_tiny, save_tiny_head
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a daemon in a subprocess with nine deployments
@@ -69,6 +69,8 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
             id="tools", model=str(with_tools), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
         )
     )
+    llama = save_tiny(tmp_path_factory.mktemp("llama"), seed=0, chat_template=LLAMA31_TEMPLATE, max_positions=4096)
+    store.create(DeploymentSpec(id="llama", model=str(llama), compile=False))
     store.create(
         DeploymentSpec(
             id="small",
@@ -78,7 +80,7 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools"):
+    for dep in ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools", "llama"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -93,6 +95,7 @@ def test_models_lists_ready_deployments(client):
     assert sorted(m.id for m in client.models.list()) == [
         "drafted",
         "eagle",
+        "llama",
         "long",
         "ngram",
         "plain",
@@ -742,6 +745,23 @@ def test_a_model_whose_template_has_no_tools_gets_them_in_its_prompt_and_calls_t
     ]
     after = client.chat.completions.create(model="long", messages=answered, tools=[WEATHER], max_tokens=8, **GREEDY)
     assert after.usage.prompt_tokens > auto.usage.prompt_tokens
+
+
+def test_a_llama_template_gets_tools_its_way_and_its_bare_calls_back(client):
+    """Llama 3.1's own template renders the tools and asks for {"name", "parameters"}: a required call is that
+    object, held to its schema, and comes back as a call; its history renders."""
+    r = client.chat.completions.create(
+        model="llama", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY
+    )
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    answered = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
+    ]
+    after = client.chat.completions.create(model="llama", messages=answered, tools=[WEATHER], max_tokens=8, **GREEDY)
+    assert after.usage.prompt_tokens > r.usage.prompt_tokens
 
 
 def test_bad_tools_are_400s(client):

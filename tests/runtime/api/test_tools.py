@@ -222,3 +222,37 @@ def test_a_call_whose_arguments_are_named_parameters_is_a_call(pieces):
     for text in (bare, "<tool_call>\n" + bare + "\n</tool_call>", "[" + bare + "]"):
         content, calls, _ = parse(text, pieces)
         assert content == "" and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}, text
+
+
+def test_each_template_family_gets_its_own_call_format():
+    from depctl_runtime.api.errors import APIError
+    from depctl_runtime.api.tools import HERMES, LLAMA3, tool_format
+    from tests.tiny import CHAT_TEMPLATE, LLAMA31_TEMPLATE, TOOLS_TEMPLATE, byte_tokenizer
+
+    assert tool_format(byte_tokenizer(chat_template=TOOLS_TEMPLATE), "d") is HERMES
+    assert tool_format(byte_tokenizer(chat_template=CHAT_TEMPLATE), "d") is HERMES  # described in a system message
+    assert tool_format(byte_tokenizer(chat_template=LLAMA31_TEMPLATE), "d") is LLAMA3
+    mistral = "{% for t in tools %}{{ t | tojson }}{% endfor %}[TOOL_CALLS]"
+    with pytest.raises(APIError, match="format depctl does not parse"):
+        tool_format(byte_tokenizer(chat_template=mistral), "d")
+
+
+def test_a_required_llama_call_is_its_bare_json_object():
+    from depctl_runtime.api.tools import LLAMA3, tool_constraint
+    from depctl_runtime.backends.structured import compile_constraint
+    from depctl_runtime.speculation.grammar import GrammarCompiler
+    from tests.tiny import VOCAB, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    constraint = tool_constraint(tokenizer, [weather], True, "tool_choice", fmt=LLAMA3)
+    grammar = compile_constraint(compiler, constraint)
+
+    def valid(text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return grammar.start().valid_prefix(ids) == len(ids)
+
+    assert valid('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert not valid("<tool_call>") and not valid('{"name": "get_weather", "arguments"')
+    assert tool_constraint(tokenizer, [weather], True, "tools", lazy=True, fmt=LLAMA3) is None  # auto: free
