@@ -728,30 +728,11 @@ def test_a_conversation_with_calls_and_results_renders(client):
     assert none.choices[0].message.tool_calls is None
 
 
-def test_a_model_whose_template_has_no_tools_gets_them_in_its_prompt_and_calls_them(client, daemon):
-    required = client.chat.completions.create(
-        model="long", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY
-    )
-    [call] = required.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and required.choices[0].finish_reason == "tool_calls"
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    auto = client.chat.completions.create(model="long", messages=ASK, tools=[WEATHER], max_tokens=8, **GREEDY)
-    assert auto.usage.prompt_tokens == required.usage.prompt_tokens > 300  # the tools' description is read
-    counted = daemon.post("/tokenize", {"model": "long", "messages": ASK, "tools": [WEATHER]}).json()["count"]
-    assert counted == auto.usage.prompt_tokens
-    answered = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
-        {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
-    ]
-    after = client.chat.completions.create(model="long", messages=answered, tools=[WEATHER], max_tokens=8, **GREEDY)
-    assert after.usage.prompt_tokens > auto.usage.prompt_tokens
-
-
-def test_a_llama_template_gets_tools_its_way_and_its_bare_calls_back(client):
-    """Llama 3.1's own template renders the tools and asks for {"name", "parameters"}: a required call is that
-    object, held to its schema, and comes back as a call; its history renders."""
+def required_call_then_its_result(client, model: str):
+    """A required get_weather call, valid against its schema, then the conversation with its result: (the call's
+    response, the next one's)."""
     r = client.chat.completions.create(
-        model="llama", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY
     )
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
@@ -760,8 +741,23 @@ def test_a_llama_template_gets_tools_its_way_and_its_bare_calls_back(client):
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
         {"role": "tool", "tool_call_id": call.id, "content": "21 degrees"},
     ]
-    after = client.chat.completions.create(model="llama", messages=answered, tools=[WEATHER], max_tokens=8, **GREEDY)
-    assert after.usage.prompt_tokens > r.usage.prompt_tokens
+    after = client.chat.completions.create(model=model, messages=answered, tools=[WEATHER], max_tokens=8, **GREEDY)
+    assert after.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are rendered
+    return r, after
+
+
+def test_a_model_whose_template_has_no_tools_gets_them_in_its_prompt_and_calls_them(client, daemon):
+    required, _ = required_call_then_its_result(client, "long")
+    auto = client.chat.completions.create(model="long", messages=ASK, tools=[WEATHER], max_tokens=8, **GREEDY)
+    assert auto.usage.prompt_tokens == required.usage.prompt_tokens > 300  # the tools' description is read
+    counted = daemon.post("/tokenize", {"model": "long", "messages": ASK, "tools": [WEATHER]}).json()["count"]
+    assert counted == auto.usage.prompt_tokens
+
+
+def test_a_llama_template_gets_tools_its_way_and_its_bare_calls_back(client):
+    """Llama 3.1's own template renders the tools and asks for {"name", "parameters"}: a required call is that
+    object, held to its schema, and comes back as a call; its history renders."""
+    required_call_then_its_result(client, "llama")
 
 
 def test_bad_tools_are_400s(client):
