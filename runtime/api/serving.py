@@ -38,7 +38,6 @@ from depctl_runtime.api.protocol import (
     TokenizeRequest,
 )
 from depctl_runtime.api.tools import (
-    check_tool_support,
     history,
     prompted,
     renders_tools,
@@ -271,7 +270,7 @@ class Service:
         tokenizer = backend.tokenizer
         if req.messages is not None:
             if req.tools:
-                check_tool_support(tokenizer, dep_id)
+                tool_format(tokenizer, dep_id)
             ids = chat_prompt_ids(tokenizer, dep_id, req.messages, req.tools, req.add_generation_prompt)
         else:
             ids = encode(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
@@ -282,7 +281,7 @@ class Service:
         dep_id, backend = self.deployment(req.model)
         tools = req.tools if req.calling_tools else None
         if tools:
-            check_tool_support(backend.tokenizer, dep_id)
+            tool_format(backend.tokenizer, dep_id)
         return len(chat_prompt_ids(backend.tokenizer, dep_id, req.messages, tools))
 
     def detokenize(self, req: DetokenizeRequest) -> dict:

