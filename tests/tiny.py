@@ -21,6 +21,8 @@ TOOLS_TEMPLATE = (
 # Llama 3.1's own template (as Meta ships it with the model): tools rendered its way, calls written as
 # {"name": ..., "parameters": ...}
 LLAMA31_TEMPLATE = (Path(__file__).parent / "templates" / "llama-3.1-8b-instruct.jinja").read_text()
+# Mistral Nemo's own template (v3 format): tools in [AVAILABLE_TOOLS], calls as [TOOL_CALLS][{...}, ...], 9-letter ids
+MISTRAL_TEMPLATE = (Path(__file__).parent / "templates" / "mistral-nemo-instruct-2407.jinja").read_text()
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
 # a request that must still be running when a test acts (a disconnect, a drain, Ctrl-C): a tiny model with room for
@@ -29,8 +31,9 @@ LONG = 32768
 LONG_ANSWER = 30000
 
 
-def byte_tokenizer(byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE):
-    """A byte-level BPE tokenizer with no merges: every byte is one token; ids 256.. are special tokens.
+def byte_tokenizer(byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE, specials: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer with no merges: every byte is one token; ids 256.. are special tokens (SPECIALS,
+    then ``specials``: a model built on it needs a wider vocabulary).
 
     ``byte_offset`` rotates the byte ids: a tokenizer with the same tokens under different ids, i.e. one a draft
     model must not be paired with."""
@@ -42,12 +45,12 @@ def byte_tokenizer(byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE):
     table = _bytes_to_unicode()
     vocab = {table[b]: (b + byte_offset) % 256 for b in range(256)}
     assert set(vocab) == set(byte_chars)
-    for i, tok in enumerate(SPECIALS):
+    for i, tok in enumerate(SPECIALS + list(specials)):
         vocab[tok] = 256 + i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(SPECIALS + list(specials))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
@@ -96,10 +99,14 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VO
     return model.eval()
 
 
-def save_tiny(path: Path, seed: int = 0, byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE, **kwargs) -> Path:
+def save_tiny(
+    path: Path, seed: int = 0, byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE, specials=(), **kwargs
+) -> Path:
+    """specials: one more special token fits the model's padding row."""
+    assert len(specials) <= VOCAB - 256 - len(SPECIALS)
     model = tiny_llama(seed, **kwargs)
     model.save_pretrained(path)
-    byte_tokenizer(byte_offset, chat_template).save_pretrained(path)
+    byte_tokenizer(byte_offset, chat_template, specials).save_pretrained(path)
     return path
 
 

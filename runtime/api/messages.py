@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.protocol import MAX_STOP_STRINGS, ChatCompletionRequest, Text, required_str, text_of
 from depctl_runtime.api.serving import Job
-from depctl_runtime.api.tools import ToolCallDelta, ToolCallParser, split_calls
+from depctl_runtime.api.tools import ToolCallDelta
 
 IGNORED_BLOCKS = ("thinking", "redacted_thinking")  # a model's earlier reasoning: nothing of it goes to this model
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -206,7 +206,7 @@ def message(job: Job, text: str, finish: str) -> dict:
     content: list[dict] = []
     calls: list[dict] = []
     if job.tools:
-        text, calls = split_calls(text, job.tools)
+        text, calls = job.split_calls(text)
     blocks = []
     for call in calls:
         try:
@@ -239,7 +239,7 @@ class MessageStream:
 
     def __init__(self, job: Job):
         self.job = job
-        self.parser = ToolCallParser(job.tools) if job.tools else None
+        self.parser = job.call_parser()
         self.index = -1  # the open block's index
         self.open: str | None = None  # "text", "tool_use" or None
         self.called = False

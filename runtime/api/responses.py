@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.protocol import ChatCompletionRequest, Text, required_str, text_of
 from depctl_runtime.api.serving import Job
-from depctl_runtime.api.tools import ToolCallDelta, ToolCallParser, split_calls
+from depctl_runtime.api.tools import ToolCallDelta
 
 IGNORED_ITEMS = ("reasoning",)  # a model's earlier reasoning: nothing of it goes to this model
 
@@ -249,7 +249,7 @@ def response(job: Job, req: ResponsesRequest, text: str, finish: str) -> dict:
     """The whole response: a message item with the text, function_call items for the calls read out of it."""
     calls: list[dict] = []
     if job.tools:
-        text, calls = split_calls(text, job.tools)
+        text, calls = job.split_calls(text)
     output = []
     if text.strip() or not calls:
         output.append(_text_item(job, text.strip() if calls else text))
@@ -266,7 +266,7 @@ class ResponseStream:
 
     def __init__(self, job: Job, req: ResponsesRequest):
         self.job, self.req = job, req
-        self.parser = ToolCallParser(job.tools) if job.tools else None
+        self.parser = job.call_parser()
         self.sequence = 0
         self.items: list[dict] = []  # finished output items
         self.open: dict | None = None  # the item being written

@@ -21,7 +21,6 @@ from depctl_runtime.api.render import chat_logprobs, completion_logprobs
 from depctl_runtime.api.responses import ResponsesRequest, ResponseStream, response
 from depctl_runtime.api.responses import to_chat as to_responses_chat
 from depctl_runtime.api.serving import Job, Service, named_deployment
-from depctl_runtime.api.tools import ToolCallParser, split_calls
 from depctl_runtime.manager import State
 
 router = APIRouter()
@@ -194,15 +193,15 @@ def _choice(job: Job, index: int, text: str, finish: str, logprobs) -> dict:
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
         if job.tools:
-            choice["message"], choice["finish_reason"] = _with_calls(text, finish, job.tools)
+            choice["message"], choice["finish_reason"] = _with_calls(text, finish, job)
     else:
         choice["text"] = text
     return choice
 
 
-def _with_calls(text: str, finish: str, names: frozenset[str]) -> tuple[dict, str]:
+def _with_calls(text: str, finish: str, job: Job) -> tuple[dict, str]:
     """The assistant message with the tool calls read out of ``text``, and the finish reason OpenAI gives it."""
-    content, calls = split_calls(text, names)
+    content, calls = job.split_calls(text)
     if not calls:
         return {"role": "assistant", "content": text}, finish
     message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
@@ -243,7 +242,7 @@ class _ChoiceStream:
         self.chat = job.kind == "chat.completion"
         self.obj = "chat.completion.chunk" if self.chat else "text_completion"
         self.with_logprobs = job.request.params.logprobs is not None
-        self.parser = ToolCallParser(job.tools) if job.tools else None
+        self.parser = job.call_parser()
         self.offset = 0  # where the next chunk's text starts (completions' text_offset)
 
     def chunk(self, text: str | None, finish: str | None, first: bool = False, logprobs=()) -> str | None:

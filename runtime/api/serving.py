@@ -38,9 +38,13 @@ from depctl_runtime.api.protocol import (
     TokenizeRequest,
 )
 from depctl_runtime.api.tools import (
+    ToolCallParser,
     history,
+    marker_token,
     prompted,
     renders_tools,
+    split_calls,
+    template_format,
     tool_constraint,
     tool_format,
 )
@@ -64,7 +68,7 @@ def chat_prompt_ids(tokenizer, dep_id: str, messages, tools=None, add_generation
             param="messages",
             code="no_chat_template",
         )
-    turns, extra = history(messages), {}
+    turns, extra = history(messages, template_format(tokenizer)), {}
     if tools and renders_tools(tokenizer):
         extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]}
     elif tools:
@@ -127,8 +131,17 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict | None = None  # filled in when the run ends
     tools: frozenset[str] = frozenset()  # the functions offered: the output is read for calls to them
+    tool_marker: str = ""  # the model's format writes its calls after this marker (Mistral's)
     example: dict | None = None  # the prompt as a recording keeps it, once the job is runnable
     stop: str | None = None  # the stop string that ended the output, once it has (Anthropic's stop_sequence)
+
+    def call_parser(self) -> ToolCallParser | None:
+        """A reader of the tool calls in the output as it streams, where tools were offered."""
+        return ToolCallParser(self.tools, self.tool_marker) if self.tools else None
+
+    def split_calls(self, text: str) -> tuple[str, list[dict]]:
+        """A whole output's content and its tool calls (``tools.split_calls``)."""
+        return split_calls(text, self.tools, self.tool_marker)
 
 
 class Service:
@@ -229,8 +242,11 @@ class Service:
         tokenizer = backend.tokenizer
         constraint = req.constraint()
         tools = req.tools if req.calling_tools else None
+        fmt, shown = None, ()
         if tools:
             fmt = tool_format(tokenizer, dep_id)
+            marker = marker_token(tokenizer, fmt)
+            shown = () if marker is None else (marker,)
             parallel = req.parallel_tool_calls and fmt.parallel
             required = req.required_functions()
             if required:
@@ -245,8 +261,9 @@ class Service:
         job = self._job(
             "chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint, key, clamp
         )
-        if req.calling_tools:
-            job.tools = frozenset(t.function.name for t in req.tools)
+        if fmt is not None:
+            job.tools, job.tool_marker = frozenset(t.function.name for t in req.tools), fmt.marker
+            job.request = dataclasses.replace(job.request, shown_tokens=shown)
         job.example = recordings.chat_example(req.messages)
         return job
 

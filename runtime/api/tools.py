@@ -2,25 +2,30 @@
 ``tool_calls``, and ``tool_choice`` "required" or a named function constrained by a grammar built from the functions'
 JSON schemas (which also makes every forced key and tag a free draft).
 
-One format is understood today, the one Qwen2.5, Hermes and many fine-tunes write:
-``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call. A model whose template never
-renders tools is asked for the same blocks by a system message that describes the tools (``prompted``), as
-llama.cpp's generic format does, so every chat model can call tools; the grammar holds it to them where a call is
-required.
+The formats read: the one Qwen2.5, Hermes and many fine-tunes write,
+``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call; Llama 3.1-3.3's bare
+``{"name": "f", "parameters": {...}}``; and Mistral's (v3 templates: Mistral 7B v0.3, Nemo)
+``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``. A model whose template never renders tools is asked for
+Hermes's blocks by a system message that describes the tools (``prompted``), as llama.cpp's generic format does, so
+every chat model can call tools; the grammar holds it to them where a call is required.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass, field
 
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.backends import Constraint
+from depctl_runtime.speculation.grammar import cap_numbers
 from depctl_runtime.speculation.params import JSON_OPTIONS
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_MARK = "[TOOL_CALLS]"
 # a call's head; its arguments are "arguments" (Hermes, Qwen2.5) or "parameters" (Llama 3.1's template asks for it)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 HOLD = len(CLOSE) + 8  # characters of a call held back while streaming: the wrapper's "}" and a partial close tag
@@ -33,16 +38,18 @@ def template_text(tokenizer) -> str:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model family writes a call: between ``OPEN`` and ``CLOSE`` tags or as a bare JSON object, the key its
-    arguments go under, and whether it writes more than one call an answer."""
+    """How a model family writes a call: between ``OPEN`` and ``CLOSE`` tags, as a bare JSON object, or in a JSON
+    list after a ``marker``; the key its arguments go under; whether it writes more than one call an answer."""
 
     tagged: bool
     arguments: str
     parallel: bool
+    marker: str = ""  # the calls are a JSON list after this (a special token of the model's, as a rule)
 
 
 HERMES = ToolFormat(True, "arguments", True)  # Qwen2.5, Hermes; and models told it (``prompted``)
 LLAMA3 = ToolFormat(False, "parameters", False)  # Llama 3.1-3.3's template: one bare object
+MISTRAL = ToolFormat(False, "arguments", True, MISTRAL_MARK)  # Mistral's v3 templates (7B v0.3, Nemo)
 
 
 def renders_tools(tokenizer) -> bool:
@@ -50,21 +57,40 @@ def renders_tools(tokenizer) -> bool:
     return "tools" in template_text(tokenizer)
 
 
-def tool_format(tokenizer, deployment: str) -> ToolFormat:
-    """The call format of the model's family (a template that never renders tools is told HERMES's); a 400 naming
-    the deployment where its template asks for calls in a format depctl does not read."""
+def template_format(tokenizer) -> ToolFormat | None:
+    """The call format of the model's family (a template that never renders tools is told HERMES's); None where
+    its template asks for calls in a format depctl does not read."""
     template = template_text(tokenizer)
     if "tools" not in template or OPEN in template:
         return HERMES
+    if MISTRAL_MARK in template and "[ARGS]" not in template:  # [ARGS]: v11's name[ARGS]{...} calls
+        return MISTRAL
     if '"parameters": ' in template:
         return LLAMA3
-    raise APIError(
-        400,
-        f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
-        f'(depctl reads {OPEN}...{CLOSE} blocks and Llama 3\'s bare {{"name", "parameters"}} objects)',
-        param="tools",
-        code="tools_unsupported",
-    )
+    return None
+
+
+def tool_format(tokenizer, deployment: str) -> ToolFormat:
+    """``template_format``, or a 400 naming the deployment where depctl does not read its model's format."""
+    fmt = template_format(tokenizer)
+    if fmt is None:
+        raise APIError(
+            400,
+            f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
+            f'(depctl reads {OPEN}...{CLOSE} blocks, Llama 3\'s bare {{"name", "parameters"}} objects and '
+            f"Mistral v3's {MISTRAL_MARK}[...] lists)",
+            param="tools",
+            code="tools_unsupported",
+        )
+    return fmt
+
+
+def marker_token(tokenizer, fmt: ToolFormat) -> int | None:
+    """The special token a format's marker is, which the output's text must show (decoding drops special tokens)."""
+    if not fmt.marker:
+        return None
+    tag = _tag(tokenizer, fmt.marker)
+    return int(tag[2:-2]) if tag.startswith("<[") else None
 
 
 def _tag(tokenizer, text: str) -> str:
@@ -93,7 +119,7 @@ def call_schema(functions: list[dict], key: str = "arguments") -> dict:
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     # lenient: a keyword the grammar cannot enforce (propertyNames, in Claude Code's tools) is left unenforced; a
     # client's tools must never turn its requests into 400s
-    return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}}
+    return cap_numbers({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}})
 
 
 def tool_constraint(
@@ -104,23 +130,27 @@ def tool_constraint(
 
     ``lazy`` (tool_choice "auto"): the output is free text, and the grammar starts where the model writes the call
     tag (llguidance's lazy rule: free text up to the tag's first appearance), so every call it writes names an
-    offered function with arguments that match its schema; text may follow a call. A family without tags has no
+    offered function with arguments that match their schema; text may follow a call. A family without tags has no
     such trigger (any JSON in the text would set it off): None, auto runs unconstrained there."""
-    if not fmt.tagged:
-        if lazy:
-            return None
-        return Constraint("grammar", f"start: %json {json.dumps(call_schema(functions, fmt.arguments))}", param)
-    body = f'"\\n" %json {json.dumps(call_schema(functions))} "\\n" {_tag(tokenizer, CLOSE)}'
-    if not lazy:
+    call = f"%json {json.dumps(call_schema(functions, fmt.arguments))}"
+    if fmt.marker:  # one list of calls after the marker
+        opening, many = _tag(tokenizer, fmt.marker), False
+        body = f'"[" {call} (", " {call})* "]"' if parallel else f'"[" {call} "]"'
+        required = "start: call"
+    elif fmt.tagged:
+        opening, many = _tag(tokenizer, OPEN), parallel
+        body = f'"\\n" {call} "\\n" {_tag(tokenizer, CLOSE)}'
         # a model ends its last call with a newline as often as with its end token: let it end after one
-        start = 'start: call ("\\n" call)* "\\n"?' if parallel else 'start: call "\\n"?'
-        return Constraint("grammar", f"{start}\ncall: {_tag(tokenizer, OPEN)} {body}", param)
-    opening = _tag(tokenizer, OPEN)
+        required = 'start: call ("\\n" call)* "\\n"?' if parallel else 'start: call "\\n"?'
+    else:
+        return None if lazy else Constraint("grammar", f"start: {call}", param)
+    if not lazy:
+        return Constraint("grammar", f"{required}\ncall: {opening} {body}", param)
     if opening.startswith("<["):  # the model's own token: text cannot spell it, so no lazy rule is needed
         rules = f"call: TEXT {opening} {body}"
     else:
         rules = f"call: trigger {body}\ntrigger[lazy]: TEXT {opening}"
-    start = "start: call* TEXT" if parallel else "start: call? TEXT"
+    start = "start: call* TEXT" if many else "start: call? TEXT"
     return Constraint("grammar", f"%llguidance {{}}\n{start}\n{rules}\nTEXT: /(.|\\n)*/", param, optional=True)
 
 
@@ -165,9 +195,11 @@ def prompted(turns: list[dict], functions: list[dict]) -> list[dict]:
     return [{"role": "system", "content": described}, *out]
 
 
-def history(messages) -> list[dict]:
+def history(messages, fmt: ToolFormat | None = HERMES) -> list[dict]:
     """Chat messages as chat templates read them: an assistant's ``tool_calls`` with their arguments as objects
-    (templates write them with ``tojson``), a tool's reply with its ``tool_call_id``."""
+    (templates write them with ``tojson``), a tool's reply with its ``tool_call_id`` (for MISTRAL, as the 9
+    letters and digits its templates insist on)."""
+    call_id = _nine if fmt is MISTRAL else str
     out = []
     for m in messages:
         # OpenAI's developer role is the system role of newer models; templates know only system (Qwen2.5's drops
@@ -186,14 +218,25 @@ def history(messages) -> list[dict]:
                         param="messages",
                         code="invalid_value",
                     ) from None
-                calls.append({"id": call.id, "type": "function", "function": {"name": fn.name, "arguments": arguments}})
+                function = {"name": fn.name, "arguments": arguments}
+                calls.append({"id": call_id(call.id), "type": "function", "function": function})
             msg["tool_calls"] = calls
         if m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
+            msg["tool_call_id"] = call_id(m.tool_call_id)
         if m.name:
             msg["name"] = m.name
         out.append(msg)
     return out
+
+
+def _nine(call_id: str) -> str:
+    """A call id as 9 letters and digits: itself if it is already, else drawn from its hash (the same for a call and
+    its result)."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    alphabet = string.ascii_letters + string.digits
+    return "".join(alphabet[(digest >> (6 * i)) % len(alphabet)] for i in range(9))
 
 
 # ---- reading calls back out of the output ---------------------------------------------------------------------
@@ -271,11 +314,13 @@ class ToolCallParser:
     """
 
     names: frozenset[str] = frozenset()
+    marker: str = ""  # the format's list marker (Mistral's [TOOL_CALLS]), if it has one
     calls: list[_Call] = field(default_factory=list)
     _text: str = ""  # content not yet given out (it may end in the start of OPEN)
     _call: _Call | None = None
     _bare: bool | None = None  # the output may be a call without tags (None: not known yet)
     _fence: bool = False  # a fenced call without tags has closed: its closing fence may follow
+    _listing: bool = False  # inside the JSON list of calls after ``marker``
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
@@ -284,7 +329,8 @@ class ToolCallParser:
             start = self._text.lstrip()
             if not start:
                 return "", []
-            self._bare = bool(self.names) and start[0] in "{`[" and OPEN not in self._text
+            opened = OPEN in self._text or (self.marker and (self.marker in start or self.marker.startswith(start)))
+            self._bare = bool(self.names) and start[0] in "{`[" and not opened
             if self._bare and not self._open_bare():
                 return "", []
         while self._text:
@@ -294,10 +340,23 @@ class ToolCallParser:
                     break  # held: the fence may still be arriving
                 self._text, self._fence = rest.removeprefix("```"), False
                 continue
+            if self._listing and self._call is None:
+                rest = self._text.lstrip()
+                if not rest:
+                    break  # held: what follows tells
+                if rest[0] in "[,]":
+                    self._listing, self._text = rest[0] != "]", rest[1:]
+                    continue
+                if rest[0] != "{":  # no list of calls after all: text
+                    self._listing = False
+                    continue
+                self._text = rest
+                self._call = _Call(id="call_" + secrets.token_hex(12), opening="", braces=_Braces())
+                self.calls.append(self._call)
             if self._call is None:
-                at = self._text.find(OPEN)
+                at, tag = self._opening()
                 if at < 0:
-                    keep = _partial_suffix(self._text, OPEN)
+                    keep = max(_partial_suffix(self._text, OPEN), _partial_suffix(self._text, self.marker))
                     if self.calls and not self._text[: len(self._text) - keep].strip():
                         break  # held: the whitespace between calls, which is not content
                     content += self._text[: len(self._text) - keep]
@@ -306,7 +365,10 @@ class ToolCallParser:
                 before = self._text[:at]
                 if not self.calls or before.strip():  # the newline between two calls is not content
                     content += before
-                self._text = self._text[at + len(OPEN) :]
+                self._text = self._text[at + len(tag) :]
+                if tag == self.marker:
+                    self._listing = True
+                    continue
                 self._call = _Call(id="call_" + secrets.token_hex(12))
                 self.calls.append(self._call)
             call = self._call
@@ -323,6 +385,11 @@ class ToolCallParser:
             if end >= 0:
                 self._call = None
         return content, deltas
+
+    def _opening(self) -> tuple[int, str]:
+        """Where the next call (or, for a format with a marker, list of calls) opens in the held text, and its tag."""
+        found = [(at, tag) for tag in (OPEN, self.marker) if tag and (at := self._text.find(tag)) >= 0]
+        return min(found) if found else (-1, "")
 
     def _open_bare(self) -> bool:
         """Begin streaming a call written without tags, once the held output shows its header naming one of
@@ -424,17 +491,17 @@ def _arguments(call: dict):
 
 
 def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
+    """The length of the longest end of ``text`` that begins ``tag`` (0 for no tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
             return n
     return 0
 
 
-def split_calls(text: str, names: frozenset[str]) -> tuple[str, list[dict]]:
+def split_calls(text: str, names: frozenset[str], marker: str = "") -> tuple[str, list[dict]]:
     """A whole output's content and the tool calls to ``names`` read out of it (OpenAI's ``tool_calls`` shape). A
     call the output ended inside (cut by max_tokens) is no call: its text is returned as content."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, marker)
     content, deltas = parser.feed_run(text, last=True)
     calls = gather(deltas)
     cut = [i for i, call in enumerate(parser.calls) if call.cut]

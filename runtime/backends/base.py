@@ -43,6 +43,7 @@ class GenerateRequest:
     params: GenerationParams
     stops: tuple[str, ...] = ()
     constraint: Constraint | None = None  # compiled into ``params.grammar`` by the backend's ``prepare``
+    shown_tokens: tuple[int, ...] = ()  # special tokens the output's text shows (a tool format's marker)
 
 
 @dataclass(frozen=True)

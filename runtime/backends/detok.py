@@ -18,8 +18,10 @@ class IncrementalDetokenizer:
     (its output matched ours on byte-level and SentencePiece vocabularies, 3-40x faster); slow ones take the
     prefix-decoding path here."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, shown: tuple[int, ...] = ()):
+        """shown: special tokens whose text is kept (every other special token is dropped from the text)."""
         self.tokenizer = tokenizer
+        self.shown = {t: tokenizer.convert_ids_to_tokens(t) for t in shown}
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] is context already emitted
         self.read_offset = 0
@@ -35,11 +37,21 @@ class IncrementalDetokenizer:
         """Append tokens; return the newly completed text (possibly empty)."""
         if not token_ids:
             return ""
+        if self.shown and any(t in self.shown for t in token_ids):
+            # a shown token stands alone (special tokens are never merged into text): decode the runs around it
+            out, run = "", []
+            for t in token_ids:
+                if t in self.shown:
+                    out += self.add(run) + self.shown[t]
+                    run = []
+                else:
+                    run.append(t)
+            return out + self.add(run)
         self.ids.extend(token_ids)
         if self._stream is not None:
             pieces = [self._stream.step(self._backend, t) for t in token_ids]
             text = "".join(p for p in pieces if p)
-            self._emitted += len(text)
+            self._emitted += len(text)  # (``flush`` counts on it: the text of ``ids`` without shown tokens)
             return text
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])

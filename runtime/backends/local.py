@@ -249,7 +249,8 @@ class LocalBackend:
         cut.add_done_callback(on_cut)
         finished = False
         try:
-            detok, stopper = IncrementalDetokenizer(loaded.tokenizer), StopMatcher(list(request.stops))
+            detok = IncrementalDetokenizer(loaded.tokenizer, request.shown_tokens)
+            stopper = StopMatcher(list(request.stops))
             while True:
                 out = await outputs.get()
                 if out is _CUT:

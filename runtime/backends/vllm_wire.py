@@ -98,6 +98,8 @@ def completion_payload(model: str, request: GenerateRequest) -> dict:
         payload["seed"] = sampling.seed
     if request.stops:
         payload["stop"] = list(request.stops)
+    if request.shown_tokens:  # vLLM shows special tokens all or none: a tool format's marker needs them shown
+        payload["skip_special_tokens"] = False
     if request.constraint is not None:
         payload["structured_outputs"] = vllm_structured_outputs(request.constraint)
     penalties = params.penalties

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import LLAMA31_TEMPLATE, LONG, LONG_ANSWER, TOOLS_TEMPLATE, save_tiny, save_tiny_head
+from tests.tiny import LLAMA31_TEMPLATE, LONG, LONG_ANSWER, MISTRAL_TEMPLATE, TOOLS_TEMPLATE, save_tiny, save_tiny_head
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow  # a daemon in a subprocess with nine deployments
@@ -71,6 +71,17 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
     )
     llama = save_tiny(tmp_path_factory.mktemp("llama"), seed=0, chat_template=LLAMA31_TEMPLATE, max_positions=4096)
     store.create(DeploymentSpec(id="llama", model=str(llama), compile=False))
+    mistral = save_tiny(
+        tmp_path_factory.mktemp("mistral"),
+        chat_template=MISTRAL_TEMPLATE,
+        specials=("[TOOL_CALLS]",),  # a special token, as in Mistral's vocabularies: decoding would drop it
+        max_positions=4096,
+    )
+    store.create(
+        DeploymentSpec(
+            id="mistral", model=str(mistral), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
+        )
+    )
     store.create(
         DeploymentSpec(
             id="small",
@@ -80,7 +91,7 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools", "llama"):
+    for dep in ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools", "llama", "mistral"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -97,6 +108,7 @@ def test_models_lists_ready_deployments(client):
         "eagle",
         "llama",
         "long",
+        "mistral",
         "ngram",
         "plain",
         "small",
@@ -728,11 +740,11 @@ def test_a_conversation_with_calls_and_results_renders(client):
     assert none.choices[0].message.tool_calls is None
 
 
-def required_call_then_its_result(client, model: str):
+def required_call_then_its_result(client, model: str, **kw):
     """A required get_weather call, valid against its schema, then the conversation with its result: (the call's
     response, the next one's)."""
     r = client.chat.completions.create(
-        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, **GREEDY, **kw
     )
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
@@ -758,6 +770,31 @@ def test_a_llama_template_gets_tools_its_way_and_its_bare_calls_back(client):
     """Llama 3.1's own template renders the tools and asks for {"name", "parameters"}: a required call is that
     object, held to its schema, and comes back as a call; its history renders."""
     required_call_then_its_result(client, "llama")
+
+
+def test_a_mistral_template_gets_its_tool_call_list_and_its_nine_letter_ids(client, daemon):
+    """Mistral Nemo's own template (v3 format) on a vocabulary where [TOOL_CALLS] is a special token: a required
+    call is the list after it, read back as a call, streamed as one; the history renders with the call ids its
+    template insists on."""
+    one = {"parallel_tool_calls": False}  # a random model may go on listing calls; a real one ends its list
+    required, _ = required_call_then_its_result(client, "mistral", **one)
+    stream = client.chat.completions.create(
+        model="mistral",
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        stream=True,
+        **one,
+        **GREEDY,
+    )
+    deltas = [d for chunk in stream for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
+    assert deltas[0].function.name == "get_weather"
+    assert sum(1 for d in deltas if d.function.arguments) > 1  # in pieces: read from the list as it comes
+    streamed = "".join(d.function.arguments or "" for d in deltas)
+    assert streamed == required.choices[0].message.tool_calls[0].function.arguments
+    counted = daemon.post("/tokenize", {"model": "mistral", "messages": ASK, "tools": [WEATHER]}).json()["count"]
+    assert counted == required.usage.prompt_tokens
 
 
 def test_bad_tools_are_400s(client):

@@ -13,9 +13,12 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_time")
 
 
-def parse(text: str, pieces: int, names=frozenset({"get_weather", "get_time"})):
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def parse(text: str, pieces: int, names=frozenset({"get_weather", "get_time"}), marker: str = ""):
     """Feed ``text`` in ``pieces``-character runs; (content, tool_calls)."""
-    parser, content, deltas = ToolCallParser(names), "", []
+    parser, content, deltas = ToolCallParser(names, marker), "", []
     for i in range(0, len(text), pieces):
         c, d = parser.feed(text[i : i + pieces])
         content += c
@@ -80,11 +83,36 @@ def test_json_that_is_not_a_call_stays_content(text):
     assert parse(text, 3)[:2] == (text, [])
 
 
-def test_call_schema_pins_the_name_and_takes_the_parameters():
+def test_call_schema_pins_the_name_and_takes_the_parameters_with_their_numbers_capped():
     fn = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
     schema = call_schema([fn])
-    assert schema["properties"]["name"] == {"const": "f"} and schema["properties"]["arguments"] == fn["parameters"]
+    assert schema["properties"]["name"] == {"const": "f"}
+    assert schema["properties"]["arguments"]["properties"]["x"] == {
+        "type": "integer",
+        "minimum": -(10**16 - 1),
+        "maximum": 10**16 - 1,
+    }
+    assert fn["parameters"]["properties"]["x"] == {"type": "integer"}  # the request's own schema is left alone
     assert "anyOf" in call_schema([fn, {**fn, "name": "g"}])
+
+
+def tool_grammar(functions, parallel=True, lazy=False, fmt=None, tokenizer=None):
+    """The tool grammar compiled for the byte-level test tokenizer, and a check that it takes a whole text."""
+    from depctl_runtime.api.tools import HERMES, tool_constraint
+    from depctl_runtime.backends.structured import compile_constraint
+    from depctl_runtime.speculation.grammar import GrammarCompiler
+    from tests.tiny import byte_tokenizer
+
+    tokenizer = tokenizer or byte_tokenizer()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    constraint = tool_constraint(tokenizer, functions, parallel, "tools", lazy=lazy, fmt=fmt or HERMES)
+    grammar = compile_constraint(compiler, constraint)
+
+    def valid(text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return grammar.start().valid_prefix(ids) == len(ids)
+
+    return grammar, valid
 
 
 def test_a_template_without_tools_gets_them_in_the_system_prompt_and_calls_as_text():
@@ -150,69 +178,44 @@ def test_text_after_a_bare_call_is_content_and_a_bare_call_cut_short_is_no_call(
 def test_auto_constrains_only_what_follows_the_call_tag():
     """tool_choice auto: free text, and once the model writes <tool_call> a call to an offered function whose
     arguments match their schema."""
-    from depctl_runtime.api.tools import tool_constraint
-    from depctl_runtime.backends.structured import compile_constraint
-    from depctl_runtime.speculation.grammar import GrammarCompiler
-    from tests.tiny import VOCAB, byte_tokenizer
-
-    tokenizer = byte_tokenizer()
-    weather = {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    }
-    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
-    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [weather], True, "tool_choice", lazy=True))
-
-    def valid(text: str) -> int:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return grammar.start().valid_prefix(ids) == len(ids)
-
+    weather = {**WEATHER, "parameters": {**WEATHER["parameters"], "required": ["city"]}}
+    grammar, valid = tool_grammar([weather], lazy=True)
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert valid("Sure: {not a call} <tool and text")
     assert valid("Let me check.\n" + call) and valid(call + "\n" + call)
     assert not valid('<tool_call>\n{"name": "get_time"')
     assert not valid('<tool_call>\n{"name": "get_weather", "arguments": {"town": ')
     row = grammar.start()
-    row.advance(tokenizer.encode(call, add_special_tokens=False))
-    assert row.allows(tokenizer.eos_token_id)  # the answer may end after a whole call
+    row.advance(list(call.encode()))
+    assert row.allows(grammar.end_ids[0])  # the answer may end after a whole call
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_required_call_may_end_after_its_newline(parallel):
     """Models end their last call with a newline as often as with their end token; a grammar that then forced
     another call made them write calls until max_tokens."""
-    from depctl_runtime.api.tools import tool_constraint
-    from depctl_runtime.backends.structured import compile_constraint
-    from depctl_runtime.speculation.grammar import GrammarCompiler
-    from tests.tiny import VOCAB, byte_tokenizer
-
-    tokenizer = byte_tokenizer()
-    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
-    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
-    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [weather], parallel, "tool_choice"))
+    grammar, _ = tool_grammar([WEATHER], parallel)
     row = grammar.start()
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-    row.advance(tokenizer.encode(call, add_special_tokens=False))
-    assert row.complete or row.allows(tokenizer.eos_token_id)  # complete: the engine ends the answer there
-    assert row.allows(tokenizer.encode("<", add_special_tokens=False)[0]) == parallel
+    row.advance(list(b'<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'))
+    assert row.complete or row.allows(grammar.end_ids[0])  # complete: the engine ends the answer there
+    assert row.allows(ord("<")) == parallel
 
 
 @pytest.mark.parametrize("lazy", [True, False])
 def test_a_tool_schema_with_keywords_the_grammar_cannot_enforce_still_compiles(lazy):
     """Claude Code's tools use propertyNames, which llguidance does not implement: a 400 stopped every request."""
-    from depctl_runtime.api.tools import tool_constraint
-    from depctl_runtime.backends.structured import compile_constraint
-    from depctl_runtime.speculation.grammar import GrammarCompiler
-    from tests.tiny import VOCAB, byte_tokenizer
-
-    tokenizer = byte_tokenizer()
     tags = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "string"}}
     agent = {"name": "agent", "parameters": {"type": "object", "properties": {"tags": tags}, "required": ["tags"]}}
-    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
-    grammar = compile_constraint(compiler, tool_constraint(tokenizer, [agent], True, "tools", lazy=lazy))
-    call = '<tool_call>\n{"name": "agent", "arguments": {"tags": {"x": "y"}}}\n</tool_call>'
-    ids = tokenizer.encode(call, add_special_tokens=False)
-    assert grammar.start().valid_prefix(ids) == len(ids)
+    _, valid = tool_grammar([agent], lazy=lazy)
+    assert valid('<tool_call>\n{"name": "agent", "arguments": {"tags": {"x": "y"}}}\n</tool_call>')
+
+
+def test_a_tool_s_numbers_end():
+    """A number argument written digit after digit is held to 16 digits (and 10 after the point)."""
+    fn = {"name": "pay", "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}}}
+    _, valid = tool_grammar([fn])
+    head = '<tool_call>\n{"name": "pay", "arguments": {"amount": '
+    assert valid(head + "9" * 16 + ".25}}") and not valid(head + "9" * 17)
 
 
 @pytest.mark.parametrize("pieces", [2, 1000])
@@ -226,33 +229,92 @@ def test_a_call_whose_arguments_are_named_parameters_is_a_call(pieces):
 
 def test_each_template_family_gets_its_own_call_format():
     from depctl_runtime.api.errors import APIError
-    from depctl_runtime.api.tools import HERMES, LLAMA3, tool_format
-    from tests.tiny import CHAT_TEMPLATE, LLAMA31_TEMPLATE, TOOLS_TEMPLATE, byte_tokenizer
+    from depctl_runtime.api.tools import HERMES, LLAMA3, MISTRAL, tool_format
+    from tests.tiny import CHAT_TEMPLATE, LLAMA31_TEMPLATE, MISTRAL_TEMPLATE, TOOLS_TEMPLATE, byte_tokenizer
 
     assert tool_format(byte_tokenizer(chat_template=TOOLS_TEMPLATE), "d") is HERMES
     assert tool_format(byte_tokenizer(chat_template=CHAT_TEMPLATE), "d") is HERMES  # described in a system message
     assert tool_format(byte_tokenizer(chat_template=LLAMA31_TEMPLATE), "d") is LLAMA3
-    mistral = "{% for t in tools %}{{ t | tojson }}{% endfor %}[TOOL_CALLS]"
-    with pytest.raises(APIError, match="format depctl does not parse"):
-        tool_format(byte_tokenizer(chat_template=mistral), "d")
+    assert tool_format(byte_tokenizer(chat_template=MISTRAL_TEMPLATE), "d") is MISTRAL
+    v11 = "{{ tools | tojson }}{% for c in calls %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments }}{% endfor %}"
+    with pytest.raises(APIError, match="format depctl does not parse"):  # Mistral Small 3.2's, Devstral's
+        tool_format(byte_tokenizer(chat_template=v11), "d")
 
 
 def test_a_required_llama_call_is_its_bare_json_object():
     from depctl_runtime.api.tools import LLAMA3, tool_constraint
-    from depctl_runtime.backends.structured import compile_constraint
-    from depctl_runtime.speculation.grammar import GrammarCompiler
-    from tests.tiny import VOCAB, byte_tokenizer
+    from tests.tiny import byte_tokenizer
 
-    tokenizer = byte_tokenizer()
-    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
-    compiler = GrammarCompiler(tokenizer, VOCAB, [tokenizer.eos_token_id])
-    constraint = tool_constraint(tokenizer, [weather], True, "tool_choice", fmt=LLAMA3)
-    grammar = compile_constraint(compiler, constraint)
-
-    def valid(text: str) -> bool:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return grammar.start().valid_prefix(ids) == len(ids)
-
+    _, valid = tool_grammar([WEATHER], fmt=LLAMA3)
     assert valid('{"name": "get_weather", "parameters": {"city": "Paris"}}')
     assert not valid("<tool_call>") and not valid('{"name": "get_weather", "arguments"')
-    assert tool_constraint(tokenizer, [weather], True, "tools", lazy=True, fmt=LLAMA3) is None  # auto: free
+    assert tool_constraint(byte_tokenizer(), [WEATHER], True, "tools", lazy=True, fmt=LLAMA3) is None  # auto: free
+
+
+MISTRAL_CALLS = (
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}, '
+    '{"name": "get_time", "arguments": {"city": "Rome"}}]'
+)
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 1000])
+def test_mistral_calls_stream_out_of_their_list(pieces):
+    content, calls, deltas = parse("Checking. " + MISTRAL_CALLS, pieces, marker="[TOOL_CALLS]")
+    assert content == "Checking. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}),
+        ("get_time", {"city": "Rome"}),
+    ]
+    if pieces == 1:
+        assert sum(1 for d in deltas if d.id is None and d.arguments) > 5  # fragments, not one piece at the end
+    cut = MISTRAL_CALLS[:-20]
+    content, calls = split_calls(cut, frozenset({"get_weather", "get_time"}), "[TOOL_CALLS]")
+    assert len(calls) == 1 and content.startswith('{"name": "get_time"')  # the cut call is content, not a call
+    assert parse("[TOOL_CALLS] is how I call tools.", pieces, marker="[TOOL_CALLS]")[:2] == (
+        " is how I call tools.",
+        [],
+    )
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_mistral_calls_are_held_to_their_list(parallel):
+    from depctl_runtime.api.tools import MISTRAL
+    from tests.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer(specials=("[TOOL_CALLS]",))  # the model's own token, as in Mistral's vocabularies
+    mark = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    time = {**WEATHER, "name": "get_time"}
+    for lazy in (False, True):
+        grammar, _ = tool_grammar([WEATHER, time], parallel, lazy, MISTRAL, tokenizer)
+
+        def valid(text: str, grammar=grammar) -> bool:
+            ids = [mark] + list(text.encode())
+            return grammar.start().valid_prefix(ids) == len(ids)
+
+        one = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+        assert valid(one) and valid(MISTRAL_CALLS.removeprefix("[TOOL_CALLS]")) == parallel
+        assert not valid('[{"name": "get_date"')
+        row = grammar.start()
+        row.advance([mark] + list(one.encode()))
+        assert row.complete or row.allows(grammar.end_ids[0])
+    assert grammar.start().valid_prefix(list(b"Free text first ")) == 16  # auto: text until the marker
+
+
+def test_mistral_history_gets_the_nine_letter_ids_its_template_insists_on():
+    from depctl_runtime.api.protocol import ChatMessage
+    from depctl_runtime.api.tools import MISTRAL, history
+    from tests.tiny import MISTRAL_TEMPLATE, byte_tokenizer
+
+    call = {"id": "call_0123456789abcdef", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [
+        ChatMessage(role="user", content="go"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", tool_call_id=call["id"], content="done"),
+    ]
+    turns = history(messages, MISTRAL)
+    nine = turns[1]["tool_calls"][0]["id"]
+    assert len(nine) == 9 and nine.isalnum() and turns[2]["tool_call_id"] == nine
+    assert history(messages)[1]["tool_calls"][0]["id"] == call["id"]  # other families keep the client's ids
+    text = byte_tokenizer(chat_template=MISTRAL_TEMPLATE).apply_chat_template(turns, tokenize=False)
+    assert f'[TOOL_CALLS][{{"name": "f", "arguments": {{"x": 1}}, "id": "{nine}"}}]' in text
+    assert f'[TOOL_RESULTS]{{"content": done, "call_id": "{nine}"}}[/TOOL_RESULTS]' in text

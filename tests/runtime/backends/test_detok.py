@@ -23,6 +23,23 @@ def test_special_tokens_are_skipped():
     assert detok.add(ids) + detok.flush() == "hi"
 
 
+def test_a_shown_special_token_keeps_its_text_and_the_rest_still_decode():
+    """Mistral's [TOOL_CALLS] is a special token: the tool-call reader needs it in the text, the end token not."""
+    tok = byte_tokenizer(specials=("[TOOL_CALLS]",))
+    mark = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    text = 'é[{"a": 1}]'
+    ids = [
+        258,
+        *tok("ok ", add_special_tokens=False)["input_ids"],
+        mark,
+        *tok(text, add_special_tokens=False)["input_ids"],
+    ]
+    for shown, want in (((mark,), "ok [TOOL_CALLS]" + text), ((), "ok " + text)):
+        detok = IncrementalDetokenizer(tok, shown)
+        pieces = [detok.add(ids[i : i + 2]) for i in range(0, len(ids), 2)] + [detok.flush()]
+        assert "".join(pieces) == want
+
+
 def test_stop_string_split_across_feeds():
     stop = StopMatcher(["END"])
     out = stop.feed("abc E") + stop.feed("N") + stop.feed("D tail")

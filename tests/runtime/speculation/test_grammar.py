@@ -332,3 +332,56 @@ def test_seeded_constrained_sampling_is_the_same_with_or_without_drafts(target, 
     assert run(engine_for(target, method, 1, draft), PROMPTS[0], p) == want
     assert want[1] == "stop"
     jsonschema.validate(json.loads(text(want[0])), SCHEMAS["nested"])
+
+
+# ---- numbers that end: a default cap on their digits ----
+def _takes(compiler, schema, text: str) -> bool:
+    row = compiler.compile(compiler.from_json_schema(schema)).start()
+    return row.valid_prefix(list(text.encode())) == len(text)
+
+
+@pytest.mark.parametrize("schema", [{"type": "number"}, {"type": ["number", "null"]}, {"type": "integer"}])
+def test_a_number_has_at_most_16_integer_digits(compiler, schema):
+    assert _takes(compiler, schema, "-" + "9" * 16)
+    assert not _takes(compiler, schema, "1" * 17)
+    assert not _takes(compiler, schema, "1e400")
+
+
+def test_a_number_has_at_most_10_fraction_digits(compiler):
+    assert _takes(compiler, {"type": "number"}, "3.1415926535")
+    assert not _takes(compiler, {"type": "number"}, "3.14159265358")
+    assert _takes(compiler, {"type": "number"}, "0.5")
+
+
+def test_a_schema_s_own_bounds_and_multiple_replace_the_cap(compiler):
+    assert _takes(compiler, {"type": "integer", "maximum": 10**18}, "1" * 18)
+    assert _takes(compiler, {"type": "number", "minimum": 0, "multipleOf": 0.25}, "12345678901234.75")
+    assert not _takes(compiler, {"type": "number", "minimum": 0}, "-1")
+
+
+def test_numbers_are_capped_wherever_they_nest(compiler):
+    nested = {
+        "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "string"}]}}},
+        "required": ["xs"],
+        "$defs": {"unused": {"type": "number"}},
+    }
+    assert _takes(compiler, nested, '{"xs": [1.5, "a", ')
+    assert not _takes(compiler, nested, '{"xs": [' + "1" * 17)
+    assert not _takes(compiler, None, '{"a": ' + "1" * 17)  # json_object: any JSON object, its numbers capped too
+    assert _takes(compiler, None, '{"a": [1.5, {"b": null}], "c": "d"}')
+
+
+def test_a_model_that_repeats_a_digit_still_ends(target, compiler):
+    """Under a bare number schema, a model that would write '1' forever is held to 16 digits and 10 after the
+    point; then it must end."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "number"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    grammar = grammar_for(compiler, schema)
+    p = params(grammar, max_tokens=80, penalties=Penalties(logit_bias=((ord("1"), 100.0),)))
+    tokens, finish = run(engine_for(target, "ngram", 1), [1, 2, 3], p)
+    assert finish == "stop" and text(tokens) == '{"n": ' + "1" * 16 + "." + "1" * 10 + "}"
