@@ -117,6 +117,15 @@ def _now() -> datetime:
     return datetime.now(timezone.utc).replace(microsecond=0)
 
 
+class SamplingDefaults(_Strict):
+    """What a request that leaves a sampling field out gets (ollama's Modelfile PARAMETERs, vLLM's
+    --override-generation-config); a request's own value always wins. None: OpenAI's default (1.0, 1.0, off)."""
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+
+
 class DeploymentSpec(_Strict):
     id: str
     display_name: str | None = None
@@ -145,6 +154,8 @@ class DeploymentSpec(_Strict):
     # None: a tenth of the memory free after loading, at most 1 GiB; 0: none
     prefix_cache_bytes: int | None = Field(None, ge=0)
     prefix_cache_scope: PrefixCacheScope = "user"
+    # changes apply without a reload
+    sampling: SamplingDefaults = SamplingDefaults()
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 

@@ -150,11 +150,12 @@ def _log_activity(dep: Deployment) -> None:
 
 
 def _reload_needed(old: DeploymentSpec, new: DeploymentSpec, k_in_place: bool = True) -> bool:
-    """Everything but the display name and timestamps (and the draft token count, where ``k_in_place``) needs new
-    weights or a new proposer."""
+    """Everything but the display name, the settings read per request and timestamps (and the draft token count,
+    where ``k_in_place``) needs new weights or a new proposer."""
 
     def key(spec: DeploymentSpec) -> dict:
-        fields = spec.model_dump(exclude={"display_name", "keep_alive", "record_prompts", "created_at", "updated_at"})
+        live = {"display_name", "keep_alive", "record_prompts", "sampling", "created_at", "updated_at"}
+        fields = spec.model_dump(exclude=live)
         if k_in_place:
             fields["speculation"].pop("num_draft_tokens", None)
         return fields

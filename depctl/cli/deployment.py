@@ -25,6 +25,7 @@ from depctl.spec import (
     MAX_NGRAM_LENGTH,
     DeploymentSpec,
     DraftModelSpeculation,
+    SamplingDefaults,
     SpeculationFlags,
     check_deployment_id,
     describe_duration,
@@ -190,6 +191,12 @@ RECORD_HELP = (
     "answers), to train a draft head on its traffic: depctl draft train MODEL --from-deployment ID. Kept under the "
     "depctl home, deleted with the deployment. Applies without a reload."
 )
+_DEFAULT_FOR = "for requests that leave it out (a request's own value wins); applies without a reload"
+TEMPERATURE = typer.Option(
+    None, "--temperature", min=0.0, max=2.0, metavar="T", help=f"Sampling temperature {_DEFAULT_FOR}. Default 1.0."
+)
+TOP_P = typer.Option(None, "--top-p", min=0.0, max=1.0, metavar="P", help=f"Nucleus sampling's top_p {_DEFAULT_FOR}.")
+TOP_K = typer.Option(None, "--top-k", min=0, metavar="K", help=f"top_k {_DEFAULT_FOR} (0: off).")
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", metavar="SECONDS", min=1.0, help="Seconds to wait with --wait.")
 
 
@@ -364,6 +371,9 @@ def create(
     prefix_cache_size: Optional[str] = PREFIX_CACHE,
     prefix_cache_scope: Optional[PrefixCacheScope] = PREFIX_CACHE_SCOPE,
     record_prompts: bool = typer.Option(False, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
+    temperature: Optional[float] = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
     validate_only: bool = typer.Option(
         False, "--validate-only", help="Print the spec that would be written; write nothing."
     ),
@@ -412,6 +422,7 @@ def create(
             record_prompts=record_prompts,
             prefix_cache_bytes=parse_size(prefix_cache_size) if prefix_cache_size is not None else None,
             prefix_cache_scope=(prefix_cache_scope or PrefixCacheScope.user).value,
+            sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         )
     )
     _check_device(spec.device, spec.engine)
@@ -490,6 +501,9 @@ def update(
     prefix_cache_size: Optional[str] = PREFIX_CACHE,
     prefix_cache_scope: Optional[PrefixCacheScope] = PREFIX_CACHE_SCOPE,
     record_prompts: Optional[bool] = typer.Option(None, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
+    temperature: Optional[float] = TEMPERATURE,
+    top_p: Optional[float] = TOP_P,
+    top_k: Optional[int] = TOP_K,
     wait: bool = WAIT,
     wait_timeout: float = WAIT_TIMEOUT,
     fmt: Format = OUTPUT,
@@ -531,16 +545,19 @@ def update(
         others["prefix_cache_bytes"] = parse_size(prefix_cache_size)  # None: auto
     if "ray_address" in others and not others["ray_address"]:
         others["ray_address"] = None  # --ray-address "": back to one machine
-    if speculation is None and not others:
+    sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None}
+    if speculation is None and not others and not sampling:
         raise UsageError(
             "nothing to update",
             "pass --draft-model/--ngram-speculation-length/--suffix-speculation with --draft-token-count, "
             "--draft-token-count, --suffix-cache-tokens, --suffix-scope, --draft-precision, "
             "--disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, --quantization, "
             "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
-            "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size, --prefix-cache-scope or "
-            "--record-prompts/--no-record-prompts",
+            "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size, --prefix-cache-scope, "
+            "--record-prompts/--no-record-prompts, --temperature, --top-p or --top-k",
         )
+    if sampling:
+        others["sampling"] = {**current.sampling.model_dump(), **sampling}
     checked = _checked(
         lambda: DeploymentSpec.model_validate(
             {**current.model_dump(), **({"speculation": speculation} if speculation is not None else {}), **others}
@@ -555,6 +572,8 @@ def update(
     def change(spec: DeploymentSpec) -> DeploymentSpec:
         # recomputed under the store's lock from the spec as it is now, so concurrent updates compose
         fields = dict(others)
+        if sampling:
+            fields["sampling"] = {**spec.sampling.model_dump(), **sampling}
         new = speculation_from_flags(flags, spec.speculation)
         if new is not None:
             fields["speculation"] = new

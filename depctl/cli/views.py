@@ -110,6 +110,12 @@ def _recording_cell(d: _Detail) -> str | None:
     return f"{state}, {kept} prompt{'' if kept == 1 else 's'} in {recordings.path(dep_id)}"
 
 
+def _sampling_cell(d: _Detail) -> str | None:
+    """The defaults a request that leaves them out gets (None: OpenAI's, nothing to show)."""
+    given = {k: v for k, v in (d.r.get("sampling") or {}).items() if v is not None}
+    return ", ".join(f"{k} {v}" for k, v in given.items()) + " (where a request sets none)" if given else None
+
+
 def _now_cell(d: _Detail) -> str | None:
     recent = d.status.get("recent")
     if not recent or recent.get("tokens_per_second") is None:
@@ -211,6 +217,7 @@ _DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], st
             else None
         ),
     ),
+    ("Sampling defaults", _sampling_cell),
     ("Now", _now_cell),
     ("Memory", _memory_cell),
     ("Requests", _counted(lambda d: str(d.stats["requests"]))),

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from depctl.spec import MAX_DRAFT_TOKENS
+from depctl.spec import MAX_DRAFT_TOKENS, SamplingDefaults
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.backends import Constraint
 from depctl_runtime.backends.structured import schema_problem
@@ -67,6 +67,11 @@ def required_str(value, where: str) -> str:
     if not isinstance(value, str):
         raise APIError(400, f"{where} must be a string", param=where, code="invalid_type")
     return _unicode(value)
+
+
+def _first(*values):
+    """The first value that is set (a request's own, then the deployment's default, then OpenAI's)."""
+    return next(v for v in values if v is not None)
 
 
 def _unsupported(name: str, value: Any, why: str = "") -> None:
@@ -230,13 +235,12 @@ class _Common(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(self.top_k or 0, 0),
-            seed=self.seed,
-        )
+    def sampling_params(self, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """defaults: the deployment's, for the fields the request leaves out (then OpenAI's)."""
+        temperature = _first(self.temperature, defaults.temperature, 1.0)
+        top_p = _first(self.top_p, defaults.top_p, 1.0)
+        top_k = _first(self.top_k, defaults.top_k, 0)
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=self.seed)
 
 
 class CompletionRequest(_Common):

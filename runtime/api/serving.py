@@ -27,7 +27,7 @@ from typing import AsyncIterator
 
 from depctl import recordings
 from depctl.settings import Settings
-from depctl.spec import describe_speculation
+from depctl.spec import SamplingDefaults, describe_speculation
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.api.grammars import GrammarPool
 from depctl_runtime.api.metrics import Metrics
@@ -350,8 +350,11 @@ class Service:
                 param="max_tokens" if room >= 1 else prompt_param,
                 code="context_length_exceeded",
             )
-        try:
-            sampling = req.sampling_params()
+        dep = self.manager.get(dep_id)
+        try:  # the deployment's defaults as they are now: a change to them applies without a reload
+            sampling = req.sampling_params(
+                dep.spec.sampling if dep is not None and dep.spec is not None else SamplingDefaults()
+            )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         penalties = req.penalties()

@@ -122,17 +122,23 @@ def call_schema(functions: list[dict], key: str = "arguments") -> dict:
     return cap_numbers({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}})
 
 
+# free text that does not open like a call written without tags: JSON, bare or in a ```json fence (after spaces)
+_TEXT = "TEXT: /(.|\\n)*/ & ~/\\s*(\\{|```json)(.|\\n)*/"
+
+
 def tool_constraint(
     tokenizer, functions: list[dict], parallel: bool, param: str, lazy: bool = False, fmt: ToolFormat = HERMES
-) -> Constraint | None:
+) -> Constraint:
     """The output is one call (or, with ``parallel`` where the family writes several, one or more) to
     ``functions``, in the model's format ``fmt``.
 
     ``lazy`` (tool_choice "auto"): the output is free text, and the grammar starts where the model writes the call
     tag (llguidance's lazy rule: free text up to the tag's first appearance), so every call it writes names an
-    offered function with arguments that match their schema; text may follow a call. A family without tags has no
-    such trigger (any JSON in the text would set it off): None, auto runs unconstrained there."""
+    offered function with arguments that match their schema; text may follow a call. An output that opens like a
+    call written without tags (JSON, bare or fenced: Llama 3's own format, and what small models write in place of
+    the tags) is held to one such call, and ends there: a call or text, never half of each."""
     call = f"%json {json.dumps(call_schema(functions, fmt.arguments))}"
+    bare = f'bare: /[ \\n]*/ ({call} | "```json\\n" {call} "\\n```")'
     if fmt.marker:  # one list of calls after the marker
         opening, many = _tag(tokenizer, fmt.marker), False
         body = f'"[" {call} (", " {call})* "]"' if parallel else f'"[" {call} "]"'
@@ -142,16 +148,19 @@ def tool_constraint(
         body = f'"\\n" {call} "\\n" {_tag(tokenizer, CLOSE)}'
         # a model ends its last call with a newline as often as with its end token: let it end after one
         required = 'start: call ("\\n" call)* "\\n"?' if parallel else 'start: call "\\n"?'
+    elif lazy:
+        return Constraint("grammar", f"%llguidance {{}}\nstart: TEXT | bare\n{bare}\n{_TEXT}", param, optional=True)
     else:
-        return None if lazy else Constraint("grammar", f"start: {call}", param)
+        return Constraint("grammar", f"start: {call}", param)
     if not lazy:
         return Constraint("grammar", f"{required}\ncall: {opening} {body}", param)
     if opening.startswith("<["):  # the model's own token: text cannot spell it, so no lazy rule is needed
         rules = f"call: TEXT {opening} {body}"
     else:
         rules = f"call: trigger {body}\ntrigger[lazy]: TEXT {opening}"
-    start = "start: call* TEXT" if many else "start: call? TEXT"
-    return Constraint("grammar", f"%llguidance {{}}\n{start}\n{rules}\nTEXT: /(.|\\n)*/", param, optional=True)
+    start = "start: call* TEXT | bare" if many else "start: call? TEXT | bare"
+    grammar = f"%llguidance {{}}\n{start}\n{rules}\n{bare}\n{_TEXT}"
+    return Constraint("grammar", grammar, param, optional=True)
 
 
 TOOLS_PROMPT = """You can call functions to answer. Each one, with the JSON schema of its arguments:

@@ -814,3 +814,26 @@ def test_the_prefix_cache_scope_is_per_user_unless_the_owner_shares_it(depctl_ho
     bad = run("deployment", "update", "dep", "--no-wait", "--prefix-cache-scope", "everyone")
     assert bad.exit_code != 0 and "--prefix-cache-scope" in " ".join(bad.stderr.split())
     assert SpecStore().get("dep").prefix_cache_scope == "deployment"
+
+
+def test_sampling_defaults_are_kept_per_field_and_checked(depctl_home, monkeypatch):
+    """A deployment's sampling defaults (ollama's PARAMETERs): create sets them, update changes one and keeps the
+    rest, and a value out of range writes nothing."""
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+    from depctl.spec import DeploymentSpec
+    from depctl.store import SpecStore
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
+    flags = ("--temperature", "0.2", "--top-k", "20")
+    result = run("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "dep", "--validate-only", *flags)
+    assert yaml.safe_load(result.stdout)["sampling"] == {"temperature": 0.2, "top_p": None, "top_k": 20}
+    SpecStore().create(DeploymentSpec(id="dep", model="smollm2-135m-instruct", sampling={"temperature": 0.2}))
+    run("deployment", "update", "dep", "--no-wait", "--top-p", "0.8")
+    assert SpecStore().get("dep").sampling.model_dump() == {"temperature": 0.2, "top_p": 0.8, "top_k": None}
+    bad = run("deployment", "update", "dep", "--no-wait", "--temperature", "3")
+    assert bad.exit_code != 0 and "--temperature" in " ".join(bad.stderr.split())
+    assert SpecStore().get("dep").sampling.temperature == 0.2

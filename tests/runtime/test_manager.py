@@ -257,3 +257,12 @@ def test_keep_alive_counts_from_ready_not_from_a_load_longer_than_it(depctl_home
         assert dep.state == State.READY
     finally:
         manager.stop()
+
+
+def test_sampling_defaults_change_without_a_reload():
+    from depctl.spec import DeploymentSpec, SamplingDefaults
+    from depctl_runtime.manager import _reload_needed
+
+    spec = DeploymentSpec(id="dep", model="m")
+    assert not _reload_needed(spec, spec.model_copy(update={"sampling": SamplingDefaults(temperature=0.0)}))
+    assert _reload_needed(spec, spec.model_copy(update={"max_batch_size": 2}))

@@ -867,3 +867,25 @@ def test_a_conversations_next_turn_finds_the_answer_read_while_idle(client, daem
     )
     assert uncached.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message.content == uncached.choices[0].message.content
+
+
+def test_a_deployment_s_sampling_defaults_apply_where_a_request_sets_none(client, daemon):
+    """`deployment update --temperature 0`: requests that set no temperature decode greedily, at once (no reload);
+    one that sets its own keeps it."""
+    from depctl.spec import SamplingDefaults
+
+    store = SpecStore(daemon.home / "deployments")
+    ask = {"model": "plain", "prompt": "once upon", "max_tokens": 12, "seed": 3}
+    greedy = client.completions.create(**ask, temperature=0).choices[0].text
+    sampled = client.completions.create(**ask, temperature=2.0).choices[0].text
+    assert sampled != greedy  # (seeded: the same every run)
+    store.update("plain", lambda s: s.model_copy(update={"sampling": SamplingDefaults(temperature=0.0)}))
+    try:
+        daemon.post("/depctl/v1/reconcile")
+        assert daemon.wait_state("plain")["state"] == "READY"  # applied in place: nothing reloads
+        assert client.completions.create(**ask).choices[0].text == greedy
+        assert client.completions.create(**ask, temperature=2.0).choices[0].text == sampled
+    finally:
+        store.update("plain", lambda s: s.model_copy(update={"sampling": SamplingDefaults()}))
+        daemon.post("/depctl/v1/reconcile")
+    assert client.completions.create(**ask).choices[0].text != greedy  # back to OpenAI's default, 1.0

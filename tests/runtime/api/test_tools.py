@@ -190,6 +190,18 @@ def test_auto_constrains_only_what_follows_the_call_tag():
     assert row.allows(grammar.end_ids[0])  # the answer may end after a whole call
 
 
+def test_under_auto_a_reply_that_opens_like_json_is_a_valid_call_and_nothing_else():
+    """Small models skip the tags and write the call's JSON, bare or fenced, often naming a tool they were not
+    offered (Qwen2.5-Coder-1.5B under Codex CLI: ```json {"name": "update_file", ...}): under auto such a reply is
+    held to a call of an offered function, and ends there."""
+    _, valid = tool_grammar([WEATHER], lazy=True)
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert valid(bare) and valid("```json\n" + bare + "\n```") and valid("\n" + bare)
+    assert not valid('{"name": "update_file"') and not valid('```json\n{"name": "update_file"')
+    assert not valid(bare + " and then some text") and not valid('{"city": "Paris"}')
+    assert valid("```python\nprint(1)\n```") and valid("Sure. {not a call}") and valid("")
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_a_required_call_may_end_after_its_newline(parallel):
     """Models end their last call with a newline as often as with their end token; a grammar that then forced
@@ -241,14 +253,15 @@ def test_each_template_family_gets_its_own_call_format():
         tool_format(byte_tokenizer(chat_template=v11), "d")
 
 
-def test_a_required_llama_call_is_its_bare_json_object():
-    from depctl_runtime.api.tools import LLAMA3, tool_constraint
-    from tests.tiny import byte_tokenizer
+def test_a_llama_call_is_its_bare_json_object():
+    from depctl_runtime.api.tools import LLAMA3
 
     _, valid = tool_grammar([WEATHER], fmt=LLAMA3)
     assert valid('{"name": "get_weather", "parameters": {"city": "Paris"}}')
     assert not valid("<tool_call>") and not valid('{"name": "get_weather", "arguments"')
-    assert tool_constraint(byte_tokenizer(), [WEATHER], True, "tools", lazy=True, fmt=LLAMA3) is None  # auto: free
+    _, auto = tool_grammar([WEATHER], lazy=True, fmt=LLAMA3)
+    assert auto("It is sunny.") and auto('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert not auto('{"name": "get_time"') and not auto('{"name": "get_weather", "arguments"')
 
 
 MISTRAL_CALLS = (

@@ -277,3 +277,14 @@ def test_the_call_grammar_depctl_adds_to_tool_choice_auto_is_not_sent_to_vllm():
     assert backend.prepare(lazy).constraint is None
     asked = GenerateRequest([1], GenerationParams(), (), Constraint("regex", "a+", "structured_outputs.regex"))
     assert backend.prepare(asked).constraint == asked.constraint
+
+
+def test_a_request_that_needs_a_special_token_shown_asks_vllm_to_show_them():
+    from depctl_runtime.backends import GenerateRequest
+    from depctl_runtime.backends.vllm_wire import completion_payload
+    from depctl_runtime.speculation import GenerationParams
+
+    plain = GenerateRequest([1], GenerationParams())
+    assert "skip_special_tokens" not in completion_payload("m", plain)  # vLLM's default: dropped
+    mistral = GenerateRequest([1], GenerationParams(), shown_tokens=(5,))  # Mistral's [TOOL_CALLS]
+    assert completion_payload("m", mistral)["skip_special_tokens"] is False
