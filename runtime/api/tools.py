@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 from depctl_runtime.api.errors import APIError
 from depctl_runtime.backends import Constraint
-from depctl_runtime.speculation.grammar import cap_numbers
-from depctl_runtime.speculation.params import JSON_OPTIONS
+from depctl_runtime.speculation.json_schema import JSON_OPTIONS, cap_numbers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"

@@ -13,10 +13,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from depctl_runtime.speculation.grammar import Grammar
 
-# JSON as Python's json.dumps writes it: one space after ',' and ':', and nowhere else. Flexible whitespace lets a
-# small model pad with newlines until max_tokens runs out, and fixed separators become forced, draftable tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
 
 @dataclass(frozen=True)
 class SamplingParams:
