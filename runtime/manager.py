@@ -302,6 +302,16 @@ class DeploymentManager:
             return
         if dep.spec == spec:
             return  # unchanged (a FAILED deployment is retried when its spec changes or the daemon restarts)
+        if (
+            dep.state in (State.CREATING, State.UPDATING)
+            and dep.spec is not None
+            and not _reload_needed(dep.spec, spec, k_in_place=False)
+        ):
+            # the load under way is of the spec as it was: a change it does not depend on (a sampling default, the
+            # name; not a draft token count, which the loading engine would not see) applies as it stands, rather
+            # than discarding that load for another
+            dep.spec = spec
+            return
         dep.spec = spec
         dep.generation += 1
         if dep.serving and dep.loaded_spec is not None and _in_place(dep.loaded_spec, spec, dep.backend):

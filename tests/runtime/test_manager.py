@@ -266,3 +266,30 @@ def test_sampling_defaults_change_without_a_reload():
     spec = DeploymentSpec(id="dep", model="m")
     assert not _reload_needed(spec, spec.model_copy(update={"sampling": SamplingDefaults(temperature=0.0)}))
     assert _reload_needed(spec, spec.model_copy(update={"max_batch_size": 2}))
+
+
+def test_a_change_that_needs_no_reload_leaves_a_load_under_way_alone(depctl_home, tiny_model_dir):
+    """`deployment update --temperature 0` while the model loads: the load goes on (it took a second full load of
+    Qwen2.5-Coder-1.5B, four minutes on 2 cores), and the deployment serves with the new defaults."""
+    from depctl.spec import SamplingDefaults
+
+    release, loads = threading.Event(), []
+
+    def loader(spec, **kw):
+        loads.append(spec)
+        release.wait(60)
+        return load_deployment(spec, calibrate=False, **kw)
+
+    manager = DeploymentManager(SpecStore(), loader=loader)
+    try:
+        manager.store.create(_spec("d", tiny_model_dir, compile=False))
+        manager.reconcile(force=True)
+        wait_until(lambda: loads, "the load to start")
+        manager.store.update("d", lambda s: s.model_copy(update={"sampling": SamplingDefaults(temperature=0.0)}))
+        manager.reconcile(force=True)
+        release.set()
+        dep = _wait(manager, "d", ("READY",))
+        assert len(loads) == 1 and dep.spec.sampling.temperature == 0.0 and _serves(dep)
+    finally:
+        release.set()
+        manager.stop()
