@@ -40,9 +40,9 @@ from depctl_runtime.api.protocol import (
 from depctl_runtime.api.tools import (
     ToolCallParser,
     history,
-    marker_token,
     prompted,
     renders_tools,
+    shown_tokens,
     split_calls,
     template_format,
     tool_constraint,
@@ -242,11 +242,9 @@ class Service:
         tokenizer = backend.tokenizer
         constraint = req.constraint()
         tools = req.tools if req.calling_tools else None
-        fmt, shown = None, ()
+        fmt = None
         if tools:
             fmt = tool_format(tokenizer, dep_id)
-            marker = marker_token(tokenizer, fmt)
-            shown = () if marker is None else (marker,)
             parallel = req.parallel_tool_calls and fmt.parallel
             required = req.required_functions()
             if required:
@@ -263,7 +261,7 @@ class Service:
         )
         if fmt is not None:
             job.tools, job.tool_marker = frozenset(t.function.name for t in req.tools), fmt.marker
-            job.request = dataclasses.replace(job.request, shown_tokens=shown)
+            job.request = dataclasses.replace(job.request, shown_tokens=shown_tokens(tokenizer, fmt))
         job.example = recordings.chat_example(req.messages)
         return job
 

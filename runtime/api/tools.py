@@ -84,21 +84,25 @@ def tool_format(tokenizer, deployment: str) -> ToolFormat:
     return fmt
 
 
-def marker_token(tokenizer, fmt: ToolFormat) -> int | None:
-    """The special token a format's marker is, which the output's text must show (decoding drops special tokens)."""
-    if not fmt.marker:
-        return None
-    tag = _tag(tokenizer, fmt.marker)
-    return int(tag[2:-2]) if tag.startswith("<[") else None
+def shown_tokens(tokenizer, fmt: ToolFormat) -> tuple[int, ...]:
+    """The special tokens of a format's marker, which the output's text must show (decoding drops special tokens)."""
+    token = _token(tokenizer, fmt.marker) if fmt.marker else None
+    return () if token is None else (token,)
+
+
+def _token(tokenizer, text: str) -> int | None:
+    """The model's own single token for ``text``, if it has one."""
+    ids = tokenizer.convert_tokens_to_ids([text])
+    if ids and isinstance(ids[0], int) and ids[0] != tokenizer.unk_token_id and tokenizer.decode(ids) == text:
+        return ids[0]
+    return None
 
 
 def _tag(tokenizer, text: str) -> str:
     """A Lark terminal for ``text``: the model's own single token when it has one (the model writes that token, not
     the characters spelled out), else the string."""
-    ids = tokenizer.convert_tokens_to_ids([text])
-    if ids and isinstance(ids[0], int) and ids[0] != tokenizer.unk_token_id and tokenizer.decode(ids) == text:
-        return f"<[{ids[0]}]>"
-    return json.dumps(text)
+    token = _token(tokenizer, text)
+    return json.dumps(text) if token is None else f"<[{token}]>"
 
 
 def call_schema(functions: list[dict], key: str = "arguments") -> dict:
