@@ -120,13 +120,15 @@ NEAR_TIE = 1e-3  # float32 logits this close to the top one are a tie that the o
 def cpu_gaps(model_dir: Path, prompt: list[int], got: list[int]) -> list[float]:
     """Transformers' own float32 forward of the same weights on the CPU over ``prompt + got``: for each token depctl
     chose, how far its logit lies below that position's largest (0.0 where it is the argmax). Teacher-forced, so one
-    broken tie does not turn every later position into a mismatch."""
+    broken tie does not turn every later position into a mismatch. Over the tokenizer's ids only: depctl never emits
+    the embedding table's padding rows past them (the random shapes' tables are far larger than their tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    real = len(AutoTokenizer.from_pretrained(model_dir))
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]
+        logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1, :real]
     chosen = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
     return (logits.max(dim=1).values - chosen).tolist()
 

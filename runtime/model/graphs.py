@@ -137,7 +137,7 @@ class FixedShapePass:
             out = torch.nn.functional.scaled_dot_product_attention(
                 folded, keys[:grid], values[:grid], attn_mask=mask, scale=attn.scaling
             )
-            return out.view(grid, heads, width, dim).transpose(1, 2).reshape(1, grid * width, heads, dim)
+            return out.reshape(grid, heads, width, dim).transpose(1, 2).reshape(1, grid * width, heads, dim)
 
         return decoder.forward_with_features(self.model, ids, positions, attend, features=self.features)
 

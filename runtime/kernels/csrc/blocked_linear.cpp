@@ -116,6 +116,17 @@ void over_blocks(int64_t count, int64_t width, int64_t N, int64_t grain, const R
 // All M rows against NB blocks
 template <int NB>
 void blocks(const float* x, int64_t M, const float* w, int64_t K, float* y, int64_t N, int64_t last) {
+  if constexpr (L == 8 && NB > 2) {
+    // AVX2 has 16 vector registers: a tile of 6 rows by 4 blocks would spill its 24 sums, so a pass of whole tiles
+    // of rows (a prompt chunk, a wide verify pass) runs the blocks in halves, each half's weights staying in cache
+    // across the row tiles. Below that the weights' bytes cost more than the spills (benchmarks/int4_kernels.py).
+    if (M >= MAX_ROWS) {
+      constexpr int HALF = NB / 2;
+      blocks<HALF>(x, M, w, K, y, N, L);
+      blocks<NB - HALF>(x, M, w + HALF * K * L, K, y + HALF * L, N, last);
+      return;
+    }
+  }
   over_rows(M, [&](auto rows, int64_t m) { tile<decltype(rows)::value, NB>(x + m * K, K, w, K, y + m * N, N, last); });
 }
 

@@ -148,11 +148,87 @@ void over_rows(Operands op, int64_t M, float* y, int64_t N, int64_t last) {
   if (M - m == 1) tile<1, NB>(at_row(m), y + m * N, N, last);
 }
 
+// ---- 8 bits, many rows (a prompt chunk, a wide verify pass) ----
+// Widening a weight costs an instruction on the multiply-add ports, paid per tile of MAX_ROWS rows above. With many
+// rows, a pair of blocks is widened to floats once (`widened`) and the tiles read floats; the group's sums live in a
+// small buffer between groups rather than in registers, so a tile holds more rows. The same operations in the same
+// order per output as `tile`: the same bits.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int WIDE_ROWS = 6;  // 2 chains x 6 rows x 2 blocks + 2 weights + 1 input within 32 registers
+#else
+constexpr int WIDE_ROWS = 3;  // ... 2 x 3 x 2 + 3 within AVX2's 16
+#endif
+constexpr int64_t WIDE_FROM = 6;  // rows from which a pass widens its weights first (a one-row step reads bytes)
+
+template <int MB, int NB>
+void wide_tile(const Operands& op, const float* wf, float* y, int64_t y_stride, int64_t last) {
+  alignas(64) float acc[MB][NB][L] = {};
+  for (int64_t g = 0; g < op.groups; ++g) {
+    Vec even[MB][NB], odd[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) even[m][b] = odd[m][b] = Vec(0.f);
+    for (int64_t step = g * GROUP; step < (g + 1) * GROUP; step += 2) {
+      Vec q[NB];
+      for (int b = 0; b < NB; ++b) q[b] = Vec::loadu(wf + (b * op.steps + step) * L);
+      for (int m = 0; m < MB; ++m) {
+        const Vec xk(op.x[m * op.K + step]);
+        for (int b = 0; b < NB; ++b) even[m][b] = at::vec::fmadd(xk, q[b], even[m][b]);
+      }
+      for (int b = 0; b < NB; ++b) q[b] = Vec::loadu(wf + (b * op.steps + step + 1) * L);
+      for (int m = 0; m < MB; ++m) {
+        const Vec xk(op.x[m * op.K + step + 1]);
+        for (int b = 0; b < NB; ++b) odd[m][b] = at::vec::fmadd(xk, q[b], odd[m][b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const Vec scale = halves(op.s + (b * op.groups + g) * L), offset = halves(op.z + (b * op.groups + g) * L);
+      for (int m = 0; m < MB; ++m) {
+        Vec a = at::vec::fmadd(even[m][b] + odd[m][b], scale, Vec::loadu(acc[m][b]));
+        at::vec::fmadd(Vec(op.x_sums[m * op.groups + g]), offset, a).store(acc[m][b]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NB; ++b) {
+      float* out = y + m * y_stride + b * L;
+      const Vec a = Vec::loadu(acc[m][b]);
+      if (b + 1 < NB || last == L) {
+        a.store(out);
+      } else {
+        a.store(out, static_cast<int>(last));
+      }
+    }
+}
+
+template <int NB>
+void wide_rows(Operands op, const float* wf, int64_t M, float* y, int64_t N, int64_t last) {
+  int64_t m = 0;
+  const auto at_row = [&](int64_t row) {
+    Operands o = op;
+    o.x += row * op.K;
+    o.x_sums += row * op.groups;
+    return o;
+  };
+  for (; m + WIDE_ROWS <= M; m += WIDE_ROWS) wide_tile<WIDE_ROWS, NB>(at_row(m), wf, y + m * N, N, last);
+  if constexpr (WIDE_ROWS > 4) {
+    if (M - m >= 4) wide_tile<4, NB>(at_row(m), wf, y + m * N, N, last), m += 4;
+  }
+  if (M - m >= 2) wide_tile<2, NB>(at_row(m), wf, y + m * N, N, last), m += 2;
+  if (M - m == 1) wide_tile<1, NB>(at_row(m), wf, y + m * N, N, last);
+}
+
+// nb blocks of bytes (each `steps` x L, one after another from w) as floats into wf
+void widened(const uint8_t* w, int64_t nb, int64_t steps, float* wf) {
+  for (int64_t i = 0; i < nb * steps; ++i) widen(w + i * L).store(wf + i * L);
+}
+
 void product(const Operands& op, int64_t M, int64_t count, float* y, int64_t N) {
   // a thread's share of blocks worth at least ~64k multiply-adds: tiny products stay on the calling thread
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (op.K * L * M));
   const int64_t block_bytes = op.steps * L, block_scales = op.groups * L;
+  const bool wide = M >= WIDE_FROM;
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(wide ? MAX_BLOCKS * block_bytes : 0);
     for (int64_t b = begin; b < end; b += MAX_BLOCKS) {
       Operands o = op;
       o.w += b * block_bytes;
@@ -160,14 +236,21 @@ void product(const Operands& op, int64_t M, int64_t count, float* y, int64_t N) 
       o.z += b * block_scales;
       const int64_t nb = std::min<int64_t>(MAX_BLOCKS, end - b);
       const int64_t last = std::min<int64_t>(L, N - (b + nb - 1) * L);
-      if (nb == 1) {
+      if (wide) {
+        widened(o.w, nb, op.steps, wf.data());
+        if (nb == 1) {
+          wide_rows<1>(o, wf.data(), M, y + b * L, N, last);
+        } else {
+          wide_rows<MAX_BLOCKS>(o, wf.data(), M, y + b * L, N, last);
+        }
+      } else if (nb == 1) {
         over_rows<1>(o, M, y + b * L, N, last);
       } else {
         over_rows<MAX_BLOCKS>(o, M, y + b * L, N, last);
       }
     }
   });
-  static_assert(MAX_BLOCKS == 2, "the branch above covers tiles of 1 and 2 blocks");
+  static_assert(MAX_BLOCKS == 2, "the branches above cover tiles of 1 and 2 blocks");
 }
 
 

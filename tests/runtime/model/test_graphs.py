@@ -61,6 +61,23 @@ def test_the_fixed_shape_pass_computes_what_the_eager_pass_computes():
     assert [fixed.length(r) for r in range(3)] == [eager.length(r) for r in range(3)] == [14, 6, 46]
 
 
+def test_the_fixed_shape_pass_takes_attention_output_of_any_layout(monkeypatch):
+    """CUDA's memory-efficient kernel (float32) returns its output with the heads and tokens swapped in memory; the
+    pass must not assume the contiguous layout the CPU's kernel gives."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def strided(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, [b, t, h, d] in memory
+
+    model = fused()
+    eager, fixed = runner(model, width=None), runner(model)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided)
+    for r in (eager, fixed):
+        r.forward(0, [PROMPTS[0]], prefill=True)
+    torch.testing.assert_close(fixed.forward(0, [[4, 8, 15]]), eager.forward(0, [[4, 8, 15]]), rtol=1e-4, atol=1e-4)
+
+
 def test_the_fixed_shape_pass_returns_the_layer_features_of_the_real_tokens():
     # an EAGLE head drafts from them: the padded grid's features are dropped, the stream's kept in order
     model = fused()
