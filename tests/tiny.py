@@ -23,6 +23,8 @@ TOOLS_TEMPLATE = (
 LLAMA31_TEMPLATE = (Path(__file__).parent / "templates" / "llama-3.1-8b-instruct.jinja").read_text()
 # Mistral Nemo's own template (v3 format): tools in [AVAILABLE_TOOLS], calls as [TOOL_CALLS][{...}, ...], 9-letter ids
 MISTRAL_TEMPLATE = (Path(__file__).parent / "templates" / "mistral-nemo-instruct-2407.jinja").read_text()
+# Mistral Small 3.2's own template (v11 format): calls as [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}, one marker a call
+MISTRAL_V11_TEMPLATE = (Path(__file__).parent / "templates" / "mistral-small-3.2-24b-instruct-2506.jinja").read_text()
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 256 + len(SPECIALS) + 1  # bytes, specials, one padding row (as real models pad their tables)
 # a request that must still be running when a test acts (a disconnect, a drain, Ctrl-C): a tiny model with room for
@@ -102,8 +104,8 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VO
 def save_tiny(
     path: Path, seed: int = 0, byte_offset: int = 0, chat_template: str = CHAT_TEMPLATE, specials=(), **kwargs
 ) -> Path:
-    """specials: one more special token fits the model's padding row."""
-    assert len(specials) <= VOCAB - 256 - len(SPECIALS)
+    """specials: one more special token fits the model's padding row (more need a wider ``vocab``)."""
+    assert len(specials) <= kwargs.get("vocab", VOCAB) - 256 - len(SPECIALS)
     model = tiny_llama(seed, **kwargs)
     model.save_pretrained(path)
     byte_tokenizer(byte_offset, chat_template, specials).save_pretrained(path)

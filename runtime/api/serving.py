@@ -38,7 +38,9 @@ from depctl_runtime.api.protocol import (
     TokenizeRequest,
 )
 from depctl_runtime.api.tools import (
+    HERMES,
     ToolCallParser,
+    ToolFormat,
     history,
     prompted,
     renders_tools,
@@ -131,17 +133,17 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     usage: dict | None = None  # filled in when the run ends
     tools: frozenset[str] = frozenset()  # the functions offered: the output is read for calls to them
-    tool_marker: str = ""  # the model's format writes its calls after this marker (Mistral's)
+    tool_format: ToolFormat = HERMES  # how the model writes its calls
     example: dict | None = None  # the prompt as a recording keeps it, once the job is runnable
     stop: str | None = None  # the stop string that ended the output, once it has (Anthropic's stop_sequence)
 
     def call_parser(self) -> ToolCallParser | None:
         """A reader of the tool calls in the output as it streams, where tools were offered."""
-        return ToolCallParser(self.tools, self.tool_marker) if self.tools else None
+        return ToolCallParser(self.tools, self.tool_format) if self.tools else None
 
     def split_calls(self, text: str) -> tuple[str, list[dict]]:
         """A whole output's content and its tool calls (``tools.split_calls``)."""
-        return split_calls(text, self.tools, self.tool_marker)
+        return split_calls(text, self.tools, self.tool_format)
 
 
 class Service:
@@ -260,7 +262,7 @@ class Service:
             "chat.completion", dep_id, backend, req, prompt_ids, req.token_budget, prediction, constraint, key, clamp
         )
         if fmt is not None:
-            job.tools, job.tool_marker = frozenset(t.function.name for t in req.tools), fmt.marker
+            job.tools, job.tool_format = frozenset(t.function.name for t in req.tools), fmt
             job.request = dataclasses.replace(job.request, shown_tokens=shown_tokens(tokenizer, fmt))
         job.example = recordings.chat_example(req.messages)
         return job

@@ -4,8 +4,9 @@ JSON schemas (which also makes every forced key and tag a free draft).
 
 The formats read: the one Qwen2.5, Hermes and many fine-tunes write,
 ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call; Llama 3.1-3.3's bare
-``{"name": "f", "parameters": {...}}``; and Mistral's (v3 templates: Mistral 7B v0.3, Nemo)
-``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``. A model whose template never renders tools is asked for
+``{"name": "f", "parameters": {...}}``; Mistral's v3 (Mistral 7B v0.3, Nemo)
+``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``; and Mistral's v11 (Mistral Small 3.1/3.2, Devstral,
+Ministral 3) ``[TOOL_CALLS]f[ARGS]{...}``, one marker a call. A model whose template never renders tools is asked for
 Hermes's blocks by a system message that describes the tools (``prompted``), as llama.cpp's generic format does, so
 every chat model can call tools; the grammar holds it to them where a call is required.
 """
@@ -25,6 +26,7 @@ from depctl_runtime.speculation.json_schema import JSON_OPTIONS, cap_numbers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
+MISTRAL_ARGS, MISTRAL_CALL_ID = "[ARGS]", "[CALL_ID]"  # v11: name[ARGS]{...}; Small 3.2's history adds [CALL_ID]id
 # a call's head; its arguments are "arguments" (Hermes, Qwen2.5) or "parameters" (Llama 3.1's template asks for it)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 HOLD = len(CLOSE) + 8  # characters of a call held back while streaming: the wrapper's "}" and a partial close tag
@@ -37,18 +39,21 @@ def template_text(tokenizer) -> str:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model family writes a call: between ``OPEN`` and ``CLOSE`` tags, as a bare JSON object, or in a JSON
-    list after a ``marker``; the key its arguments go under; whether it writes more than one call an answer."""
+    """How a model family writes a call: between ``OPEN`` and ``CLOSE`` tags, as a bare JSON object, in a JSON list
+    after a ``marker``, or each after its own marker as its name, ``args_tag`` and its arguments' object; the key its
+    arguments go under; whether it writes more than one call an answer."""
 
     tagged: bool
     arguments: str
     parallel: bool
     marker: str = ""  # the calls are a JSON list after this (a special token of the model's, as a rule)
+    args_tag: str = ""  # each call is marker, name, this, then the arguments' object (no list)
 
 
 HERMES = ToolFormat(True, "arguments", True)  # Qwen2.5, Hermes; and models told it (``prompted``)
 LLAMA3 = ToolFormat(False, "parameters", False)  # Llama 3.1-3.3's template: one bare object
 MISTRAL = ToolFormat(False, "arguments", True, MISTRAL_MARK)  # Mistral's v3 templates (7B v0.3, Nemo)
+MISTRAL_V11 = ToolFormat(False, "arguments", True, MISTRAL_MARK, MISTRAL_ARGS)  # Small 3.1/3.2, Devstral, Ministral 3
 
 
 def renders_tools(tokenizer) -> bool:
@@ -62,8 +67,8 @@ def template_format(tokenizer) -> ToolFormat | None:
     template = template_text(tokenizer)
     if "tools" not in template or OPEN in template:
         return HERMES
-    if MISTRAL_MARK in template and "[ARGS]" not in template:  # [ARGS]: v11's name[ARGS]{...} calls
-        return MISTRAL
+    if MISTRAL_MARK in template:
+        return MISTRAL_V11 if MISTRAL_ARGS in template else MISTRAL
     if '"parameters": ' in template:
         return LLAMA3
     return None
@@ -76,8 +81,8 @@ def tool_format(tokenizer, deployment: str) -> ToolFormat:
         raise APIError(
             400,
             f"deployment {deployment!r}: its model writes tool calls in a format depctl does not parse yet "
-            f'(depctl reads {OPEN}...{CLOSE} blocks, Llama 3\'s bare {{"name", "parameters"}} objects and '
-            f"Mistral v3's {MISTRAL_MARK}[...] lists)",
+            f'(depctl reads {OPEN}...{CLOSE} blocks, Llama 3\'s bare {{"name", "parameters"}} objects, '
+            f"Mistral v3's {MISTRAL_MARK}[...] lists and v11's {MISTRAL_MARK}name{MISTRAL_ARGS}{{...}} calls)",
             param="tools",
             code="tools_unsupported",
         )
@@ -85,9 +90,9 @@ def tool_format(tokenizer, deployment: str) -> ToolFormat:
 
 
 def shown_tokens(tokenizer, fmt: ToolFormat) -> tuple[int, ...]:
-    """The special tokens of a format's marker, which the output's text must show (decoding drops special tokens)."""
-    token = _token(tokenizer, fmt.marker) if fmt.marker else None
-    return () if token is None else (token,)
+    """The special tokens of a format's tags, which the output's text must show (decoding drops special tokens)."""
+    tags = [fmt.marker, fmt.args_tag] + ([MISTRAL_CALL_ID] if fmt.args_tag else [])
+    return tuple(token for tag in tags if tag and (token := _token(tokenizer, tag)) is not None)
 
 
 def _token(tokenizer, text: str) -> int | None:
@@ -108,20 +113,25 @@ def _tag(tokenizer, text: str) -> str:
 def call_schema(functions: list[dict], key: str = "arguments") -> dict:
     """The JSON of one call to any of ``functions`` (OpenAI tool ``function`` objects), keys in the model's order;
     ``key``: what its family names the arguments."""
-    options = []
-    for fn in functions:
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        options.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn["name"]}, key: params},
-                "required": ["name", key],
-                "additionalProperties": False,
-            }
-        )
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    # lenient: a keyword the grammar cannot enforce (propertyNames, in Claude Code's tools) is left unenforced; a
-    # client's tools must never turn its requests into 400s
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, key: _parameters(fn)},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for fn in functions
+    ]
+    return _lenient(options[0] if len(options) == 1 else {"anyOf": options})
+
+
+def _parameters(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object", "properties": {}}
+
+
+def _lenient(schema: dict) -> dict:
+    """``schema`` as the grammar takes it: numbers capped, and a keyword the grammar cannot enforce (propertyNames,
+    in Claude Code's tools) left unenforced; a client's tools must never turn its requests into 400s."""
     return cap_numbers({**schema, "x-guidance": {**JSON_OPTIONS, "lenient": True}})
 
 
@@ -142,7 +152,13 @@ def tool_constraint(
     the tags) is held to one such call, and ends there: a call or text, never half of each."""
     call = f"%json {json.dumps(call_schema(functions, fmt.arguments))}"
     bare = f'bare: /[ \\n]*/ ({call} | "```json\\n" {call} "\\n```")'
-    if fmt.marker:  # one list of calls after the marker
+    if fmt.args_tag:  # each call after its own marker: the name, the tag, the arguments' object
+        opening, many = _tag(tokenizer, fmt.marker), parallel
+        args = _tag(tokenizer, fmt.args_tag)
+        named = [f"{json.dumps(fn['name'])} {args} %json {json.dumps(_lenient(_parameters(fn)))}" for fn in functions]
+        body = f"({' | '.join(named)})"
+        required = "start: call+" if parallel else "start: call"
+    elif fmt.marker:  # one list of calls after the marker
         opening, many = _tag(tokenizer, fmt.marker), False
         body = f'"[" {call} (", " {call})* "]"' if parallel else f'"[" {call} "]"'
         required = "start: call"
@@ -209,9 +225,9 @@ def prompted(turns: list[dict], functions: list[dict]) -> list[dict]:
 
 def history(messages, fmt: ToolFormat | None = HERMES) -> list[dict]:
     """Chat messages as chat templates read them: an assistant's ``tool_calls`` with their arguments as objects
-    (templates write them with ``tojson``), a tool's reply with its ``tool_call_id`` (for MISTRAL, as the 9
-    letters and digits its templates insist on)."""
-    call_id = _nine if fmt is MISTRAL else str
+    (templates write them with ``tojson``), a tool's reply with its ``tool_call_id`` (for Mistral's formats, as the
+    9 letters and digits its templates insist on)."""
+    call_id = _nine if fmt in (MISTRAL, MISTRAL_V11) else str
     out = []
     for m in messages:
         # OpenAI's developer role is the system role of newer models; templates know only system (Qwen2.5's drops
@@ -280,6 +296,7 @@ class _Call:
     cut: bool = False  # the output ended inside it (max_tokens): no close tag
     opening: str = OPEN  # what came before ``body``: the tag, or for a call without tags its fence (if any)
     braces: _Braces | None = None  # a call without tags: it ends where its object closes
+    header: re.Pattern = _HEADER  # what ``body`` opens with before the arguments; its group 1 the name
 
 
 @dataclass
@@ -326,13 +343,17 @@ class ToolCallParser:
     """
 
     names: frozenset[str] = frozenset()
-    marker: str = ""  # the format's list marker (Mistral's [TOOL_CALLS]), if it has one
+    fmt: ToolFormat = HERMES  # its marker (Mistral's [TOOL_CALLS]) and args tag, where it has them
     calls: list[_Call] = field(default_factory=list)
     _text: str = ""  # content not yet given out (it may end in the start of OPEN)
     _call: _Call | None = None
     _bare: bool | None = None  # the output may be a call without tags (None: not known yet)
     _fence: bool = False  # a fenced call without tags has closed: its closing fence may follow
     _listing: bool = False  # inside the JSON list of calls after ``marker``
+
+    @property
+    def marker(self) -> str:
+        return self.fmt.marker
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
@@ -378,10 +399,15 @@ class ToolCallParser:
                 if not self.calls or before.strip():  # the newline between two calls is not content
                     content += before
                 self._text = self._text[at + len(tag) :]
-                if tag == self.marker:
+                if tag == self.marker and not self.fmt.args_tag:
                     self._listing = True
                     continue
-                self._call = _Call(id="call_" + secrets.token_hex(12))
+                if tag == self.marker:  # name, args tag, the arguments' object
+                    self._call = _Call(
+                        id="call_" + secrets.token_hex(12), opening=tag, braces=_Braces(), header=_named(self.fmt)
+                    )
+                else:
+                    self._call = _Call(id="call_" + secrets.token_hex(12))
                 self.calls.append(self._call)
             call = self._call
             call.body += self._text
@@ -391,7 +417,7 @@ class ToolCallParser:
             else:
                 end = call.braces.close(call.body)
                 self._text = "" if end < 0 else call.body[end:]
-                self._fence = end >= 0 and bool(call.opening)  # its closing fence is no content
+                self._fence = end >= 0 and call.opening.startswith("```")  # its closing fence is no content
             call.body = call.body if end < 0 else call.body[:end]
             deltas += self._advance(call, closed=end >= 0)
             if end >= 0:
@@ -478,16 +504,18 @@ class ToolCallParser:
     def _advance(self, call: _Call, closed: bool) -> list[ToolCallDelta]:
         index = len(self.calls) - 1
         deltas = []
+        wrapped = call.header is _HEADER  # {"name": ..., "arguments": {...}}: the arguments end before its "}"
         if call.args_from < 0:
-            header = _HEADER.match(call.body)
+            header = call.header.match(call.body)
             if header is None or (header.end() == len(call.body) and not closed):  # more space may follow
                 return []
-            call.name, call.args_from = json.loads(f'"{header.group(1)}"'), header.end()
+            name = header.group(1)
+            call.name, call.args_from = json.loads(f'"{name}"') if wrapped else name, header.end()
             deltas.append(ToolCallDelta(index, call.id, call.name))
         args = call.body[call.args_from :]
-        if closed:  # the call's own "}" closes the wrapper object
+        if closed:
             args = args.rstrip()
-            args = args[:-1].rstrip() if args.endswith("}") else args
+            args = args[:-1].rstrip() if wrapped and args.endswith("}") else args
             upto = len(args)
         else:
             upto = max(len(args) - HOLD, call.sent)
@@ -495,6 +523,12 @@ class ToolCallParser:
             deltas.append(ToolCallDelta(index, arguments=args[call.sent : upto]))
             call.sent = upto
         return deltas
+
+
+def _named(fmt: ToolFormat) -> re.Pattern:
+    """The head of a call in ``fmt``'s named form: its name, maybe a call id, then the args tag."""
+    call_id = re.escape(MISTRAL_CALL_ID)
+    return re.compile(rf"\s*([\w.:-]+)\s*(?:{call_id}\s*\w*\s*)?{re.escape(fmt.args_tag)}\s*")
 
 
 def _arguments(call: dict):
@@ -510,10 +544,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_calls(text: str, names: frozenset[str], marker: str = "") -> tuple[str, list[dict]]:
+def split_calls(text: str, names: frozenset[str], fmt: ToolFormat = HERMES) -> tuple[str, list[dict]]:
     """A whole output's content and the tool calls to ``names`` read out of it (OpenAI's ``tool_calls`` shape). A
     call the output ended inside (cut by max_tokens) is no call: its text is returned as content."""
-    parser = ToolCallParser(names, marker)
+    parser = ToolCallParser(names, fmt)
     content, deltas = parser.feed_run(text, last=True)
     calls = gather(deltas)
     cut = [i for i, call in enumerate(parser.calls) if call.cut]

@@ -15,13 +15,15 @@ from pathlib import Path
 import torch
 
 from depctl import config
+from depctl_runtime.kernels import native
 
 log = logging.getLogger("depctl.loader")
 
 
 def kept_costs_path(spec, model: torch.nn.Module, precision: str, passes: str, products: str) -> Path:
-    """Where this deployment shape's costs are kept: the model, its precision and how its passes and products run,
-    the rows and speculation that decide which widths are priced, and the machine (its CPU, torch, threads)."""
+    """Where this deployment shape's costs are kept: the model, its precision and how its passes and products run
+    (and the build of depctl's C++ ops, whose products keep their names when their code changes), the rows and
+    speculation that decide which widths are priced, and the machine (its CPU, torch, threads)."""
     shape = {
         "model": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
         "precision": precision,
@@ -29,6 +31,7 @@ def kept_costs_path(spec, model: torch.nn.Module, precision: str, passes: str, p
         "device": str(next(model.parameters()).device),
         "passes": passes,
         "products": products,
+        "kernels": native.identity(),
         "rows": spec.max_batch_size,
         "speculation": spec.speculation.model_dump(mode="json"),
         "torch": torch.__version__,

@@ -105,6 +105,12 @@ def _default_root() -> Path:
     return config.cache_dir() / "compiled"
 
 
+def identity() -> str:
+    """The loaded library's build (its folder: the sources, torch, compiler and flags), or "" where none is loaded:
+    what a measurement of its products was taken with."""
+    return build_directory(_default_root(), build_flags()).name if _loaded else ""
+
+
 def built(root: Path | None = None) -> bool:
     """Whether this machine's library is already built (a load is then a few milliseconds, with no build)."""
     return _loaded or (build_directory(root or _default_root(), build_flags()) / LIBRARY).exists()

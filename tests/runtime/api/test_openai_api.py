@@ -19,10 +19,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
 from depctl.store import SpecStore
 from tests.daemon_util import DaemonProcess
-from tests.tiny import LLAMA31_TEMPLATE, LONG, LONG_ANSWER, MISTRAL_TEMPLATE, TOOLS_TEMPLATE, save_tiny, save_tiny_head
+from tests.tiny import (
+    LLAMA31_TEMPLATE,
+    LONG,
+    LONG_ANSWER,
+    MISTRAL_TEMPLATE,
+    MISTRAL_V11_TEMPLATE,
+    TOOLS_TEMPLATE,
+    VOCAB,
+    save_tiny,
+    save_tiny_head,
+)
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.slow  # a daemon in a subprocess with nine deployments
+pytestmark = pytest.mark.slow  # a daemon in a subprocess with a dozen deployments
 
 GREEDY = {"temperature": 0}
 
@@ -82,6 +92,14 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
             id="mistral", model=str(mistral), speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4)
         )
     )
+    mistral_v11 = save_tiny(
+        tmp_path_factory.mktemp("mistral-v11"),
+        chat_template=MISTRAL_V11_TEMPLATE,
+        specials=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+        vocab=VOCAB + 2,
+        max_positions=8192,  # the template's own system prompt is 2.7k characters: a token each here
+    )
+    store.create(DeploymentSpec(id="mistral-v11", model=str(mistral_v11), compile=False))
     store.create(
         DeploymentSpec(
             id="small",
@@ -91,7 +109,8 @@ def daemon(tmp_path_factory, tiny_model_dir, tiny_draft_dir):
         )
     )
     d = DaemonProcess(home).start()
-    for dep in ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools", "llama", "mistral"):
+    deployments = ("ngram", "plain", "suffix", "drafted", "eagle", "broken", "small", "long", "tools", "llama")
+    for dep in (*deployments, "mistral", "mistral-v11"):
         d.wait_state(dep)
     yield d
     d.stop()
@@ -109,6 +128,7 @@ def test_models_lists_ready_deployments(client):
         "llama",
         "long",
         "mistral",
+        "mistral-v11",
         "ngram",
         "plain",
         "small",
@@ -772,14 +792,15 @@ def test_a_llama_template_gets_tools_its_way_and_its_bare_calls_back(client):
     required_call_then_its_result(client, "llama")
 
 
-def test_a_mistral_template_gets_its_tool_call_list_and_its_nine_letter_ids(client, daemon):
-    """Mistral Nemo's own template (v3 format) on a vocabulary where [TOOL_CALLS] is a special token: a required
-    call is the list after it, read back as a call, streamed as one; the history renders with the call ids its
-    template insists on."""
+@pytest.mark.parametrize("model", ["mistral", "mistral-v11"])
+def test_a_mistral_template_gets_its_tool_call_format_and_its_nine_letter_ids(client, daemon, model):
+    """Mistral's own templates, Nemo's (v3: a list after [TOOL_CALLS]) and Small 3.2's (v11: [TOOL_CALLS]name[ARGS]
+    {...}), on vocabularies where their tags are special tokens: a required call is written in the format, read
+    back as a call, streamed as one; the history renders with the call ids the templates insist on."""
     one = {"parallel_tool_calls": False}  # a random model may go on listing calls; a real one ends its list
-    required, _ = required_call_then_its_result(client, "mistral", **one)
+    required, _ = required_call_then_its_result(client, model, **one)
     stream = client.chat.completions.create(
-        model="mistral",
+        model=model,
         messages=ASK,
         tools=[WEATHER],
         tool_choice="required",
@@ -793,7 +814,7 @@ def test_a_mistral_template_gets_its_tool_call_list_and_its_nine_letter_ids(clie
     assert sum(1 for d in deltas if d.function.arguments) > 1  # in pieces: read from the list as it comes
     streamed = "".join(d.function.arguments or "" for d in deltas)
     assert streamed == required.choices[0].message.tool_calls[0].function.arguments
-    counted = daemon.post("/tokenize", {"model": "mistral", "messages": ASK, "tools": [WEATHER]}).json()["count"]
+    counted = daemon.post("/tokenize", {"model": model, "messages": ASK, "tools": [WEATHER]}).json()["count"]
     assert counted == required.usage.prompt_tokens
 
 

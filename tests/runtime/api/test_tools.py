@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from depctl_runtime.api.tools import ToolCallParser, call_schema, gather, split_calls
+from depctl_runtime.api.tools import HERMES, MISTRAL, MISTRAL_V11, ToolCallParser, call_schema, gather, split_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>'
 TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_time")
@@ -16,9 +16,9 @@ TWO = CALL + "\n" + CALL.replace("Paris", "Rome").replace("get_weather", "get_ti
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
-def parse(text: str, pieces: int, names=frozenset({"get_weather", "get_time"}), marker: str = ""):
+def parse(text: str, pieces: int, names=frozenset({"get_weather", "get_time"}), fmt=HERMES):
     """Feed ``text`` in ``pieces``-character runs; (content, tool_calls)."""
-    parser, content, deltas = ToolCallParser(names, marker), "", []
+    parser, content, deltas = ToolCallParser(names, fmt), "", []
     for i in range(0, len(text), pieces):
         c, d = parser.feed(text[i : i + pieces])
         content += c
@@ -241,16 +241,26 @@ def test_a_call_whose_arguments_are_named_parameters_is_a_call(pieces):
 
 def test_each_template_family_gets_its_own_call_format():
     from depctl_runtime.api.errors import APIError
-    from depctl_runtime.api.tools import HERMES, LLAMA3, MISTRAL, tool_format
-    from tests.tiny import CHAT_TEMPLATE, LLAMA31_TEMPLATE, MISTRAL_TEMPLATE, TOOLS_TEMPLATE, byte_tokenizer
+    from depctl_runtime.api.tools import LLAMA3, tool_format
+    from tests.tiny import (
+        CHAT_TEMPLATE,
+        LLAMA31_TEMPLATE,
+        MISTRAL_TEMPLATE,
+        MISTRAL_V11_TEMPLATE,
+        TOOLS_TEMPLATE,
+        byte_tokenizer,
+    )
 
     assert tool_format(byte_tokenizer(chat_template=TOOLS_TEMPLATE), "d") is HERMES
     assert tool_format(byte_tokenizer(chat_template=CHAT_TEMPLATE), "d") is HERMES  # described in a system message
     assert tool_format(byte_tokenizer(chat_template=LLAMA31_TEMPLATE), "d") is LLAMA3
     assert tool_format(byte_tokenizer(chat_template=MISTRAL_TEMPLATE), "d") is MISTRAL
-    v11 = "{{ tools | tojson }}{% for c in calls %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments }}{% endfor %}"
-    with pytest.raises(APIError, match="format depctl does not parse"):  # Mistral Small 3.2's, Devstral's
-        tool_format(byte_tokenizer(chat_template=v11), "d")
+    assert tool_format(byte_tokenizer(chat_template=MISTRAL_V11_TEMPLATE), "d") is MISTRAL_V11
+    devstral = "{{ tools | tojson }}{% for c in calls %}[TOOL_CALLS]{{ c.name }}[ARGS]{{ c.arguments }}{% endfor %}"
+    assert tool_format(byte_tokenizer(chat_template=devstral), "d") is MISTRAL_V11
+    other = "{{ tools | tojson }}{% for c in calls %}<function={{ c.name }}>{% endfor %}"
+    with pytest.raises(APIError, match="format depctl does not parse"):
+        tool_format(byte_tokenizer(chat_template=other), "d")
 
 
 def test_a_llama_call_is_its_bare_json_object():
@@ -272,7 +282,7 @@ MISTRAL_CALLS = (
 
 @pytest.mark.parametrize("pieces", [1, 3, 1000])
 def test_mistral_calls_stream_out_of_their_list(pieces):
-    content, calls, deltas = parse("Checking. " + MISTRAL_CALLS, pieces, marker="[TOOL_CALLS]")
+    content, calls, deltas = parse("Checking. " + MISTRAL_CALLS, pieces, fmt=MISTRAL)
     assert content == "Checking. "
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": [1, 2]}),
@@ -281,9 +291,9 @@ def test_mistral_calls_stream_out_of_their_list(pieces):
     if pieces == 1:
         assert sum(1 for d in deltas if d.id is None and d.arguments) > 5  # fragments, not one piece at the end
     cut = MISTRAL_CALLS[:-20]
-    content, calls = split_calls(cut, frozenset({"get_weather", "get_time"}), "[TOOL_CALLS]")
+    content, calls = split_calls(cut, frozenset({"get_weather", "get_time"}), MISTRAL)
     assert len(calls) == 1 and content.startswith('{"name": "get_time"')  # the cut call is content, not a call
-    assert parse("[TOOL_CALLS] is how I call tools.", pieces, marker="[TOOL_CALLS]")[:2] == (
+    assert parse("[TOOL_CALLS] is how I call tools.", pieces, fmt=MISTRAL)[:2] == (
         " is how I call tools.",
         [],
     )
@@ -331,3 +341,73 @@ def test_mistral_history_gets_the_nine_letter_ids_its_template_insists_on():
     text = byte_tokenizer(chat_template=MISTRAL_TEMPLATE).apply_chat_template(turns, tokenize=False)
     assert f'[TOOL_CALLS][{{"name": "f", "arguments": {{"x": 1}}, "id": "{nine}"}}]' in text
     assert f'[TOOL_RESULTS]{{"content": done, "call_id": "{nine}"}}[/TOOL_RESULTS]' in text
+
+
+# Mistral Small 3.1/3.2, Devstral, Ministral 3: each call after its own [TOOL_CALLS], its name, then [ARGS] and the
+# arguments' object (Small 3.2 writes [CALL_ID] and an id between them in its history)
+V11_CALLS = (
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'
+    '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome", "note": "{not a brace}"}'
+)
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 1000])
+def test_mistral_v11_calls_stream_out_one_by_one(pieces):
+    content, calls, deltas = parse("Checking. " + V11_CALLS, pieces, fmt=MISTRAL_V11)
+    assert content == "Checking. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}),
+        ("get_time", {"city": "Rome", "note": "{not a brace}"}),
+    ]
+    assert all(c["id"].startswith("call_") for c in calls)
+    if pieces == 1:
+        assert sum(1 for d in deltas if d.index == 0 and d.id is None and d.arguments) > 5  # fragments
+    content, calls, _ = parse(V11_CALLS + " Done.", pieces, fmt=MISTRAL_V11)
+    assert len(calls) == 2 and content == " Done."  # text after the calls is content
+
+
+def test_a_cut_mistral_v11_call_is_content():
+    names = frozenset({"get_weather", "get_time"})
+    cut = V11_CALLS[:-12]
+    content, calls = split_calls(cut, names, MISTRAL_V11)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert content == cut[cut.rindex("[TOOL_CALLS]") :]  # the cut call's text, its marker shown
+    assert split_calls("[TOOL_CALLS]get_weath", names, MISTRAL_V11) == ("[TOOL_CALLS]get_weath", [])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_mistral_v11_calls_are_held_to_their_functions(parallel):
+    from tests.tiny import byte_tokenizer
+
+    tokenizer = byte_tokenizer(specials=("[TOOL_CALLS]", "[ARGS]"))  # the model's own tokens, as in tekken
+    time = {**WEATHER, "name": "get_time"}
+    for lazy in (False, True):
+        grammar, valid = tool_grammar([WEATHER, time], parallel, lazy, MISTRAL_V11, tokenizer)
+        one = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+        two = one + '[TOOL_CALLS]get_time[ARGS]{"city": "Rome"}'
+        assert valid(one) and valid(two) == parallel
+        assert not valid("[TOOL_CALLS]get_date") and not valid('[TOOL_CALLS]get_time[ARGS]{"city": 3')
+        assert not valid("[TOOL_CALLS]get_weather[ARGS][")
+        row = grammar.start()
+        row.advance(tokenizer.encode(one, add_special_tokens=False))
+        assert row.complete or row.allows(grammar.end_ids[0])  # it may end after any whole call
+        assert valid('Free text first [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == lazy
+
+
+def test_mistral_v11_history_renders_through_mistral_small_3_2s_template():
+    from depctl_runtime.api.protocol import ChatMessage
+    from depctl_runtime.api.tools import history
+    from tests.tiny import MISTRAL_V11_TEMPLATE, byte_tokenizer
+
+    call = {"id": "toolu_01ABCdef", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [
+        ChatMessage(role="user", content="go"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", tool_call_id=call["id"], content="done"),
+    ]
+    turns = history(messages, MISTRAL_V11)
+    nine = turns[1]["tool_calls"][0]["id"]
+    assert len(nine) == 9 and nine.isalnum() and turns[2]["tool_call_id"] == nine
+    text = byte_tokenizer(chat_template=MISTRAL_V11_TEMPLATE).apply_chat_template(turns, tokenize=False)
+    assert f'[TOOL_CALLS]f[CALL_ID]{nine}[ARGS]{{"x": 1}}' in text
+    assert f"[TOOL_RESULTS]{nine}[TOOL_CONTENT]done[/TOOL_RESULTS]" in text

@@ -38,3 +38,19 @@ def test_a_reload_starts_from_the_costs_the_last_load_kept_and_a_new_shape_calib
     load_deployment(spec.model_copy(update={"max_batch_size": 4}), report=stages.append).release()
     assert "calibrating" in [s.name for s in stages], "other rows price other widths: measured afresh"
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
+
+
+def test_costs_measured_with_another_build_of_the_kernels_are_measured_again(tiny_model_dir, monkeypatch):
+    """The products' names stay when their code changes: the kept costs follow the build of depctl's C++ ops."""
+    from transformers import AutoModelForCausalLM
+
+    from depctl_runtime.backends.calibration import kept_costs_path
+    from depctl_runtime.kernels import native
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    spec = DeploymentSpec(id="c", model=str(tiny_model_dir))
+    paths = []
+    for build in ("native-0123", "native-4567", "native-0123"):
+        monkeypatch.setattr(native, "identity", lambda build=build: build)
+        paths.append(kept_costs_path(spec, model, "float32", "compiled", "depctl blocked float32 (FMA) x14"))
+    assert paths[0] != paths[1] and paths[0] == paths[2]
