@@ -82,6 +82,14 @@ struct Operands {
   const at::Half* s;
   const at::Half* z;
   int64_t K, groups, steps;
+
+  // the same operands from row `row` of x on
+  Operands at_row(int64_t row) const {
+    Operands o = *this;
+    o.x += row * K;
+    o.x_sums += row * groups;
+    return o;
+  }
 };
 
 // MB rows by NB blocks into y (`y_stride` apart), the last block's first `last` outputs
@@ -132,20 +140,14 @@ void tile(const Operands& op, float* y, int64_t y_stride, int64_t last) {
 template <int NB>
 void over_rows(Operands op, int64_t M, float* y, int64_t N, int64_t last) {
   int64_t m = 0;
-  const auto at_row = [&](int64_t row) {
-    Operands o = op;
-    o.x += row * op.K;
-    o.x_sums += row * op.groups;
-    return o;
-  };
-  for (; m + MAX_ROWS <= M; m += MAX_ROWS) tile<MAX_ROWS, NB>(at_row(m), y + m * N, N, last);
+  for (; m + MAX_ROWS <= M; m += MAX_ROWS) tile<MAX_ROWS, NB>(op.at_row(m), y + m * N, N, last);
   if constexpr (MAX_ROWS > 3) {
-    if (M - m == 3) tile<3, NB>(at_row(m), y + m * N, N, last), m += 3;
+    if (M - m == 3) tile<3, NB>(op.at_row(m), y + m * N, N, last), m += 3;
   }
   if constexpr (MAX_ROWS > 2) {
-    if (M - m == 2) tile<2, NB>(at_row(m), y + m * N, N, last), m += 2;
+    if (M - m == 2) tile<2, NB>(op.at_row(m), y + m * N, N, last), m += 2;
   }
-  if (M - m == 1) tile<1, NB>(at_row(m), y + m * N, N, last);
+  if (M - m == 1) tile<1, NB>(op.at_row(m), y + m * N, N, last);
 }
 
 // ---- 8 bits, many rows (a prompt chunk, a wide verify pass) ----
@@ -203,18 +205,12 @@ void wide_tile(const Operands& op, const float* wf, float* y, int64_t y_stride, 
 template <int NB>
 void wide_rows(Operands op, const float* wf, int64_t M, float* y, int64_t N, int64_t last) {
   int64_t m = 0;
-  const auto at_row = [&](int64_t row) {
-    Operands o = op;
-    o.x += row * op.K;
-    o.x_sums += row * op.groups;
-    return o;
-  };
-  for (; m + WIDE_ROWS <= M; m += WIDE_ROWS) wide_tile<WIDE_ROWS, NB>(at_row(m), wf, y + m * N, N, last);
+  for (; m + WIDE_ROWS <= M; m += WIDE_ROWS) wide_tile<WIDE_ROWS, NB>(op.at_row(m), wf, y + m * N, N, last);
   if constexpr (WIDE_ROWS > 4) {
-    if (M - m >= 4) wide_tile<4, NB>(at_row(m), wf, y + m * N, N, last), m += 4;
+    if (M - m >= 4) wide_tile<4, NB>(op.at_row(m), wf, y + m * N, N, last), m += 4;
   }
-  if (M - m >= 2) wide_tile<2, NB>(at_row(m), wf, y + m * N, N, last), m += 2;
-  if (M - m == 1) wide_tile<1, NB>(at_row(m), wf, y + m * N, N, last);
+  if (M - m >= 2) wide_tile<2, NB>(op.at_row(m), wf, y + m * N, N, last), m += 2;
+  if (M - m == 1) wide_tile<1, NB>(op.at_row(m), wf, y + m * N, N, last);
 }
 
 // nb blocks of bytes (each `steps` x L, one after another from w) as floats into wf

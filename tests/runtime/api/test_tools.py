@@ -323,24 +323,31 @@ def test_mistral_calls_are_held_to_their_list(parallel):
     assert grammar.start().valid_prefix(list(b"Free text first ")) == 16  # auto: text until the marker
 
 
-def test_mistral_history_gets_the_nine_letter_ids_its_template_insists_on():
+@pytest.mark.parametrize("version", ["v3", "v11"])
+def test_mistral_history_gets_the_nine_letter_ids_its_templates_insist_on(version):
+    """Through the models' own templates: Mistral Nemo's (v3) and Mistral Small 3.2's (v11)."""
     from depctl_runtime.api.protocol import ChatMessage
-    from depctl_runtime.api.tools import MISTRAL, history
-    from tests.tiny import MISTRAL_TEMPLATE, byte_tokenizer
+    from depctl_runtime.api.tools import history
+    from tests.tiny import MISTRAL_TEMPLATE, MISTRAL_V11_TEMPLATE, byte_tokenizer
 
+    fmt, template = (MISTRAL, MISTRAL_TEMPLATE) if version == "v3" else (MISTRAL_V11, MISTRAL_V11_TEMPLATE)
     call = {"id": "call_0123456789abcdef", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     messages = [
         ChatMessage(role="user", content="go"),
         ChatMessage(role="assistant", content=None, tool_calls=[call]),
         ChatMessage(role="tool", tool_call_id=call["id"], content="done"),
     ]
-    turns = history(messages, MISTRAL)
+    turns = history(messages, fmt)
     nine = turns[1]["tool_calls"][0]["id"]
     assert len(nine) == 9 and nine.isalnum() and turns[2]["tool_call_id"] == nine
     assert history(messages)[1]["tool_calls"][0]["id"] == call["id"]  # other families keep the client's ids
-    text = byte_tokenizer(chat_template=MISTRAL_TEMPLATE).apply_chat_template(turns, tokenize=False)
-    assert f'[TOOL_CALLS][{{"name": "f", "arguments": {{"x": 1}}, "id": "{nine}"}}]' in text
-    assert f'[TOOL_RESULTS]{{"content": done, "call_id": "{nine}"}}[/TOOL_RESULTS]' in text
+    text = byte_tokenizer(chat_template=template).apply_chat_template(turns, tokenize=False)
+    if version == "v3":
+        assert f'[TOOL_CALLS][{{"name": "f", "arguments": {{"x": 1}}, "id": "{nine}"}}]' in text
+        assert f'[TOOL_RESULTS]{{"content": done, "call_id": "{nine}"}}[/TOOL_RESULTS]' in text
+    else:
+        assert f'[TOOL_CALLS]f[CALL_ID]{nine}[ARGS]{{"x": 1}}' in text
+        assert f"[TOOL_RESULTS]{nine}[TOOL_CONTENT]done[/TOOL_RESULTS]" in text
 
 
 # Mistral Small 3.1/3.2, Devstral, Ministral 3: each call after its own [TOOL_CALLS], its name, then [ARGS] and the
@@ -392,22 +399,3 @@ def test_mistral_v11_calls_are_held_to_their_functions(parallel):
         row.advance(tokenizer.encode(one, add_special_tokens=False))
         assert row.complete or row.allows(grammar.end_ids[0])  # it may end after any whole call
         assert valid('Free text first [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == lazy
-
-
-def test_mistral_v11_history_renders_through_mistral_small_3_2s_template():
-    from depctl_runtime.api.protocol import ChatMessage
-    from depctl_runtime.api.tools import history
-    from tests.tiny import MISTRAL_V11_TEMPLATE, byte_tokenizer
-
-    call = {"id": "toolu_01ABCdef", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
-    messages = [
-        ChatMessage(role="user", content="go"),
-        ChatMessage(role="assistant", content=None, tool_calls=[call]),
-        ChatMessage(role="tool", tool_call_id=call["id"], content="done"),
-    ]
-    turns = history(messages, MISTRAL_V11)
-    nine = turns[1]["tool_calls"][0]["id"]
-    assert len(nine) == 9 and nine.isalnum() and turns[2]["tool_call_id"] == nine
-    text = byte_tokenizer(chat_template=MISTRAL_V11_TEMPLATE).apply_chat_template(turns, tokenize=False)
-    assert f'[TOOL_CALLS]f[CALL_ID]{nine}[ARGS]{{"x": 1}}' in text
-    assert f"[TOOL_RESULTS]{nine}[TOOL_CONTENT]done[/TOOL_RESULTS]" in text
