@@ -189,8 +189,8 @@ def _quiet_polls(record: logging.LogRecord) -> bool:
         _, method, path, _, status = record.args
     except (TypeError, ValueError):
         return True
-    polled = path.startswith(("/depctl/v1/deployments", "/health", "/metrics", "/v1/models"))
-    return not (method == "GET" and polled and int(status) < 400)
+    polled = path == "/" or path.startswith(("/depctl/v1/deployments", "/health", "/metrics", "/v1/models"))
+    return not (method in ("GET", "HEAD") and polled and int(status) < 400)
 
 
 def _stopped(signum, frame) -> None:

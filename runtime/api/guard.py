@@ -24,7 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from depctl.settings import Settings, is_loopback
 from depctl_runtime.api.errors import APIError
 
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/", "/health")  # a probe and a health check, which say nothing of what is served
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 

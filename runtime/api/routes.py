@@ -34,6 +34,26 @@ def _service(request: Request) -> Service:
 # ---- health, models, metrics --------------------------------------------------------------------------------------
 
 
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root() -> dict:
+    """What answers here; clients probe it before their first request (Claude Code sends ``HEAD /``)."""
+    return {"name": "depctl", "status": "ok", "endpoints": list(ENDPOINTS)}
+
+
 @router.get("/health")
 async def health(request: Request) -> dict:
     deps = request.app.state.manager.all()

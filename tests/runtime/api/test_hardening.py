@@ -62,6 +62,10 @@ def _envelope(r: httpx.Response) -> dict:
 
 def test_api_key_on_every_route_but_health(daemon):
     assert httpx.get(daemon.url + "/health").status_code == 200
+    # the root says what answers here: clients probe it (Claude Code sends HEAD / before its first request)
+    assert httpx.head(daemon.url + "/").status_code == 200
+    root = httpx.get(daemon.url + "/").json()
+    assert root["name"] == "depctl" and "/v1/messages" in root["endpoints"]
     for method, path in [
         ("GET", "/v1/models"),
         ("POST", "/v1/completions"),
