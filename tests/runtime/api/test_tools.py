@@ -276,27 +276,41 @@ def test_a_llama_call_is_its_bare_json_object():
 
 MISTRAL_CALLS = (
     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}, '
-    '{"name": "get_time", "arguments": {"city": "Rome"}}]'
+    '{"name": "get_time", "arguments": {"city": "Rome", "note": "{not a brace}"}}]'
+)
+# Mistral Small 3.1/3.2, Devstral, Ministral 3: each call after its own [TOOL_CALLS], its name, then [ARGS] and the
+# arguments' object (Small 3.2 writes [CALL_ID] and an id between them in its history)
+V11_CALLS = (
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'
+    '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome", "note": "{not a brace}"}'
 )
 
 
+@pytest.mark.parametrize("fmt, text", [(MISTRAL, MISTRAL_CALLS), (MISTRAL_V11, V11_CALLS)], ids=["v3", "v11"])
 @pytest.mark.parametrize("pieces", [1, 3, 1000])
-def test_mistral_calls_stream_out_of_their_list(pieces):
-    content, calls, deltas = parse("Checking. " + MISTRAL_CALLS, pieces, fmt=MISTRAL)
-    assert content == "Checking. "
+def test_mistral_calls_stream_out_one_by_one(fmt, text, pieces):
+    """v3's list and v11's calls, each after its own marker, alike; text around them is content."""
+    content, calls, deltas = parse("Checking. " + text + " Done.", pieces, fmt=fmt)
+    assert content == "Checking.  Done."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris", "days": [1, 2]}),
-        ("get_time", {"city": "Rome"}),
+        ("get_time", {"city": "Rome", "note": "{not a brace}"}),
     ]
+    assert all(c["id"].startswith("call_") for c in calls)
     if pieces == 1:
-        assert sum(1 for d in deltas if d.id is None and d.arguments) > 5  # fragments, not one piece at the end
-    cut = MISTRAL_CALLS[:-20]
-    content, calls = split_calls(cut, frozenset({"get_weather", "get_time"}), MISTRAL)
+        assert sum(1 for d in deltas if d.index == 0 and d.id is None and d.arguments) > 5  # fragments
+
+
+def test_a_cut_mistral_call_is_content():
+    names = frozenset({"get_weather", "get_time"})
+    content, calls = split_calls(MISTRAL_CALLS[:-20], names, MISTRAL)
     assert len(calls) == 1 and content.startswith('{"name": "get_time"')  # the cut call is content, not a call
-    assert parse("[TOOL_CALLS] is how I call tools.", pieces, fmt=MISTRAL)[:2] == (
-        " is how I call tools.",
-        [],
-    )
+    assert parse("[TOOL_CALLS] is how I call tools.", 3, fmt=MISTRAL)[:2] == (" is how I call tools.", [])
+    cut = V11_CALLS[:-12]
+    content, calls = split_calls(cut, names, MISTRAL_V11)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert content == cut[cut.rindex("[TOOL_CALLS]") :]  # the cut call's text, its marker shown
+    assert split_calls("[TOOL_CALLS]get_weath", names, MISTRAL_V11) == ("[TOOL_CALLS]get_weath", [])
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -348,38 +362,6 @@ def test_mistral_history_gets_the_nine_letter_ids_its_templates_insist_on(versio
     else:
         assert f'[TOOL_CALLS]f[CALL_ID]{nine}[ARGS]{{"x": 1}}' in text
         assert f"[TOOL_RESULTS]{nine}[TOOL_CONTENT]done[/TOOL_RESULTS]" in text
-
-
-# Mistral Small 3.1/3.2, Devstral, Ministral 3: each call after its own [TOOL_CALLS], its name, then [ARGS] and the
-# arguments' object (Small 3.2 writes [CALL_ID] and an id between them in its history)
-V11_CALLS = (
-    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}'
-    '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome", "note": "{not a brace}"}'
-)
-
-
-@pytest.mark.parametrize("pieces", [1, 3, 1000])
-def test_mistral_v11_calls_stream_out_one_by_one(pieces):
-    content, calls, deltas = parse("Checking. " + V11_CALLS, pieces, fmt=MISTRAL_V11)
-    assert content == "Checking. "
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris", "days": [1, 2]}),
-        ("get_time", {"city": "Rome", "note": "{not a brace}"}),
-    ]
-    assert all(c["id"].startswith("call_") for c in calls)
-    if pieces == 1:
-        assert sum(1 for d in deltas if d.index == 0 and d.id is None and d.arguments) > 5  # fragments
-    content, calls, _ = parse(V11_CALLS + " Done.", pieces, fmt=MISTRAL_V11)
-    assert len(calls) == 2 and content == " Done."  # text after the calls is content
-
-
-def test_a_cut_mistral_v11_call_is_content():
-    names = frozenset({"get_weather", "get_time"})
-    cut = V11_CALLS[:-12]
-    content, calls = split_calls(cut, names, MISTRAL_V11)
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert content == cut[cut.rindex("[TOOL_CALLS]") :]  # the cut call's text, its marker shown
-    assert split_calls("[TOOL_CALLS]get_weath", names, MISTRAL_V11) == ("[TOOL_CALLS]get_weath", [])
 
 
 @pytest.mark.parametrize("parallel", [True, False])
