@@ -68,7 +68,12 @@ def build_flags() -> list[str]:
                 "build as plain C++, several times slower"
             )
         return ["-O3", *threads]
-    return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *isa.build_arch_flags().split()]
+    arch = isa.build_arch_flags().split()
+    if platform.machine() in ("x86_64", "AMD64") and "-mf16c" not in arch:
+        # the int4 tiles convert fp16 scales with F16C (_mm256_cvtph_ps) in AVX-512 builds too, and inductor's
+        # AVX-512 flags leave it out; every AVX2 or AVX-512 CPU has it
+        arch.append("-mf16c")
+    return ["-O3", *threads, *(f"-D{macro}" for macro in isa.build_macro()), *arch]
 
 
 LIBRARY = "depctl_native.so"

@@ -281,3 +281,15 @@ def test_ninja_from_the_virtualenv_is_found_without_an_activated_path(monkeypatc
     monkeypatch.setenv("PATH", "/nonexistent")
     native._ninja_on_path()
     assert ninja.BIN_DIR in os.environ["PATH"].split(os.pathsep)
+
+
+@pytest.mark.parametrize("isa_name", ["avx2", "avx512"])
+def test_the_flags_for_every_x86_isa_cover_the_half_precision_conversions_the_kernels_use(monkeypatch, isa_name):
+    # the int4 kernels' AVX2 tiles convert fp16 scales with F16C, also inside AVX-512 builds; inductor's AVX-512
+    # flags name no -mf16c, and GCC refused to inline _mm256_cvtph_ps there (no ops at all on AVX-512 machines)
+    from torch._inductor import cpu_vec_isa
+
+    isa = {"avx2": cpu_vec_isa.VecAVX2(), "avx512": cpu_vec_isa.VecAVX512()}[isa_name]
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: isa)
+    monkeypatch.setattr(native.platform, "machine", lambda: "x86_64")
+    assert "-mf16c" in native.build_flags()
