@@ -69,6 +69,10 @@ Quantization = Literal["none", "int8", "int4"]
 Engine = Literal["depctl", "vllm"]
 MAX_PARALLEL_SIZE = 1024
 MIN_CONTEXT_LENGTH = 16
+# a learning draft head's recorded traffic: ~3.5 KB a token for SmolLM2 (three layers' bf16 features), so the default
+# holds about 300,000 tokens of answers and their prompts
+DEFAULT_LEARN_DISK_BYTES = 1 << 30
+MIN_LEARN_DISK_BYTES = 16 << 20
 
 
 class _Strict(BaseModel):
@@ -113,6 +117,15 @@ Speculation = Annotated[
 AnySpeculation = Union[NoSpeculation, NgramSpeculation, SuffixSpeculation, DraftModelSpeculation]
 
 
+class LearnDraftHead(_Strict):
+    """A draft head learned from the deployment's own traffic (``--learn-draft-head``): trained in idle time on what the
+    target computed while answering, it replaces the n-gram or suffix index once it drafts better on held-out recent
+    answers, and each better generation replaces the last, without a reload."""
+
+    # the recorded answers' bytes on disk (the deployment's own folder); the oldest are deleted beyond it
+    disk_bytes: int = Field(DEFAULT_LEARN_DISK_BYTES, ge=MIN_LEARN_DISK_BYTES)
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc).replace(microsecond=0)
 
@@ -154,6 +167,8 @@ class DeploymentSpec(_Strict):
     # None: a tenth of the memory free after loading, at most 1 GiB; 0: none
     prefix_cache_bytes: int | None = Field(None, ge=0)
     prefix_cache_scope: PrefixCacheScope = "user"
+    # a draft head that learns from this deployment's traffic; None: off
+    learn_draft_head: LearnDraftHead | None = None
     # changes apply without a reload
     sampling: SamplingDefaults = SamplingDefaults()
     created_at: datetime = Field(default_factory=_now)
@@ -169,6 +184,7 @@ class DeploymentSpec(_Strict):
     def _check_quantization(self) -> "DeploymentSpec":
         check_quantization(self.quantization, self.dtype, self.device)
         check_engine(self)
+        check_learning(self)
         return self
 
     def to_yaml_dict(self) -> dict:
@@ -223,6 +239,25 @@ def check_engine(spec: "DeploymentSpec") -> None:
         raise ValueError(
             f"--draft-precision {precision} applies to depctl's engine; vLLM holds the draft in the "
             "target's dtype: use --draft-precision auto with --engine vllm"
+        )
+
+
+def check_learning(spec: "DeploymentSpec") -> None:
+    """What a learning head needs: depctl's engine, and an n-gram or suffix index to draft until it is good enough
+    (and to give K); raises ValueError naming the flag to change."""
+    if spec.learn_draft_head is None:
+        return
+    if spec.engine != "depctl":
+        raise ValueError(
+            "--learn-draft-head trains on depctl's own engine while it serves: use --engine depctl, or drop "
+            "--learn-draft-head (train a head with `depctl draft train` and give it to vLLM as --draft-model)"
+        )
+    if not isinstance(spec.speculation, (NgramSpeculation, SuffixSpeculation)):
+        given = "--draft-model" if isinstance(spec.speculation, DraftModelSpeculation) else "no speculation method"
+        raise ValueError(
+            f"--learn-draft-head drafts with --ngram-speculation-length or --suffix-speculation until its head is "
+            f"better, and takes their --draft-token-count; got {given}: add --suffix-speculation (or "
+            "--ngram-speculation-length N), or turn learning off with --no-learn-draft-head"
         )
 
 
@@ -469,6 +504,32 @@ def parse_size(text: str, flag: str = "--prefix-cache-size") -> int | None:
     if size < 0:
         raise UsageError(f"{flag} cannot be negative, got {text!r}", "use off for none")
     return int(size)
+
+
+def learn_from_flags(on: bool | None, size: str | None, current: "LearnDraftHead | None" = None):
+    """``--learn-draft-head/--no-learn-draft-head`` and ``--learn-disk-size`` as the spec's ``learn_draft_head``
+    (on update, ``current`` is the deployment's); ``...`` where neither flag was given."""
+    if on is None and size is None:
+        return ...
+    if on is False:
+        if size is not None:
+            raise UsageError("--learn-disk-size cannot go with --no-learn-draft-head", "drop one of them")
+        return None
+    if on is None and current is None:
+        raise UsageError(
+            "--learn-disk-size needs --learn-draft-head (this deployment does not learn a head)",
+            "add --learn-draft-head, or drop --learn-disk-size",
+        )
+    fields = dict(current.model_dump()) if current is not None else {}
+    if size is not None:
+        bytes_ = parse_size(size, "--learn-disk-size")
+        if not bytes_ or bytes_ < MIN_LEARN_DISK_BYTES:
+            raise UsageError(
+                f"--learn-disk-size must be at least {describe_size(MIN_LEARN_DISK_BYTES)}, got {size!r}",
+                "give a size such as 512MiB or 2GiB, or turn learning off with --no-learn-draft-head",
+            )
+        fields["disk_bytes"] = bytes_
+    return LearnDraftHead(**fields)
 
 
 def describe_size(size: int | None) -> str:

@@ -18,7 +18,7 @@ import yaml
 from filelock import FileLock
 from pydantic import ValidationError
 
-from depctl import config, recordings
+from depctl import config, learning, recordings
 from depctl.errors import ConflictError, NotFoundError, SpecError, UsageError
 from depctl.spec import DeploymentSpec, check_deployment_id
 
@@ -154,6 +154,7 @@ class SpecStore:
                 )
             path.unlink()
             recordings.delete(deployment_id)  # the prompts it recorded go with it
+            learning.delete(deployment_id)  # and the traffic and heads a learning head kept
 
     def _write(self, path: Path, spec: DeploymentSpec) -> None:
         text = yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False)

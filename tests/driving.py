@@ -101,8 +101,9 @@ def solo(target, prompt, params):
     return [t for o in generate(engine, prompt, params) for t in o.token_ids]
 
 
-def drive(scheduler, arrivals, cancel_at=None):
-    """Run to the end. ``arrivals``: (iteration, prompt, params); ``cancel_at``: {index: iteration}."""
+def drive(scheduler, arrivals, cancel_at=None, on_iteration=None):
+    """Run to the end. ``arrivals``: (iteration, prompt, params); ``cancel_at``: {index: iteration};
+    ``on_iteration(it)`` runs before each iteration's step."""
     engine = scheduler.engine
     seqs, got, finish, it = {}, {}, {}, 0
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
@@ -115,6 +116,8 @@ def drive(scheduler, arrivals, cancel_at=None):
         for i, when in (cancel_at or {}).items():
             if when == it and i in seqs:
                 scheduler.cancel(seqs[i])
+        if on_iteration is not None:
+            on_iteration(it)
         by_id = {s.id: i for i, s in seqs.items()}
         for seq, out in scheduler.step():
             got[by_id[seq.id]] += out.token_ids

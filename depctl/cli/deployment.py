@@ -32,6 +32,7 @@ from depctl.spec import (
     describe_engine,
     describe_size,
     describe_speculation,
+    learn_from_flags,
     new_deployment_id,
     parse_duration,
     parse_size,
@@ -190,6 +191,18 @@ RECORD_HELP = (
     "Keep the prompts this deployment serves (chat messages up to the last user turn, completion prompts; never "
     "answers), to train a draft head on its traffic: depctl draft train MODEL --from-deployment ID. Kept under the "
     "depctl home, deleted with the deployment. Applies without a reload."
+)
+LEARN_HELP = (
+    "Learn a draft head from this deployment's own traffic: it records what the target computes while answering "
+    "(under the depctl home, owner only, deleted with the deployment), trains in idle time, and replaces the n-gram "
+    "or suffix drafts once it drafts better on held-out recent answers. Needs --suffix-speculation or "
+    "--ngram-speculation-length. depctl's engine."
+)
+LEARN_DISK = typer.Option(
+    None,
+    "--learn-disk-size",
+    metavar="SIZE",
+    help="Disk for a learning head's recorded answers (default 1GiB; the oldest are deleted beyond it).",
 )
 _DEFAULT_FOR = "for requests that leave it out (a request's own value wins); applies without a reload"
 TEMPERATURE = typer.Option(
@@ -371,6 +384,8 @@ def create(
     prefix_cache_size: Optional[str] = PREFIX_CACHE,
     prefix_cache_scope: Optional[PrefixCacheScope] = PREFIX_CACHE_SCOPE,
     record_prompts: bool = typer.Option(False, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
+    learn_draft_head: bool = typer.Option(False, "--learn-draft-head/--no-learn-draft-head", help=LEARN_HELP),
+    learn_disk_size: Optional[str] = LEARN_DISK,
     temperature: Optional[float] = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
@@ -393,6 +408,7 @@ def create(
             suffix_scope=suffix_scope and suffix_scope.value,
         )
     )
+    learning = learn_from_flags(learn_draft_head or None, learn_disk_size)
     target = models.resolve(model, "MODEL")
     if isinstance(speculation, DraftModelSpeculation):
         draft = _check_draft(target, speculation.draft_model)
@@ -422,6 +438,7 @@ def create(
             record_prompts=record_prompts,
             prefix_cache_bytes=parse_size(prefix_cache_size) if prefix_cache_size is not None else None,
             prefix_cache_scope=(prefix_cache_scope or PrefixCacheScope.user).value,
+            learn_draft_head=None if learning is ... else learning,
             sampling=SamplingDefaults(temperature=temperature, top_p=top_p, top_k=top_k),
         )
     )
@@ -501,6 +518,8 @@ def update(
     prefix_cache_size: Optional[str] = PREFIX_CACHE,
     prefix_cache_scope: Optional[PrefixCacheScope] = PREFIX_CACHE_SCOPE,
     record_prompts: Optional[bool] = typer.Option(None, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
+    learn_draft_head: Optional[bool] = typer.Option(None, "--learn-draft-head/--no-learn-draft-head", help=LEARN_HELP),
+    learn_disk_size: Optional[str] = LEARN_DISK,
     temperature: Optional[float] = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
@@ -543,6 +562,9 @@ def update(
         others["keep_alive"] = parse_duration(keep_alive)  # None: forever
     if prefix_cache_size is not None:
         others["prefix_cache_bytes"] = parse_size(prefix_cache_size)  # None: auto
+    learning = learn_from_flags(learn_draft_head, learn_disk_size, current.learn_draft_head)
+    if learning is not ...:
+        others["learn_draft_head"] = learning
     if "ray_address" in others and not others["ray_address"]:
         others["ray_address"] = None  # --ray-address "": back to one machine
     sampling = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None}
@@ -554,7 +576,8 @@ def update(
             "--disable-speculative-decoding, --max-batch-size, --display-name, --device, --dtype, --quantization, "
             "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
             "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size, --prefix-cache-scope, "
-            "--record-prompts/--no-record-prompts, --temperature, --top-p or --top-k",
+            "--record-prompts/--no-record-prompts, --learn-draft-head/--no-learn-draft-head, --learn-disk-size, "
+            "--temperature, --top-p or --top-k",
         )
     if sampling:
         others["sampling"] = {**current.sampling.model_dump(), **sampling}

@@ -63,11 +63,19 @@ def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: s
         head, _ = eagle_format.load(Path(source), embeddings.detach())
     except eagle_format.HeadError as exc:
         raise HeadLoadError(f"--draft-model {draft_ref!r} was trained for {trained_for}: {exc}; {retrain}") from None
+    return for_serving(head, model)
+
+
+def for_serving(head: EagleHead, model: torch.nn.Module) -> EagleHead:
+    """``head`` made ready to draft for ``model``: on its device, over its own embedding module, frozen, its linears
+    in int8 on a CPU. The head given is changed in place."""
+    embeddings = model.get_input_embeddings().weight
     dtype = torch.float32 if embeddings.device.type == "cpu" else embeddings.dtype
     head.embed_tokens.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     head.to(device=embeddings.device, dtype=dtype)
     head.inv_freq = head.inv_freq.float()  # RoPE's frequencies stay float32, as the target's do
     head.requires_grad_(False)
+    head.eval()
     # the target's own embedding module, never a copy of its table: a compiled pass may later give the target's
     # weights new storage (a copy of tables mapped from a file), and the head then reads that one too
     head.embed_tokens = model.get_input_embeddings()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from depctl.errors import first_line
 from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation, SuffixSpeculation
-from depctl_runtime.backends import eagle
+from depctl_runtime.backends import eagle, learning
 from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.calibration import kept_costs_path, read_costs, write_costs
 from depctl_runtime.backends.passes import Passes, compile_passes
@@ -52,6 +52,7 @@ from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.engine import EngineConfig, SpeculativeEngine
 from depctl_runtime.speculation.grammar import GrammarCompiler
 from depctl_runtime.speculation.proposers import DraftModelProposer, NgramProposer, Proposer, SuffixProposer
+from depctl_runtime.training.online import HeadLearner
 
 log = logging.getLogger("depctl.loader")
 
@@ -70,12 +71,15 @@ class LoadedDeployment:
     products: str = ""  # and what computes the target's matrix products (``surgery.products``)
     grammars: GrammarCompiler | None = None  # compiles requests' constraints (None: the tokenizer cannot)
     costs_file: Path | None = None  # where the policy's pass costs are kept for the next load (None: not calibrated)
+    learner: HeadLearner | None = None  # a head learning from the traffic (``--learn-draft-head``)
 
     def release(self) -> None:
         """Free the weights now that nothing will run this engine again (a reload, a delete, a stale load): a compiled
         library would otherwise keep them (``ModelRunner.release``). The pass costs serving refined are kept."""
         if self.costs_file is not None:
             write_costs(self.costs_file, self.engine.policy.snapshot())
+        if self.learner is not None:
+            self.learner.release()
         self.engine.target.release()
         if self.engine.draft_model is not None:
             self.engine.draft_model.release()
@@ -147,6 +151,12 @@ def load_deployment(
         check_draft_compatible(target, draft, spec.model, draft_ref)
         draft_runner = ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context)
     num_draft_tokens = getattr(spec_method, "num_draft_tokens", 0)
+    learner = None
+    if spec.learn_draft_head is not None:
+        learner = learning.learner(spec, target.model, rows, vocab)
+        served = learner.initial_head()  # the generation that served before a restart, if any
+        head = eagle.for_serving(served, target.model) if served is not None else None
+        features = learner.config.aux_layers
     features = head.config.aux_layers if head is not None else features
     passes = compile_passes(
         ModelRunner(target.model, vocab, max_rows=rows, max_context=max_context, features=features),
@@ -170,7 +180,10 @@ def load_deployment(
                 spec.prefix_cache_bytes if spec.prefix_cache_bytes is not None else prefix_cache_budget(device)
             ),
         ),
+        observer=learner.recorder if learner is not None else None,
     )
+    if learner is not None:
+        learner.attach(engine)
     grammars = None
     try:  # llguidance's table of every token's bytes: structured outputs and logprobs' token bytes
         grammars = GrammarCompiler(target.tokenizer, vocab, list(eos_ids))
@@ -211,6 +224,7 @@ def load_deployment(
         kernels,
         grammars,
         costs_file,
+        learner,
     )
 
 

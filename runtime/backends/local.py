@@ -175,6 +175,8 @@ class LocalBackend:
             out["eagle_head"] = {"aux_layers": list(c.aux_layers), "draft_vocab_size": c.draft_vocab_size}
         if isinstance(engine.proposer, SuffixProposer):
             out["suffix_index"] = engine.proposer.snapshot()
+        if loaded.learner is not None:
+            out["learning"] = loaded.learner.status()
         if engine.prefix is not None:
             # whether prompts resume mid-block (engine.prefix_mid_block), or at whole blocks only
             out["prefix_cache"] = {**engine.prefix.stats(), "mid_block": engine.prefix_mid_block}

@@ -78,7 +78,8 @@ class EngineWorker:
         self.name = name
         self.loaded = loaded
         self.max_batch_size = max_batch_size
-        self.scheduler: Scheduler | None = Scheduler(loaded.engine, max_batch_size)  # None once exited
+        # None once exited; idle time also trains a learning head (``loaded.learner``)
+        self.scheduler: Scheduler | None = Scheduler(loaded.engine, max_batch_size, background=loaded.learner)
         self._host = host
         self._on_crash = on_crash
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()

@@ -26,7 +26,7 @@ from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.params import GenerationParams
 from depctl_runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
-from depctl_runtime.speculation.proposers import ModelProposer, PredictionTracker, Proposer
+from depctl_runtime.speculation.proposers import FeatureObserver, ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
 from depctl_runtime.speculation.sequence import Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
@@ -81,6 +81,7 @@ class SpeculativeEngine:
         proposer: Proposer | None = None,
         config: EngineConfig | None = None,
         prediction_tracker: Callable[[Seq[int]], PredictionTracker] = PredictionTracker,
+        observer: FeatureObserver | None = None,
     ):
         self.target = target
         self.prediction_tracker = prediction_tracker  # how a request follows its predicted output
@@ -89,13 +90,17 @@ class SpeculativeEngine:
         self.stats = SpecDecodeStats()  # the deployment's totals
         # the proposer that runs a model with the target's rows (None for free proposers)
         self.draft_model: ModelProposer | None = proposer if hasattr(proposer, "accepted") else None
+        # sees what the target computed for every sequence, drafting or not (a learning head's traffic capture)
+        self.observer = observer
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
-        # prompt blocks already read, for requests that start the same way; not with a proposer that must see every
-        # prompt position's layer features (an EAGLE head), which the blocks do not keep
+        # prompt blocks already read, for requests that start the same way; not where a proposer or the observer must
+        # see every prompt position's layer features (an EAGLE head), which the blocks do not keep
         self.prefix: PrefixStore | None = None
-        if self.config.prefix_cache_bytes > 0 and not getattr(proposer, "needs_prompt_features", False):
+        if self.config.prefix_cache_bytes > 0 and not any(
+            getattr(part, "needs_prompt_features", False) for part in (proposer, observer)
+        ):
             self.prefix = PrefixStore(self.config.prefix_cache_bytes, self.config.prefix_block)
         # whether the target's prompt passes give the same bits wherever a prompt is cut within a block: then a
         # prompt may resume mid-block (from a tail, or part of a block) and be read in narrower chunks beside running
@@ -107,6 +112,11 @@ class SpeculativeEngine:
         # computes grammar masks during the target pass (llguidance releases the GIL); it uses a row's matcher only
         # while the engine thread waits on that pass, so the two never touch one matcher at once
         self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="depctl-grammar")
+
+    @property
+    def _feature_sinks(self) -> list:
+        """Whatever takes the target's layer features of each position read: the draft model (or head), the observer."""
+        return [part for part in (self.draft_model, self.observer) if part is not None]
 
     @property
     def prefix_mid_block(self) -> bool:
@@ -122,6 +132,25 @@ class SpeculativeEngine:
         self.config.num_draft_tokens = k
         self.policy.max_k = k if self.proposer else 0
         self.target.set_max_width(1 + self.policy.max_k)
+
+    @torch.inference_mode()
+    def swap_proposer(self, proposer: ModelProposer, rows: Seq[Sequence], features) -> None:
+        """Draft with ``proposer`` from the next step on (a new generation of a learning head), rows under way
+        included: each sequence holding a row (a prompt half read too) is handed the target's layer features of the
+        positions read so far (``features(seq)`` [n, F], None before any), as if the proposer had followed it from
+        its first token. Its draft cost is measured first. Drafts only propose, so the output is the target's
+        whichever proposer drafted any step."""
+        old = self.draft_model
+        prompt = [(i * 7919) % min(self.target.vocab_size or 256, 1000) for i in range(64)]
+        proposer.calibrate(self.policy.draft_cost, self.target.max_rows, prompt)
+        for seq in rows:
+            read = features(seq)
+            if read is not None:
+                proposer.prefilled(seq, 0, read)
+        self.proposer = self.draft_model = proposer
+        self.policy.max_k = self.config.num_draft_tokens
+        if old is not None:
+            old.release()
 
     # ---- a sequence's life: new -> prefill (in chunks) -> step ... -> finish ----
     def new_sequence(self, prompt_ids: Seq[int], params: GenerationParams) -> Sequence:
@@ -177,8 +206,8 @@ class SpeculativeEngine:
         if done:
             self._reading = None
             logits, features = reading.chunk.result()  # [1, vocab], [len(chunk), F] or None
-            if self.draft_model is not None:
-                self.draft_model.prefilled(seq, seq.prefilled, features, lambda: logits)
+            for sink in self._feature_sinks:
+                sink.prefilled(seq, seq.prefilled, features, lambda: logits)
             seq.prefilled += reading.chunk.width
             if cached:
                 self._keep(seq, seq.prefilled, seq.prompt_len)
@@ -321,7 +350,7 @@ class SpeculativeEngine:
                     seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop))
                 )
                 read = (None, None)
-                if self.draft_model is not None:  # what the pass computed at the positions of the tokens it accepted
+                if self._feature_sinks:  # what the pass computed at the positions of the tokens it accepted
                     kept = slice(rows.start, rows.start + n + 1)
                     features = None if scores.features is None else scores.features[kept]
                     read = (features, lambda kept=kept: scores.logits(kept))
@@ -362,6 +391,8 @@ class SpeculativeEngine:
     def finish(self, seq: Sequence) -> None:
         if self.proposer is not None and self.draft_model is None and seq.fault is None:
             self.proposer.finish(seq)  # suffix speculation keeps the finished request as context for later ones
+        if self.observer is not None:
+            self.observer.finished(seq)
         self.policy.end_request(seq.acceptance)
         self.stats.num_requests += 1
 
@@ -531,6 +562,8 @@ class SpeculativeEngine:
         self.target.set_length(seq.row, len(seq.tokens) - 1)
         if self.draft_model is not None:
             self.draft_model.accepted(seq, before, emitted, model_drafts, *read)
+        if self.observer is not None:
+            self.observer.accepted(seq, before, emitted, None, *read)
         k = len(drafts)
         if k:
             guess.acceptance.observe(n, n + (1 if n < k else 0))

@@ -271,6 +271,20 @@ class ModelProposer(Protocol):
     def release(self) -> None: ...
 
 
+class FeatureObserver(Protocol):
+    """Sees what the target computed for every sequence, drafting or not, as a ``ModelProposer`` does (``prefilled``,
+    ``accepted``: the layer features of the positions each pass read), and each sequence's end (``finished``); it
+    never drafts. A learning head's traffic capture (``depctl_runtime.training.traffic``)."""
+
+    needs_prompt_features: bool
+
+    def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None: ...
+
+    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None: ...
+
+    def finished(self, seq) -> None: ...
+
+
 def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """The drafting both model proposers run: ``width`` tokens for each of rows 0..B-1, chosen from logits
     [B, vocab] greedily or sampled as the row samples (keeping the draft probabilities rejection sampling needs),

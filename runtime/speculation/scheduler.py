@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Iterator
+from typing import Iterator, Protocol
 from typing import Sequence as Seq
 
 from depctl_runtime.speculation.faults import RowFault
@@ -41,6 +41,15 @@ PREFILL_SHARE = 1.0  # prompt work per iteration while streams run, in batch ste
 NARROWEST_CHUNK = 16  # a prompt read beside streams narrows its chunks down to this while one part outlasts a step
 
 
+class Background(Protocol):
+    """Work for a deployment's idle time, done in slices short enough that a request arriving waits for one at
+    most (``online.HeadLearner``)."""
+
+    def has_work(self) -> bool: ...
+
+    def work(self) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -49,6 +58,7 @@ class Scheduler:
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_share: float = PREFILL_SHARE,
         narrowest_chunk: int = NARROWEST_CHUNK,
+        background: Background | None = None,
     ):
         if not 1 <= max_batch_size <= engine.max_rows:
             raise ValueError(f"max_batch_size must be in 1..{engine.max_rows} (the engine's cache rows)")
@@ -65,6 +75,7 @@ class Scheduler:
         self.prefilling: Sequence | None = None  # row len(running) while its prompt is read
         self._cancelled: set[int] = set()
         self.answers: deque[Sequence] = deque(maxlen=ANSWERS_KEPT)  # for ``idle``, the latest first
+        self.background = background  # idle work after the answers (a learning head's training)
 
     @property
     def num_running(self) -> int:
@@ -122,15 +133,19 @@ class Scheduler:
         return out
 
     def has_idle_work(self) -> bool:
-        return bool(self.answers)
+        return bool(self.answers) or (self.background is not None and self.background.has_work())
 
     def idle(self, seconds: float = IDLE_SLICE) -> None:
         """With no request to serve: about ``seconds`` of reading the latest finished answer into the prefix cache
-        (``engine.keep_answer``), stopping between parts of layers; the next request takes row 0 back."""
-        if self.has_work() or not self.answers:
+        (``engine.keep_answer``), stopping between parts of layers; the next request takes row 0 back. Then the
+        background's own slice."""
+        if self.has_work():
             return
-        if self.engine.keep_answer(self.answers[0], more=_Share(seconds)):
-            self.answers.popleft()
+        if self.answers:
+            if self.engine.keep_answer(self.answers[0], more=_Share(seconds)):
+                self.answers.popleft()
+        elif self.background is not None:
+            self.background.work()
 
     def _narrow(self, share: "_Share") -> None:
         """The next chunk's width beside running streams: half while a part outlasted the share, double (up to a

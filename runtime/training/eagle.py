@@ -428,28 +428,42 @@ def evaluate(head: EagleHead, examples: list[dict], steps: int) -> dict:
     """Greedy drafts over held-out answers, as drafting would run them: per step the share of positions where
     that step and every one before it were right (a draft is accepted up to its first miss), and the mean accepted
     length (the verified token plus the drafts accepted)."""
+    reached, positions = [0] * steps, 0
+    for example in examples:
+        got, rows = reach(head, example, steps)
+        reached = [a + b for a, b in zip(reached, got)]
+        positions += rows
+    return acceptance(reached, positions)
+
+
+def acceptance(reached: list[int], positions: int) -> dict:
+    """``reached[j]``: positions whose drafts 0..j were all right, of ``positions``."""
+    rates = [r / positions if positions else 0.0 for r in reached]
+    return {"acceptance": [round(r, 4) for r in rates], "mean_accepted": round(1 + sum(rates), 3)}
+
+
+@torch.inference_mode()
+def reach(head: EagleHead, example: dict, steps: int) -> tuple[list[int], int]:
+    """One answer's greedy drafts: per step, the positions where it and every step before it were right; and the
+    positions drafted from."""
     was_training = head.training
     head.eval()
     device = head.d2t.device
     reached = [0] * steps
-    positions = 0
-    for example in examples:
-        first = _first(example)
-        tokens = example["tokens"].to(device)
-        logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps, first=first)
-        targets = _targets(head, example, len(logits), first, device)
-        rows = targets[0][0].shape[0]
-        if not logits or rows <= 0:
-            continue
-        alive = torch.ones(rows, dtype=torch.bool, device=device)
-        for j, (step_logits, (target, counted)) in enumerate(zip(logits, targets)):
-            n = min(rows, step_logits.shape[0])
-            alive = alive[:n] & (step_logits[:n].argmax(-1) == target[:n]) & counted[:n]
-            reached[j] += int(alive.sum())
-        positions += rows
+    first = _first(example)
+    tokens = example["tokens"].to(device)
+    logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps, first=first)
     head.train(was_training)
-    rates = [r / positions if positions else 0.0 for r in reached]
-    return {"acceptance": [round(r, 4) for r in rates], "mean_accepted": round(1 + sum(rates), 3)}
+    targets = _targets(head, example, len(logits), first, device)
+    rows = targets[0][0].shape[0]
+    if not logits or rows <= 0:
+        return reached, 0
+    alive = torch.ones(rows, dtype=torch.bool, device=device)
+    for j, (step_logits, (target, counted)) in enumerate(zip(logits, targets)):
+        n = min(rows, step_logits.shape[0])
+        alive = alive[:n] & (step_logits[:n].argmax(-1) == target[:n]) & counted[:n]
+        reached[j] += int(alive.sum())
+    return reached, rows
 
 
 def _evaluate(head, heldout, steps, trained: float, loss) -> dict:

@@ -157,3 +157,39 @@ def test_a_row_that_decodes_plainly_for_long_drafts_from_every_feature_it_was_ha
     assert eng.draft_model.propose([seq], 3).tokens[0] == reference_drafts(fused, head, seq.tokens, 3)
     eng.step([seq])
     assert eng.draft_model.propose([seq], 2).tokens[0] == reference_drafts(fused, head, seq.tokens, 2)
+
+
+def test_heads_swapped_mid_stream_leave_greedy_and_seeded_output_unchanged(fused, tmp_path):
+    """A learning deployment drafts with its n-gram index, then with each new head generation, swapped between steps
+    while rows are under way: each row's next draft comes from the new head, caught up on the features the observer
+    kept, and no row's output changes."""
+    from depctl_runtime.speculation import NgramProposer
+    from depctl_runtime.training.traffic import TrafficRecorder, TrafficStore
+
+    seeded = GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=3))
+    arrivals = [(0, PROMPTS[0], GREEDY), (1, PROMPTS[1], seeded), (2, PROMPTS[2], GREEDY), (9, PROMPTS[3], seeded)]
+    plain, _ = drive(Scheduler(engine(fused, None, 3), 3, prefill_chunk=8), arrivals)
+    recorder = TrafficRecorder(TrafficStore(tmp_path / "traffic", 1 << 30), torch.float32)
+    runner = ModelRunner(fused, max_rows=3, max_context=512, features=make_head(fused).config.aux_layers)
+    eng = SpeculativeEngine(
+        runner,
+        NgramProposer(2),
+        EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False),
+        observer=recorder,
+    )
+    scheduler = Scheduler(eng, 3, prefill_chunk=8)
+    heads = {8: make_head(fused, seed=1), 20: make_head(fused, seed=2)}
+    drafted_by_head = []
+
+    def swap(it: int) -> None:
+        if it in heads:
+            before = eng.stats.num_draft_tokens
+            proposer = EagleProposer(heads[it], 3, runner.vocab_size or fused.config.vocab_size)
+            rows = scheduler.running + ([scheduler.prefilling] if scheduler.prefilling else [])
+            eng.swap_proposer(proposer, rows, recorder.features)
+            assert eng.draft_model is proposer and scheduler.running
+            drafted_by_head.append(before)
+
+    got, _ = drive(scheduler, arrivals, on_iteration=swap)
+    assert got == plain
+    assert eng.stats.num_draft_tokens > drafted_by_head[1] > drafted_by_head[0]  # each head drafted

@@ -1,0 +1,495 @@
+"""A draft head that learns from the deployment's own traffic while it serves (``--learn-draft-head``).
+
+The deployment starts drafting with its n-gram or suffix index (or the head it learned before a restart). While it
+answers, ``traffic.TrafficRecorder`` keeps what the target computed (the layer features an EAGLE-3 head reads, and
+the tokens the target chose); when no deployment of the daemon has a request, the engine thread spends its idle
+time here, a slice of about ``SLICE`` seconds at a time, so a request that arrives waits for one slice at most:
+
+1. write the answers recorded while serving (``TrafficStore``);
+2. train the head on them: EAGLE-3's training-time test (``EagleHead.ttt_logits``, as ``depctl draft train`` runs
+   it) over windows of an answer sized to the slice, prompt positions included, the gradients of ``BATCH_ROWS``
+   positions summed into one optimizer step; labels are the tokens the target chose, so nothing is computed for
+   training while serving;
+3. every so often compare the head in training with the serving one on the most recent held-out answers (the mean
+   accepted length of greedy drafts at K); where it is better, it becomes the next generation: saved in the
+   deployment's folder and swapped into the engine between steps (``SpeculativeEngine.swap_proposer``), no reload.
+
+Exactness never depends on the head: drafts only propose, and the target's verification decides every token. The
+training's state (the head, the optimizer, the clocks and the comparisons) is saved at each comparison and when the
+deployment stops, and a restart goes on from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+
+from depctl_runtime.model import eagle_format
+from depctl_runtime.model.eagle import EagleConfig, EagleHead
+from depctl_runtime.training.eagle import STEP_WEIGHT, _vocabulary, acceptance, reach
+from depctl_runtime.training.state import load_state, save_state
+from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStore, private_dir, read_answer
+
+log = logging.getLogger("depctl.learning")
+
+SLICE = 0.1  # seconds of training between looks at the inbox: what a request arriving in idle time may wait
+BATCH_ROWS = 512  # positions whose gradients make one optimizer step
+MIN_ANSWERS = 16  # recorded answers before training starts
+FIRST_COMPARISON = 30.0  # seconds of training before the first comparison: a first head serves early
+COMPARE_EVERY = 120.0  # seconds of training between later comparisons
+FIRST_HEAD_MIN = 1.5  # held-out mean accepted length at K a first head must reach to replace the n-gram or suffix index
+BETTER_BY = 0.02  # ... and a later generation must beat the serving one by, on the same answers
+EPOCHS = 8  # passes over the recorded positions before training waits for more traffic
+LR = 3e-4
+WARMUP_ROWS = 20_000  # positions over which the learning rate ramps up
+HISTORY_KEPT = 200
+
+
+@dataclass
+class LearnOptions:
+    steps: int  # draft steps trained (the deployment's K)
+    draft_vocab: int = 8192
+    slice_seconds: float = SLICE
+    batch_rows: int = BATCH_ROWS
+    min_answers: int = MIN_ANSWERS
+    first_comparison: float = FIRST_COMPARISON
+    compare_every: float = COMPARE_EVERY
+    first_head_min: float = FIRST_HEAD_MIN
+    epochs: float = EPOCHS
+    lr: float = LR
+    prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
+    seed: int = 0
+
+
+class HeadLearner:
+    """A learning deployment's head: the traffic capture (the engine's observer), the training, the generations.
+
+    Runs on the engine thread: ``has_work``/``work`` in idle time; ``status`` may be read from any thread."""
+
+    def __init__(
+        self,
+        folder: Path,
+        model: torch.nn.Module,
+        config: EagleConfig,
+        options: LearnOptions,
+        disk_budget: int,
+        make_proposer: Callable[[EagleHead], object],
+        verifier: dict,
+    ):
+        self.folder = folder
+        self.model = model
+        self.config = config
+        self.options = options
+        self.make_proposer = make_proposer  # a float32 head -> the proposer that drafts with it
+        self.verifier = verifier
+        private_dir(folder)  # users' text and the states it produced: the owner's alone
+        self.store = TrafficStore(folder / "traffic", disk_budget)
+        self.recorder = TrafficRecorder(self.store)
+        self.engine = None  # set by ``attach``
+        self.device = model.get_input_embeddings().weight.device
+        self.rng = random.Random(options.seed)
+        self.generation = 0
+        self.serving: EagleHead | None = None  # the serving generation in float32, for comparisons
+        self.history: list[dict] = []
+        self.trainer: _Trainer | None = None
+        self.error: str | None = None
+        self.rows_recorded = 0  # training positions ever recorded (the epochs' measure)
+        self._comparison: _Comparison | None = None
+        self._since_comparison = 0.0
+        self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
+        self._resume()
+
+    # ---- load time ----
+    def _resume(self) -> None:
+        head_dir = self.folder / "head"
+        if eagle_format.is_head(head_dir):
+            try:
+                verifier = (eagle_format.read_config(head_dir).get("speculators_config") or {}).get("verifier") or {}
+                if verifier.get("fingerprint") != self.verifier["fingerprint"]:
+                    raise eagle_format.HeadError("it was trained for other weights")
+                head, config = eagle_format.load(head_dir, self._embeddings())
+                self.serving = head.to(self.device)
+                self.generation = int((config.get("depctl") or {}).get("generation", 1))
+            except eagle_format.HeadError as exc:
+                log.warning("the learned head in %s cannot be read (%s): learning starts over", head_dir, exc)
+        saved = load_state(self._state_dir(), self.device) if self._state_dir().exists() else None
+        if saved is None:
+            return
+        head_state, optimizer_state, info = saved
+        if info.get("config") != self.config.to_dict() or info.get("fingerprint") != self.verifier["fingerprint"]:
+            return
+        self.trainer = _Trainer(self._new_head(), self.options)
+        self.trainer.restore(head_state, optimizer_state, info)
+        self.history = info.get("history", [])
+        self.rows_recorded = info.get("rows_recorded", 0)
+
+    def initial_head(self) -> EagleHead | None:
+        """The generation that served last, ready to serve again (a copy): None before any."""
+        return copy.deepcopy(self.serving) if self.serving is not None else None
+
+    def attach(self, engine) -> None:
+        self.engine = engine
+        self._live_from = _draft_counters(engine)
+
+    # ---- idle time ----
+    def has_work(self) -> bool:
+        if self.error is not None:
+            return False
+        if self.store.has_pending or self._comparison is not None:
+            return True
+        if len(self.store.training_files()) < self.options.min_answers or not self.store.held_out_files():
+            return False
+        trainer = self.trainer
+        return trainer is None or trainer.rows < self.options.epochs * self.rows_recorded or self._owes_comparison()
+
+    def work(self, seconds: float | None = None) -> None:
+        """About ``seconds`` (one slice by default) of the next things to do: write, train, compare."""
+        if self.error is not None:
+            return
+        seconds = self.options.slice_seconds if seconds is None else seconds
+        until = time.perf_counter() + seconds
+        try:
+            while True:
+                if not self._unit():
+                    return
+                if time.perf_counter() >= until:
+                    return
+        except Exception as exc:  # noqa: BLE001 - learning stops; serving goes on with the generation it has
+            log.exception("the draft head's training failed; the deployment serves on without learning")
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def _unit(self) -> bool:
+        """One bounded piece of work; False when there was none."""
+        if self.store.has_pending:
+            path = self.store.flush_one()
+            if path is not None and path.name.startswith("train-"):
+                answer = read_answer(path)
+                self.rows_recorded += _rows(answer, self.options.prompt_positions) if answer else 0
+            return True
+        if self._comparison is not None:
+            self._compare_one()
+            return True
+        if not self.has_work():
+            return False
+        if self.trainer is None:
+            self.trainer = _Trainer(self._new_head(), self.options, self._first_vocabulary(), self._final_norm())
+        if self._owes_comparison():
+            self._start_comparison()
+            return True
+        t0 = time.perf_counter()
+        self.trainer.train_window(self._next_window, self.options.slice_seconds)
+        self._since_comparison += time.perf_counter() - t0
+        return True
+
+    def _owes_comparison(self) -> bool:
+        trainer = self.trainer
+        if trainer is None or trainer.steps == 0:
+            return False
+        due = self.options.first_comparison if not self.history else self.options.compare_every
+        caught_up = trainer.rows >= self.options.epochs * self.rows_recorded
+        return self._since_comparison >= due or (caught_up and self._since_comparison > 0)
+
+    # ---- training data ----
+    def _next_window(self) -> Answer:
+        """The next answer to train on: a shuffled pass over the recorded answers, new ones joining the next pass."""
+        trainer = self.trainer
+        while True:
+            if not trainer.queue:
+                files = self.store.training_files()
+                self.rng.shuffle(files)
+                trainer.queue = files
+            answer = read_answer(trainer.queue.pop())
+            if answer is not None:
+                return answer
+
+    def _first_vocabulary(self) -> torch.Tensor:
+        """The draft vocabulary: the tokens the recorded answers use most, then their prompts' (fixed from here on:
+        the output layer is trained for these ids)."""
+        examples = [a.example() for a in map(read_answer, self.store.training_files()) if a is not None]
+        return _vocabulary(examples, self.config.draft_vocab_size, self.config.vocab_size)
+
+    # ---- comparisons ----
+    def _start_comparison(self) -> None:
+        self.trainer.flush()
+        self._since_comparison = 0.0
+        files = self.store.held_out_files()
+        self._comparison = _Comparison(files, self.options.steps, self.serving is not None)
+
+    def _compare_one(self) -> None:
+        c = self._comparison
+        answer = read_answer(c.files.pop()) if c.files else None
+        if answer is not None:
+            example = answer.example()
+            c.add("candidate", *reach(self.trainer.head, example, self.options.steps))
+            if self.serving is not None:
+                c.add("serving", *reach(self.serving, example, self.options.steps))
+        if c.files:
+            return
+        self._comparison = None
+        candidate = c.result("candidate")
+        serving = c.result("serving") if self.serving is not None else None
+        better = candidate >= self.options.first_head_min if serving is None else candidate >= serving + BETTER_BY
+        if better:
+            self._promote()
+        self.history.append(
+            {
+                "at": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
+                "trained_minutes": round(self.trainer.seconds / 60, 2),
+                "answers": len(self.store.training_files()),
+                "held_out": c.positions,
+                "candidate": candidate,
+                "serving": serving,
+                "generation": self.generation,
+                "promoted": better,
+            }
+        )
+        del self.history[:-HISTORY_KEPT]
+        self.save()
+
+    def _promote(self) -> None:
+        """The head in training becomes the serving generation: saved, then swapped into the engine."""
+        self.generation += 1
+        head = copy.deepcopy(self.trainer.head).eval().requires_grad_(False)
+        self.serving = head
+        extra = {"generation": self.generation, "trained_minutes": round(self.trainer.seconds / 60, 2)}
+        eagle_format.save(head, self.folder / "head", self.verifier, self.options.steps, extra)
+        _private_files(self.folder / "head")
+        if self.engine is not None:
+            self.engine.swap_proposer(self.make_proposer(copy.deepcopy(head)), [], self.recorder.features)
+            self._live_from = _draft_counters(self.engine)
+        log.info("the learned draft head's generation %d serves", self.generation)
+
+    # ---- state ----
+    def save(self) -> None:
+        if self.trainer is None:
+            return
+        info = {
+            **self.trainer.info(),
+            "config": self.config.to_dict(),
+            "fingerprint": self.verifier["fingerprint"],
+            "history": self.history,
+            "rows_recorded": self.rows_recorded,
+        }
+        folder = self._state_dir()
+        private_dir(folder)
+        state = {k: v for k, v in self.trainer.head.state_dict().items() if k != "embed_tokens.weight"}
+        save_state(folder, state, self.trainer.optimizer.state_dict(), info)
+        _private_files(folder)
+
+    def release(self) -> None:
+        """The deployment stops: write what waits, keep the training's state."""
+        try:
+            while self.store.flush_one() is not None:
+                pass
+            self.trainer is not None and self.trainer.flush()
+            self.save()
+        except Exception:  # noqa: BLE001 - a stop must not fail for this; the next load starts from what is on disk
+            log.exception("saving the draft head's training failed")
+        self.recorder.release()
+
+    def status(self) -> dict:
+        trainer = self.trainer
+        last = next((h for h in reversed(self.history) if h.get("promoted")), None)
+        drafted, accepted, steps = (a - b for a, b in zip(_draft_counters(self.engine), self._live_from))
+        out = {
+            "generation": self.generation,
+            "drafting": "head" if self.generation else "fallback",
+            "held_out_mean_accepted": last["candidate"] if last else None,
+            "live": {
+                "drafted": drafted,
+                "accepted": accepted,
+                "mean_accepted": round(1 + accepted / steps, 3) if steps else None,
+            }
+            if self.generation
+            else None,
+            "training": {
+                "state": self._state(),
+                "minutes": round(trainer.seconds / 60, 2) if trainer else 0.0,
+                "optimizer_steps": trainer.steps if trainer else 0,
+                "positions": trainer.rows if trainer else 0,
+                "positions_recorded": self.rows_recorded,
+            },
+            "traffic": self.store.counts(),
+            "history": self.history[-12:],
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    def _state(self) -> str:
+        if self.error is not None:
+            return "failed"
+        answers = len(self.store.training_files())
+        if answers < self.options.min_answers or not self.store.held_out_files():
+            held = "" if self.store.held_out_files() else ", none held out yet"
+            return f"waiting for traffic ({answers} of {self.options.min_answers} answers{held})"
+        return "training" if self.has_work() else "caught up: waiting for more traffic"
+
+    # ---- helpers ----
+    def _state_dir(self) -> Path:
+        return self.folder / "trainer"
+
+    def _embeddings(self) -> torch.Tensor:
+        """The target's input embeddings in float32 (its own table where it holds float32; frozen)."""
+        table = self.model.get_input_embeddings().weight.detach()
+        return table if table.dtype == torch.float32 else table.float()
+
+    def _final_norm(self) -> torch.Tensor | None:
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        weight = getattr(norm, "weight", None)
+        return weight.detach().float() if isinstance(weight, torch.Tensor) else None
+
+    def _new_head(self) -> EagleHead:
+        head = EagleHead(self.config)
+        head.embed_tokens.weight = torch.nn.Parameter(self._embeddings(), requires_grad=False)
+        head.inv_freq = head.inv_freq.to(self.device)
+        return head.to(self.device)
+
+
+class _Trainer:
+    """The head in training, its optimizer, and the gradient summed over windows until ``batch_rows`` positions."""
+
+    def __init__(self, head: EagleHead, options: LearnOptions, vocabulary: torch.Tensor | None = None, final_norm=None):
+        self.head, self.options = head, options
+        if vocabulary is not None:
+            self._start(vocabulary, final_norm)
+        self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+        self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=0.0)
+        self.seconds = 0.0  # training time, comparisons excluded
+        self.rows = 0  # positions trained on
+        self.steps = 0  # optimizer steps
+        self.pending_rows = 0  # positions whose gradients are summed, not yet stepped
+        self.queue: list[Path] = []  # this pass's answers still to train on
+        self.window = 64  # positions a window: adapted so that one takes about a slice
+        self._answer: Answer | None = None
+        self._at = 0  # the next window's first position in ``_answer``
+
+    def _start(self, vocabulary: torch.Tensor, final_norm: torch.Tensor | None) -> None:
+        """A new head: the draft vocabulary, and the target's own output rows and final norm to start from."""
+        head = self.head
+        head.set_vocabulary(vocabulary.to(head.d2t.device))
+        with torch.no_grad():
+            head.lm_head.weight.copy_(head.embed_tokens.weight[head.target_ids])  # tied, or a fair start where not
+            if final_norm is not None:
+                head.norm.weight.copy_(final_norm)
+
+    def restore(self, head_state: dict, optimizer_state: dict, info: dict) -> None:
+        self.head.load_state_dict(head_state, strict=False)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.seconds, self.rows, self.steps = info["seconds"], info["rows"], info["steps"]
+
+    def info(self) -> dict:
+        return {"seconds": self.seconds, "rows": self.rows, "steps": self.steps}
+
+    def train_window(self, next_answer: Callable[[], Answer], seconds: float) -> None:
+        """Forward and backward over one window of an answer; an optimizer step once ``batch_rows`` positions
+        are summed. The window's width follows the time the last one took."""
+        t0 = time.perf_counter()
+        if self._answer is None or self._at >= len(self._answer.tokens) - 2:
+            self._answer = next_answer()
+            self._at = 0 if self.options.prompt_positions else max(0, self._answer.prompt_len - 2)
+        answer, start = self._answer, self._at
+        end = min(len(answer.tokens), start + self.window + 2)
+        self._at = end - 2
+        self.head.train()
+        loss, counted = _window_loss(
+            self.head,
+            answer.tokens[:end].long().to(self.head.d2t.device),
+            answer.features[: end - 1].to(self.head.d2t.device).float(),
+            start,
+            self.options.steps,
+            2 if self.options.prompt_positions else answer.prompt_len,
+        )
+        if counted:
+            (loss / self.options.batch_rows).backward()
+            self.pending_rows += counted
+            self.rows += counted
+        if self.pending_rows >= self.options.batch_rows:
+            self.flush()
+        took = time.perf_counter() - t0
+        self.seconds += took
+        if took > 2 * seconds and self.window > 16:
+            self.window //= 2
+        elif took < seconds / 2 and self.window < 512:
+            self.window *= 2
+
+    def flush(self) -> None:
+        """An optimizer step over the summed gradients, if any."""
+        if not self.pending_rows:
+            return
+        ramp = min(1.0, max(self.rows, 1) / WARMUP_ROWS)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.options.lr * ramp
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_rows = 0
+        self.steps += 1
+
+
+def _window_loss(head: EagleHead, tokens, features, first: int, steps: int, labelled_from: int):
+    """The summed cross-entropy of the chained draft steps for the indices from ``first`` over ``tokens`` [T]
+    (a window's end: the rows past it are the next window's), each step against the token the target chose
+    (``tokens[i + 2 + j]``, counted where it is at or past ``labelled_from`` and in the draft vocabulary), step j
+    weighted ``STEP_WEIGHT ** j``; and the positions step 0 counted."""
+    logits = head.ttt_logits(tokens, features, steps, first=first)
+    ids = head.draft_ids(tokens)
+    total, counted = None, 0
+    for j, step_logits in enumerate(logits):
+        rows = step_logits.shape[0]
+        target = ids[first + 2 + j : first + 2 + j + rows]
+        where = torch.arange(first + 2 + j, first + 2 + j + rows, device=target.device)
+        keep = (target >= 0) & (where >= labelled_from)
+        if not keep.any():
+            continue
+        ce = F.cross_entropy(step_logits[keep], target[keep], reduction="sum") * STEP_WEIGHT**j
+        total = ce if total is None else total + ce
+        if j == 0:
+            counted = int(keep.sum())
+    return total, counted
+
+
+class _Comparison:
+    """The candidate and the serving head on the same held-out answers, one answer a unit."""
+
+    def __init__(self, files: list[Path], steps: int, with_serving: bool):
+        self.files = list(files)
+        self.reached = {"candidate": [0] * steps, "serving": [0] * steps}
+        self.counted = {"candidate": 0, "serving": 0}
+        self.positions = 0
+
+    def add(self, which: str, reached: list[int], positions: int) -> None:
+        self.reached[which] = [a + b for a, b in zip(self.reached[which], reached)]
+        self.counted[which] += positions
+        if which == "candidate":
+            self.positions += positions
+
+    def result(self, which: str) -> float:
+        return acceptance(self.reached[which], self.counted[which])["mean_accepted"]
+
+
+def _private_files(folder: Path) -> None:
+    folder.chmod(0o700)
+    for path in folder.iterdir():
+        path.chmod(0o600)
+
+
+def _rows(answer: Answer, prompt_positions: bool) -> int:
+    return max(0, len(answer.tokens) - 2 - (0 if prompt_positions else max(0, answer.prompt_len - 2)))
+
+
+def _draft_counters(engine) -> tuple[int, int, int]:
+    """(draft tokens, accepted, steps that drafted) so far: the serving generation's live acceptance is the change."""
+    if engine is None:
+        return (0, 0, 0)
+    s = engine.stats
+    return (s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)

@@ -1,0 +1,177 @@
+"""A learning head's data: what the target computed while it served the deployment's own requests.
+
+``TrafficRecorder`` is the engine's observer (``proposers.FeatureObserver``): it holds the layer features of every
+position each running sequence has read, as the passes computed them (the prompt's and the accepted tokens'), and on
+a finished answer hands tokens and features to the ``TrafficStore``. Nothing is computed for it: the features are the
+ones the target returns for the head anyway, and the labels are the tokens the target chose (no logits are taken).
+The features of a sequence under way also seed a new head generation's rows (``SpeculativeEngine.swap_proposer``).
+
+The store is a folder of the deployment's own (mode 0700, each file 0600: users' text and the states it produced),
+one safetensors file per answer, written in idle time, oldest deleted first beyond a disk budget, and deleted with
+the deployment (``depctl.learning``). Every ``HELD_OUT_EVERY``-th answer is held out: the most recent of those
+measure a candidate head against the serving one, and none is trained on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+HELD_OUT_EVERY = 8  # one answer in eight measures heads and is never trained on
+HELD_OUT_KEPT = 32  # the most recent held-out answers a comparison reads
+MIN_ANSWER = 8  # output tokens below which an answer teaches too little to keep
+PENDING_BYTES = 64 << 20  # finished answers waiting for idle time to be written; the oldest dropped beyond
+
+
+@dataclass
+class Answer:
+    """One finished sequence as training reads it: ``tokens`` [n] (prompt and answer, its stop token included),
+    ``features`` [n - 1, F] (position i's predict token i + 1), ``prompt_len``."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    prompt_len: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.features.nbytes
+
+    def example(self) -> dict:
+        """The shape ``training.eagle`` reads (``start``: the first answer token)."""
+        return {"tokens": self.tokens, "features": self.features, "start": self.prompt_len}
+
+
+class TrafficRecorder:
+    """The engine's observer: each running sequence's features, kept until it finishes."""
+
+    needs_prompt_features = True  # every prompt position's: a deployment that learns reads prompts whole
+
+    def __init__(self, store: TrafficStore, dtype: torch.dtype = torch.bfloat16):
+        self.store = store
+        self.dtype = dtype  # half of float32's bytes: an answer's features are [tokens, 3 * hidden]
+        self._seqs: dict[int, list[torch.Tensor]] = {}
+
+    def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
+        self._keep(seq, features)
+
+    def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None:
+        self._keep(seq, features)
+
+    def _keep(self, seq, features: torch.Tensor | None) -> None:
+        if features is None:
+            raise ValueError("a learning head needs the target's layer features: load the target with its layers")
+        self._seqs.setdefault(seq.id, []).append(features.to(device="cpu", dtype=self.dtype))
+
+    def features(self, seq) -> torch.Tensor | None:
+        """[positions read, F]: every position of ``seq`` the target has read so far (None before any)."""
+        kept = self._seqs.get(seq.id)
+        return torch.cat(kept) if kept else None
+
+    def finished(self, seq) -> None:
+        kept = self._seqs.pop(seq.id, None)
+        if kept is None or seq.fault is not None or seq.finish_reason not in ("stop", "length"):
+            return
+        n = seq.answered  # a step may have accepted drafts past the stop token: not part of the answer
+        if n - seq.prompt_len < MIN_ANSWER:
+            return
+        features = torch.cat(kept)[: n - 1]
+        self.store.put(Answer(torch.tensor(seq.tokens[:n], dtype=torch.int32), features, seq.prompt_len))
+
+    def release(self) -> None:
+        self._seqs.clear()
+
+
+class TrafficStore:
+    """A deployment's recorded answers on disk (``folder``), within ``budget`` bytes."""
+
+    def __init__(self, folder: Path, budget: int):
+        self.folder = folder
+        self.budget = budget
+        private_dir(folder)
+        self._pending: deque[Answer] = deque()
+        self._pending_bytes = 0
+        self._files = sorted(folder.glob("*.safetensors"), key=_number)
+        self._next = _number(self._files[-1]) + 1 if self._files else 0
+        self.bytes = sum(p.stat().st_size for p in self._files)
+        self.dropped = 0  # answers not kept: waiting too long for idle time, or evicted by the budget
+
+    # ---- the engine thread, while serving: in memory only ----
+    def put(self, answer: Answer) -> None:
+        self._pending.append(answer)
+        self._pending_bytes += answer.nbytes
+        while self._pending_bytes > PENDING_BYTES and len(self._pending) > 1:
+            self._pending_bytes -= self._pending.popleft().nbytes
+            self.dropped += 1
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    # ---- idle time ----
+    def flush_one(self) -> Path | None:
+        """Write the oldest waiting answer (then evict the oldest files beyond the budget); its path."""
+        if not self._pending:
+            return None
+        answer = self._pending.popleft()
+        self._pending_bytes -= answer.nbytes
+        number = self._next
+        self._next += 1
+        kind = "held" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"
+        path = self.folder / f"{kind}-{number}.safetensors"
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(
+            {"tokens": answer.tokens, "features": answer.features.contiguous()},
+            str(tmp),
+            metadata={"prompt_len": str(answer.prompt_len)},
+        )
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+        self._files.append(path)
+        self.bytes += path.stat().st_size
+        while self.bytes > self.budget and len(self._files) > 1:
+            old = self._files.pop(0)
+            self.bytes -= old.stat().st_size
+            old.unlink(missing_ok=True)
+            self.dropped += 1
+        return path
+
+    def training_files(self) -> list[Path]:
+        return [p for p in self._files if p.name.startswith("train-")]
+
+    def held_out_files(self) -> list[Path]:
+        return [p for p in self._files if p.name.startswith("held-")][-HELD_OUT_KEPT:]
+
+    def counts(self) -> dict:
+        return {
+            "answers": len(self._files),
+            "held_out": sum(p.name.startswith("held-") for p in self._files),
+            "bytes": self.bytes,
+            "budget_bytes": self.budget,
+            "waiting": len(self._pending),
+            "dropped": self.dropped,
+        }
+
+
+def read_answer(path: Path) -> Answer | None:
+    """An answer file, or None where it is gone (evicted) or was cut short."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            prompt_len = int(f.metadata()["prompt_len"])
+            return Answer(f.get_tensor("tokens"), f.get_tensor("features"), prompt_len)
+    except Exception:  # noqa: BLE001 - a file evicted meanwhile, or not one this code wrote: skipped
+        return None
+
+
+def private_dir(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+
+
+def _number(path: Path) -> int:
+    return int(path.stem.split("-")[1])

@@ -1,0 +1,205 @@
+"""A head that learns from the deployment's own traffic: it trains in idle time, serves once it drafts better, never
+changes an output, and goes on where it was after a restart."""
+
+from __future__ import annotations
+
+import stat
+import time
+
+import pytest
+
+from depctl import learning
+from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
+from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.speculation import GenerationParams, NgramProposer, Scheduler
+from depctl_runtime.speculation.eagle import EagleProposer
+from depctl_runtime.training.eagle import acceptance, reach
+from depctl_runtime.training.online import _Trainer
+from depctl_runtime.training.traffic import read_answer
+from tests.driving import drive
+
+GREEDY = GenerationParams(max_tokens=40, ignore_eos=True)
+
+
+def spec(model_dir, **kw) -> DeploymentSpec:
+    return DeploymentSpec(
+        id="learns",
+        model=str(model_dir),
+        device="cpu",
+        compile=False,
+        max_batch_size=2,
+        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+        learn_draft_head=LearnDraftHead(),
+        prefix_cache_bytes=0,
+        **kw,
+    )
+
+
+def quick(learner) -> None:
+    """Comparisons after a fraction of a second, and any first head that drafts at all may serve."""
+    o = learner.options
+    o.min_answers, o.first_comparison, o.compare_every, o.first_head_min, o.epochs = 8, 0.5, 1.0, 1.0, 30
+
+
+def prompts(n: int, offset: int = 0) -> list[list[int]]:
+    return [[(7 * i + 3 * j + offset) % 200 + 30 for j in range(12)] for i in range(n)]
+
+
+def idle(learner, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while learner.has_work() and time.monotonic() < end:
+        learner.work()
+
+
+@pytest.fixture
+def plain_outputs(tiny_model_dir):
+    plain = load_deployment(
+        DeploymentSpec(id="plain", model=str(tiny_model_dir), device="cpu", compile=False, max_batch_size=2),
+        calibrate=False,
+    )
+    cache = {}
+
+    def outputs(batch):
+        key = tuple(map(tuple, batch))
+        if key not in cache:
+            cache[key], _ = drive(Scheduler(plain.engine, 2), [(0, p, GREEDY) for p in batch])
+        return cache[key]
+
+    return outputs
+
+
+def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_stays_exact(
+    tiny_model_dir, plain_outputs
+):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    learner, engine = loaded.learner, loaded.engine
+    quick(learner)
+    assert engine.observer is learner.recorder and isinstance(engine.proposer, NgramProposer)
+    assert engine.prefix is None  # prompts are read whole: every position's features are kept
+    scheduler = Scheduler(engine, 2, background=learner)
+    assert not scheduler.has_idle_work()  # nothing recorded yet
+    first = prompts(48)
+    got, _ = drive(scheduler, [(i // 2, p, GREEDY) for i, p in enumerate(first)])
+    assert got == plain_outputs(first)
+    assert learner.store.counts()["waiting"] == 48 and learner.store.counts()["answers"] == 0  # written when idle
+    idle(learner, 60)
+    status = learner.status()
+    assert status["generation"] >= 1 and status["drafting"] == "head", status
+    assert isinstance(engine.draft_model, EagleProposer)
+    history = learner.history
+    assert history[0]["promoted"] and history[0]["serving"] is None  # the first head replaced the n-gram index
+    assert all(h["candidate"] >= h["serving"] + 0.02 for h in history[1:] if h["promoted"])
+
+    # the training taught it the target's answers: better than the same head untrained, on held-out answers
+    held = [read_answer(p).example() for p in learner.store.held_out_files()]
+    steps = learner.options.steps
+    fresh = _Trainer(learner._new_head(), learner.options, learner.trainer.head.target_ids - 0, learner._final_norm())
+
+    def score(head):
+        reached, positions = [0] * steps, 0
+        for example in held:
+            r, n = reach(head, example, steps)
+            reached, positions = [a + b for a, b in zip(reached, r)], positions + n
+        return acceptance(reached, positions)["mean_accepted"]
+
+    assert score(learner.serving) > score(fresh.head) + 0.2
+
+    # served by the head now: the same output as plain decoding, and the head drafts (every step: a tiny target's
+    # pass costs about what a head's step does, so the policy would rightly draft rarely)
+    engine.policy.adaptive = False
+    drafted = engine.stats.num_draft_tokens
+    later = prompts(6, offset=11)
+    got, _ = drive(scheduler, [(0, p, GREEDY) for p in later])
+    assert got == plain_outputs(later)
+    assert engine.stats.num_draft_tokens > drafted
+    assert learner.status()["live"]["drafted"] > 0
+
+    # everything it learned is private to its owner, under the deployment's own folder
+    folder = learning.path("learns")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+    # a restart serves the last generation at once and goes on training from where it was
+    generation, rows = learner.generation, learner.trainer.rows
+    loaded.release()
+    again = load_deployment(spec(tiny_model_dir), calibrate=False)
+    assert isinstance(again.engine.draft_model, EagleProposer)
+    assert again.learner.generation == generation
+    assert again.learner.trainer.rows == rows and again.learner.history == learner.history
+    got, _ = drive(Scheduler(again.engine, 2), [(0, p, GREEDY) for p in later])
+    assert got == plain_outputs(later)
+    again.release()
+
+
+def test_training_waits_for_idle_time_and_a_failure_stops_learning_not_serving(tiny_model_dir, plain_outputs):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    learner = loaded.learner
+    quick(learner)
+    scheduler = Scheduler(loaded.engine, 2, background=learner)
+    batch = prompts(20)
+    calls = []
+    work = learner.work
+    learner.work = lambda: (calls.append(scheduler.has_work()), work())[1]
+    got, _ = drive(scheduler, [(0, p, GREEDY) for p in batch])
+    scheduler.add(loaded.engine.new_sequence(batch[0], GREEDY))
+    assert scheduler.has_idle_work()
+    scheduler.idle()  # a request waits: idle work waits for it
+    assert calls == []
+    while scheduler.has_work():
+        scheduler.step()
+    while scheduler.has_idle_work():
+        scheduler.idle()
+        if learner.trainer is not None and learner.trainer.rows:
+            break
+    assert calls and not any(calls)
+
+    def broken(*_):
+        raise RuntimeError("disk on fire")
+
+    learner.trainer.train_window = broken
+    learner.work()
+    assert learner.status()["training"]["state"] == "failed" and "disk on fire" in learner.status()["error"]
+    assert not learner.has_work()
+    got, _ = drive(scheduler, [(0, p, GREEDY) for p in batch[:4]])
+    assert got == plain_outputs(batch[:4])
+    loaded.release()
+
+
+def test_a_learning_deployment_is_refused_for_a_model_its_head_cannot_read(tmp_path):
+    from depctl_runtime.backends.weights import LoadError
+    from tests.tiny import tiny_qwen2_sliding
+
+    model = tiny_qwen2_sliding()
+    model.save_pretrained(tmp_path / "m")
+    from tests.tiny import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path / "m")
+    with pytest.raises(LoadError, match="--learn-draft-head"):
+        load_deployment(spec(tmp_path / "m"), calibrate=False)
+
+
+def test_deleting_the_deployment_deletes_what_it_learned(tiny_model_dir):
+    from depctl.store import SpecStore
+
+    store = SpecStore()
+    store.create(spec(tiny_model_dir))
+    folder = learning.path("learns")
+    (folder / "traffic").mkdir(parents=True)
+    (folder / "traffic" / "train-0.safetensors").write_bytes(b"x")
+    store.delete("learns")
+    assert not folder.exists()
+
+
+def test_resumed_training_state_is_refused_for_another_target(tiny_model_dir, tiny_draft_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    quick(loaded.learner)
+    drive(Scheduler(loaded.engine, 2), [(0, p, GREEDY) for p in prompts(20)])
+    idle(loaded.learner, 20)
+    assert loaded.learner.generation >= 1
+    loaded.release()
+    other = load_deployment(spec(tiny_draft_dir), calibrate=False)  # same id, other weights: starts over
+    assert other.learner.generation == 0 and other.learner.trainer is None
+    assert isinstance(other.engine.proposer, NgramProposer)
+    other.release()
