@@ -36,9 +36,39 @@ def _rows(client: Client) -> list[dict]:
                 # the share of prompt tokens the prefix cache held (vLLM's prefix_cache_hits / queries)
                 "cached_rate": cache["hits"] / cache["queries"] if cache.get("queries") else None,
                 "series": recent.get("series") or {},
+                "learning": _learning(d.get("learning")),
             }
         )
     return rows
+
+
+def _learning(status: dict | None) -> dict | None:
+    """A learning head's generation, its held-out score and the training's state, as ps and top show them."""
+    if not status:
+        return None
+    return {
+        "generation": status["generation"],
+        "held_out_mean_accepted": status.get("held_out_mean_accepted"),
+        "training": status["training"]["state"],
+        "trained_minutes": status["training"]["minutes"],
+        "answers": status["traffic"]["answers"],
+    }
+
+
+def _learning_lines(rows: list[dict]) -> list[Text]:
+    lines = []
+    for r in rows:
+        h = r.get("learning")
+        if h:
+            score = f" ({fmt_num(h['held_out_mean_accepted'])} accepted on held-out answers)" if h["generation"] else ""
+            lines.append(
+                Text.assemble(
+                    (r["id"], "bold"),
+                    f": learned head generation {h['generation']}{score}; {h['training']}, "
+                    f"{h['trained_minutes']:.1f} min trained on {h['answers']} answers",
+                )
+            )
+    return lines
 
 
 def _ps_table(data: dict) -> Table:
@@ -150,7 +180,7 @@ def _top_view(data: dict, width: int) -> Group:
     )
     if not rows:
         return Group(title, Text("No deployments: create one with `depctl deployment create MODEL`."))
-    return Group(title, table)
+    return Group(title, table, *_learning_lines(rows))
 
 
 @handle_errors

@@ -152,6 +152,46 @@ def _prefix_cell(d: _Detail) -> str | None:
     )
 
 
+def _learned_head_cell(d: _Detail) -> str | None:
+    learning = d.status.get("learning")
+    if not learning:
+        return None
+    if not learning["generation"]:
+        return "none yet: drafting with the n-gram or suffix index until a head drafts better"
+    live = learning.get("live") or {}
+    now = f", {fmt_num(live['mean_accepted'])} accepted a drafting step serving" if live.get("mean_accepted") else ""
+    return (
+        f"generation {learning['generation']}: {fmt_num(learning['held_out_mean_accepted'])} mean accepted length on "
+        f"held-out recent answers{now}"
+    )
+
+
+def _head_training_cell(d: _Detail) -> str | None:
+    learning = d.status.get("learning")
+    if not learning:
+        return None
+    t, traffic = learning["training"], learning["traffic"]
+    error = f" ({learning['error']})" if learning.get("error") else ""
+    return (
+        f"{t['state']}{error}; {t['minutes']:.1f} min, {t['optimizer_steps']} steps over {t['positions']} positions; "
+        f"{traffic['answers']} answers recorded ({traffic['held_out']} held out), {fmt_bytes(traffic['bytes'])} of "
+        f"{fmt_bytes(traffic['budget_bytes'])} on disk"
+    )
+
+
+def _head_history_cell(d: _Detail) -> str | None:
+    """The last comparisons, oldest first: when, the candidate's held-out score against the serving one's."""
+    history = (d.status.get("learning") or {}).get("history") or []
+    if not history:
+        return None
+    parts = []
+    for h in history[-6:]:
+        against = f" vs {fmt_num(h['serving'])}" if h.get("serving") is not None else ""
+        verdict = f" -> generation {h['generation']}" if h["promoted"] else " (kept)"
+        parts.append(f"{h['at'][11:16]} {fmt_num(h['candidate'])}{against}{verdict}")
+    return "; ".join(parts)
+
+
 def _policy(d: _Detail) -> dict:
     policy = d.status.get("policy") or {}
     return policy if policy.get("max_draft_tokens") else {}
@@ -187,6 +227,9 @@ _DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], st
     ),
     ("Draft precision", lambda d: d.status.get("draft_precision") or None),
     ("EAGLE head", lambda d: _describe_head(d.status["eagle_head"]) if d.status.get("eagle_head") else None),
+    ("Learned head", _learned_head_cell),
+    ("Head training", _head_training_cell),
+    ("Head comparisons", _head_history_cell),
     (
         "Compiled passes",
         lambda d: ("on" if d.r.get("compile", True) else "off") + d.running("compiled", " (running: {})"),

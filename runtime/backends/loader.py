@@ -183,6 +183,8 @@ def load_deployment(
         observer=learner.recorder if learner is not None else None,
     )
     if learner is not None:
+        if head is not None:  # a generation served before a restart: the n-gram or suffix index drafts beside it
+            engine.free = pick_proposer(spec_method, passes, None, rows, vocab)
         learner.attach(engine)
     grammars = None
     try:  # llguidance's table of every token's bytes: structured outputs and logprobs' token bytes

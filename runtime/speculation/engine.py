@@ -92,6 +92,9 @@ class SpeculativeEngine:
         self.draft_model: ModelProposer | None = proposer if hasattr(proposer, "accepted") else None
         # sees what the target computed for every sequence, drafting or not (a learning head's traffic capture)
         self.observer = observer
+        # beside a model proposer, a free one whose guess, where it has one, is drafted instead (a learning head's
+        # n-gram or suffix index: a copy it finds is accepted whole more often than a head's guess)
+        self.free: Proposer | None = None
         self.policy = DraftLengthPolicy(
             max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
         )
@@ -141,6 +144,8 @@ class SpeculativeEngine:
         its first token. Its draft cost is measured first. Drafts only propose, so the output is the target's
         whichever proposer drafted any step."""
         old = self.draft_model
+        if old is None and self.proposer is not None:
+            self.free = self.proposer  # the n-gram or suffix index goes on drafting where it finds a match
         prompt = [(i * 7919) % min(self.target.vocab_size or 256, 1000) for i in range(64)]
         proposer.calibrate(self.policy.draft_cost, self.target.max_rows, prompt)
         for seq in rows:
@@ -366,7 +371,7 @@ class SpeculativeEngine:
         if model_drafts[0] is not None and width and caught_up <= self.draft_model.steady_catch_up:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         t3 = time.perf_counter()
-        self.policy.observe_step_time(t3 - t0, len(batch))
+        self.policy.observe_step_time(t3 - t0, len(batch), sum(len(o.token_ids) for o in outputs), any(drafts))
         self.stats.record_step(t1 - t0, t3 - t1)
         return outputs
 
@@ -389,8 +394,9 @@ class SpeculativeEngine:
             self.draft_model.set_length(row, 0)
 
     def finish(self, seq: Sequence) -> None:
-        if self.proposer is not None and self.draft_model is None and seq.fault is None:
-            self.proposer.finish(seq)  # suffix speculation keeps the finished request as context for later ones
+        free = self.proposer if self.draft_model is None else self.free
+        if free is not None and seq.fault is None:
+            free.finish(seq)  # suffix speculation keeps the finished request as context for later ones
         if self.observer is not None:
             self.observer.finished(seq)
         self.policy.end_request(seq.acceptance)
@@ -453,6 +459,9 @@ class SpeculativeEngine:
             start, rejoin_start = -1, start
         k = min(room, self.policy.max_k)
         if self.draft_model is not None:
+            tokens = self.free.propose(seq, k) if self.free is not None and k > 0 else []
+            if tokens:
+                return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
             return Guess([], seq.acceptance, DraftSource.MODEL, max(k, 0), start)
         tokens = self.proposer.propose(seq, k) if k > 0 else []
         if rejoin_guess and not tokens:

@@ -48,6 +48,13 @@ MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decod
 # in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and a batch's wide pass costs
 # several plain steps, so a small predicted gain can be a real loss
 MIN_GAIN_BATCH = 1.10
+# the guard (``RegimeGuard``): drafting steps at a batch size that deliver under this share of plain steps' tokens a
+# second there turn drafting off at that size
+LOSS_MARGIN = 0.97
+REGIME_DECAY = 0.9  # per step of its kind: a regime's rates follow its last ~10 drafting and ~10 plain steps
+REGIME_MIN_STEPS = 3  # steps of each kind at a batch size before its rates are compared
+REGIME_PROBE = 64  # steps between a regime's probes: one drafting step where drafting is off, one plain step where on
+REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
 
 
 def _estimate(recent: deque, old: float | None, sample: float) -> float:
@@ -160,10 +167,74 @@ class RowPlan:
     model: bool  # drafts would come from the draft model (cost per token)
 
 
+class RegimeGuard:
+    """What drafting delivered at each batch size, against plain steps at the same size: the tokens a second of whole
+    steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost taken at another load, host
+    work the cost model does not see, acceptance the rows over-estimate) shows here. Where drafting steps measured
+    under ``LOSS_MARGIN`` of plain ones, that batch size decodes plainly, drafting once every ``REGIME_PROBE`` steps
+    to see whether it still loses; where drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain
+    rate measured (one in ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, so the
+    comparison is fair although the policy drafts only where it expects a gain."""
+
+    def __init__(self):
+        self._rates: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens, seconds, steps], decayed
+        self.off: dict[int, int] = {}  # batch sizes where drafting measured a loss -> steps since its last probe
+        self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per batch size
+        self.probing = False  # the step just planned is a probe of a regime turned off
+
+    def rate(self, batch: int, drafted: bool) -> float | None:
+        """Tokens a second of this kind of step at this batch size (None: too few steps yet)."""
+        kept = self._rates.get((batch, drafted))
+        if kept is None or kept[2] < REGIME_MIN_STEPS or kept[1] <= 0:
+            return None
+        return kept[0] / kept[1]
+
+    def allows(self, batch: int) -> bool:
+        """Whether a step at this batch size may draft (called when the policy would): not where drafting measured a
+        loss, except for a probe every ``REGIME_PROBE`` steps; and not for the plain step that keeps the plain rate
+        measured, once every ``REGIME_PROBE`` drafting steps."""
+        if batch in self.off:
+            self.off[batch] += 1
+            if self.off[batch] < REGIME_PROBE:
+                return False
+            self.off[batch] = 0
+            self.probing = True
+            return True
+        since = self._since_plain.get(batch, 0)
+        return since < (REGIME_WARMUP if self.rate(batch, False) is None else REGIME_PROBE)
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        kept = self._rates.setdefault((batch, drafted), [0.0, 0.0, 0])
+        kept[0] = kept[0] * REGIME_DECAY + tokens
+        kept[1] = kept[1] * REGIME_DECAY + seconds
+        kept[2] += 1
+        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if drafted else 0
+        probe, self.probing = self.probing, False
+        if not drafted:
+            return
+        plain, drafting = self.rate(batch, False), self.rate(batch, True)
+        if plain is None or drafting is None:
+            return
+        if drafting < LOSS_MARGIN * plain:
+            self.off.setdefault(batch, 0)
+        elif probe:
+            self.off.pop(batch, None)
+
+    def snapshot(self) -> dict:
+        """Per batch size measured: drafting's tokens a second over plain's, and whether drafting is off there."""
+        out = {}
+        for batch in sorted({b for b, _ in self._rates}):
+            plain, drafting = self.rate(batch, False), self.rate(batch, True)
+            if plain and drafting:
+                out[batch] = {"ratio": round(drafting / plain, 3), "off": batch in self.off}
+        return out
+
+
 class DraftLengthPolicy:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k = max_k
         self.adaptive = adaptive
+        self.guard = RegimeGuard()
         self.verify_cost = CostModel()  # target pass over n token rows
         self.draft_cost = CostModel()  # one draft-model forward over n rows
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
@@ -229,6 +300,8 @@ class DraftLengthPolicy:
                 best_w, best_rate = w, rate
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w = 0
+        if best_w and not self.guard.allows(batch):
+            best_w = 0
         if best_w:
             self.plain_steps = 0
             return best_w, extra[best_w]
@@ -249,8 +322,11 @@ class DraftLengthPolicy:
                 return longest, extra[longest]
         return 0, 0.0
 
-    def observe_step_time(self, seconds: float, batch: int) -> None:
-        """A step's whole time: a probe's beyond a plain step's is owed, and every other step repays a share."""
+    def observe_step_time(self, seconds: float, batch: int, emitted: int | None = None, drafted: bool = False) -> None:
+        """A step's whole time: a probe's beyond a plain step's is owed, and every other step repays a share. With
+        ``emitted`` (the tokens it produced), the guard compares drafting and plain steps at this batch size."""
+        if emitted is not None and self.adaptive:
+            self.guard.observe(batch, drafted, emitted, seconds)
         if self._probing:
             self.probe_debt += max(seconds - self.verify_cost(batch), 0.0)
             self._probing = False
@@ -281,4 +357,5 @@ class DraftLengthPolicy:
             "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
             "realised_over_predicted": round(self.realism, 3),
+            "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
         }

@@ -837,3 +837,100 @@ def test_sampling_defaults_are_kept_per_field_and_checked(depctl_home, monkeypat
     bad = run("deployment", "update", "dep", "--no-wait", "--temperature", "3")
     assert bad.exit_code != 0 and "--temperature" in " ".join(bad.stderr.split())
     assert SpecStore().get("dep").sampling.temperature == 0.2
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--learn-draft-head"], "--learn-draft-head drafts with --ngram-speculation-length or --suffix-speculation"),
+        (
+            ["--learn-draft-head", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
+            "got --draft-model",
+        ),
+        (
+            ["--learn-draft-head", "--suffix-speculation", "--engine", "vllm"],
+            "--learn-draft-head trains on depctl's own engine",
+        ),
+        (["--suffix-speculation", "--learn-disk-size", "1GiB"], "--learn-disk-size needs --learn-draft-head"),
+        (
+            ["--suffix-speculation", "--learn-draft-head", "--learn-disk-size", "1MiB"],
+            "--learn-disk-size must be at least 16MiB",
+        ),
+        (["--suffix-speculation", "--learn-draft-head", "--learn-disk-size", "lots"], "--learn-disk-size must be a"),
+    ],
+)
+def test_a_learning_head_needs_a_method_to_start_from_and_depctls_engine(flags, needle, depctl_home):
+    result = run("deployment", "create", "smollm2-135m-instruct", "--no-wait", *flags)
+    assert result.exit_code != 0
+    assert needle in " ".join(result.stderr.split()), result.stderr
+    assert spec_files(depctl_home) == []
+
+
+def test_learning_is_kept_in_the_spec_and_turned_on_off_and_resized_by_update(depctl_home, monkeypatch):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
+    result = run(
+        "deployment", "create", "smollm2-135m-instruct", "--deployment-id", "dep", "--no-wait",
+        "--suffix-speculation", "--draft-token-count", "4", "--learn-draft-head",
+    )  # fmt: skip
+    assert "Created deployment" in result.stderr, result.stderr
+    assert SpecStore().get("dep").learn_draft_head.disk_bytes == 1 << 30
+    run("deployment", "update", "dep", "--no-wait", "--learn-disk-size", "256MiB")
+    assert SpecStore().get("dep").learn_draft_head.disk_bytes == 256 << 20
+    refused = run("deployment", "update", "dep", "--no-wait", "--disable-speculative-decoding")
+    assert "--no-learn-draft-head" in " ".join(refused.stderr.split())  # learning needs a method to start from
+    result = run("deployment", "update", "dep", "--no-wait", "--no-learn-draft-head")
+    assert "learn_draft_head" in result.stderr and SpecStore().get("dep").learn_draft_head is None
+
+
+def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons():
+    from rich.console import Console
+
+    from depctl.cli import top
+    from depctl.cli.views import detail_table
+
+    spec = DeploymentSpec(
+        id="h",
+        model="smollm2-135m-instruct",
+        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+        learn_draft_head={},
+    ).model_dump(mode="json")
+    learning = {
+        "generation": 3,
+        "drafting": "head",
+        "held_out_mean_accepted": 2.41,
+        "live": {"drafted": 400, "accepted": 300, "mean_accepted": 2.2},
+        "training": {
+            "state": "training", "minutes": 12.5, "optimizer_steps": 90, "positions": 46000,
+            "positions_recorded": 30000,
+        },
+        "traffic": {
+            "answers": 120, "held_out": 15, "bytes": 300 << 20, "budget_bytes": 1 << 30, "waiting": 0, "dropped": 0,
+        },
+        "history": [
+            {"at": "2026-11-27T17:01:00+00:00", "candidate": 1.9, "serving": None, "generation": 1, "promoted": True},
+            {"at": "2026-11-27T17:03:00+00:00", "candidate": 1.91, "serving": 1.9, "generation": 1, "promoted": False},
+            {"at": "2026-11-27T17:05:00+00:00", "candidate": 2.41, "serving": 1.9, "generation": 3, "promoted": True},
+        ],
+    }  # fmt: skip
+    console = Console(width=400, record=True)
+    console.print(detail_table({**spec, "status": {"state": "READY", "learning": learning}}))
+    text = " ".join(console.export_text().split())
+    assert "generation 3: 2.41 mean accepted length on held-out recent answers, 2.20 accepted" in text
+    assert "training; 12.5 min, 90 steps over 46000 positions; 120 answers recorded (15 held out)" in text
+    assert "17:01 1.90 -> generation 1; 17:03 1.91 vs 1.90 (kept); 17:05 2.41 vs 1.90 -> generation 3" in text
+
+    class FakeClient:
+        def deployments(self):
+            return [{"id": "h", "state": "READY", "learning": learning}]
+
+    rows = top._rows(FakeClient())
+    console = Console(width=200, record=True)
+    console.print(top._top_view({"pid": 1, "memory_bytes": 1, "deployments": rows}, 200))
+    text = " ".join(console.export_text().split())
+    assert "h: learned head generation 3 (2.41 accepted on held-out answers); training, 12.5 min trained" in text

@@ -220,3 +220,47 @@ def test_one_slow_pass_at_a_new_count_does_not_reprice_the_larger_ones():
     for _ in range(3):  # a lasting change is confirmed, and then corrects the larger counts as before
         costs.observe(12, 0.2)
     assert costs.samples[12] == 0.2 and costs.samples[16] == 0.2 and costs.samples[72] == 0.2
+
+
+def _steps(policy, batch: int, plain_rate: float, drafting_rate: float, n: int) -> list[int]:
+    """``n`` steps of a batch whose rows would draft: each runs as the policy says, and the step takes 1/rate seconds
+    a token at the rate of its kind. The widths it chose."""
+    widths = []
+    for _ in range(n):
+        w = policy.width(_rows(policy, [(0.9, 8)] * batch))[0]
+        tokens = batch * (3 if w else 1)
+        rate = drafting_rate if w else plain_rate
+        policy.observe_step_time(tokens / rate, batch, tokens, bool(w))
+        widths.append(w)
+    return widths
+
+
+def test_drafting_that_measured_a_loss_at_a_batch_size_turns_off_there_and_probes_back():
+    # the cost model says drafting pays (a cheap pass, a 90% acceptance), but whole drafting steps at batch 8 deliver
+    # 10% fewer tokens a second than plain ones (costs the model does not see): the guard turns drafting off at 8
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=90.0, n=200)
+    assert policy.guard.off.get(8) is not None
+    late = widths[100:]
+    assert 0 < sum(1 for w in late if w) <= len(late) // 40  # a probe every REGIME_PROBE steps, no more
+    assert policy.snapshot()["drafting_over_plain"][8]["off"]
+    # batch 1 is another regime: drafting that gains there goes on
+    assert sum(1 for w in _steps(policy, 1, plain_rate=20.0, drafting_rate=45.0, n=40) if w) > 30
+    # the load changes and drafting gains at 8 again: the probes see it and drafting comes back
+    widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=160.0, n=400)
+    assert 8 not in policy.guard.off and sum(1 for w in widths[-100:] if w) > 90
+
+
+def test_where_drafting_gains_one_step_in_many_runs_plainly_to_keep_the_comparison_measured():
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    widths = _steps(policy, 4, plain_rate=50.0, drafting_rate=120.0, n=400)
+    plain = widths.count(0)
+    assert 3 <= plain <= 3 + 400 // 64 + 1  # a few while the plain rate is unknown, then one per REGIME_PROBE
+    assert not policy.guard.off
+
+
+def test_a_policy_that_is_not_adaptive_keeps_drafting_whatever_it_measured():
+    policy = DraftLengthPolicy(max_k=4, adaptive=False)
+    assert all(_steps(policy, 2, plain_rate=100.0, drafting_rate=10.0, n=50))

@@ -86,6 +86,7 @@ def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_st
     status = learner.status()
     assert status["generation"] >= 1 and status["drafting"] == "head", status
     assert isinstance(engine.draft_model, EagleProposer)
+    assert isinstance(engine.free, NgramProposer)  # its matches still draft first
     history = learner.history
     assert history[0]["promoted"] and history[0]["serving"] is None  # the first head replaced the n-gram index
     assert all(h["candidate"] >= h["serving"] + 0.02 for h in history[1:] if h["promoted"])
@@ -125,7 +126,7 @@ def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_st
     generation, rows = learner.generation, learner.trainer.rows
     loaded.release()
     again = load_deployment(spec(tiny_model_dir), calibrate=False)
-    assert isinstance(again.engine.draft_model, EagleProposer)
+    assert isinstance(again.engine.draft_model, EagleProposer) and isinstance(again.engine.free, NgramProposer)
     assert again.learner.generation == generation
     assert again.learner.trainer.rows == rows and again.learner.history == learner.history
     got, _ = drive(Scheduler(again.engine, 2), [(0, p, GREEDY) for p in later])

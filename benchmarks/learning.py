@@ -1,0 +1,177 @@
+"""A learning draft head over time: chat speed at one client, against plain decoding, as the deployment serves its own
+traffic and trains in its idle time. Prints one table row a round, then what training in idle time costs requests.
+
+    .venv/bin/python benchmarks/learning.py --minutes 60
+    .venv/bin/python benchmarks/learning.py --model qwen2.5-coder-1.5b-instruct --quantization int4 --workload code
+
+In process, as the daemon runs it: a plain deployment and a learning one (``--learn-draft-head`` beside n-gram
+speculation, n=3, K=4: n-gram drafts never come from another request, so no measuring request teaches the next),
+each loaded as the daemon loads it (compiled passes where they pay). A round:
+
+1. **traffic**: the learning deployment answers ``--traffic`` prompts from the set depctl ships for training heads
+   (``depctl/data/train/prompts.jsonl``: chat, instructions and code), ``--clients`` at a time, greedy on the first
+   pass over the set and sampled at temperature 0.7 after;
+2. **idle time**: ``--idle`` seconds in which the engine thread does what it does when no request waits
+   (``Scheduler.idle``: write the answers recorded, train, compare, swap in a better generation);
+3. **measure**: the held-out workload (``--workload``, a prompt set of ``depctl/data/prompts``, none of them in the
+   training set), one request at a time, each prompt on the plain deployment then on the learning one, greedy:
+   output tokens a second over the whole set, the ratio, and whether every output is the plain one. These requests
+   are not recorded (the head never trains on what measures it).
+
+Round 0 measures before any traffic (the n-gram index alone). Run on a quiet machine: both deployments share the
+process's threads, and nothing else should run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--workload", default="chat")
+    parser.add_argument("--minutes", type=float, default=60.0, help="traffic and idle time in all")
+    parser.add_argument("--traffic", type=int, default=24, help="requests served a round")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--idle", type=float, default=120.0, help="seconds of idle time a round")
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--home", default=None, help="DEPCTL_HOME for the learned head (default: a new folder)")
+    args = parser.parse_args()
+    os.environ["DEPCTL_HOME"] = args.home or tempfile.mkdtemp(prefix="depctl-learning-")
+
+    from depctl import workloads
+    from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler
+    from depctl_runtime.speculation.scheduler import generate
+    from depctl_runtime.training.data import load_conversations
+
+    # no prefix cache on either: the held-out prompts come back every round, and the learning deployment reads
+    # prompts whole (its head needs every position's features)
+    common = dict(model=args.model, quantization=args.quantization, max_batch_size=args.clients, prefix_cache_bytes=0)
+    plain = load_deployment(DeploymentSpec(id="plain", **common))
+    learning = load_deployment(
+        DeploymentSpec(
+            id="learning",
+            speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=args.k),
+            learn_draft_head=LearnDraftHead(),
+            **common,
+        )
+    )
+    tokenizer, learner, engine = learning.tokenizer, learning.learner, learning.engine
+
+    def chat_ids(messages) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    traffic = [chat_ids(c) for c in load_conversations(None)]
+    held = [chat_ids([{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
+    scheduler = Scheduler(engine, args.clients, background=learner)
+    greedy = GenerationParams(max_tokens=args.max_tokens)
+
+    def run(eng, prompt) -> tuple[list[int], float]:
+        start = time.perf_counter()
+        out = [t for o in generate(eng, prompt, greedy) for t in o.token_ids]
+        return out, time.perf_counter() - start
+
+    def measure() -> dict:
+        observer, engine.observer = engine.observer, None  # the measuring requests are not recorded
+        before = (engine.stats.num_drafts, engine.stats.num_accepted_tokens)
+        times, tokens, exact = {"plain": 0.0, "learning": 0.0}, 0, True
+        try:
+            for prompt in held:
+                want, t_plain = run(plain.engine, prompt)
+                got, t_learn = run(engine, prompt)
+                times["plain"] += t_plain
+                times["learning"] += t_learn
+                tokens += len(want)
+                exact &= got == want
+        finally:
+            engine.observer = observer
+        drafts = engine.stats.num_drafts - before[0]
+        accepted = engine.stats.num_accepted_tokens - before[1]
+        return {
+            "plain": tokens / times["plain"],
+            "learning": tokens / times["learning"],
+            "mean_accepted": 1 + accepted / drafts if drafts else None,
+            "exact": exact,
+        }
+
+    print(
+        f"{args.model} ({args.quantization}), held-out workload {args.workload!r} ({len(held)} prompts, "
+        f"{args.max_tokens} tokens, 1 client), traffic {args.traffic} requests x {args.clients} clients a round, "
+        f"{args.idle:g} s idle a round; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    header = (
+        "| minutes | answers recorded | trained (min) | generation | held-out accepted | live accepted "
+        "| plain tok/s | learning tok/s | speedup | exact |"
+    )
+    print(header + "\n|" + "---:|" * 9 + "---|", flush=True)
+    slices: list[float] = []
+    started, served, round_ = time.monotonic(), 0, 0
+    while True:
+        m = measure()
+        status = learner.status()
+        print(
+            f"| {(time.monotonic() - started) / 60:.1f} | {status['traffic']['answers'] + status['traffic']['waiting']}"
+            f" | {status['training']['minutes']:.1f} | {status['generation']}"
+            f" | {status['held_out_mean_accepted'] or '-'} | {_fmt(m['mean_accepted'])}"
+            f" | {m['plain']:.1f} | {m['learning']:.1f} | {m['learning'] / m['plain']:.2f}x"
+            f" | {'yes' if m['exact'] else 'NO'} |",
+            flush=True,
+        )
+        if time.monotonic() - started >= args.minutes * 60:
+            break
+        batch = []
+        for i in range(args.traffic):  # greedy on the first pass over the set, sampled after
+            n = served + i
+            sampling = SamplingParams(temperature=0.7, seed=n) if n >= len(traffic) else None
+            params = GenerationParams(max_tokens=256, **({"sampling": sampling} if sampling else {}))
+            batch.append((traffic[n % len(traffic)], params))
+        served += args.traffic
+        for prompt, params in batch:
+            scheduler.add(engine.new_sequence(prompt, params))
+        while scheduler.has_work():
+            scheduler.step()
+        idle_until = time.monotonic() + args.idle
+        while time.monotonic() < idle_until:
+            if scheduler.has_idle_work():
+                t0 = time.perf_counter()
+                scheduler.idle()
+                slices.append(time.perf_counter() - t0)
+            else:
+                time.sleep(0.05)
+        round_ += 1
+    if slices:
+        slices.sort()
+        print(
+            f"\nidle-time slices: {len(slices)}, median {statistics.median(slices) * 1000:.0f} ms, "
+            f"p99 {slices[int(len(slices) * 0.99)] * 1000:.0f} ms, longest {slices[-1] * 1000:.0f} ms "
+            "(a request arriving in idle time waits for the slice under way, at most)"
+        )
+    print("\nthe comparisons (held-out mean accepted length at K, candidate against the serving generation):")
+    for h in learner.history:
+        print(
+            f"  {h['at']}  trained {h['trained_minutes']:.1f} min  answers {h['answers']}  candidate {h['candidate']}"
+            f"  serving {h['serving']}  -> generation {h['generation']}{'  (promoted)' if h['promoted'] else ''}"
+        )
+    learning.release()
+    plain.release()
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()
