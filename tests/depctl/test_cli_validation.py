@@ -844,11 +844,7 @@ def test_sampling_defaults_are_kept_per_field_and_checked(depctl_home, monkeypat
     [
         (["--learn-draft-head"], "--learn-draft-head drafts with --ngram-speculation-length or --suffix-speculation"),
         (
-            ["--learn-draft-head", "--draft-model", "smollm2-135m-instruct", "--draft-token-count", "4"],
-            "got --draft-model",
-        ),
-        (
-            ["--learn-draft-head", "--suffix-speculation", "--engine", "vllm"],
+            ["--learn-draft-head", "--ngram-speculation-length", "3", "--engine", "vllm"],
             "--learn-draft-head trains on depctl's own engine",
         ),
         (["--suffix-speculation", "--learn-disk-size", "1GiB"], "--learn-disk-size needs --learn-draft-head"),
@@ -864,6 +860,18 @@ def test_a_learning_head_needs_a_method_to_start_from_and_depctls_engine(flags, 
     assert result.exit_code != 0
     assert needle in " ".join(result.stderr.split()), result.stderr
     assert spec_files(depctl_home) == []
+
+
+def test_a_learning_head_does_not_go_with_a_draft_model():
+    from depctl.spec import DraftModelSpeculation, LearnDraftHead
+
+    with pytest.raises(ValueError, match="got --draft-model"):
+        DeploymentSpec(
+            id="x",
+            model="m",
+            speculation=DraftModelSpeculation(draft_model="d", num_draft_tokens=4),
+            learn_draft_head=LearnDraftHead(),
+        )
 
 
 def test_learning_is_kept_in_the_spec_and_turned_on_off_and_resized_by_update(depctl_home, monkeypatch):
