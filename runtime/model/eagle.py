@@ -214,7 +214,13 @@ class EagleHead(nn.Module):
 
     # ---- training-time test ----
     def ttt_logits(
-        self, tokens: torch.Tensor, features: torch.Tensor, steps: int, first: int = 0
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        steps: int,
+        first: int = 0,
+        context: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keys_out: list | None = None,
     ) -> list[torch.Tensor]:
         """Draft logits of ``steps`` chained steps over one sequence, as drafting runs them.
 
@@ -224,10 +230,19 @@ class EagleHead(nn.Module):
         and to its own chain's keys at i (steps 1..j), at position i + j: the keys a draft from position i would have.
         Only indices ``>= first`` draft (earlier ones give step 0's keys, the context a draft attends to): a prompt's
         positions cost no output layer. Returns ``steps`` tensors [T - 2 - j - first, draft_vocab]; step j's row r
-        (index i = first + r) predicts ``tokens[i + 2 + j]``."""
+        (index i = first + r) predicts ``tokens[i + 2 + j]``.
+
+        context: step 0's keys and values [kv_heads, c, dim] of indices ``0 .. c - 1`` (c <= first), computed before
+        (a window of a long sequence trained after the window before it: no gradient reaches them); keys_out: a list
+        that receives this call's step-0 keys and values of every index (detached), the next window's context."""
         n = tokens.shape[0] - 1
         positions = torch.arange(n, device=tokens.device)
-        q0, k0, v0, residual0 = self._qkv(tokens[1 : 1 + n], self.fuse(features[:n]), positions)  # every index's
+        start = 0 if context is None else context[0].shape[1]  # indices whose keys are given
+        q0, k0, v0, residual0 = self._qkv(tokens[1 + start : 1 + n], self.fuse(features[start:n]), positions[start:])
+        if context is not None:
+            k0, v0 = torch.cat([context[0], k0], dim=1), torch.cat([context[1], v0], dim=1)
+        if keys_out is not None:
+            keys_out.append((k0.detach(), v0.detach()))
         hidden = None
         chain_k, chain_v, out = [], [], []
         scale = self.config.head_dim**-0.5
@@ -238,7 +253,7 @@ class EagleHead(nn.Module):
             if rows <= 1:
                 break
             if j == 0:
-                q, residual = q0[:, first:m], residual0[first:m]
+                q, residual = q0[:, first - start : m - start], residual0[first - start : m - start]
             else:
                 q, k, v, residual = self._qkv(tokens[1 + j + first : 1 + j + m], hidden[:rows], positions[first:m] + j)
                 chain_k.append(k)

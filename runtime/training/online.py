@@ -41,16 +41,16 @@ from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStor
 
 log = logging.getLogger("depctl.learning")
 
-SLICE = 0.1  # seconds of training between looks at the inbox: what a request arriving in idle time may wait
+SLICE = 0.3  # seconds of training between looks at the inbox: what a request arriving in idle time may wait
 BATCH_ROWS = 512  # positions whose gradients make one optimizer step
 MIN_ANSWERS = 16  # recorded answers before training starts
 FIRST_COMPARISON = 30.0  # seconds of training before the first comparison: a first head serves early
 COMPARE_EVERY = 120.0  # seconds of training between later comparisons
-FIRST_HEAD_MIN = 1.5  # held-out mean accepted length at K a first head must reach to replace the n-gram or suffix index
+FIRST_HEAD_MIN = 1.3  # held-out mean accepted length at K for a first head to draft beside the n-gram or suffix index
 BETTER_BY = 0.02  # ... and a later generation must beat the serving one by, on the same answers
 EPOCHS = 8  # passes over the recorded positions before training waits for more traffic
-LR = 3e-4
-WARMUP_ROWS = 20_000  # positions over which the learning rate ramps up
+LR = 5e-4
+WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 HISTORY_KEPT = 200
 
 
@@ -102,7 +102,7 @@ class HeadLearner:
         self.history: list[dict] = []
         self.trainer: _Trainer | None = None
         self.error: str | None = None
-        self.rows_recorded = 0  # training positions ever recorded (the epochs' measure)
+        self.rows_recorded = 0  # positions of the training answers ever recorded (the epochs' measure)
         self._comparison: _Comparison | None = None
         self._since_comparison = 0.0
         self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
@@ -122,11 +122,11 @@ class HeadLearner:
             except eagle_format.HeadError as exc:
                 log.warning("the learned head in %s cannot be read (%s): learning starts over", head_dir, exc)
         saved = load_state(self._state_dir(), self.device) if self._state_dir().exists() else None
-        if saved is None:
+        fits = saved is not None and saved[2].get("config") == self.config.to_dict()
+        if not (fits and saved[2].get("fingerprint") == self.verifier["fingerprint"]):
+            self.rows_recorded = self.store.positions_on_disk()  # a new head trains on what is recorded already
             return
         head_state, optimizer_state, info = saved
-        if info.get("config") != self.config.to_dict() or info.get("fingerprint") != self.verifier["fingerprint"]:
-            return
         self.trainer = _Trainer(self._new_head(), self.options)
         self.trainer.restore(head_state, optimizer_state, info)
         self.history = info.get("history", [])
@@ -170,10 +170,9 @@ class HeadLearner:
     def _unit(self) -> bool:
         """One bounded piece of work; False when there was none."""
         if self.store.has_pending:
-            path = self.store.flush_one()
-            if path is not None and path.name.startswith("train-"):
-                answer = read_answer(path)
-                self.rows_recorded += _rows(answer, self.options.prompt_positions) if answer else 0
+            before = self.store.positions_written
+            self.store.flush_one()
+            self.rows_recorded += self.store.positions_written - before
             return True
         if self._comparison is not None:
             self._compare_one()
@@ -372,6 +371,7 @@ class _Trainer:
         self.window = 64  # positions a window: adapted so that one takes about a slice
         self._answer: Answer | None = None
         self._at = 0  # the next window's first position in ``_answer``
+        self._context = None  # step 0's keys and values of ``_answer``'s indices before ``_at`` (no gradient)
 
     def _start(self, vocabulary: torch.Tensor, final_norm: torch.Tensor | None) -> None:
         """A new head: the draft vocabulary, and the target's own output rows and final norm to start from."""
@@ -395,20 +395,27 @@ class _Trainer:
         are summed. The window's width follows the time the last one took."""
         t0 = time.perf_counter()
         if self._answer is None or self._at >= len(self._answer.tokens) - 2:
-            self._answer = next_answer()
+            self._answer, self._context = next_answer(), None
             self._at = 0 if self.options.prompt_positions else max(0, self._answer.prompt_len - 2)
         answer, start = self._answer, self._at
         end = min(len(answer.tokens), start + self.window + 2)
         self._at = end - 2
         self.head.train()
+        device = self.head.d2t.device
+        keys: list = []
+        # the window's indices attend to every earlier one: their keys are the last window's, not computed again
+        context = None if self._context is None else tuple(t[:, :start] for t in self._context)
         loss, counted = _window_loss(
             self.head,
-            answer.tokens[:end].long().to(self.head.d2t.device),
-            answer.features[: end - 1].to(self.head.d2t.device).float(),
+            answer.tokens[:end].long().to(device),
+            answer.features[: end - 1].to(device).float(),
             start,
             self.options.steps,
             2 if self.options.prompt_positions else answer.prompt_len,
+            context,
+            keys,
         )
+        self._context = keys[0]
         if counted:
             (loss / self.options.batch_rows).backward()
             self.pending_rows += counted
@@ -436,12 +443,14 @@ class _Trainer:
         self.steps += 1
 
 
-def _window_loss(head: EagleHead, tokens, features, first: int, steps: int, labelled_from: int):
+def _window_loss(
+    head: EagleHead, tokens, features, first: int, steps: int, labelled_from: int, context=None, keys_out=None
+):
     """The summed cross-entropy of the chained draft steps for the indices from ``first`` over ``tokens`` [T]
     (a window's end: the rows past it are the next window's), each step against the token the target chose
     (``tokens[i + 2 + j]``, counted where it is at or past ``labelled_from`` and in the draft vocabulary), step j
-    weighted ``STEP_WEIGHT ** j``; and the positions step 0 counted."""
-    logits = head.ttt_logits(tokens, features, steps, first=first)
+    weighted ``STEP_WEIGHT ** j``; and the positions step 0 counted. context, keys_out: as ``ttt_logits`` takes them."""
+    logits = head.ttt_logits(tokens, features, steps, first=first, context=context, keys_out=keys_out)
     ids = head.draft_ids(tokens)
     total, counted = None, 0
     for j, step_logits in enumerate(logits):
@@ -481,10 +490,6 @@ def _private_files(folder: Path) -> None:
     folder.chmod(0o700)
     for path in folder.iterdir():
         path.chmod(0o600)
-
-
-def _rows(answer: Answer, prompt_positions: bool) -> int:
-    return max(0, len(answer.tokens) - 2 - (0 if prompt_positions else max(0, answer.prompt_len - 2)))
 
 
 def _draft_counters(engine) -> tuple[int, int, int]:

@@ -100,6 +100,7 @@ class TrafficStore:
         self._next = _number(self._files[-1]) + 1 if self._files else 0
         self.bytes = sum(p.stat().st_size for p in self._files)
         self.dropped = 0  # answers not kept: waiting too long for idle time, or evicted by the budget
+        self.positions_written = 0  # tokens of the training answers written since this store opened
 
     # ---- the engine thread, while serving: in memory only ----
     def put(self, answer: Answer) -> None:
@@ -115,7 +116,8 @@ class TrafficStore:
 
     # ---- idle time ----
     def flush_one(self) -> Path | None:
-        """Write the oldest waiting answer (then evict the oldest files beyond the budget); its path."""
+        """Write the oldest waiting answer (then evict the oldest files beyond the budget); its path. A training
+        answer's positions are added to ``positions_written``."""
         if not self._pending:
             return None
         answer = self._pending.popleft()
@@ -134,12 +136,25 @@ class TrafficStore:
         os.replace(tmp, path)
         self._files.append(path)
         self.bytes += path.stat().st_size
+        if kind == "train":
+            self.positions_written += len(answer.tokens)
         while self.bytes > self.budget and len(self._files) > 1:
             old = self._files.pop(0)
             self.bytes -= old.stat().st_size
             old.unlink(missing_ok=True)
             self.dropped += 1
         return path
+
+    def positions_on_disk(self) -> int:
+        """The tokens of the training answers on disk (their headers only)."""
+        total = 0
+        for path in self.training_files():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    total += f.get_slice("tokens").get_shape()[0]
+            except Exception:  # noqa: BLE001 - a file cut short counts for nothing
+                continue
+        return total
 
     def training_files(self) -> list[Path]:
         return [p for p in self._files if p.name.startswith("train-")]

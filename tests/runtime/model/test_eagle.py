@@ -59,3 +59,21 @@ def test_a_bfloat16_head_keeps_its_queries_and_keys_in_bfloat16():
     head.inv_freq = head.inv_freq.float()  # as loading leaves it
     q, k, v, _ = head._qkv(torch.tensor([1, 2]), torch.zeros(2, 32, dtype=torch.bfloat16), torch.tensor([3, 4]))
     assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+
+
+def test_a_window_trained_after_the_one_before_it_sees_the_same_logits_as_the_whole_sequence():
+    # a learning head trains a long answer a window at a time, each window attending to the keys the window before
+    # it computed: the logits are those of one call over the whole answer (only the gradient stops at the window)
+    head = tiny_head(seed=3)
+    tokens = torch.randint(0, 50, (40,))
+    features = torch.randn(39, 96)
+    with torch.no_grad():
+        whole = head.ttt_logits(tokens, features, 3, first=4)
+        keys: list = []
+        first = head.ttt_logits(tokens[:22], features[:21], 3, first=4, keys_out=keys)
+        context = tuple(t[:, :20] for t in keys[0])
+        second = head.ttt_logits(tokens, features, 3, first=20, context=context)
+    for j in range(3):
+        rows_first = first[j].shape[0]  # indices 4 .. 4 + rows_first - 1
+        torch.testing.assert_close(first[j], whole[j][:rows_first])
+        torch.testing.assert_close(second[j], whole[j][16:])  # indices 20 on
