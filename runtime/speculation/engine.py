@@ -179,6 +179,7 @@ class SpeculativeEngine:
             prediction_prior,
             self.target.device,
             grammar_prior,
+            self.policy.new_request(),
         )
 
     @torch.inference_mode()
@@ -462,7 +463,8 @@ class SpeculativeEngine:
             tokens = self.free.propose(seq, k) if self.free is not None and k > 0 else []
             if tokens:
                 return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
-            return Guess([], seq.acceptance, DraftSource.MODEL, max(k, 0), start)
+            acceptance = seq.model_acceptance if self.free is not None else seq.acceptance
+            return Guess([], acceptance, DraftSource.MODEL, max(k, 0), start)
         tokens = self.proposer.propose(seq, k) if k > 0 else []
         if rejoin_guess and not tokens:
             return Guess(

@@ -49,6 +49,7 @@ class Sequence:
         prediction_acceptance: RequestAcceptance | None,
         device: torch.device,
         grammar_acceptance: RequestAcceptance | None = None,
+        model_acceptance: RequestAcceptance | None = None,
     ):
         self.id = next(_ids)
         self.prompt_len = len(prompt)
@@ -68,6 +69,9 @@ class Sequence:
         # the row's place in its grammar: the one matcher state of this request (None: unconstrained)
         self.grammar: RowGrammar | None = params.grammar.start() if params.grammar is not None else None
         self.grammar_acceptance = grammar_acceptance  # how often the target takes the tokens the grammar forces
+        # where a model proposer drafts beside a free one (a learned head beside the n-gram index), its own rate: a
+        # copy found is accepted far more often than a head's guess, and one rate for both would misjudge each
+        self.model_acceptance = model_acceptance
         sampling = params.sampling
         self.generator = None
         if not sampling.greedy:

@@ -41,7 +41,7 @@ from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStor
 
 log = logging.getLogger("depctl.learning")
 
-SLICE = 0.3  # seconds of training between looks at the inbox: what a request arriving in idle time may wait
+SLICE = 0.25  # seconds of training between looks at the inbox: what a request arriving in idle time may wait
 BATCH_ROWS = 512  # positions whose gradients make one optimizer step
 MIN_ANSWERS = 16  # recorded answers before training starts
 FIRST_COMPARISON = 30.0  # seconds of training before the first comparison: a first head serves early
@@ -158,10 +158,12 @@ class HeadLearner:
         seconds = self.options.slice_seconds if seconds is None else seconds
         until = time.perf_counter() + seconds
         try:
-            while True:
+            while True:  # units while another as long as the last still fits in the slice
+                t0 = time.perf_counter()
                 if not self._unit():
                     return
-                if time.perf_counter() >= until:
+                now = time.perf_counter()
+                if now + (now - t0) > until:
                     return
         except Exception as exc:  # noqa: BLE001 - learning stops; serving goes on with the generation it has
             log.exception("the draft head's training failed; the deployment serves on without learning")
@@ -424,7 +426,7 @@ class _Trainer:
             self.flush()
         took = time.perf_counter() - t0
         self.seconds += took
-        if took > 2 * seconds and self.window > 16:
+        if took > 1.5 * seconds and self.window > 16:
             self.window //= 2
         elif took < seconds / 2 and self.window < 512:
             self.window *= 2

@@ -43,6 +43,7 @@ def test_round_trip_keeps_only_intent(depctl_home):
         "record_prompts",
         "prefix_cache_bytes",
         "prefix_cache_scope",
+        "learn_draft_head",
         "sampling",
         "created_at",
         "updated_at",
