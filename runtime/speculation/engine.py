@@ -340,6 +340,7 @@ class SpeculativeEngine:
         argmax = scores.argmax()  # [T]: the step's one host sync for greedy rows
         t2 = time.perf_counter()
         outputs, at = [], 0
+        feeds = bool(self._feature_sinks)  # once a step: the pass's features go to a draft model or the observer
         for b, seq in enumerate(batch):
             rows = slice(at, at + len(drafts[b]) + 1)  # this row's k_b + 1 positions of the stream
             at = rows.stop
@@ -356,7 +357,7 @@ class SpeculativeEngine:
                     seq, drafts[b][:n] + [token], lambda: scores.logits(slice(rows.start, rows.stop))
                 )
                 read = (None, None)
-                if self._feature_sinks:  # what the pass computed at the positions of the tokens it accepted
+                if feeds:  # what the pass computed at the positions of the tokens it accepted
                     kept = slice(rows.start, rows.start + n + 1)
                     features = None if scores.features is None else scores.features[kept]
                     read = (features, lambda kept=kept: scores.logits(kept))
