@@ -94,7 +94,8 @@ class CompiledPass:
         names = self.runner.constant_names()
         borrowed = [named[fqn.removeprefix(prefix)] for fqn in names]
         for tensor in borrowed:  # mapped from the weights file: a copy of our own, which ``release_weights`` can free
-            if not tensor.untyped_storage().resizable():
+            # oneDNN's reordered weights (opaque, no storage to ask about) are already copies of our own
+            if not tensor.is_mkldnn and not tensor.untyped_storage().resizable():
                 tensor.data = tensor.data.clone()
         self.runner.borrow_constants(names, borrowed)
 

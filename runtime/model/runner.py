@@ -110,6 +110,8 @@ class ModelRunner:
         if self.fast_pass is not None:
             self.fast_pass.release()
         for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+            if tensor.is_mkldnn:
+                continue
             storage = tensor.untyped_storage()
             if storage.resizable():
                 storage.resize_(0)
