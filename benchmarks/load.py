@@ -411,6 +411,8 @@ def main() -> int:
     ours = next(iter(specs))  # the others' "vs depctl plain" column compares with this one
 
     results: dict = {}
+    runs: dict = {}  # each run of a cell on its own, for the spread of the ratios over --repeat
+    guards: dict = {}  # (server, workload, clients) -> the deployment's guard after the cell: batch -> ratio
     reference = {}
 
     def in_process_reference() -> None:
@@ -499,7 +501,10 @@ def main() -> int:
                             cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
                             key = (name, mode, w, c)
                             results[key] = results[key].merged(cell) if key in results else cell
+                            runs.setdefault(key, []).append(cell)
                             print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
+                    if name.startswith("depctl "):
+                        guards[(name, w, c)] = guard_state(url)
 
     def stop(group: list) -> None:
         for *_, proc in group:
@@ -529,7 +534,7 @@ def main() -> int:
         in_process_reference()
 
     for w in workloads:
-        print_table(w, levels, results, reference.get(w), args, ours)
+        print_table(w, levels, results, runs, guards, reference.get(w), args, ours)
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -543,7 +548,24 @@ def main() -> int:
     return 0
 
 
-def print_table(workload, levels, results, reference, args, ours) -> None:
+def guard_state(url: str) -> dict:
+    """The deployment's regime guard: per batch size stepped, drafting's tokens a second over plain steps', and
+    whether drafting is off there."""
+    import httpx
+
+    status = httpx.get(f"{url}/depctl/v1/deployments/bench", timeout=10).json()
+    return (status.get("policy") or {}).get("drafting_over_plain") or {}
+
+
+def spread(runs: list, own: list | None) -> str:
+    """Each run's ratio to the plain run beside it (--repeat alternates the modes), lowest to highest."""
+    if not own or len(runs) < 2 or len(own) != len(runs):
+        return "-"
+    ratios = sorted(r.aggregate / p.aggregate for r, p in zip(runs, own) if p.aggregate)
+    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
+def print_table(workload, levels, results, runs, guards, reference, args, ours) -> None:
     how = f"draft {args.draft_model}" if args.draft_model else f"n-gram n={args.ngram}"
     print(
         f"\n### {workload}: {args.model}, {how} K={args.k}, max_tokens {args.max_tokens}, greedy, streaming over HTTP\n"
@@ -557,9 +579,10 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
     servers = list(dict.fromkeys(name for name, _, w, _ in results if w == workload))
     print(
         "| server | clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | "
-        "TTFT p95 s | acceptance | vs its plain (same clients) | vs depctl plain (same clients) |"
+        "TTFT p95 s | acceptance | vs its plain (same clients) | each run vs its plain | vs depctl plain (same "
+        "clients) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     mismatched = []  # greedy speculation is exact: the same requests must give the same tokens
     for c in levels:
         for name in servers:
@@ -570,15 +593,24 @@ def print_table(workload, levels, results, reference, args, ours) -> None:
                 own = results.get((name, "plain", workload, c))
                 base = results.get((ours, "plain", workload, c))
                 acc = f"{cell.accepted / cell.drafted:.0%}" if cell.drafted else "-"
+                each = (
+                    "-"
+                    if mode == "plain"
+                    else spread(runs[(name, mode, workload, c)], runs.get((name, "plain", workload, c)))
+                )
                 if mode != "plain" and own is not None and cell.tokens != own.tokens and name.startswith("depctl "):
                     mismatched.append(f"{name} {c} clients: {cell.tokens} tokens against plain's {own.tokens}")
                 print(
                     f"| {name} | {c} | {mode} | {cell.requests} | {cell.aggregate:.1f} | "
                     f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
-                    f"{_ratio(cell, own)} | {_ratio(cell, base)} |"
+                    f"{_ratio(cell, own)} | {each} | {_ratio(cell, base)} |"
                 )
     for line in mismatched:
         print(f"\n**Output differs from plain decoding**: {line}")
+    for (name, w, c), guard in guards.items():
+        if w == workload and guard:
+            cells = ", ".join(f"{b}: {g['ratio']:.2f}{' off' if g['off'] else ''}" for b, g in guard.items())
+            print(f"\n{name} after {c} clients, drafting over plain steps by batch size: {cells}")
     sys.stdout.flush()
 
 

@@ -166,6 +166,7 @@ class Scheduler:
             self.engine.release_row(row)
         for seq in ended:
             seq.row, seq.fault, seq.finish_reason = -1, RowFault.engine(), "error"
+            self.engine.finish(seq)  # the proposer, the policy and the observer let go of it
         return ended
 
     def _drop_cancelled(self, out) -> None:

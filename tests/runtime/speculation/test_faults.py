@@ -176,8 +176,10 @@ def test_a_fault_in_the_shared_pass_ends_that_steps_requests_and_keeps_the_waiti
     with pytest.raises(RuntimeError):
         scheduler.step()
     engine.target.score = score
+    finished = []  # what the engine lets go of a request (its policy share, its observer's features) must run
+    engine.finish = lambda seq, finish=engine.finish: (finished.append(seq.id), finish(seq))
     ended = scheduler.abandon()
-    assert [s.id for s in ended] == [seqs[0].id, seqs[1].id]
+    assert [s.id for s in ended] == [seqs[0].id, seqs[1].id] == finished
     assert all(s.fault.code == "engine_error" and SECRET not in s.fault.message for s in ended)
     # the waiting requests run as they would have alone, in the rows the abandoned ones freed
     got = {seqs[2].id: [], seqs[3].id: []}
