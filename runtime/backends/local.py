@@ -209,11 +209,13 @@ class LocalBackend:
         )
 
     def _held(self, loaded) -> int | None:
-        """Weights and KV cache (measured once: preallocated), and the prefix cache's blocks (they come and go)."""
+        """Weights and KV cache (measured once: preallocated), the prefix cache's blocks (they come and go), and a
+        learning head's training."""
         prefix = loaded.engine.prefix
         if self.memory_bytes is None:
             return None
-        return self.memory_bytes + (prefix.bytes if prefix is not None else 0)
+        learning = loaded.learner.memory_bytes() if loaded.learner is not None else 0
+        return self.memory_bytes + (prefix.bytes if prefix is not None else 0) + learning
 
     @property
     def method(self) -> str:

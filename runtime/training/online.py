@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
+from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.eagle import STEP_WEIGHT, _vocabulary, acceptance, reach
 from depctl_runtime.training.state import load_state, save_state
 from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStore, private_dir, read_answer
@@ -296,6 +297,14 @@ class HeadLearner:
         except Exception:  # noqa: BLE001 - a stop must not fail for this; the next load starts from what is on disk
             log.exception("saving the draft head's training failed")
         self.recorder.release()
+
+    def memory_bytes(self) -> int:
+        """What learning holds beyond the target: the head in training with its optimizer's moments, the serving
+        generation, the features of the requests running and the answers waiting to be written."""
+        table = self.model.get_input_embeddings().weight  # the heads' frozen embeddings: the target's own, or a copy
+        trainer = self.trainer
+        parts = (trainer, trainer.optimizer.state) if trainer is not None else ()
+        return held_bytes(table, *parts, self.serving, self.recorder) - held_bytes(table) + self.store.pending_bytes
 
     def status(self) -> dict:
         trainer = self.trainer

@@ -103,6 +103,11 @@ class TrafficStore:
         self.positions_written = 0  # tokens of the training answers written since this store opened
 
     # ---- the engine thread, while serving: in memory only ----
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the answers waiting in memory to be written."""
+        return self._pending_bytes
+
     def put(self, answer: Answer) -> None:
         self._pending.append(answer)
         self._pending_bytes += answer.nbytes

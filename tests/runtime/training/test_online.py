@@ -85,6 +85,9 @@ def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_st
     idle(learner, 60)
     status = learner.status()
     assert status["generation"] >= 1 and status["drafting"] == "head", status
+    trained = [p for n, p in learner.trainer.head.named_parameters() if not n.startswith("embed_tokens")]
+    # in the deployment's memory: the head in training with AdamW's two moments, and the serving generation
+    assert learner.memory_bytes() >= 4 * sum(p.numel() * p.element_size() for p in trained)
     assert isinstance(engine.draft_model, EagleProposer)
     assert isinstance(engine.free, NgramProposer)  # its matches still draft first
     history = learner.history
