@@ -15,8 +15,9 @@ all.
 
 - costs: the median of the last few passes per measured token count (a lone slow pass moves nothing; a sample
   under half the estimate replaces it at once, so a calibration taken on a busy machine recovers), kept
-  non-decreasing in the count (a fresh estimate corrects older entries that contradict it); counts never measured
-  are interpolated, and extrapolated past the largest.
+  non-decreasing in the count (a fresh estimate corrects older entries that contradict it) and no dearer than
+  running a wider pass as several narrower ones (a quiet pass undoes what contention left on wider counts); counts
+  never measured are interpolated, and extrapolated past the largest.
 - ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
   separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). The
   extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
@@ -117,6 +118,14 @@ class CostModel:
         self._counts: list[int] = []  # sorted(samples), kept while no count is added (counts are never removed)
 
     def observe(self, n: int, seconds: float) -> None:
+        # A pass over m > n tokens could run as ceil(m / n) passes over n, so a pass that took ``seconds`` bounds
+        # every wider count's cost. A slow sample may be contention, a fast one is not: costs that contention left
+        # on counts the policy then never picked (too dear to draft, so never re-measured) fall at the first quiet
+        # pass over fewer tokens.
+        for m, old in self.samples.items():
+            if m > n and old > seconds * -(-m // n):
+                self.samples[m] = seconds * -(-m // n)
+                self._recent.pop(m, None)
         recent = self._recent.setdefault(n, deque(maxlen=WINDOW))
         value = self.samples[n] = _estimate(recent, self.samples.get(n), seconds)
         if len(recent) < CONFIRMED:

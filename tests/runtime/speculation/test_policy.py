@@ -222,6 +222,22 @@ def test_one_slow_pass_at_a_new_count_does_not_reprice_the_larger_ones():
     assert costs.samples[12] == 0.2 and costs.samples[16] == 0.2 and costs.samples[72] == 0.2
 
 
+def test_a_quiet_pass_bounds_the_costs_contention_left_on_wider_passes():
+    # seen in a daemon beside another busy process: three 5-token passes took 1.1 s each (two processes' threads on
+    # two cores), "more tokens never cost less" copied that to every larger count, and drafting at batch 2 or more
+    # looked ruinous long after the other process went quiet, since those widths were then never run to re-measure
+    costs = CostModel()
+    costs.samples.update({1: 0.030, 2: 0.033, 4: 0.034, 8: 0.040, 16: 0.060, 64: 0.200})  # a calibration
+    for _ in range(3):
+        costs.observe(5, 1.13)
+    assert costs(8) == costs(64) == pytest.approx(1.13)
+    costs.observe(4, 0.034)  # a quiet pass over 4 tokens: 8 can be run as two of them, 64 as sixteen
+    assert costs(8) <= 2 * 0.034 and costs(16) <= 4 * 0.034 and costs(64) <= 16 * 0.034
+    assert costs(5) <= 2 * 0.034
+    costs.observe(4, 0.050)  # a slower pass bounds nothing it does not already bound
+    assert costs(8) <= 2 * 0.034
+
+
 def _steps(policy, batch: int, plain_rate: float, drafting_rate: float, n: int) -> list[int]:
     """``n`` steps of a batch whose rows would draft: each runs as the policy says, and the step takes 1/rate seconds
     a token at the rate of its kind. The widths it chose."""
