@@ -172,10 +172,12 @@ def _head_training_cell(d: _Detail) -> str | None:
         return None
     t, traffic = learning["training"], learning["traffic"]
     error = f" ({learning['error']})" if learning.get("error") else ""
+    shipped = t.get("shipped_prompts")
+    shipped = f", {shipped['answered']} of {shipped['total']} shipped prompts among them" if shipped else ""
     return (
         f"{t['state']}{error}; {t['minutes']:.1f} min, {t['optimizer_steps']} steps over {t['positions']} positions; "
-        f"{traffic['answers']} answers recorded ({traffic['held_out']} held out), {fmt_bytes(traffic['bytes'])} of "
-        f"{fmt_bytes(traffic['budget_bytes'])} on disk"
+        f"{traffic['answers']} answers recorded ({traffic['held_out']} held out{shipped}), "
+        f"{fmt_bytes(traffic['bytes'])} of {fmt_bytes(traffic['budget_bytes'])} on disk"
     )
 
 

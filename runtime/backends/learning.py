@@ -9,8 +9,11 @@ from depctl_runtime.backends import eagle
 from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.model import decoder, eagle_format
 from depctl_runtime.model.eagle import EagleConfig
+from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation.eagle import EagleProposer
+from depctl_runtime.training.data import load_conversations
 from depctl_runtime.training.online import HeadLearner, LearnOptions
+from depctl_runtime.training.shipped import ShippedAnswers
 
 DRAFT_VOCAB = 8192  # the head's output layer: the tokens the recorded answers use most
 MAX_TRAINED_STEPS = 5  # draft steps trained: later ones are reached rarely, and each costs a pass of the head
@@ -43,3 +46,20 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int) -> HeadLearner:
         make_proposer,
         verifier,
     )
+
+
+def shipped_answers(learner: HeadLearner, model, tokenizer, vocab: int, stop_ids) -> ShippedAnswers | None:
+    """The shipped prompts (``depctl draft train``'s set) for ``learner`` to answer while traffic is short; None for
+    a model without a chat template (its answers to them would not be what it serves)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    prompts = []
+    for conversation in load_conversations(None):
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def make_runner(context: int) -> ModelRunner:
+        # one row of its own: the engine's rows, cache and compiled passes are never touched
+        return ModelRunner(model, vocab, max_rows=1, max_context=context, features=learner.config.aux_layers)
+
+    return ShippedAnswers(make_runner, prompts, set(stop_ids))

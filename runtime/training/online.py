@@ -37,6 +37,7 @@ from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.eagle import STEP_WEIGHT, _vocabulary, acceptance, reach
+from depctl_runtime.training.shipped import ShippedAnswers
 from depctl_runtime.training.state import load_state, save_state
 from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStore, private_dir, read_answer
 
@@ -104,6 +105,8 @@ class HeadLearner:
         self.trainer: _Trainer | None = None
         self.error: str | None = None
         self.rows_recorded = 0  # positions of the training answers ever recorded (the epochs' measure)
+        self.shipped: ShippedAnswers | None = None  # the shipped prompts' answers, while training waits (``answer``)
+        self._shipped_done = 0  # of them, answered before a restart
         self._comparison: _Comparison | None = None
         self._since_comparison = 0.0
         self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
@@ -132,10 +135,16 @@ class HeadLearner:
         self.trainer.restore(head_state, optimizer_state, info)
         self.history = info.get("history", [])
         self.rows_recorded = info.get("rows_recorded", 0)
+        self._shipped_done = info.get("shipped_answered", 0)
 
     def initial_head(self) -> EagleHead | None:
         """The generation that served last, ready to serve again (a copy): None before any."""
         return copy.deepcopy(self.serving) if self.serving is not None else None
+
+    def answer(self, shipped: ShippedAnswers) -> None:
+        """Spend the idle time training cannot use answering ``shipped``'s prompts (from where a restart left off)."""
+        shipped.done = max(shipped.done, min(self._shipped_done, len(shipped.prompts)))
+        self.shipped = shipped
 
     def attach(self, engine) -> None:
         self.engine = engine
@@ -147,10 +156,16 @@ class HeadLearner:
             return False
         if self.store.has_pending or self._comparison is not None:
             return True
+        return self._training_due() or self._answering()
+
+    def _training_due(self) -> bool:
         if len(self.store.training_files()) < self.options.min_answers or not self.store.held_out_files():
             return False
         trainer = self.trainer
         return trainer is None or trainer.rows < self.options.epochs * self.rows_recorded or self._owes_comparison()
+
+    def _answering(self) -> bool:
+        return self.shipped is not None and self.shipped.remaining > 0
 
     def work(self, seconds: float | None = None) -> None:
         """About ``seconds`` (one slice by default) of the next things to do: write, train, compare."""
@@ -180,8 +195,13 @@ class HeadLearner:
         if self._comparison is not None:
             self._compare_one()
             return True
-        if not self.has_work():
-            return False
+        if not self._training_due():
+            if not self._answering():
+                return False
+            answer = self.shipped.piece()  # a prompt's pass or one token: training has nothing to do
+            if answer is not None:
+                self.store.put(answer)
+            return True
         if self.trainer is None:
             self.trainer = _Trainer(self._new_head(), self.options, self._first_vocabulary(), self._final_norm())
         if self._owes_comparison():
@@ -280,6 +300,7 @@ class HeadLearner:
             "fingerprint": self.verifier["fingerprint"],
             "history": self.history,
             "rows_recorded": self.rows_recorded,
+            "shipped_answered": self.shipped.done if self.shipped is not None else self._shipped_done,
         }
         folder = self._state_dir()
         private_dir(folder)
@@ -304,6 +325,8 @@ class HeadLearner:
         table = self.model.get_input_embeddings().weight  # the heads' frozen embeddings: the target's own, or a copy
         trainer = self.trainer
         parts = (trainer, trainer.optimizer.state) if trainer is not None else ()
+        if self.shipped is not None and self.shipped.runner is not None:
+            parts += (self.shipped.runner.cache,)  # not the runner: it holds the target's weights
         return held_bytes(table, *parts, self.serving, self.recorder) - held_bytes(table) + self.store.pending_bytes
 
     def status(self) -> dict:
@@ -327,6 +350,9 @@ class HeadLearner:
                 "optimizer_steps": trainer.steps if trainer else 0,
                 "positions": trainer.rows if trainer else 0,
                 "positions_recorded": self.rows_recorded,
+                "shipped_prompts": {"answered": self.shipped.done, "total": len(self.shipped.prompts)}
+                if self.shipped is not None
+                else None,
             },
             "traffic": self.store.counts(),
             "history": self.history[-12:],
@@ -338,11 +364,16 @@ class HeadLearner:
     def _state(self) -> str:
         if self.error is not None:
             return "failed"
+        if self._training_due() or self._comparison is not None:
+            return "training"
+        if self._answering():
+            shipped = self.shipped
+            return f"answering depctl's prompts while traffic is short ({shipped.done} of {len(shipped.prompts)})"
         answers = len(self.store.training_files())
         if answers < self.options.min_answers or not self.store.held_out_files():
             held = "" if self.store.held_out_files() else ", none held out yet"
             return f"waiting for traffic ({answers} of {self.options.min_answers} answers{held})"
-        return "training" if self.has_work() else "caught up: waiting for more traffic"
+        return "caught up: waiting for more traffic"
 
     # ---- helpers ----
     def _state_dir(self) -> Path:
