@@ -643,7 +643,9 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
         print(f"\n**Output differs from plain decoding**: {line}")
     for (name, w, c), guard in guards.items():
         if w == workload and guard:
-            cells = ", ".join(f"{b}: {g['ratio']:.2f}{' off' if g['off'] else ''}" for b, g in guard.items())
+            cells = ", ".join(
+                f"{g.get('sizes', b)}: {g['ratio']:.2f}{' off' if g['off'] else ''}" for b, g in guard.items()
+            )
             print(f"\n{name} after {c} clients, drafting over plain steps by batch size: {cells}")
     sys.stdout.flush()
 

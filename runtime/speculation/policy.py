@@ -176,14 +176,23 @@ class RowPlan:
     model: bool  # drafts would come from the draft model (cost per token)
 
 
+def band(batch: int) -> int:
+    """The regime a batch size belongs to: sizes from a power of two to just under the next (1, 2-3, 4-7, 8-15, ...),
+    named by the power of two. A closed loop of 16 clients runs batches of 9 to 16 rows, a few steps at each size."""
+    return 1 << (batch.bit_length() - 1)
+
+
 class RegimeGuard:
-    """What drafting delivered at each batch size, against plain steps at the same size: the tokens a second of whole
-    steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost taken at another load, host
-    work the cost model does not see, acceptance the rows over-estimate) shows here. Where drafting steps measured
-    under ``LOSS_MARGIN`` of plain ones, that batch size decodes plainly, drafting once every ``REGIME_PROBE`` steps
-    to see whether it still loses; where drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain
-    rate measured (one in ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, so the
-    comparison is fair although the policy drafts only where it expects a gain."""
+    """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the
+    tokens a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost
+    taken at another load, host work the cost model does not see, acceptance the rows over-estimate) shows here. Where
+    drafting steps measured under ``LOSS_MARGIN`` of plain ones, that band decodes plainly, drafting once every
+    ``REGIME_PROBE`` steps to see whether it still loses; where drafting runs, one step in ``REGIME_PROBE`` runs
+    plainly to keep the plain rate measured (one in ``REGIME_WARMUP`` until it is). Plain steps cost what they cost
+    whatever the text, and within a band both kinds of step come at the same mix of sizes (plain ones are spread over
+    time), so the comparison is fair although the policy drafts only where it expects a gain. Judged size by size, each
+    size needed plain steps of its own before anything was compared, and a loss at a wandering size ran on for most of
+    a load test's cell."""
 
     def __init__(self):
         self._rates: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens, seconds, steps], decayed
@@ -192,8 +201,8 @@ class RegimeGuard:
         self.probing = False  # the step just planned is a probe of a regime turned off
 
     def rate(self, batch: int, drafted: bool) -> float | None:
-        """Tokens a second of this kind of step at this batch size (None: too few steps yet)."""
-        kept = self._rates.get((batch, drafted))
+        """Tokens a second of this kind of step in this batch size's band (None: too few steps yet)."""
+        kept = self._rates.get((band(batch), drafted))
         if kept is None or kept[2] < REGIME_MIN_STEPS or kept[1] <= 0:
             return None
         return kept[0] / kept[1]
@@ -202,6 +211,7 @@ class RegimeGuard:
         """Whether a step at this batch size may draft (called when the policy would): not where drafting measured a
         loss, except for a probe every ``REGIME_PROBE`` steps; and not for the plain step that keeps the plain rate
         measured, once every ``REGIME_PROBE`` drafting steps."""
+        batch = band(batch)
         if batch in self.off:
             self.off[batch] += 1
             if self.off[batch] < REGIME_PROBE:
@@ -213,6 +223,7 @@ class RegimeGuard:
         return since < (REGIME_WARMUP if self.rate(batch, False) is None else REGIME_PROBE)
 
     def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        batch = band(batch)
         kept = self._rates.setdefault((batch, drafted), [0.0, 0.0, 0])
         kept[0] = kept[0] * REGIME_DECAY + tokens
         kept[1] = kept[1] * REGIME_DECAY + seconds
@@ -230,12 +241,13 @@ class RegimeGuard:
             self.off.pop(batch, None)
 
     def snapshot(self) -> dict:
-        """Per batch size measured: drafting's tokens a second over plain's, and whether drafting is off there."""
+        """Per band measured: its sizes, drafting's tokens a second over plain's, and whether drafting is off there."""
         out = {}
-        for batch in sorted({b for b, _ in self._rates}):
-            plain, drafting = self.rate(batch, False), self.rate(batch, True)
+        for low in sorted({b for b, _ in list(self._rates)}):
+            plain, drafting = self.rate(low, False), self.rate(low, True)
             if plain and drafting:
-                out[batch] = {"ratio": round(drafting / plain, 3), "off": batch in self.off}
+                sizes = str(low) if low == 1 else f"{low}-{2 * low - 1}"
+                out[low] = {"sizes": sizes, "ratio": round(drafting / plain, 3), "off": low in self.off}
         return out
 
 

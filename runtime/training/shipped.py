@@ -20,12 +20,13 @@ from depctl_runtime.model.runner import ModelRunner, greedy
 from depctl_runtime.training.traffic import MIN_ANSWER, Answer
 
 MAX_TOKENS = 192  # tokens an answer may run to, as ``depctl draft train`` generates them
+PROMPT_CHUNK = 32  # prompt tokens a piece reads
 
 
 class ShippedAnswers:
     """The target's greedy answers to ``prompts`` (token ids, chat template applied), in a fixed shuffled order.
 
-    ``piece`` runs one pass: a prompt's prefill or one decode step; it returns an ``Answer`` when one ends."""
+    ``piece`` runs one pass: a chunk of a prompt or one decode step; it returns an ``Answer`` when one ends."""
 
     def __init__(
         self,
@@ -59,11 +60,15 @@ class ShippedAnswers:
             self.runner = self._make_runner(longest + self.max_tokens)
         runner = self.runner
         if not self._tokens:
-            prompt = self.prompts[self.done]
             runner.set_length(0, 0)
-            logits, features = runner.prefill(0, prompt)
-            self._tokens, self._prompt_len = list(prompt), len(prompt)
-            self._features = [features.to(device="cpu", dtype=self.dtype)]
+            self._tokens = list(self.prompts[self.done])
+            self._prompt_len, self._features = len(self._tokens), []
+        read = runner.length(0)
+        if read < self._prompt_len:  # the prompt, a chunk a piece: a request arriving waits for one chunk at most
+            logits, features = runner.prefill(0, self._tokens[read : read + PROMPT_CHUNK])
+            self._features.append(features.to(device="cpu", dtype=self.dtype))
+            if runner.length(0) < self._prompt_len:
+                return None
             token = int(greedy(logits[0]))
         else:
             scores = runner.score(0, [[self._tokens[-1]]])

@@ -268,6 +268,19 @@ def test_drafting_that_measured_a_loss_at_a_batch_size_turns_off_there_and_probe
     assert 8 not in policy.guard.off and sum(1 for w in widths[-100:] if w) > 90
 
 
+def test_a_batch_whose_size_wanders_is_judged_as_one_regime():
+    # 16 clients in a closed loop run batches of 9 to 16 rows, each size a few steps at a time: judged size by size,
+    # each needed its own plain steps before anything was compared, and a loss ran on for most of a cell
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    widths = []
+    for i in range(240):
+        batch = 9 + (i // 3) % 7
+        widths += _steps(policy, batch, plain_rate=100.0, drafting_rate=80.0, n=1)
+    assert sum(1 for w in widths[120:] if w) <= 120 // 40
+    assert policy.snapshot()["drafting_over_plain"][8] == {"sizes": "8-15", "ratio": 0.8, "off": True}
+
+
 def test_where_drafting_gains_one_step_in_many_runs_plainly_to_keep_the_comparison_measured():
     policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)

@@ -46,7 +46,7 @@ def test_with_no_traffic_idle_time_answers_the_shipped_prompts_and_a_first_head_
     learner = loaded.learner
     assert learner.shipped is not None and learner.shipped.remaining > 200  # the tiny model has a chat template
     quick(learner)  # (which leaves the traffic alone to learn from: here, the prompts below)
-    batch = prompts(12, offset=5)
+    batch = [p * 4 for p in prompts(12, offset=5)]  # 48 tokens: a prompt is read in chunks
     expected = greedy(tiny_model_dir, batch)
     learner.answer(shipped_for(loaded, batch))
     scheduler = Scheduler(loaded.engine, 2, background=learner)
