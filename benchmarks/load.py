@@ -540,7 +540,8 @@ def main() -> int:
         args.json.write_text(
             json.dumps(
                 {
-                    f"{n}/{m}/{w}/{c}": vars(cell) | {"aggregate": cell.aggregate}
+                    f"{n}/{m}/{w}/{c}": vars(cell)
+                    | {"aggregate": cell.aggregate, "runs": [run.aggregate for run in runs[(n, m, w, c)]]}
                     for (n, m, w, c), cell in results.items()
                 },
                 indent=1,
