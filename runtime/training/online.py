@@ -198,7 +198,7 @@ class HeadLearner:
         if not self._training_due():
             if not self._answering():
                 return False
-            answer = self.shipped.piece()  # a prompt's pass or one token: training has nothing to do
+            answer = self.shipped.piece()  # a prompt chunk or one token: training has nothing to do
             if answer is not None:
                 self.store.put(answer)
             return True
@@ -321,7 +321,8 @@ class HeadLearner:
 
     def memory_bytes(self) -> int:
         """What learning holds beyond the target: the head in training with its optimizer's moments, the serving
-        generation, the features of the requests running and the answers waiting to be written."""
+        generation, the features of the requests running, the answers waiting to be written and the shipped
+        answers' cache."""
         table = self.model.get_input_embeddings().weight  # the heads' frozen embeddings: the target's own, or a copy
         trainer = self.trainer
         parts = (trainer, trainer.optimizer.state) if trainer is not None else ()
