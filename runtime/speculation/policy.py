@@ -123,8 +123,9 @@ class CostModel:
         # on counts the policy then never picked (too dear to draft, so never re-measured) fall at the first quiet
         # pass over fewer tokens.
         for m, old in self.samples.items():
-            if m > n and old > seconds * -(-m // n):
-                self.samples[m] = seconds * -(-m // n)
+            bound = seconds * -(-m // n)
+            if m > n and old > bound:
+                self.samples[m] = bound
                 self._recent.pop(m, None)
         recent = self._recent.setdefault(n, deque(maxlen=WINDOW))
         value = self.samples[n] = _estimate(recent, self.samples.get(n), seconds)
