@@ -447,9 +447,20 @@ def hostile_loop(
             continue
         n += 1
         if n % 2:
-            idle_burst(home, tally, latencies)
-        else:
             pickle_round(home, pickled, marker, n, tally)
+        else:
+            idle_burst(home, tally, latencies)
+
+
+def hostile_once_more(home: Path, tally: Tally, pickled: Path, marker: Path, latencies: list) -> None:
+    """Each hostile check at least once a run: in a short run, restarts and a slow burst can leave no turn for one."""
+    if not any(k.startswith("pickled weights") for k in tally.counts):
+        pickle_round(home, pickled, marker, 0, tally)
+    if not any(k.startswith("idle burst: ") and "answered" in k for k in tally.counts):
+        deadline = time.monotonic() + 60  # the keep-alive deployment unloads 2 s after its last request
+        while time.monotonic() < deadline and not any(k.startswith("idle burst: ") for k in tally.counts):
+            idle_burst(home, tally, latencies)
+            time.sleep(1.0)
 
 
 # ---- restarts -----------------------------------------------------------------------------------------------------
@@ -624,6 +635,7 @@ def main(argv=None) -> int:
         stop.set()
         for t in threads:
             t.join(180)
+    hostile_once_more(home, tally, pickled, marker, latencies)
     rss_end = rss_mb(home)
     tally.phase("every deployment but the clients' deleted", rss_end)
     settle(home, mine, tally)
