@@ -55,6 +55,8 @@ LOSS_MARGIN = 0.97
 REGIME_DECAY = 0.9  # per step of its kind: a regime's rates follow its last ~10 drafting and ~10 plain steps
 REGIME_MIN_STEPS = 3  # steps of each kind at a batch size before its rates are compared
 REGIME_PROBE = 64  # steps between a regime's probes: one drafting step where drafting is off, one plain step where on
+REGIME_PROBE_MAX = 512  # a band that keeps losing is probed half as often after each losing probe, down to this
+REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts again
 REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
 
 
@@ -187,19 +189,22 @@ class RegimeGuard:
     """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the
     tokens a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost
     taken at another load, host work the cost model does not see, acceptance the rows over-estimate) shows here. Where
-    drafting steps measured under ``LOSS_MARGIN`` of plain ones, that band decodes plainly, drafting once every
-    ``REGIME_PROBE`` steps to see whether it still loses; where drafting runs, one step in ``REGIME_PROBE`` runs
-    plainly to keep the plain rate measured (one in ``REGIME_WARMUP`` until it is). Plain steps cost what they cost
-    whatever the text, and within a band both kinds of step come at the same mix of sizes (plain ones are spread over
-    time), so the comparison is fair although the policy drafts only where it expects a gain. Judged size by size, each
-    size needed plain steps of its own before anything was compared, and a loss at a wandering size ran on for most of
-    a load test's cell."""
+    drafting steps measured under ``LOSS_MARGIN`` of plain ones, that band decodes plainly and probes: one drafting
+    step after ``REGIME_PROBE`` plain ones, then twice as many after each probe that loses (up to
+    ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows several plain steps' worth), and drafting comes
+    back after ``REGIME_CONFIRM`` probes in a row each gain on their own (one lucky step must not undo a measured
+    loss). Where drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in
+    ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds
+    of step come at the same mix of sizes (plain ones are spread over time), so the comparison is fair although the
+    policy drafts only where it expects a gain. Judged size by size, each size needed plain steps of its own before
+    anything was compared, and a loss at a wandering size ran on for most of a load test's cell."""
 
     def __init__(self):
-        self._rates: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted) -> [tokens, seconds, steps], decayed
-        self.off: dict[int, int] = {}  # batch sizes where drafting measured a loss -> steps since its last probe
-        self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per batch size
-        self.probing = False  # the step just planned is a probe of a regime turned off
+        self._rates: dict[tuple[int, bool], list[float]] = {}  # (band, drafted) -> [tokens, seconds, steps], decayed
+        self.off: dict[int, int] = {}  # bands where drafting measured a loss -> plain steps since the last probe
+        self._probes: dict[int, list[int]] = {}  # band turned off -> [steps between its probes, gaining in a row]
+        self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per band
+        self.probing = False  # the step just planned is a probe of a band turned off
 
     def rate(self, batch: int, drafted: bool) -> float | None:
         """Tokens a second of this kind of step in this batch size's band (None: too few steps yet)."""
@@ -210,12 +215,12 @@ class RegimeGuard:
 
     def allows(self, batch: int) -> bool:
         """Whether a step at this batch size may draft (called when the policy would): not where drafting measured a
-        loss, except for a probe every ``REGIME_PROBE`` steps; and not for the plain step that keeps the plain rate
-        measured, once every ``REGIME_PROBE`` drafting steps."""
+        loss, except for its probes; and not for the plain step that keeps the plain rate measured, once every
+        ``REGIME_PROBE`` drafting steps."""
         batch = band(batch)
         if batch in self.off:
             self.off[batch] += 1
-            if self.off[batch] < REGIME_PROBE:
+            if self.off[batch] < self._probes[batch][0]:
                 return False
             self.off[batch] = 0
             self.probing = True
@@ -233,13 +238,26 @@ class RegimeGuard:
         probe, self.probing = self.probing, False
         if not drafted:
             return
-        plain, drafting = self.rate(batch, False), self.rate(batch, True)
-        if plain is None or drafting is None:
+        plain = self.rate(batch, False)
+        if probe and batch in self.off:
+            self._judge_probe(batch, plain is not None and seconds > 0 and tokens / seconds >= LOSS_MARGIN * plain)
             return
-        if drafting < LOSS_MARGIN * plain:
+        drafting = self.rate(batch, True)
+        if plain is not None and drafting is not None and drafting < LOSS_MARGIN * plain:
             self.off.setdefault(batch, 0)
-        elif probe:
-            self.off.pop(batch, None)
+            self._probes[batch] = [REGIME_PROBE, 0]
+
+    def _judge_probe(self, batch: int, gained: bool) -> None:
+        """A probe's step on its own against the plain rate: after ``REGIME_CONFIRM`` gains in a row drafting comes
+        back, measured afresh (the losing steps before it would turn it off again); a loss backs the probes off."""
+        probes = self._probes[batch]
+        if not gained:
+            probes[:] = [min(2 * probes[0], REGIME_PROBE_MAX), 0]
+            return
+        probes[:] = [REGIME_PROBE, probes[1] + 1]
+        if probes[1] >= REGIME_CONFIRM:
+            del self.off[batch], self._probes[batch]
+            self._rates.pop((batch, True), None)
 
     def snapshot(self) -> dict:
         """Per band measured: its sizes, drafting's tokens a second over plain's, and whether drafting is off there."""

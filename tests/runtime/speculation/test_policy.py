@@ -6,6 +6,8 @@ import pytest
 
 from depctl_runtime.speculation.policy import (
     PROBE_BUDGET,
+    REGIME_PROBE,
+    REGIME_PROBE_MAX,
     CostModel,
     DraftLengthPolicy,
     RequestAcceptance,
@@ -259,13 +261,44 @@ def test_drafting_that_measured_a_loss_at_a_batch_size_turns_off_there_and_probe
     widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=90.0, n=200)
     assert policy.guard.off.get(8) is not None
     late = widths[100:]
-    assert 0 < sum(1 for w in late if w) <= len(late) // 40  # a probe every REGIME_PROBE steps, no more
+    assert 0 < sum(1 for w in late if w) <= len(late) // 40  # a probe every REGIME_PROBE steps at most
     assert policy.snapshot()["drafting_over_plain"][8]["off"]
     # batch 1 is another regime: drafting that gains there goes on
     assert sum(1 for w in _steps(policy, 1, plain_rate=20.0, drafting_rate=45.0, n=40) if w) > 30
     # the load changes and drafting gains at 8 again: the probes see it and drafting comes back
-    widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=160.0, n=400)
+    widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=160.0, n=REGIME_PROBE_MAX + 300)
     assert 8 not in policy.guard.off and sum(1 for w in widths[-100:] if w) > 90
+
+
+def test_a_band_that_keeps_losing_is_probed_less_and_less_often():
+    # a probe drafts the whole batch at the width the cost model picks: at 31 rows on 4-bit weights a pass several
+    # times a plain step's, so probing every 64 steps for good cost a band that stays off several percent
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    widths = _steps(policy, 16, plain_rate=100.0, drafting_rate=60.0, n=3000)
+    assert policy.guard.off.get(16) is not None
+    probes = [i for i, w in enumerate(widths) if w and i > 100]
+    assert 3 <= len(probes) <= 3000 // REGIME_PROBE_MAX + 5  # backing off to one in REGIME_PROBE_MAX
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == REGIME_PROBE_MAX
+
+
+def test_one_lucky_probe_does_not_turn_a_losing_band_back_on():
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    # a loss near the margin: one probe's step folded into the average would lift it over and turn drafting back on
+    _steps(policy, 8, plain_rate=100.0, drafting_rate=95.0, n=200)
+    assert 8 in policy.guard.off
+    lucky, widths = True, []
+    for _ in range(2000):  # the first probe after that lands on a lucky step; every later one loses again
+        w = policy.width(_rows(policy, [(0.9, 8)] * 8))[0]
+        tokens = 8 * (3 if w else 1)
+        rate = (200.0 if lucky else 95.0) if w else 100.0
+        lucky = lucky and not w
+        policy.observe_step_time(tokens / rate, 8, tokens, bool(w))
+        widths.append(w)
+    assert 8 in policy.guard.off
+    assert sum(1 for w in widths if w) <= 2000 // REGIME_PROBE + 1  # only probes drafted: the band never came on
 
 
 def test_a_batch_whose_size_wanders_is_judged_as_one_regime():
