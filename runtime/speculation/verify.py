@@ -21,6 +21,10 @@ target's greedy output token for token.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 
@@ -116,3 +120,122 @@ def verify_seeded(draft_tokens: list[int], target_probs: torch.Tensor, seed: int
             return n, token
         n += 1
     raise AssertionError("unreachable")
+
+
+# ---- draft trees (SpecInfer, Miao et al. 2024; EAGLE-2, Li et al. 2024) ---------------------------------------------
+# A tree offers several candidates at a position: the target verifies every node in one pass (a node sees the row's
+# cache and its own ancestors) and the row keeps the longest path it agrees with. A node's candidates are distinct
+# tokens the proposer chose deterministically (its top-k), so each is a one-hot draft: under sampling, candidate c
+# is accepted with probability p(c) renormalised over the candidates not yet rejected, and after every candidate is
+# rejected the token comes from p without them. That is sampling from p in steps, so the output is distributed as p
+# (for two candidates: P(c1) = p(c1), P(c2) = (1 - p(c1)) p(c2) / (1 - p(c1)) = p(c2), and likewise for the rest).
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens as a tree: node i holds ``tokens[i]`` and hangs under ``parents[i]`` (-1: the root, the row's
+    last accepted token). A parent comes before its children, and a node's children are tried in their order. In a
+    verify pass the row's stream is ``[root] + tokens``: node i sits at stream position i + 1, and the target's
+    distribution at a node's position is its prediction for the token after that node."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent is {parent}: a parent must come before its child (or be -1)")
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "DraftTree":
+        return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each node's depth, 1 for the root's children: the position past the row's length it stands for."""
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return tuple(out)
+
+    @functools.cached_property
+    def _children(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents):
+            out.setdefault(parent, []).append(i)
+        return out
+
+    def children(self, node: int) -> list[int]:
+        return self._children.get(node, [])
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+# pick(stream position, depth, candidate tokens) -> (the index of the accepted candidate, or None with the token
+# the target emits there)
+Pick = Callable[[int, int, list[int]], tuple[int | None, int]]
+
+
+def _walk(tree: DraftTree, pick: Pick) -> tuple[list[int], int]:
+    node, path = -1, []
+    while True:
+        kids = tree.children(node)
+        chosen, token = pick(node + 1, len(path), [tree.tokens[c] for c in kids])
+        if chosen is None:
+            return path, token
+        node = kids[chosen]
+        path.append(node)
+
+
+def verify_tree_greedy(tree: DraftTree, target_argmax: list[int]) -> tuple[list[int], int]:
+    """Return (the accepted nodes, root's child first; the token the target adds after them).
+
+    target_argmax: the target's greedy choice at each of the row's ``len(tree) + 1`` stream positions
+    """
+
+    def pick(at: int, depth: int, candidates: list[int]) -> tuple[int | None, int]:
+        best = target_argmax[at]
+        return (candidates.index(best), best) if best in candidates else (None, best)
+
+    return _walk(tree, pick)
+
+
+def verify_tree_seeded(tree: DraftTree, target_probs: torch.Tensor, seed: int, position: int) -> tuple[list[int], int]:
+    """``verify_seeded`` over a tree: at each depth the target's token is the one the seed alone decides, and the
+    walk follows the candidate equal to it. target_probs: [len(tree) + 1, vocab]"""
+
+    def pick(at: int, depth: int, candidates: list[int]) -> tuple[int | None, int]:
+        token = inverse_cdf(target_probs[at], position_uniform(seed, position + depth))
+        return (candidates.index(token), token) if token in candidates else (None, token)
+
+    return _walk(tree, pick)
+
+
+def verify_tree_sampled(
+    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Sampling over a tree of one-hot candidates (see above). target_probs: [len(tree) + 1, vocab]"""
+
+    def pick(at: int, depth: int, candidates: list[int]) -> tuple[int | None, int]:
+        p = target_probs[at].clone()
+        for i, token in enumerate(candidates):
+            left = float(p.sum())
+            if left > 0 and float(torch.rand((), generator=generator)) * left < float(p[token]):
+                return i, token
+            p[token] = 0.0  # rejected: the rest of p, renormalised by the next draw's ``left``
+        if float(p.sum()) <= 0:  # the candidates held all of p's mass (round-off): fall back to p
+            p = target_probs[at]
+        return None, int(torch.multinomial(p, 1, generator=generator))
+
+    return _walk(tree, pick)

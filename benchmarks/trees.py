@@ -1,0 +1,216 @@
+"""Would token trees pay on this machine? What a draft tree would accept against a chain, priced by measured passes.
+
+    .venv/bin/python benchmarks/trees.py                                          # the Qwen pair, 4-bit
+    .venv/bin/python benchmarks/trees.py --dtype float32 --quantization none --draft-precision float32
+    .venv/bin/python benchmarks/trees.py --rows 1,4 --max-tokens 128 --workload code,chat
+
+A tree drafts the draft model's top-k tokens at its first positions and a greedy chain after each (the shapes of
+SpecInfer and EAGLE-2's static trees); the target verifies every node in one pass and keeps the longest path it
+agrees with. Under greedy decoding what that path is follows from two things, both computed here exactly:
+
+- the target's own greedy output ``y`` for each prompt (plain decoding, our engine);
+- the draft's top-k at every position of ``prompt + y``, in one teacher-forced pass: while a path agrees with ``y``
+  its prefix *is* ``y``, so the draft's next choices there are the teacher-forced ones.
+
+A step at position t then accepts the longest run t, t+1, ... (at most K) where ``y`` is among the draft's top-k at
+the tree's branching depths and is its top-1 below them; speculative decoding replayed step by step over ``y`` gives
+the tokens a step (accepted + the target's own). Each shape is priced with passes timed here, on the deployment as
+the daemon loads it: a verify pass over the tree's nodes (one row, or ``--rows`` rows each verifying a tree) and the
+draft's forwards (a tree's depth d runs its nodes at that depth as one forward over that many tokens a row). That
+price leaves out what a tree costs beyond a chain of as many tokens (its attention mask, the cache's fix-up to the
+accepted path), so a tree that does not pay here does not pay at all on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from depctl.spec import DeploymentSpec, DraftModelSpeculation  # noqa: E402
+from depctl.workloads import prompts_dir  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A draft shape: top-``branch`` at the first ``levels`` depths, then chains, ``depth`` tokens deep in all."""
+
+    depth: int
+    branch: int = 1
+    levels: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.branch == 1 or self.levels == 0:
+            return f"chain K={self.depth}"
+        return f"top-{self.branch} x {self.levels} then chains, depth {self.depth}"
+
+    def nodes_at(self, d: int) -> int:
+        """Draft tokens at depth d (1-based): branching multiplies them down to ``levels``, chains keep the count."""
+        if self.branch == 1 or self.levels == 0:
+            return 1
+        return self.branch ** min(d, self.levels)
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.nodes_at(d) for d in range(1, self.depth + 1))
+
+    def accepted(self, ranks: list[int], t: int) -> int:
+        """Draft tokens accepted at position t: ``ranks[i]`` is y[i]'s rank among the draft's choices there."""
+        n = 0
+        while n < self.depth and t + n < len(ranks):
+            allowed = self.branch if n < self.levels else 1
+            if ranks[t + n] >= allowed:
+                break
+            n += 1
+        return n
+
+
+def ranks_of(model, ids: list[int], start: int, k: int) -> list[int]:
+    """For each i >= start: the rank of ids[i] among the draft's top-k given ids[:i] (k where it is not among them)."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1].float()
+    top = logits.topk(k, dim=-1).indices  # [n, k]
+    truth = torch.tensor(ids[start:])[:, None]
+    hit = top == truth
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.tensor(k)).tolist()
+
+
+def replay(shape: Shape, ranks: list[int]) -> tuple[int, int]:
+    """Speculative decoding over one greedy output with this shape: (steps, tokens)."""
+    t = steps = 0
+    while t < len(ranks):
+        t += shape.accepted(ranks, t) + 1
+        steps += 1
+    return steps, len(ranks)
+
+
+def timed(fn, repeats: int = 3) -> float:
+    fn()  # warm-up: a new shape's first call
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="int4")
+    parser.add_argument("--draft-precision", default="auto")
+    parser.add_argument("--workload", default="code,chat")
+    parser.add_argument("--prompts", type=int, default=6, help="prompts a workload")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rows", default="1,4", help="rows a pass: each verifies a tree (or a chain) of its own")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.speculation import GenerationParams
+    from depctl_runtime.speculation.scheduler import generate
+
+    rows_list = [int(r) for r in args.rows.split(",")]
+    spec = DeploymentSpec(
+        id="trees",
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_batch_size=max(rows_list),
+        speculation=DraftModelSpeculation(
+            draft_model=args.draft_model, num_draft_tokens=4, draft_precision=args.draft_precision
+        ),
+    )
+    loaded = load_deployment(spec)
+    engine, tok = loaded.engine, loaded.tokenizer
+    draft_model = loaded.draft.model
+    shapes = [Shape(k) for k in (2, 3, 4, 6, 8)]
+    shapes += [Shape(d, b, lv) for d in (3, 4, 6) for b, lv in ((2, 1), (3, 1), (4, 1), (2, 2))]
+    widest = max(s.nodes for s in shapes) + 1
+
+    # the greedy outputs and each output token's rank among the draft's choices
+    ranks: dict[str, list[list[int]]] = {}
+    for workload in args.workload.split(","):
+        prompts = [json.loads(line)["prompt"] for line in (prompts_dir() / f"{workload}.jsonl").open()]
+        ranks[workload] = []
+        for prompt in prompts[: args.prompts]:
+            chat = [{"role": "user", "content": prompt}]
+            text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            params = GenerationParams(max_tokens=args.max_tokens, speculate=False)
+            y = [t for o in generate(engine, ids, params) for t in o.token_ids]
+            ranks[workload].append(ranks_of(draft_model, ids + y, len(ids), 4))
+        print(f"# {workload}: {sum(map(len, ranks[workload]))} greedy tokens", file=sys.stderr)
+
+    # pass costs: a verify pass over n tokens a row (r rows), a draft forward over n tokens a row, at a 256 context
+    target, draft = engine.target, engine.draft_model.runner
+    context = [(i * 7919) % 1000 for i in range(256)]
+
+    def pass_cost(runner, rows: int, n: int) -> float:
+        def run():
+            runner.score(0, [context[:n]] * rows).argmax()
+            for r in range(rows):
+                runner.set_length(r, len(context))
+
+        for r in range(rows):
+            runner.set_length(r, 0)
+        runner.forward(0, [context] * rows, last_only=True)
+        return timed(run)
+
+    verify = {(r, n): pass_cost(target, r, n) for r in rows_list for n in range(1, widest + 1)}
+    drafting = {(r, n): pass_cost(draft, r, n) for r in rows_list for n in sorted({1, 2, 3, 4, 9, 16})}
+
+    def draft_cost(rows: int, n: int) -> float:
+        known = sorted(m for r, m in drafting if r == rows)
+        above = next((m for m in known if m >= n), known[-1])
+        return drafting[(rows, above)]  # the next measured width up: an upper bound
+
+    results = []
+    for rows in rows_list:
+        plain = verify[(rows, 1)] / rows  # seconds a token, plain decoding
+        print(f"\n{rows} row(s) a pass: plain {rows / verify[(rows, 1)]:.1f} tok/s")
+        print("| workload | shape | nodes | mean accepted length | step, ms | tok/s vs plain |")
+        print("|---|---|---:|---:|---:|---:|")
+        for workload, outputs in ranks.items():
+            for shape in shapes:
+                steps = tokens = 0
+                for r in outputs:
+                    s, t = replay(shape, r)
+                    steps, tokens = steps + s, tokens + t
+                per_step = tokens / steps
+                seconds = verify[(rows, 1 + shape.nodes)] + sum(
+                    draft_cost(rows, shape.nodes_at(d - 1) if d > 1 else 1) for d in range(1, shape.depth + 1)
+                )
+                ratio = per_step * rows / seconds * plain
+                results.append(
+                    {
+                        "rows": rows,
+                        "workload": workload,
+                        "shape": shape.name,
+                        "nodes": shape.nodes,
+                        "accepted_length": per_step,
+                        "step_ms": seconds * 1000,
+                        "vs_plain": ratio,
+                    }
+                )
+                cells = [workload, shape.name, shape.nodes, f"{per_step:.2f}", f"{seconds * 1000:.0f}", f"{ratio:.2f}x"]
+                print("| " + " | ".join(map(str, cells)) + " |")
+    print("\nverify pass, ms (rows, tokens a row): " + ", ".join(f"{k}: {v * 1000:.1f}" for k, v in verify.items()))
+    print("draft forward, ms (rows, tokens a row): " + ", ".join(f"{k}: {v * 1000:.1f}" for k, v in drafting.items()))
+    if args.json:
+        args.json.write_text(json.dumps({"results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
