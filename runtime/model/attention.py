@@ -52,11 +52,33 @@ class RowLayout:
     device: torch.device
     per_position: bool = False  # attend a verify pass position by position (see the module docstring)
     prompt: bool = False  # a prompt chunk of one row, attended the same wherever the prompt was cut
+    # per row, None for a chain, or a draft tree: token j's parent among the row's tokens (-1 for token 0, the root)
+    ancestry: list[tuple[int, ...] | None] | None = None
+    # the keys and values the current layer's cache update just wrote, [1, kv_heads, T, dim] each: a tree's tokens
+    # are read from here (their cache slots are shared by the tree's branches)
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)  # per forward: masks by window, per-row layouts
 
     @property
     def uniform(self) -> bool:
-        return len(set(self.widths)) == 1
+        return len(set(self.widths)) == 1 and not self.has_trees
+
+    @property
+    def has_trees(self) -> bool:
+        return self.ancestry is not None and any(a is not None for a in self.ancestry)
+
+    def tree(self, b: int) -> tuple[int, ...] | None:
+        return None if self.ancestry is None else self.ancestry[b]
+
+    def depths(self, b: int) -> list[int]:
+        """Row b's tokens' distances from its first: the position past ``starts[b]`` each stands for."""
+        tree = self.tree(b)
+        if tree is None:
+            return list(range(self.widths[b]))
+        out: list[int] = []
+        for parent in tree:
+            out.append(0 if parent < 0 else out[parent] + 1)
+        return out
 
     @property
     def kv_len(self) -> int:
@@ -71,9 +93,19 @@ class RowLayout:
         if key not in self._masks:
             width = self.widths[b]
             self._masks[key] = RowLayout(
-                self.first + b, [self.starts[b]], [width], [0, width], self.device, per_position=True
+                self.first + b,
+                [self.starts[b]],
+                [width],
+                [0, width],
+                self.device,
+                per_position=True,
+                ancestry=None if self.tree(b) is None else [self.tree(b)],
             )
-        return self._masks[key]
+        alone = self._masks[key]
+        if self.fresh is not None:  # this layer's, so set on every call
+            lo, hi = self.offsets[b], self.offsets[b + 1]
+            alone.fresh = (self.fresh[0][:, :, lo:hi], self.fresh[1][:, :, lo:hi])
+        return alone
 
     def batched_mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
         """The uniform case's mask, token j of row b (position starts[b] + j) seeing its row up to itself, folded for
@@ -97,13 +129,32 @@ class RowLayout:
         return self._masks[key]
 
     def row_mask(self, b: int, first_key: int, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """Row b's mask in the ragged case: [1, 1, groups * n, keys], as ``batched_mask``."""
+        """Row b's mask in the ragged case: [1, 1, groups * n, keys], as ``batched_mask``. A tree's token sees the
+        row's cache before the tree and, among the tree's own slots, its ancestors and itself."""
         key = ("row", b, window, groups, dtype)
         if key not in self._masks:
             start, end = self.starts[b], self.starts[b] + self.widths[b]
-            q_pos = torch.arange(start, end, device=self.device)[None, None, :, None]  # [1, 1, n, 1]
-            self._masks[key] = _additive(q_pos, first_key, end, window, groups, dtype)
+            if self.tree(b) is None:
+                q_pos = torch.arange(start, end, device=self.device)[None, None, :, None]  # [1, 1, n, 1]
+                self._masks[key] = _additive(q_pos, first_key, end, window, groups, dtype)
+            else:
+                self._masks[key] = self._tree_mask(b, first_key, window, groups, dtype)
         return self._masks[key]
+
+    def _tree_mask(self, b: int, first_key: int, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        tree, start = self.tree(b), self.starts[b]
+        n = len(tree)
+        pos = start + torch.tensor(self.depths(b), device=self.device)  # [n]: each token's position
+        lineage = torch.eye(n, dtype=torch.bool, device=self.device)  # [n, n]: key a is token j's ancestor or j
+        for j, parent in enumerate(tree):
+            if parent >= 0:
+                lineage[j] |= lineage[parent]
+        key_pos = torch.cat([torch.arange(first_key, start, device=self.device), pos])  # a slot's position
+        sees = torch.cat([torch.ones(n, start - first_key, dtype=torch.bool, device=self.device), lineage], 1)
+        if window is not None:
+            sees = sees & (key_pos[None, :] > pos[:, None] - window)
+        mask = torch.zeros(sees.shape, dtype=dtype, device=self.device).masked_fill_(~sees, float("-inf"))
+        return mask[None, None].repeat(1, 1, groups, 1)
 
 
 def _additive(
@@ -163,6 +214,8 @@ def rows_attention(
                 depctl_rows=lay.alone(b),
             )[0]
         return out, None
+    if lay.per_position and lay.tree(0) is not None:  # (one row here: ``alone`` above)
+        return _tree_per_position(query, key, value, lay, window, scaling), None
     if lay.prompt:
         k, v = key[lay.first : lay.first + 1, :, : lay.kv_len], value[lay.first : lay.first + 1, :, : lay.kv_len]
         q = query.reshape(1, heads, lay.widths[0], dim)
@@ -196,6 +249,30 @@ def rows_attention(
         mask = lay.row_mask(b, first_key, window, groups, query.dtype) if width > 1 or window is not None else None
         out[0, lo : lo + width] = _attend(q, k, v, mask, scaling)[0].transpose(0, 1)
     return out, None
+
+
+def _tree_per_position(query, key, value, lay: RowLayout, window, scale) -> torch.Tensor:
+    """A draft tree of one row, each token attended exactly as the one-token step at its position would be: the
+    tokens are visited depth first, and each is first written into the slot of its position, so that the slots up
+    to it hold its own path (the tree's branches share those slots; a token's keys and values come from
+    ``lay.fresh``). query: [1, heads, n, dim] -> [1, n, heads, dim]. Leaves the last branch visited in the slots
+    (``SlotCache.keep_path`` puts the accepted one there)."""
+    tree, start, row = lay.tree(0), lay.starts[0], lay.first
+    depths = lay.depths(0)
+    fresh_k, fresh_v = lay.fresh[0][0], lay.fresh[1][0]  # [kv_heads, n, dim]
+    children: dict[int, list[int]] = {}
+    for j, parent in enumerate(tree):
+        children.setdefault(parent, []).append(j)
+    out = query.new_empty(1, len(tree), query.shape[1], query.shape[3])
+    todo = list(reversed(children.get(-1, [])))
+    while todo:  # depth first, children in their order
+        j = todo.pop()
+        slot = start + depths[j]
+        key[row, :, slot] = fresh_k[:, j]
+        value[row, :, slot] = fresh_v[:, j]
+        out[0, j] = _one_query(query[:, :, j : j + 1], key[row], value[row], slot, window, scale)[0, :, 0]
+        todo.extend(reversed(children.get(j, [])))
+    return out
 
 
 def _one_query(q, key, value, position, window, scale):

@@ -30,6 +30,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, cache: "SlotCache"):
         super().__init__()
         self._cache = cache
+        self.fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last tree pass's keys and values
 
     def lazy_initialization(self, key_states, value_states) -> None:
         c = self._cache
@@ -49,8 +50,10 @@ class SlotLayer(CacheLayerMixin):
             self.keys[lay.first, :, span] = key_states[0]
             self.values[lay.first, :, span] = value_states[0]
         else:  # advanced indices around a slice put the [T] dimension first: [T, kv_heads, head_dim]
-            self.keys[step.rows, :, step.positions] = key_states[0].transpose(0, 1)
-            self.values[step.rows, :, step.positions] = value_states[0].transpose(0, 1)
+            self.keys[step.rows, :, step.slots] = key_states[0].transpose(0, 1)
+            self.values[step.rows, :, step.slots] = value_states[0].transpose(0, 1)
+        if lay.has_trees:  # a tree's branches share slots: the attention and ``keep_path`` read its tokens from here
+            lay.fresh = self.fresh = (key_states, value_states)
         return self.keys, self.values  # all rows: the attention (depctl_runtime.model.attention) reads each its own
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -76,9 +79,18 @@ class _Step:
         return torch.tensor([lay.first + b for b, w in enumerate(lay.widths) for _ in range(w)], device=lay.device)
 
     @functools.cached_property
-    def positions(self) -> torch.Tensor:  # [T]
+    def slots(self) -> torch.Tensor:  # [T]: where each token's keys and values go in its row
         lay = self.layout
         return torch.tensor([s + j for s, w in zip(lay.starts, lay.widths) for j in range(w)], device=lay.device)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:  # [T]: each token's position (a tree's token: its depth past the start)
+        lay = self.layout
+        if not lay.has_trees:
+            return self.slots
+        return torch.tensor(
+            [s + d for b, s in enumerate(lay.starts) for d in lay.depths(b)], device=lay.device, dtype=torch.long
+        )
 
 
 class SlotCache(Cache):
@@ -114,16 +126,26 @@ class SlotCache(Cache):
         return self.scratch
 
     def begin(
-        self, first: int, widths: list[int], device: torch.device, per_position: bool = False, prompt: bool = False
+        self,
+        first: int,
+        widths: list[int],
+        device: torch.device,
+        per_position: bool = False,
+        prompt: bool = False,
+        ancestry: list[tuple[int, ...] | None] | None = None,
     ) -> RowLayout:
         """Prepare a forward of ``len(widths)`` rows from ``first``, row b adding ``widths[b]`` tokens to the flat
-        stream; prompt: a prompt chunk of one row (``RowLayout.prompt``). Returns the layout the attention needs
-        (``depctl_runtime.model.attention``)."""
+        stream; prompt: a prompt chunk of one row (``RowLayout.prompt``); ancestry: draft trees (``RowLayout``).
+        Returns the layout the attention needs (``depctl_runtime.model.attention``)."""
         starts = [self.lengths[first + b] for b in range(len(widths))]
         offsets = [0]
         for w in widths:
             offsets.append(offsets[-1] + w)
-        layout = RowLayout(first, starts, list(widths), offsets, device, per_position=per_position, prompt=prompt)
+        if ancestry is not None and any(a is not None and len(a) != w for a, w in zip(ancestry, widths)):
+            raise ValueError("a row's tree must give a parent for each of its tokens")
+        layout = RowLayout(
+            first, starts, list(widths), offsets, device, per_position=per_position, prompt=prompt, ancestry=ancestry
+        )
         if layout.kv_len > self.capacity:
             self._grow(layout.kv_len)
         self.step = _Step(layout)
@@ -162,6 +184,21 @@ class SlotCache(Cache):
         if length > self.lengths[row]:
             raise ValueError(f"row {row} holds {self.lengths[row]} positions; cannot extend it to {length}")
         self.lengths[row] = length
+
+    @torch.inference_mode()
+    def keep_path(self, row: int, start: int, offset: int, path: list[int]) -> None:
+        """After a pass that verified a draft tree in ``row`` from ``start``: put the tree's tokens ``path`` (indices
+        among its tokens, the root's child first; the root, at ``start``, stays) at positions ``start + 1, ...``, so
+        the row holds what a chain over the accepted tokens would have left. ``offset``: where the row's tokens
+        started in the pass's stream."""
+        if not path:
+            return
+        picked = torch.tensor([offset + j for j in path], device=self.layers[0].keys.device)
+        span = slice(start + 1, start + 1 + len(path))
+        for layer in self.layers:
+            keys, values = layer.fresh
+            layer.keys[row, :, span] = keys[0, :, picked]
+            layer.values[row, :, span] = values[0, :, picked]
 
     @torch.inference_mode()
     def read_block(self, row: int, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

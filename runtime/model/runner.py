@@ -150,6 +150,10 @@ class ModelRunner:
     def write_block(self, row: int, start: int, block: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.cache.write_block(row, start, block)
 
+    def keep_path(self, row: int, start: int, offset: int, path: list[int]) -> None:
+        """After a tree pass (``score`` with ``trees``): the row's accepted branch where a chain would have left it."""
+        self.cache.keep_path(row, start, offset, path)
+
     @torch.inference_mode()
     def forward(
         self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False, prefill: bool = False
@@ -219,20 +223,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score(
-        self, first: int, inputs: list[list[int]] | torch.Tensor, last_only: bool = False, prefill: bool = False
+        self,
+        first: int,
+        inputs: list[list[int]] | torch.Tensor,
+        last_only: bool = False,
+        prefill: bool = False,
+        trees: list[tuple[int, ...] | None] | None = None,
     ) -> "Scores":
-        """``forward``, returning the pass's ``Scores``: its greedy choices, and its logits only where asked for."""
+        """``forward``, returning the pass's ``Scores``: its greedy choices, and its logits only where asked for.
+        trees: per row, None for a chain, or each token's parent among the row's tokens (-1 for its first, the last
+        accepted token): a draft tree, every token seeing the row's cache and its own ancestors (``keep_path``
+        then keeps the accepted branch)."""
         if isinstance(inputs, torch.Tensor):
             widths = [inputs.shape[1]] * inputs.shape[0]
             input_ids = inputs.reshape(1, -1)  # [1, T]
         else:
             widths = [len(x) for x in inputs]
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
-        layout = self.cache.begin(first, widths, self.device, self.per_position, prompt=prefill and len(widths) == 1)
+        prompt = prefill and len(widths) == 1
+        layout = self.cache.begin(first, widths, self.device, self.per_position, prompt=prompt, ancestry=trees)
         keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
         try:
             fast = self.fast_pass
-            if fast is not None and not prefill and self.cache.allocated and fast.fits(first, widths, keep):
+            if (
+                fast is not None
+                and not prefill
+                and not layout.has_trees  # compiled passes and CUDA graphs attend chains only
+                and self.cache.allocated
+                and fast.fits(first, widths, keep)
+            ):
                 out, features = fast(input_ids[0], layout, self.cache, keep)  # [T or len(keep), hidden or vocab]
                 if fast.returns_hidden:
                     return Scores(self.model.lm_head, self.vocab_size, hidden=out, features=features)

@@ -81,3 +81,61 @@ def test_the_runner_finds_products_that_round_by_the_chunks_width():
     layer = model.model.layers[0]
     layer.mlp.down_proj = _WidthDependent(layer.mlp.down_proj)
     assert not ModelRunner(model, max_rows=1, max_context=1024).prompt_cuts_exact()
+
+
+# a draft tree after a prompt, as the row's stream: token 0 the root (the last accepted token), then the drafts;
+# ANCESTRY[j] is token j's parent among them:  0 -> 1 -> 2 -> 3,  0 -> 4 -> 5,  4 -> 6,  1 -> 7
+TREE_TOKENS = [17, 40, 41, 42, 90, 91, 92, 43]
+ANCESTRY = (-1, 0, 1, 2, 0, 4, 4, 1)
+
+
+def _path(j: int) -> list[int]:
+    out = []
+    while j >= 0:
+        out.append(j)
+        j = ANCESTRY[j]
+    return out[::-1]
+
+
+def _steps(runner: ModelRunner, row: int, tokens: list[int]) -> list[torch.Tensor]:
+    """One-token steps in ``row``: the logits after each token."""
+    return [runner.score(row, [[t]]).logits()[0].clone() for t in tokens]
+
+
+@pytest.mark.parametrize(
+    "make,per_position",
+    [(tiny_llama, True), (tiny_llama, False), (tiny_qwen2_sliding, True), (tiny_qwen2_sliding, False)],
+    ids=["llama-per-position", "llama-masked", "sliding-per-position", "sliding-masked"],
+)
+def test_a_draft_tree_scores_each_token_as_its_own_branch_and_keeps_the_accepted_one(make, per_position):
+    """Each token of a tree, verified in one pass beside a chain in another row, gets the logits one-token steps
+    along its own branch give (bit for bit where the runner attends position by position, as on a CPU); after
+    ``keep_path`` the row holds what those steps left, so decoding goes on as if only the branch had been read."""
+    model = make(max_positions=1024) if make is tiny_llama else make()
+    surgery_for(model, "float32", exact=True)
+    runner = ModelRunner(model, max_rows=3, max_context=1024)
+    runner.per_position = per_position
+    prompt = PROMPT[:300]  # past the sliding model's window
+    for row in range(3):
+        runner.prefill(row, prompt)
+    start = len(prompt)
+    chain = [17, 5, 6]
+    scores = runner.score(0, [TREE_TOKENS, chain], trees=[ANCESTRY, None]).logits()
+    same = torch.equal if per_position else lambda a, b: torch.allclose(a, b, atol=1e-5)
+    for j in range(len(TREE_TOKENS)):
+        runner.set_length(2, start)
+        alone = _steps(runner, 2, [TREE_TOKENS[i] for i in _path(j)])
+        assert same(scores[j], alone[-1]), j
+    runner.set_length(2, start)
+    assert all(same(a, b) for a, b in zip(scores[len(TREE_TOKENS) :], _steps(runner, 2, chain)))  # the chain row
+
+    accepted = [4, 6]  # 90, 92
+    runner.keep_path(0, start, 0, accepted)
+    runner.set_length(0, start + 1 + len(accepted))
+    runner.set_length(2, start)
+    _steps(runner, 2, [TREE_TOKENS[i] for i in [0, *accepted]])
+    for layer in runner.cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            assert same(tensor[0, :, : start + 3], tensor[2, :, : start + 3]), name
+    assert same(_steps(runner, 0, [7])[0], _steps(runner, 2, [7])[0])
