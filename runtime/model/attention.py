@@ -52,7 +52,9 @@ class RowLayout:
     device: torch.device
     per_position: bool = False  # attend a verify pass position by position (see the module docstring)
     prompt: bool = False  # a prompt chunk of one row, attended the same wherever the prompt was cut
-    # per row, None for a chain, or a draft tree: token j's parent among the row's tokens (-1 for token 0, the root)
+    # per row, None for a chain, or a draft tree: each of its tokens' parent among them (-1: it sees the cache before
+    # the tree only, as a tree's root does). The pass adds the last ``widths[b]`` of them; a draft model's tree grows
+    # over several passes, a depth at a time (attended by mask: position by position, a tree is read in one pass)
     ancestry: list[tuple[int, ...] | None] | None = None
     # the keys and values the current layer's cache update just wrote, [1, kv_heads, T, dim] each: a tree's tokens
     # are read from here (their cache slots are shared by the tree's branches)
@@ -70,15 +72,20 @@ class RowLayout:
     def tree(self, b: int) -> tuple[int, ...] | None:
         return None if self.ancestry is None else self.ancestry[b]
 
+    def tree_from(self, b: int) -> int:
+        """The cache slot of row b's tree's first token (its tokens sit in slots in their order)."""
+        tree = self.tree(b)
+        return self.starts[b] - (0 if tree is None else len(tree) - self.widths[b])
+
     def depths(self, b: int) -> list[int]:
-        """Row b's tokens' distances from its first: the position past ``starts[b]`` each stands for."""
+        """Row b's new tokens' positions past ``tree_from(b)``: a tree's token's depth (its root's is 0)."""
         tree = self.tree(b)
         if tree is None:
             return list(range(self.widths[b]))
         out: list[int] = []
         for parent in tree:
             out.append(0 if parent < 0 else out[parent] + 1)
-        return out
+        return out[len(tree) - self.widths[b] :]
 
     @property
     def kv_len(self) -> int:
@@ -142,17 +149,21 @@ class RowLayout:
         return self._masks[key]
 
     def _tree_mask(self, b: int, first_key: int, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        tree, start = self.tree(b), self.starts[b]
-        n = len(tree)
-        pos = start + torch.tensor(self.depths(b), device=self.device)  # [n]: each token's position
-        lineage = torch.eye(n, dtype=torch.bool, device=self.device)  # [n, n]: key a is token j's ancestor or j
+        """Keys ``first_key`` up to the tree's last slot; the new tokens' rows."""
+        tree, root = self.tree(b), self.tree_from(b)
+        n, new = len(tree), self.widths[b]
+        lineage = torch.eye(n, dtype=torch.bool, device=self.device)  # [n, n]: slot a is token j's ancestor or j
+        depth = [0] * n
         for j, parent in enumerate(tree):
             if parent >= 0:
                 lineage[j] |= lineage[parent]
-        key_pos = torch.cat([torch.arange(first_key, start, device=self.device), pos])  # a slot's position
-        sees = torch.cat([torch.ones(n, start - first_key, dtype=torch.bool, device=self.device), lineage], 1)
+                depth[j] = depth[parent] + 1
+        pos = root + torch.tensor(depth, device=self.device)  # [n]: each tree token's position
+        key_pos = torch.cat([torch.arange(first_key, root, device=self.device), pos])  # a slot's position
+        sees = torch.cat([torch.ones(n, root - first_key, dtype=torch.bool, device=self.device), lineage], 1)
         if window is not None:
             sees = sees & (key_pos[None, :] > pos[:, None] - window)
+        sees = sees[n - new :]
         mask = torch.zeros(sees.shape, dtype=dtype, device=self.device).masked_fill_(~sees, float("-inf"))
         return mask[None, None].repeat(1, 1, groups, 1)
 
@@ -252,12 +263,13 @@ def rows_attention(
 
 
 def _tree_per_position(query, key, value, lay: RowLayout, window, scale) -> torch.Tensor:
-    """A draft tree of one row, each token attended exactly as the one-token step at its position would be: the
-    tokens are visited depth first, and each is first written into the slot of its position, so that the slots up
-    to it hold its own path (the tree's branches share those slots; a token's keys and values come from
-    ``lay.fresh``). query: [1, heads, n, dim] -> [1, n, heads, dim]. Leaves the last branch visited in the slots
-    (``SlotCache.keep_path`` puts the accepted one there)."""
+    """A draft tree of one row, read in one pass, each token attended exactly as the one-token step at its position
+    would be: the tokens are visited depth first, and each is first written into the slot of its position, so that
+    the slots up to it hold its own path (a token's keys and values come from ``lay.fresh``). Then the slots hold
+    the tree in its order again. query: [1, heads, n, dim] -> [1, n, heads, dim]."""
     tree, start, row = lay.tree(0), lay.starts[0], lay.first
+    if len(tree) != lay.widths[0]:
+        raise ValueError("position by position, a tree is read in one pass (a tree grown over passes: by mask)")
     depths = lay.depths(0)
     fresh_k, fresh_v = lay.fresh[0][0], lay.fresh[1][0]  # [kv_heads, n, dim]
     children: dict[int, list[int]] = {}
@@ -272,6 +284,8 @@ def _tree_per_position(query, key, value, lay: RowLayout, window, scale) -> torc
         value[row, :, slot] = fresh_v[:, j]
         out[0, j] = _one_query(query[:, :, j : j + 1], key[row], value[row], slot, window, scale)[0, :, 0]
         todo.extend(reversed(children.get(j, [])))
+    key[row, :, start : start + len(tree)] = fresh_k
+    value[row, :, start : start + len(tree)] = fresh_v
     return out
 
 

@@ -30,7 +30,6 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, cache: "SlotCache"):
         super().__init__()
         self._cache = cache
-        self.fresh: tuple[torch.Tensor, torch.Tensor] | None = None  # the last tree pass's keys and values
 
     def lazy_initialization(self, key_states, value_states) -> None:
         c = self._cache
@@ -52,8 +51,8 @@ class SlotLayer(CacheLayerMixin):
         else:  # advanced indices around a slice put the [T] dimension first: [T, kv_heads, head_dim]
             self.keys[step.rows, :, step.slots] = key_states[0].transpose(0, 1)
             self.values[step.rows, :, step.slots] = value_states[0].transpose(0, 1)
-        if lay.has_trees:  # a tree's branches share slots: the attention and ``keep_path`` read its tokens from here
-            lay.fresh = self.fresh = (key_states, value_states)
+        if lay.has_trees:  # attended position by position, a tree's tokens take turns in slots: kept here
+            lay.fresh = (key_states, value_states)
         return self.keys, self.values  # all rows: the attention (depctl_runtime.model.attention) reads each its own
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -89,7 +88,9 @@ class _Step:
         if not lay.has_trees:
             return self.slots
         return torch.tensor(
-            [s + d for b, s in enumerate(lay.starts) for d in lay.depths(b)], device=lay.device, dtype=torch.long
+            [lay.tree_from(b) + d for b in range(len(lay.widths)) for d in lay.depths(b)],
+            device=lay.device,
+            dtype=torch.long,
         )
 
 
@@ -141,8 +142,10 @@ class SlotCache(Cache):
         offsets = [0]
         for w in widths:
             offsets.append(offsets[-1] + w)
-        if ancestry is not None and any(a is not None and len(a) != w for a, w in zip(ancestry, widths)):
-            raise ValueError("a row's tree must give a parent for each of its tokens")
+        if ancestry is not None and any(
+            a is not None and (len(a) < w or len(a) - w > starts[b]) for b, (a, w) in enumerate(zip(ancestry, widths))
+        ):
+            raise ValueError("a row's tree must give a parent for each of its tokens, the earlier ones in the cache")
         layout = RowLayout(
             first, starts, list(widths), offsets, device, per_position=per_position, prompt=prompt, ancestry=ancestry
         )
@@ -186,19 +189,17 @@ class SlotCache(Cache):
         self.lengths[row] = length
 
     @torch.inference_mode()
-    def keep_path(self, row: int, start: int, offset: int, path: list[int]) -> None:
-        """After a pass that verified a draft tree in ``row`` from ``start``: put the tree's tokens ``path`` (indices
-        among its tokens, the root's child first; the root, at ``start``, stays) at positions ``start + 1, ...``, so
-        the row holds what a chain over the accepted tokens would have left. ``offset``: where the row's tokens
-        started in the pass's stream."""
-        if not path:
+    def keep_path(self, row: int, first: int, path: list[int]) -> None:
+        """After passes over a draft tree whose tokens sit in ``row`` from slot ``first``: its tokens ``path``
+        (indices among them, a branch from the top) to slots ``first, first + 1, ...``, where a chain over them would
+        have left them. The caller then sets the row's length."""
+        if not self.allocated or not path:
             return
-        picked = torch.tensor([offset + j for j in path], device=self.layers[0].keys.device)
-        span = slice(start + 1, start + 1 + len(path))
+        picked = torch.tensor([first + j for j in path], device=self.layers[0].keys.device)
+        span = slice(first, first + len(path))
         for layer in self.layers:
-            keys, values = layer.fresh
-            layer.keys[row, :, span] = keys[0, :, picked]
-            layer.values[row, :, span] = values[0, :, picked]
+            layer.keys[row, :, span] = layer.keys[row, :, picked]  # (advanced indexing reads a copy first)
+            layer.values[row, :, span] = layer.values[row, :, picked]
 
     @torch.inference_mode()
     def read_block(self, row: int, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

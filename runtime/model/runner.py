@@ -150,9 +150,10 @@ class ModelRunner:
     def write_block(self, row: int, start: int, block: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.cache.write_block(row, start, block)
 
-    def keep_path(self, row: int, start: int, offset: int, path: list[int]) -> None:
-        """After a tree pass (``score`` with ``trees``): the row's accepted branch where a chain would have left it."""
-        self.cache.keep_path(row, start, offset, path)
+    def keep_path(self, row: int, first: int, path: list[int]) -> None:
+        """After tree passes (``score`` with ``trees``): the row's accepted branch where a chain would have left it
+        (``SlotCache.keep_path``)."""
+        self.cache.keep_path(row, first, path)
 
     @torch.inference_mode()
     def forward(
@@ -231,9 +232,9 @@ class ModelRunner:
         trees: list[tuple[int, ...] | None] | None = None,
     ) -> "Scores":
         """``forward``, returning the pass's ``Scores``: its greedy choices, and its logits only where asked for.
-        trees: per row, None for a chain, or each token's parent among the row's tokens (-1 for its first, the last
-        accepted token): a draft tree, every token seeing the row's cache and its own ancestors (``keep_path``
-        then keeps the accepted branch)."""
+        trees: per row, None for a chain, or a draft tree: each of its tokens' parent among them (-1: it sees the
+        cache before the tree only), this pass adding the last ``len(inputs[b])``; every token sees the cache before
+        the tree and its own ancestors (``RowLayout.ancestry``; ``keep_path`` then keeps the accepted branch)."""
         if isinstance(inputs, torch.Tensor):
             widths = [inputs.shape[1]] * inputs.shape[0]
             input_ids = inputs.reshape(1, -1)  # [1, T]

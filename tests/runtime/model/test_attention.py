@@ -130,7 +130,7 @@ def test_a_draft_tree_scores_each_token_as_its_own_branch_and_keeps_the_accepted
     assert all(same(a, b) for a, b in zip(scores[len(TREE_TOKENS) :], _steps(runner, 2, chain)))  # the chain row
 
     accepted = [4, 6]  # 90, 92
-    runner.keep_path(0, start, 0, accepted)
+    runner.keep_path(0, start, [0, *accepted])
     runner.set_length(0, start + 1 + len(accepted))
     runner.set_length(2, start)
     _steps(runner, 2, [TREE_TOKENS[i] for i in [0, *accepted]])
@@ -139,3 +139,30 @@ def test_a_draft_tree_scores_each_token_as_its_own_branch_and_keeps_the_accepted
             tensor = getattr(layer, name)
             assert same(tensor[0, :, : start + 3], tensor[2, :, : start + 3]), name
     assert same(_steps(runner, 0, [7])[0], _steps(runner, 2, [7])[0])
+
+
+def test_a_tree_grown_a_depth_a_pass_is_attended_by_mask_as_its_branches():
+    """A draft model grows its tree over passes: two candidates after the cache, then a token under each. Each token
+    scores as its own branch, and the branch kept is what steps along it leave. Position by position (as a CPU's
+    verify pass attends) a tree must come in one pass."""
+    model = tiny_llama(max_positions=1024)
+    surgery_for(model, "float32", exact=True)
+    runner = ModelRunner(model, max_rows=2, max_context=1024)
+    runner.per_position = False
+    for row in range(2):
+        runner.prefill(row, PROMPT[:100])
+    first = runner.score(0, [[30, 31]], trees=[(-1, -1)]).logits().clone()  # two candidates, each its own branch
+    second = runner.score(0, [[50, 51]], trees=[(-1, -1, 0, 1)]).logits().clone()  # 50 under 30, 51 under 31
+    close = lambda a, b: torch.allclose(a, b, atol=1e-5)  # noqa: E731
+    for i, branch in enumerate(([30, 50], [31, 51])):
+        runner.set_length(1, 100)
+        alone = _steps(runner, 1, branch)
+        assert close(first[i], alone[0]) and close(second[i], alone[1]), branch
+    runner.keep_path(0, 100, [1, 3])  # 31, 51
+    runner.set_length(0, 102)
+    assert close(_steps(runner, 0, [9])[0], _steps(runner, 1, [9])[0])  # row 1 ran [31, 51] last
+    runner.per_position = True
+    runner.set_length(0, 100)
+    runner.score(0, [[30, 31]], trees=[(-1, -1)])
+    with pytest.raises(ValueError, match="read in one pass"):
+        runner.score(0, [[50, 51]], trees=[(-1, -1, 0, 1)])
