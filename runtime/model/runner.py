@@ -242,7 +242,11 @@ class ModelRunner:
             widths = [len(x) for x in inputs]
             input_ids = torch.tensor([[t for x in inputs for t in x]], dtype=torch.long, device=self.device)
         prompt = prefill and len(widths) == 1
-        layout = self.cache.begin(first, widths, self.device, self.per_position, prompt=prompt, ancestry=trees)
+        # a tree grown over passes (a draft model's, which need not round as plain steps do) is attended by mask
+        per_position = self.per_position and (
+            trees is None or all(t is None or len(t) == w for t, w in zip(trees, widths))
+        )
+        layout = self.cache.begin(first, widths, self.device, per_position, prompt=prompt, ancestry=trees)
         keep = [end - 1 for end in layout.offsets[1:]] if last_only else None
         try:
             fast = self.fast_pass

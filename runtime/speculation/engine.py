@@ -30,7 +30,15 @@ from depctl_runtime.speculation.proposers import FeatureObserver, ModelProposer,
 from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
 from depctl_runtime.speculation.sequence import Sequence, StepOutput
 from depctl_runtime.speculation.stats import SpecDecodeStats
-from depctl_runtime.speculation.verify import verify_greedy, verify_sampled, verify_seeded
+from depctl_runtime.speculation.verify import (
+    DraftTree,
+    verify_greedy,
+    verify_sampled,
+    verify_seeded,
+    verify_tree_greedy,
+    verify_tree_sampled,
+    verify_tree_seeded,
+)
 
 
 @dataclass
@@ -43,6 +51,9 @@ class EngineConfig:
     grammar_draft_tokens: int = 8  # most tokens a grammar's forced continuation drafts in one step
     prefix_cache_bytes: int = 0  # the prefix cache's budget (model.prefix); 0: none
     prefix_block: int = 128  # tokens a cached block: the scheduler's prefill chunk, so that blocks are whole chunks
+    # draft trees from a draft model: 0 lets the policy choose chain or tree, 1 drafts chains only, b >= 2 drafts a
+    # tree of b branches whenever every row can take one (benchmarks, tests)
+    tree_branches: int = 0
 
 
 class DraftSource(enum.Enum):
@@ -96,7 +107,9 @@ class SpeculativeEngine:
         # n-gram or suffix index: a copy it finds is accepted whole more often than a head's guess)
         self.free: Proposer | None = None
         self.policy = DraftLengthPolicy(
-            max_k=self.config.num_draft_tokens if proposer else 0, adaptive=self.config.adaptive
+            max_k=self.config.num_draft_tokens if proposer else 0,
+            adaptive=self.config.adaptive,
+            tree_branches=self.config.tree_branches,
         )
         # prompt blocks already read, for requests that start the same way; not where a proposer or the observer must
         # see every prompt position's layer features (an EAGLE head), which the blocks do not keep
@@ -323,9 +336,11 @@ class SpeculativeEngine:
         # propose: free guesses first, then one draft width for the batch (policy), then the draft model
         guesses = [self._guess(seq) for seq in batch]  # a row whose guess failed is faulted, with no drafts
         width, predicted = self.policy.width(
-            [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses]
+            [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses],
+            trees=self._trees_possible(batch, guesses),
         )
-        drafts, draft_probs, model_drafts, caught_up = self._drafts(batch, guesses, width)
+        branches = self.policy.branches if width else 1
+        drafts, draft_probs, model_drafts, caught_up, first_choices = self._drafts(batch, guesses, width, branches)
         t1 = time.perf_counter()
         # the grammar masks every verified position of a sampling row needs, computed while the pass runs
         masks = {
@@ -335,8 +350,10 @@ class SpeculativeEngine:
             and seq.fault is None
             and (not seq.sampling.greedy or seq.params.penalties.active)
         }
-        # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream)
-        scores = self.target.score(0, [[seq.tokens[-1]] + d for seq, d in zip(batch, drafts)])  # T tokens
+        # verify: ONE target pass over [last token, its drafts] for every row (a ragged, unpadded stream); a tree's
+        # tokens each see their own branch
+        trees = [_ancestry(d) for d in drafts] if branches > 1 else None
+        scores = self.target.score(0, [[seq.tokens[-1]] + list(d) for seq, d in zip(batch, drafts)], trees=trees)
         argmax = scores.argmax()  # [T]: the step's one host sync for greedy rows
         t2 = time.perf_counter()
         outputs, at = [], 0
@@ -346,6 +363,9 @@ class SpeculativeEngine:
             at = rows.stop
             if seq.fault is not None:
                 outputs.append(self._failed(seq))
+                continue
+            if isinstance(drafts[b], DraftTree):
+                outputs.append(self._tree_row(seq, guesses[b], drafts[b], scores, rows, argmax, first_choices[b]))
                 continue
             part = "sampling"
             try:
@@ -362,15 +382,17 @@ class SpeculativeEngine:
                     features = None if scores.features is None else scores.features[kept]
                     read = (features, lambda kept=kept: scores.logits(kept))
                 part = "proposer"
+                if first_choices is not None and first_choices[b] is not None and drafts[b]:
+                    self.policy.observe_first_choices(first_choices[b], drafts[b][0] if n else token)
                 outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
             except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or proposer: it ends alone
                 outputs.append(self._failed(seq, part, exc))
         self.policy.verify_cost.observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
-        # a draft forward's cost, from steps that fed the draft its usual one or two tokens: after plain steps it
-        # first catches up on every token it missed, a prefill that says nothing of what drafting costs
-        if model_drafts[0] is not None and width and caught_up <= self.draft_model.steady_catch_up:
+        # a draft forward's cost, from chain steps that fed the draft its usual one or two tokens: after plain steps
+        # it first catches up on every token it missed, a prefill that says nothing of what drafting costs
+        if model_drafts[0] is not None and width and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         t3 = time.perf_counter()
         self.policy.observe_step_time(t3 - t0, len(batch), sum(len(o.token_ids) for o in outputs), any(drafts))
@@ -473,13 +495,29 @@ class SpeculativeEngine:
             )
         return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
 
-    def _drafts(self, batch, guesses: list[Guess], width: int):
-        """Each row's drafts (at most ``width``), their draft probabilities (None: one-hot), the draft model's own
-        tokens per row when it ran (its cache keeps only the part the target accepted), and the most tokens a row
-        fed it to catch up."""
-        model_tokens, model_probs, caught_up = [None] * len(batch), [None] * len(batch), 0
+    def _trees_possible(self, batch: list[Sequence], guesses: list[Guess]) -> bool:
+        """Whether this step may draft trees: a draft model that drafts them, and every row drafting from it, free of
+        a grammar and of penalties (their verification walks chains), and not followed by an observer (it reads the
+        features of chains)."""
+        if self.observer is not None or self.free is not None or not hasattr(self.draft_model, "propose_tree"):
+            return False
+        return all(
+            g.source == DraftSource.MODEL and g.available and seq.grammar is None and not seq.params.penalties.active
+            for seq, g in zip(batch, guesses)
+        )
+
+    def _drafts(self, batch, guesses: list[Guess], width: int, branches: int = 1):
+        """Each row's drafts (at most ``width``; a ``DraftTree`` of ``branches`` branches when more than 1), their
+        draft probabilities (None: one-hot), the draft model's own tokens per row when it ran (its cache keeps only
+        the part the target accepted), the most tokens a row fed it to catch up, and the draft's first choices at
+        the first position per row (where it ran)."""
+        if branches > 1:
+            made = self.draft_model.propose_tree(batch, width, branches)
+            return made.trees, made.probs, made.trees, made.caught_up, made.first_choices
+        model_tokens, model_probs, caught_up, first = [None] * len(batch), [None] * len(batch), 0, None
         if width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
-            model_tokens, model_probs, caught_up = self.draft_model.propose(batch, width)
+            made = self.draft_model.propose(batch, width)
+            model_tokens, model_probs, caught_up, first = made.tokens, made.probs, made.caught_up, made.first_choices
         drafts, probs = [], []
         for seq, g, tokens, q in zip(batch, guesses, model_tokens, model_probs):
             k = min(width, g.available) if seq.fault is None else 0  # (drafting may have faulted a row's grammar)
@@ -495,7 +533,35 @@ class SpeculativeEngine:
             else:
                 drafts.append(g.tokens[:k])
                 probs.append(None)
-        return drafts, probs, model_tokens, caught_up
+        if first is not None:  # only a model row's first draft is its first choice
+            first = [f if g.source == DraftSource.MODEL else None for f, g in zip(first, guesses)]
+        return drafts, probs, model_tokens, caught_up, first
+
+    def _tree_row(
+        self, seq: Sequence, guess: Guess, tree: DraftTree, scores, rows: slice, argmax, first_choices
+    ) -> StepOutput:
+        """A row that verified a draft tree: the branch the target agrees with, moved where a chain would have left
+        it in the target's cache, then advanced as the chain it stands for."""
+        try:
+            sampling = seq.sampling
+            if sampling.greedy:
+                path, token = verify_tree_greedy(tree, argmax[rows])
+            else:
+                target_probs = probs_from_logits(scores.logits(rows).float(), sampling)  # [nodes + 1, vocab]
+                if sampling.seed is not None:
+                    path, token = verify_tree_seeded(tree, target_probs, sampling.seed, seq.produced)
+                else:
+                    path, token = verify_tree_sampled(tree, target_probs, seq.generator)
+            self.target.keep_path(seq.row, len(seq.tokens) - 1, [0] + [node + 1 for node in path])
+            chain, n = tree.branch(path), len(path)
+            emitted = chain[:n] + [token]
+            at = [rows.start] + [rows.start + node + 1 for node in path]  # the stream positions that emitted them
+            logprobs = self._logprobs(seq, emitted, lambda: scores.logits(rows)[[i - rows.start for i in at]])
+            if first_choices is not None:
+                self.policy.observe_first_choices(first_choices, emitted[0])
+            return self._advance(seq, guess, chain, n, token, tree, logprobs)
+        except Exception as exc:  # noqa: BLE001 - this row's sampling or proposer: it ends alone
+            return self._failed(seq, "sampling", exc)
 
     def _accept(
         self, seq: Sequence, drafts: list[int], draft_probs, logits, rows: slice, argmax: list[int], allowed=None
@@ -642,3 +708,10 @@ class SpeculativeEngine:
         for r in range(rows):
             self.target.set_length(r, 0)
         return self.policy.snapshot()
+
+
+def _ancestry(drafts) -> tuple[int, ...] | None:
+    """A row's tree as the verify pass reads it (its last accepted token first, then the tree), or None for a chain."""
+    if not isinstance(drafts, DraftTree):
+        return None
+    return (-1,) + tuple(parent + 1 for parent in drafts.parents)

@@ -58,6 +58,11 @@ REGIME_PROBE = 64  # steps between a regime's probes: one drafting step where dr
 REGIME_PROBE_MAX = 512  # a band that keeps losing is probed half as often after each losing probe, down to this
 REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts again
 REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
+MAX_BRANCHES = 4  # the widest draft tree's first position: the draft's best four tokens
+CHOICE_DECAY = 0.99  # per observation: how often the target took the draft's 2nd..4th choice follows ~100 misses
+# before any: where the target's token ranks among the draft's choices when it is not the first (a prior, 4 misses'
+# worth: 30% its second, 10% its third, 5% its fourth)
+CHOICE_PRIOR = (0.0, 1.2, 0.4, 0.2)
 
 
 def _estimate(recent: deque, old: float | None, sample: float) -> float:
@@ -271,9 +276,15 @@ class RegimeGuard:
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_k: int, adaptive: bool = True):
+    def __init__(self, max_k: int, adaptive: bool = True, tree_branches: int = 0):
         self.max_k = max_k
         self.adaptive = adaptive
+        self.tree_branches = tree_branches  # 0: chain or tree as the costs say; 1: chains; b: b branches where possible
+        self.branches = 1  # the step just planned drafts a tree of this many branches (1: a chain)
+        # where the target's first token ranked among the draft's first choices when it was not the draft's first
+        # (decayed counts per rank, and the misses they come from): what a tree's other branches would have caught
+        self._choice_hits = list(CHOICE_PRIOR)
+        self._choice_misses = 4.0
         self.guard = RegimeGuard()
         self.verify_cost = CostModel()  # target pass over n token rows
         self.draft_cost = CostModel()  # one draft-model forward over n rows
@@ -305,10 +316,28 @@ class DraftLengthPolicy:
         self._realised = REALISM_DECAY * self._realised + realised_extra
         self._predicted = REALISM_DECAY * self._predicted + max(predicted_extra, 1e-6)
 
+    def observe_first_choices(self, choices: list[int], target_first: int) -> None:
+        """A step that drafted from a draft model: its first choices at the first position, best first, and the token
+        the target put there."""
+        if not choices or target_first == choices[0]:
+            return  # the first choice was right: a tree's other branches would have added nothing
+        self._choice_misses = CHOICE_DECAY * self._choice_misses + 1
+        for rank in range(len(self._choice_hits)):
+            self._choice_hits[rank] *= CHOICE_DECAY
+        if target_first in choices[: len(self._choice_hits)]:
+            self._choice_hits[choices.index(target_first)] += 1
+
+    def caught_by(self, branches: int) -> float:
+        """Of the first positions the draft's first choice missed, the share its next ``branches - 1`` would catch."""
+        return min(sum(self._choice_hits[1:branches]) / self._choice_misses, 1.0)
+
     # ---- per step ----
-    def width(self, rows: list[RowPlan]) -> tuple[int, float]:
+    def width(self, rows: list[RowPlan], trees: bool = False) -> tuple[int, float]:
         """This step's draft width w for the batch (row i then verifies ``min(w, rows[i].available)`` drafts), and
-        the extra tokens it is expected to bring beyond one per row (0 for a plain step)."""
+        the extra tokens it is expected to bring beyond one per row (0 for a plain step). trees: every row drafts
+        from a draft model that can draft a tree; ``branches`` then says whether this step's drafts are one (see
+        ``_tree``)."""
+        self.branches = 1
         longest = max((r.available for r in rows), default=0)
         if longest <= 0:
             return 0, 0.0
@@ -328,6 +357,8 @@ class DraftLengthPolicy:
                     n += 1
             extra[w], tokens[w] = more, n
         if not self.adaptive:
+            if trees and self.tree_branches > 1 and all(r.available >= longest for r in rows):
+                self.branches = self.tree_branches
             return longest, extra[longest]
         uses_model = any(r.model and r.available for r in rows)
         realism = self.realism
@@ -338,13 +369,17 @@ class DraftLengthPolicy:
             rate = (batch + realism * extra[w]) / (self.verify_cost(tokens[w]) + w * draft_seconds)
             if rate > best_rate:
                 best_w, best_rate = w, rate
+        best_extra = extra[best_w]
+        if trees and self.tree_branches != 1 and all(r.available >= 1 for r in rows):
+            best_w, best_rate, best_extra = self._tree(rows, draft_seconds, best_w, best_rate, best_extra)
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w = 0
         if best_w and not self.guard.allows(batch):
             best_w = 0
         if best_w:
             self.plain_steps = 0
-            return best_w, extra[best_w]
+            return best_w, best_extra
+        self.branches = 1
         self.plain_steps += 1
         # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and for
         # free guesses that keep hitting, the cost of a long verify, which may have been measured while the machine
@@ -361,6 +396,33 @@ class DraftLengthPolicy:
                 self._probing = True
                 return longest, extra[longest]
         return 0, 0.0
+
+    def _tree(self, rows: list[RowPlan], draft_seconds: float, best_w: int, best_rate: float, best_extra: float):
+        """The best of the chain found and trees of 2..``MAX_BRANCHES`` branches (the draft's best tokens at the first
+        position, a chain under each, ``w`` deep): (w, tokens a second, extra tokens), ``branches`` set to the winner.
+        A row's first draft is then accepted with probability a + (1 - a) c (c: ``caught_by``), and each later one
+        with a, as in a chain; the pass verifies ``1 + b w`` tokens a row, and the draft runs once over the rows and
+        ``w - 1`` times over b tokens a row."""
+        batch, realism = len(rows), self.realism
+        rates = [min(max(r.acceptance.rate, 0.0), 0.999) for r in rows]
+        shortest = min(r.available for r in rows)
+        forced = self.tree_branches if self.tree_branches > 1 else 0
+        if forced:  # a tree whenever drafting pays: the best width for one, whatever a chain would bring
+            best_rate = 0.0
+        for b in [forced] if forced else range(2, MAX_BRANCHES + 1):
+            caught = self.caught_by(b)
+            chain = [1.0] * batch  # per row 1 + a + ... + a^(w-1)
+            power = [1.0] * batch
+            for w in range(1, shortest + 1):
+                extra = sum((a + (1 - a) * caught) * c for a, c in zip(rates, chain))
+                seconds = self.verify_cost(batch * (1 + b * w)) + draft_seconds + (w - 1) * self.draft_cost(batch * b)
+                rate = (batch + realism * extra) / seconds
+                if rate > best_rate:
+                    best_w, best_rate, best_extra, self.branches = w, rate, extra, b
+                for i, a in enumerate(rates):
+                    power[i] *= a
+                    chain[i] += power[i]
+        return best_w, best_rate, best_extra
 
     def observe_step_time(self, seconds: float, batch: int, emitted: int | None = None, drafted: bool = False) -> None:
         """A step's whole time: a probe's beyond a plain step's is owed, and every other step repays a share. With
@@ -398,4 +460,6 @@ class DraftLengthPolicy:
             "expected_acceptance": round(self.deployment_rate, 3),
             "realised_over_predicted": round(self.realism, 3),
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
+            # of the first positions a draft model's first choice missed, the share its 2nd, 2nd-3rd, 2nd-4th caught
+            "first_choice_misses_caught": [round(self.caught_by(b), 3) for b in range(2, MAX_BRANCHES + 1)],
         }

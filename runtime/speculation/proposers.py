@@ -27,6 +27,7 @@ from depctl_runtime.model.runner import ModelRunner, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.sampling import probs_from_logits
 from depctl_runtime.speculation.suffix import SuffixIndex
+from depctl_runtime.speculation.verify import DraftTree
 
 CONTEXT_LOOKBACK = 64  # how far back a candidate match's agreement with the current suffix is measured
 
@@ -232,10 +233,15 @@ class SuffixProposer:
         return {**self.index.snapshot(), "scope": self.scope}
 
 
+TOP_CHOICES = 4  # the draft's first choices kept at a chain's first position: how often a tree would have caught more
+
+
 class ModelDrafts(NamedTuple):
-    tokens: list[list[int]]  # [B][width]
+    tokens: list[list[int]]  # [B][width]; a tree's tokens in its order
     probs: list[torch.Tensor | None]  # per row [width, vocab]; None for a greedy row (one-hot)
     caught_up: int  # the most tokens a row fed before drafting: 1 or 2 when it drafted last step, more after a gap
+    trees: list[DraftTree] | None = None  # per row, when the draft drafted trees
+    first_choices: list[list[int]] | None = None  # per row, the draft's TOP_CHOICES best at the first position
 
 
 class ModelProposer(Protocol):
@@ -359,8 +365,14 @@ class DraftModelProposer:
         logits=None,
     ) -> None:
         """The row's tokens were ``before`` long and grew by ``emitted``; the draft had fed them and its own
-        ``drafted[:-1]``: it keeps those that the output agrees with."""
+        ``drafted[:-1]`` (a tree: every depth but the last): it keeps those that the output agrees with."""
         if drafted is None:
+            return
+        if isinstance(drafted, DraftTree):
+            fed = max(drafted.depths, default=0) - 1
+            path = drafted.follow(emitted[:fed])
+            self.runner.keep_path(seq.row, before, path)
+            self.set_length(seq.row, before + len(path))
             return
         agree = 0
         while agree < len(drafted) and agree < len(emitted) and drafted[agree] == emitted[agree]:
@@ -383,8 +395,37 @@ class DraftModelProposer:
                 runner.forward(b, [tokens[: self.catch_up_chunk]], last_only=True, prefill=True)
                 del tokens[: self.catch_up_chunk]
         logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
+        first = logits.topk(min(TOP_CHOICES, logits.shape[-1]), -1).indices.tolist()
         tokens, probs = draft_loop(batch, width, logits, lambda token: runner.forward(0, token[:, None]))
-        return ModelDrafts(tokens, probs, caught_up)
+        return ModelDrafts(tokens, probs, caught_up, first_choices=first)
+
+    @torch.inference_mode()
+    def propose_tree(self, batch, width: int, branches: int) -> ModelDrafts:
+        """A tree for each of rows 0..B-1: the draft's ``branches`` best tokens at the first position, then a greedy
+        chain under each, ``width`` deep in all. Every candidate is a one-hot draft (``verify_tree_sampled`` for
+        sampling rows). The draft reads the tree a depth a pass (``ModelRunner.score`` with ``trees``). For rows
+        without a grammar (the engine drafts chains for those)."""
+        runner = self.runner
+        pending = [list(seq.tokens[runner.length(b) :]) for b, seq in enumerate(batch)]
+        caught_up = max(map(len, pending))
+        for b, tokens in enumerate(pending):
+            while len(tokens) > self.catch_up_chunk:
+                runner.forward(b, [tokens[: self.catch_up_chunk]], last_only=True, prefill=True)
+                del tokens[: self.catch_up_chunk]
+        logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
+        first = logits.topk(min(max(branches, TOP_CHOICES), logits.shape[-1]), -1).indices  # [B, >= branches]
+        level = first[:, :branches]  # [B, branches]: the tokens at the depth just drafted
+        levels, parents = [level], [-1] * branches
+        for depth in range(1, width):
+            above = list(range((depth - 1) * branches, depth * branches))  # the previous depth's nodes
+            rows = len(batch)
+            scores = runner.score(0, level, trees=[tuple(parents)] * rows)
+            level = greedy(scores.logits()).reshape(rows, branches)
+            levels.append(level)
+            parents += above
+        tokens = torch.cat(levels, 1).tolist()  # [B, branches * width]: depth by depth, one host sync
+        trees = [DraftTree(tuple(row), tuple(parents)) for row in tokens]
+        return ModelDrafts(tokens, [None] * len(batch), caught_up, trees, first[:, :TOP_CHOICES].tolist())
 
     @torch.inference_mode()
     def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2) -> None:

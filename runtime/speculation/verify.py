@@ -155,6 +155,9 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def __iter__(self):
+        return iter(self.tokens)
+
     @functools.cached_property
     def depths(self) -> tuple[int, ...]:
         """Each node's depth, 1 for the root's children: the position past the row's length it stands for."""
@@ -172,6 +175,26 @@ class DraftTree:
 
     def children(self, node: int) -> list[int]:
         return self._children.get(node, [])
+
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The nodes of the branch that spells ``tokens`` from the top, as far as the tree has it."""
+        node, out = -1, []
+        for token in tokens:
+            node = next((c for c in self.children(node) if self.tokens[c] == token), None)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+    def branch(self, path: list[int]) -> list[int]:
+        """The chain a verified branch stands for: the tokens along ``path``, then the first candidates below it to
+        the tree's depth (what a chain step would have drafted and seen rejected)."""
+        tokens = [self.tokens[n] for n in path]
+        node = path[-1] if path else -1
+        while self.children(node):
+            node = self.children(node)[0]
+            tokens.append(self.tokens[node])
+        return tokens
 
     def path(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``."""

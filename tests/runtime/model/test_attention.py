@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from depctl_runtime.backends.precision import surgery_for
+from depctl_runtime.model.attention import rows_attention
 from depctl_runtime.model.runner import ModelRunner
 from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen2_sliding
 
@@ -144,7 +145,7 @@ def test_a_draft_tree_scores_each_token_as_its_own_branch_and_keeps_the_accepted
 def test_a_tree_grown_a_depth_a_pass_is_attended_by_mask_as_its_branches():
     """A draft model grows its tree over passes: two candidates after the cache, then a token under each. Each token
     scores as its own branch, and the branch kept is what steps along it leave. Position by position (as a CPU's
-    verify pass attends) a tree must come in one pass."""
+    verify pass attends) a tree is read in one pass: the runner attends one grown over passes by mask."""
     model = tiny_llama(max_positions=1024)
     surgery_for(model, "float32", exact=True)
     runner = ModelRunner(model, max_rows=2, max_context=1024)
@@ -164,5 +165,8 @@ def test_a_tree_grown_a_depth_a_pass_is_attended_by_mask_as_its_branches():
     runner.per_position = True
     runner.set_length(0, 100)
     runner.score(0, [[30, 31]], trees=[(-1, -1)])
-    with pytest.raises(ValueError, match="read in one pass"):
-        runner.score(0, [[50, 51]], trees=[(-1, -1, 0, 1)])
+    assert close(runner.score(0, [[50, 51]], trees=[(-1, -1, 0, 1)]).logits(), second)
+    layout = runner.cache.begin(0, [2], runner.device, per_position=True, ancestry=[(-1, -1, 0, 1)])
+    with pytest.raises(ValueError, match="read in one pass"):  # the attention refuses what the runner never asks
+        cache = runner.cache.layers[0]
+        rows_attention(None, torch.zeros(1, 4, 2, 16), cache.keys, cache.values, None, depctl_rows=layout)

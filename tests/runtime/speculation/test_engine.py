@@ -398,3 +398,51 @@ def test_another_tenants_traffic_reaches_a_request_only_through_the_policys_aggr
     assert counted(shared, bob) == counted(fresh, bob)
     again = counted(shared, alice)  # (while alice's own repeat drafts from her first request: the index holds it)
     assert again[2] > counted(fresh, alice)[2]
+
+
+# ---- draft trees ----
+
+
+def _near(target, noise: float = 0.6, seed: int = 3):
+    """A draft that agrees with the target often, not always: its output layer perturbed."""
+    model = copy.deepcopy(target)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=gen) * noise)
+    return model
+
+
+@pytest.mark.parametrize("branches,k", [(2, 1), (2, 3), (3, 4)])
+def test_a_draft_tree_decodes_as_plain_decoding_alone_and_batched_in_fewer_steps_than_a_chain(target, branches, k):
+    near = _near(target)
+
+    def speculative(tree_branches: int, rows: int = 1):
+        proposer = DraftModelProposer(ModelRunner(near, max_rows=rows))
+        return make(target, proposer, k, rows, adaptive=False, tree_branches=tree_branches)
+
+    plain = [run(make(target), prompt, ignore_eos=True)[0] for prompt in PROMPTS]
+    tree, chain = speculative(branches), speculative(1)
+    assert [run(tree, prompt, ignore_eos=True)[0] for prompt in PROMPTS] == plain
+    assert [run(chain, prompt, ignore_eos=True)[0] for prompt in PROMPTS] == plain
+    # the same tokens in fewer target passes: the other branches caught first positions the chain's draft missed
+    assert tree.stats.num_steps < chain.stats.num_steps
+    caught = tree.policy.snapshot()["first_choice_misses_caught"]
+    assert caught[branches - 2] > 0.05, caught
+    batched = Scheduler(speculative(branches, rows=3), max_batch_size=3).run_all(
+        PROMPTS, GenerationParams(max_tokens=40, ignore_eos=True)
+    )
+    assert batched == plain
+
+
+def test_a_draft_tree_keeps_seeded_sampling_identical_and_sampling_within_the_vocabulary(target):
+    near = _near(target)
+
+    def sampled(tree_branches: int, seed: int | None):
+        engine = make(target, DraftModelProposer(ModelRunner(near)), 3, adaptive=False, tree_branches=tree_branches)
+        sampling = SamplingParams(temperature=0.8, seed=seed)
+        return run(engine, PROMPTS[0], sampling=sampling, ignore_eos=True)[0]
+
+    plain = run(make(target), PROMPTS[0], sampling=SamplingParams(temperature=0.8, seed=11), ignore_eos=True)[0]
+    assert sampled(3, 11) == plain
+    tokens = sampled(3, None)
+    assert len(tokens) == 40 and all(0 <= t < target.config.vocab_size for t in tokens)

@@ -326,3 +326,19 @@ def test_where_drafting_gains_one_step_in_many_runs_plainly_to_keep_the_comparis
 def test_a_policy_that_is_not_adaptive_keeps_drafting_whatever_it_measured():
     policy = DraftLengthPolicy(max_k=4, adaptive=False)
     assert all(_steps(policy, 2, plain_rate=100.0, drafting_rate=10.0, n=50))
+
+
+def test_the_policy_drafts_a_tree_where_the_other_branches_pay_for_themselves():
+    policy = DraftLengthPolicy(max_k=4)
+    for n, ms in {1: 50, 4: 51, 8: 52, 16: 54, 32: 60}.items():  # memory-bound: more tokens nearly free
+        policy.verify_cost.samples[n] = ms / 1000
+    policy.draft_cost.samples.update({1: 0.005, 4: 0.0052})
+    row = RowPlan(policy.new_request(prior=0.5), 4, True)
+    for _ in range(200):  # the target's token was the draft's second choice in half the misses
+        policy.observe_first_choices([1, 2, 3, 4], 2)
+        policy.observe_first_choices([1, 2, 3, 4], 9)
+    assert policy.width([row], trees=True)[0] > 0 and policy.branches >= 2
+    assert policy.width([row], trees=False)[0] > 0 and policy.branches == 1  # a row that cannot take a tree
+    for n in (1, 2, 4, 8, 16, 32):  # compute-bound: every token costs as much as the first
+        policy.verify_cost.samples[n] = 0.05 * n
+    assert policy.width([row], trees=True)[0] == 0 and policy.branches == 1
