@@ -387,7 +387,7 @@ class SpeculativeEngine:
                 outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
             except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or proposer: it ends alone
                 outputs.append(self._failed(seq, part, exc))
-        self.policy.verify_cost.observe(len(argmax), t2 - t1)
+        (self.policy.tree_cost if trees else self.policy.verify_cost).observe(len(argmax), t2 - t1)
         if any(drafts):
             self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
         # a draft forward's cost, from chain steps that fed the draft its usual one or two tokens: after plain steps
@@ -703,6 +703,20 @@ class SpeculativeEngine:
                     self.target.set_length(r, context)
             if measure:
                 self.policy.verify_cost.samples[b * s] = best
+        if hasattr(self.draft_model, "propose_tree") and self.config.tree_branches != 1:
+            # a pass over draft trees at the sizes the policy weighs: a row's tree of 2..4 branches, 1 or K deep
+            shapes = sorted({(b, branches, w) for b in {1, rows} for branches in (2, 4) for w in {1, widest - 1}})
+            for b, branches, w in shapes:
+                tree = _ancestry(DraftTree.grown(branches, w))
+                best = float("inf")
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    self.target.score(0, [prompt[: len(tree)]] * b, trees=[tree] * b).argmax()
+                    best = min(best, time.perf_counter() - t0)
+                    for r in range(b):
+                        self.target.set_length(r, context)
+                if measure:
+                    self.policy.tree_cost.samples[b * len(tree)] = best
         if self.draft_model is not None:
             self.draft_model.calibrate(self.policy.draft_cost if measure else CostModel(), rows, prompt, repeats)
         for r in range(rows):

@@ -288,6 +288,9 @@ class DraftLengthPolicy:
         self.guard = RegimeGuard()
         self.verify_cost = CostModel()  # target pass over n token rows
         self.draft_cost = CostModel()  # one draft-model forward over n rows
+        # a target pass over n token rows that verifies draft trees: attended apart from chains (compiled passes
+        # and CUDA graphs attend chains only), so priced apart; unmeasured, trees are not drafted
+        self.tree_cost = CostModel()
         self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
         self.plain_steps = 0  # consecutive steps without drafts, for probing
         self.probe_debt = 0.0  # seconds the last probes cost beyond a plain step, repaid by PROBE_BUDGET of each step
@@ -370,7 +373,7 @@ class DraftLengthPolicy:
             if rate > best_rate:
                 best_w, best_rate = w, rate
         best_extra = extra[best_w]
-        if trees and self.tree_branches != 1 and all(r.available >= 1 for r in rows):
+        if trees and self.tree_branches != 1 and self.tree_cost.samples and all(r.available >= 1 for r in rows):
             best_w, best_rate, best_extra = self._tree(rows, draft_seconds, best_w, best_rate, best_extra)
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w = 0
@@ -415,7 +418,7 @@ class DraftLengthPolicy:
             power = [1.0] * batch
             for w in range(1, shortest + 1):
                 extra = sum((a + (1 - a) * caught) * c for a, c in zip(rates, chain))
-                seconds = self.verify_cost(batch * (1 + b * w)) + draft_seconds + (w - 1) * self.draft_cost(batch * b)
+                seconds = self.tree_cost(batch * (1 + b * w)) + draft_seconds + (w - 1) * self.draft_cost(batch * b)
                 rate = (batch + realism * extra) / seconds
                 if rate > best_rate:
                     best_w, best_rate, best_extra, self.branches = w, rate, extra, b
@@ -448,7 +451,8 @@ class DraftLengthPolicy:
     def restore(self, kept: dict) -> None:
         """Start from pass costs a ``snapshot`` of an earlier load of the same deployment on this machine held (as
         calibration would, and refined by its serving since)."""
-        for cost, field in ((self.verify_cost, "verify_ms"), (self.draft_cost, "draft_ms")):
+        kept_costs = ((self.verify_cost, "verify_ms"), (self.draft_cost, "draft_ms"), (self.tree_cost, "tree_ms"))
+        for cost, field in kept_costs:
             cost.samples.update({int(n): ms / 1000 for n, ms in kept.get(field, {}).items()})
 
     def snapshot(self) -> dict:
@@ -457,6 +461,7 @@ class DraftLengthPolicy:
             "max_draft_tokens": self.max_k,
             "verify_ms": self.verify_cost.snapshot(),  # token rows in the pass -> ms
             "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
+            "tree_ms": self.tree_cost.snapshot(),  # token rows in a pass over draft trees -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
             "realised_over_predicted": round(self.realism, 3),
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second

@@ -415,16 +415,13 @@ class DraftModelProposer:
         logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
         first = logits.topk(min(max(branches, TOP_CHOICES), logits.shape[-1]), -1).indices  # [B, >= branches]
         level = first[:, :branches]  # [B, branches]: the tokens at the depth just drafted
-        levels, parents = [level], [-1] * branches
-        for depth in range(1, width):
-            above = list(range((depth - 1) * branches, depth * branches))  # the previous depth's nodes
-            rows = len(batch)
-            scores = runner.score(0, level, trees=[tuple(parents)] * rows)
-            level = greedy(scores.logits()).reshape(rows, branches)
+        levels, rows = [level], len(batch)
+        for depth in range(1, width):  # the tree so far, its last depth new in this pass
+            grown = DraftTree.grown_parents(branches, depth)
+            level = greedy(runner.score(0, level, trees=[grown] * rows).logits()).reshape(rows, branches)
             levels.append(level)
-            parents += above
         tokens = torch.cat(levels, 1).tolist()  # [B, branches * width]: depth by depth, one host sync
-        trees = [DraftTree(tuple(row), tuple(parents)) for row in tokens]
+        trees = [DraftTree.grown(branches, width, row) for row in tokens]
         return ModelDrafts(tokens, [None] * len(batch), caught_up, trees, first[:, :TOP_CHOICES].tolist())
 
     @torch.inference_mode()

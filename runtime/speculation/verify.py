@@ -152,6 +152,20 @@ class DraftTree:
     def chain(cls, tokens: list[int]) -> "DraftTree":
         return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
 
+    @staticmethod
+    def grown_parents(branches: int, width: int) -> tuple[int, ...]:
+        """The parents of a tree of ``branches`` candidates at the first position and a chain under each, ``width``
+        deep, its tokens depth by depth (as a draft model grows it, a depth a pass)."""
+        parents = [-1] * branches
+        for depth in range(1, width):
+            parents += range((depth - 1) * branches, depth * branches)
+        return tuple(parents)
+
+    @classmethod
+    def grown(cls, branches: int, width: int, tokens: list[int] | None = None) -> "DraftTree":
+        parents = cls.grown_parents(branches, width)
+        return cls(tuple(tokens) if tokens is not None else (0,) * len(parents), parents)
+
     def __len__(self) -> int:
         return len(self.tokens)
 

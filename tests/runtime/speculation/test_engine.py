@@ -446,3 +446,12 @@ def test_a_draft_tree_keeps_seeded_sampling_identical_and_sampling_within_the_vo
     assert sampled(3, 11) == plain
     tokens = sampled(3, None)
     assert len(tokens) == 40 and all(0 <= t < target.config.vocab_size for t in tokens)
+
+
+def test_calibration_prices_passes_over_trees_where_the_draft_can_grow_them(target):
+    engine = make(target, DraftModelProposer(ModelRunner(_near(target), max_rows=2)), 3, rows=2)
+    costs = engine.calibrate(context=16, repeats=0)
+    # a row's tree of 2 or 4 branches, 1 or 3 deep, alone and in both rows: 3, 7, 5 and 13 tokens a row
+    assert sorted(map(int, costs["tree_ms"])) == [3, 5, 6, 7, 10, 13, 14, 26]
+    chains = make(target, DraftModelProposer(ModelRunner(_near(target), max_rows=2)), 3, rows=2, tree_branches=1)
+    assert chains.calibrate(context=16, repeats=0)["tree_ms"] == {}

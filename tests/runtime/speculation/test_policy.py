@@ -334,11 +334,13 @@ def test_the_policy_drafts_a_tree_where_the_other_branches_pay_for_themselves():
         policy.verify_cost.samples[n] = ms / 1000
     policy.draft_cost.samples.update({1: 0.005, 4: 0.0052})
     row = RowPlan(policy.new_request(prior=0.5), 4, True)
+    assert policy.width([row], trees=True)[0] > 0 and policy.branches == 1  # a tree pass never measured: chains
+    policy.tree_cost.samples.update(policy.verify_cost.samples)
     for _ in range(200):  # the target's token was the draft's second choice in half the misses
         policy.observe_first_choices([1, 2, 3, 4], 2)
         policy.observe_first_choices([1, 2, 3, 4], 9)
     assert policy.width([row], trees=True)[0] > 0 and policy.branches >= 2
     assert policy.width([row], trees=False)[0] > 0 and policy.branches == 1  # a row that cannot take a tree
     for n in (1, 2, 4, 8, 16, 32):  # compute-bound: every token costs as much as the first
-        policy.verify_cost.samples[n] = 0.05 * n
+        policy.verify_cost.samples[n] = policy.tree_cost.samples[n] = 0.05 * n
     assert policy.width([row], trees=True)[0] == 0 and policy.branches == 1
