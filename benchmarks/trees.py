@@ -1,24 +1,22 @@
-"""Would token trees pay on this machine? What a draft tree would accept against a chain, priced by measured passes.
+"""Do draft trees pay on this machine? A draft model's trees against its chains: replayed, then decoded.
 
     .venv/bin/python benchmarks/trees.py                                          # the Qwen pair, 4-bit
-    .venv/bin/python benchmarks/trees.py --dtype float32 --quantization none --draft-precision float32
+    .venv/bin/python benchmarks/trees.py --quantization none --draft-precision float32 --dtype float32
     .venv/bin/python benchmarks/trees.py --rows 1,4 --max-tokens 128 --workload code,chat
 
-A tree drafts the draft model's top-k tokens at its first positions and a greedy chain after each (the shapes of
-SpecInfer and EAGLE-2's static trees); the target verifies every node in one pass and keeps the longest path it
-agrees with. Under greedy decoding what that path is follows from two things, both computed here exactly:
+A tree (what the engine drafts) is the draft model's best b tokens at the first position and a greedy chain under
+each, w deep; the target verifies every node in one pass and keeps the longest branch it agrees with.
 
-- the target's own greedy output ``y`` for each prompt (plain decoding, our engine);
-- the draft's top-k at every position of ``prompt + y``, in one teacher-forced pass: while a path agrees with ``y``
-  its prefix *is* ``y``, so the draft's next choices there are the teacher-forced ones.
-
-A step at position t then accepts the longest run t, t+1, ... (at most K) where ``y`` is among the draft's top-k at
-the tree's branching depths and is its top-1 below them; speculative decoding replayed step by step over ``y`` gives
-the tokens a step (accepted + the target's own). Each shape is priced with passes timed here, on the deployment as
-the daemon loads it: a verify pass over the tree's nodes (one row, or ``--rows`` rows each verifying a tree) and the
-draft's forwards (a tree's depth d runs its nodes at that depth as one forward over that many tokens a row). That
-price leaves out what a tree costs beyond a chain of as many tokens (its attention mask, the cache's fix-up to the
-accepted path), so a tree that does not pay here does not pay at all on this machine.
+1. **Replayed.** Under greedy decoding which branch a tree keeps follows from two things, both computed here
+   exactly: the target's greedy output ``y`` for each prompt (plain decoding, our engine), and the draft's choices
+   at every position of ``prompt + y`` in one teacher-forced pass (while a branch agrees with ``y`` its prefix *is*
+   ``y``, so the draft's next choices there are the teacher-forced ones). Speculative decoding replayed over ``y``
+   with each shape gives its mean accepted length (tokens a step), and the step is priced with passes timed here on
+   the deployment as the daemon loads it: the target's pass over a chain as it runs one (compiled where the loader
+   compiled), over a tree as it runs one (eagerly), and the draft's forwards (over b tokens a row below the first
+   depth of a tree). Draft forwards are priced as chains: a tree's are attended by mask, which this leaves out.
+2. **Decoded.** The engine itself, one request at a time: plain, chains only, trees of 2 wherever it drafts, and
+   the policy's own choice; tokens a second, target passes, and whether each output is plain decoding's.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from depctl.spec import DeploymentSpec, DraftModelSpeculation  # noqa: E402
 from depctl.workloads import prompts_dir  # noqa: E402
+from depctl_runtime.speculation.verify import DraftTree  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -136,18 +135,19 @@ def main() -> None:
     engine, tok = loaded.engine, loaded.tokenizer
     draft_model = loaded.draft.model
     shapes = [Shape(k) for k in (2, 3, 4, 6, 8)]
-    shapes += [Shape(d, b, lv) for d in (3, 4, 6) for b, lv in ((2, 1), (3, 1), (4, 1), (2, 2))]
-    widest = max(s.nodes for s in shapes) + 1
+    shapes += [Shape(d, b, 1) for d in (1, 2, 3, 4, 6) for b in (2, 3, 4)]  # the trees the engine drafts
 
     # the greedy outputs and each output token's rank among the draft's choices
     ranks: dict[str, list[list[int]]] = {}
+    prompts_by_workload: dict[str, list[list[int]]] = {}
     for workload in args.workload.split(","):
         prompts = [json.loads(line)["prompt"] for line in (prompts_dir() / f"{workload}.jsonl").open()]
-        ranks[workload] = []
+        ranks[workload], prompts_by_workload[workload] = [], []
         for prompt in prompts[: args.prompts]:
             chat = [{"role": "user", "content": prompt}]
             text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             ids = tok(text, add_special_tokens=False)["input_ids"]
+            prompts_by_workload[workload].append(ids)
             params = GenerationParams(max_tokens=args.max_tokens, speculate=False)
             y = [t for o in generate(engine, ids, params) for t in o.token_ids]
             ranks[workload].append(ranks_of(draft_model, ids + y, len(ids), 4))
@@ -157,9 +157,9 @@ def main() -> None:
     target, draft = engine.target, engine.draft_model.runner
     context = [(i * 7919) % 1000 for i in range(256)]
 
-    def pass_cost(runner, rows: int, n: int) -> float:
+    def pass_cost(runner, rows: int, n: int, tree: tuple[int, ...] | None = None) -> float:
         def run():
-            runner.score(0, [context[:n]] * rows).argmax()
+            runner.score(0, [context[:n]] * rows, trees=None if tree is None else [tree] * rows).argmax()
             for r in range(rows):
                 runner.set_length(r, len(context))
 
@@ -168,7 +168,15 @@ def main() -> None:
         runner.forward(0, [context] * rows, last_only=True)
         return timed(run)
 
-    verify = {(r, n): pass_cost(target, r, n) for r in rows_list for n in range(1, widest + 1)}
+    # a chain's pass as the engine runs it (compiled where the loader compiled), a tree's as it runs one (eagerly)
+    verify = {}
+    for r in rows_list:
+        for shape in shapes:
+            tree = None
+            if shape.branch > 1:
+                tree = (-1,) + tuple(p + 1 for p in DraftTree.grown_parents(shape.branch, shape.depth))
+            verify[(r, shape)] = pass_cost(target, r, 1 + shape.nodes, tree)
+        verify[(r, None)] = pass_cost(target, r, 1)
     drafting = {(r, n): pass_cost(draft, r, n) for r in rows_list for n in sorted({1, 2, 3, 4, 9, 16})}
 
     def draft_cost(rows: int, n: int) -> float:
@@ -178,8 +186,8 @@ def main() -> None:
 
     results = []
     for rows in rows_list:
-        plain = verify[(rows, 1)] / rows  # seconds a token, plain decoding
-        print(f"\n{rows} row(s) a pass: plain {rows / verify[(rows, 1)]:.1f} tok/s")
+        plain = verify[(rows, None)] / rows  # seconds a token, plain decoding
+        print(f"\n{rows} row(s) a pass: plain {rows / verify[(rows, None)]:.1f} tok/s")
         print("| workload | shape | nodes | mean accepted length | step, ms | tok/s vs plain |")
         print("|---|---|---:|---:|---:|---:|")
         for workload, outputs in ranks.items():
@@ -189,7 +197,7 @@ def main() -> None:
                     s, t = replay(shape, r)
                     steps, tokens = steps + s, tokens + t
                 per_step = tokens / steps
-                seconds = verify[(rows, 1 + shape.nodes)] + sum(
+                seconds = verify[(rows, shape)] + sum(
                     draft_cost(rows, shape.nodes_at(d - 1) if d > 1 else 1) for d in range(1, shape.depth + 1)
                 )
                 ratio = per_step * rows / seconds * plain
@@ -206,10 +214,65 @@ def main() -> None:
                 )
                 cells = [workload, shape.name, shape.nodes, f"{per_step:.2f}", f"{seconds * 1000:.0f}", f"{ratio:.2f}x"]
                 print("| " + " | ".join(map(str, cells)) + " |")
-    print("\nverify pass, ms (rows, tokens a row): " + ", ".join(f"{k}: {v * 1000:.1f}" for k, v in verify.items()))
+    passes = ", ".join(f"{r} x {1 + s.nodes if s else 1}: {v * 1000:.1f}" for (r, s), v in verify.items())
+    print("\nverify pass, ms (rows x tokens a row): " + passes)
     print("draft forward, ms (rows, tokens a row): " + ", ".join(f"{k}: {v * 1000:.1f}" for k, v in drafting.items()))
+    decoded = decode(engine, prompts_by_workload, args.max_tokens)
     if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=1))
+        args.json.write_text(json.dumps({"results": results, "decoded": decoded}, indent=1))
+
+
+def decode(engine, prompts: dict[str, list[list[int]]], max_tokens: int) -> list[dict]:
+    """The engine itself, one request at a time: plain decoding, chains only, a tree of 2 branches wherever
+    drafting pays, and the policy's own choice; each prompt through every mode before the next (drift hits all
+    alike). Tokens a second over each workload, and whether every output is plain decoding's."""
+    from depctl_runtime.speculation import GenerationParams
+    from depctl_runtime.speculation.scheduler import generate
+
+    modes = {"plain": None, "chains": 1, "trees of 2": 2, "policy's choice": 0}
+    out = []
+    print("\n| workload | mode | tok/s | vs plain | steps | trees drafted | exact |\n|---|---|---:|---:|---:|---:|---|")
+    for workload, prompt_ids in prompts.items():
+        seconds, tokens, steps, outputs, trees = {m: 0.0 for m in modes}, {m: 0 for m in modes}, {}, {}, {}
+        for m in modes:
+            steps[m], outputs[m], trees[m] = 0, [], 0
+        for ids in prompt_ids:
+            for mode, branches in modes.items():
+                engine.policy.tree_branches = branches or 0
+                before = engine.stats.num_steps
+                counted = _count_trees(engine)
+                t0 = time.perf_counter()
+                params = GenerationParams(max_tokens=max_tokens, speculate=branches is not None)
+                got = [t for o in generate(engine, ids, params) for t in o.token_ids]
+                seconds[mode] += time.perf_counter() - t0
+                tokens[mode] += len(got)
+                steps[mode] += engine.stats.num_steps - before
+                trees[mode] += counted()
+                outputs[mode].append(got)
+        rate = {m: tokens[m] / seconds[m] for m in modes}
+        for mode in modes:
+            exact = outputs[mode] == outputs["plain"]
+            row = [workload, mode, f"{rate[mode]:.1f}", f"{rate[mode] / rate['plain']:.2f}x", steps[mode]]
+            print("| " + " | ".join(map(str, [*row, trees[mode], "yes" if exact else "NO"])) + " |")
+            out.append({"workload": workload, "mode": mode, "tok_s": rate[mode], "steps": steps[mode], "exact": exact})
+    return out
+
+
+def _count_trees(engine):
+    """Counts the tree steps the engine takes from now: call the result to read the count (and stop counting)."""
+    original, seen = engine.draft_model.propose_tree, [0]
+
+    def counting(*args, **kwargs):
+        seen[0] += 1
+        return original(*args, **kwargs)
+
+    engine.draft_model.propose_tree = counting
+
+    def read() -> int:
+        engine.draft_model.propose_tree = original
+        return seen[0]
+
+    return read
 
 
 if __name__ == "__main__":
