@@ -48,7 +48,8 @@ def read_costs(path: Path) -> dict | None:
         kept = json.loads(path.read_text())
     except (OSError, ValueError):
         return None  # none yet, or a damaged file: calibrate
-    return kept if isinstance(kept, dict) and kept.get("verify_ms") else None
+    # (costs kept before passes over draft trees were priced have no "tree_ms": measured again once)
+    return kept if isinstance(kept, dict) and kept.get("verify_ms") and "tree_ms" in kept else None
 
 
 def write_costs(path: Path, snapshot: dict) -> None:

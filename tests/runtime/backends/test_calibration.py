@@ -54,3 +54,13 @@ def test_costs_measured_with_another_build_of_the_kernels_are_measured_again(tin
         monkeypatch.setattr(native, "identity", lambda build=build: build)
         paths.append(kept_costs_path(spec, model, "float32", "compiled", "depctl blocked float32 (FMA) x14"))
     assert paths[0] != paths[1] and paths[0] == paths[2]
+
+
+def test_costs_kept_before_tree_passes_were_priced_are_measured_again(tmp_path):
+    from depctl_runtime.backends.calibration import read_costs, write_costs
+
+    path = tmp_path / "costs.json"
+    write_costs(path, {"verify_ms": {"1": 5.0}, "draft_ms": {}})
+    assert read_costs(path) is None  # no "tree_ms": a policy restored from it would never price a tree
+    write_costs(path, {"verify_ms": {"1": 5.0}, "draft_ms": {}, "tree_ms": {}})
+    assert read_costs(path)["verify_ms"] == {"1": 5.0}
