@@ -59,6 +59,7 @@ REGIME_PROBE_MAX = 512  # a band that keeps losing is probed half as often after
 REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts again
 REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
 MAX_BRANCHES = 4  # the widest draft tree's first position: the draft's best four tokens
+MAX_TREE_TOKENS = 64  # a row's tokens in a pass over a tree, at most: what a cache row holds past its length
 CHOICE_DECAY = 0.99  # per observation: how often the target took the draft's 2nd..4th choice follows ~100 misses
 # before any: where the target's token ranks among the draft's choices when it is not the first (a prior, 4 misses'
 # worth: 30% its second, 10% its third, 5% its fourth)
@@ -360,8 +361,9 @@ class DraftLengthPolicy:
                     n += 1
             extra[w], tokens[w] = more, n
         if not self.adaptive:
-            if trees and self.tree_branches > 1 and all(r.available >= longest for r in rows):
-                self.branches = self.tree_branches
+            b = self.tree_branches
+            if trees and b > 1 and 1 + b * longest <= MAX_TREE_TOKENS and all(r.available >= longest for r in rows):
+                self.branches = b
             return longest, extra[longest]
         uses_model = any(r.model and r.available for r in rows)
         realism = self.realism
@@ -416,7 +418,7 @@ class DraftLengthPolicy:
             caught = self.caught_by(b)
             chain = [1.0] * batch  # per row 1 + a + ... + a^(w-1)
             power = [1.0] * batch
-            for w in range(1, shortest + 1):
+            for w in range(1, min(shortest, (MAX_TREE_TOKENS - 1) // b) + 1):
                 extra = sum((a + (1 - a) * caught) * c for a, c in zip(rates, chain))
                 seconds = self.tree_cost(batch * (1 + b * w)) + draft_seconds + (w - 1) * self.draft_cost(batch * b)
                 rate = (batch + realism * extra) / seconds

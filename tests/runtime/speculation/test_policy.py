@@ -344,3 +344,11 @@ def test_the_policy_drafts_a_tree_where_the_other_branches_pay_for_themselves():
     for n in (1, 2, 4, 8, 16, 32):  # compute-bound: every token costs as much as the first
         policy.verify_cost.samples[n] = policy.tree_cost.samples[n] = 0.05 * n
     assert policy.width([row], trees=True)[0] == 0 and policy.branches == 1
+
+
+def test_a_tree_never_outgrows_what_a_cache_row_holds_past_its_length():
+    policy = DraftLengthPolicy(max_k=32, adaptive=False, tree_branches=4)
+    wide = [RowPlan(policy.new_request(prior=0.9), 32, True)]
+    assert policy.width(wide, trees=True)[0] == 32 and policy.branches == 1  # 4 x 32 drafts: a chain instead
+    narrow = [RowPlan(policy.new_request(prior=0.9), 8, True)]
+    assert policy.width(narrow, trees=True)[0] == 8 and policy.branches == 4
