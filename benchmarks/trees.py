@@ -15,8 +15,9 @@ each, w deep; the target verifies every node in one pass and keeps the longest b
    the deployment as the daemon loads it: the target's pass over a chain as it runs one (compiled where the loader
    compiled), over a tree as it runs one (eagerly), and the draft's forwards (over b tokens a row below the first
    depth of a tree). Draft forwards are priced as chains: a tree's are attended by mask, which this leaves out.
-2. **Decoded.** The engine itself, one request at a time: plain, chains only, trees of 2 wherever it drafts, and
-   the policy's own choice; tokens a second, target passes, and whether each output is plain decoding's.
+2. **Decoded.** The engine itself, one request at a time: plain, chains of K every step, trees of 2 branches K
+   deep every step, and the policy's own choice; tokens a second, target passes, tree steps, and whether each
+   output is plain decoding's.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6, help="prompts a workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rows", default="1,4", help="rows a pass: each verifies a tree (or a chain) of its own")
+    parser.add_argument("--eager", action="store_true", help="no compiled passes (chains run as trees do)")
+    parser.add_argument("--decode-only", action="store_true", help="skip the replay: the engine's decoding only")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -124,6 +127,8 @@ def main() -> None:
     spec = DeploymentSpec(
         id="trees",
         model=args.model,
+        compile=not args.eager,
+        prefix_cache_bytes=0,
         dtype=args.dtype,
         quantization=args.quantization,
         max_batch_size=max(rows_list),
@@ -148,11 +153,21 @@ def main() -> None:
             text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             ids = tok(text, add_special_tokens=False)["input_ids"]
             prompts_by_workload[workload].append(ids)
+            if args.decode_only:
+                continue
             params = GenerationParams(max_tokens=args.max_tokens, speculate=False)
             y = [t for o in generate(engine, ids, params) for t in o.token_ids]
             ranks[workload].append(ranks_of(draft_model, ids + y, len(ids), 4))
-        print(f"# {workload}: {sum(map(len, ranks[workload]))} greedy tokens", file=sys.stderr)
+        print(f"# {workload}: {sum(map(len, ranks[workload]))} greedy tokens replayed", file=sys.stderr)
 
+    results = [] if args.decode_only else replayed(engine, ranks, shapes, rows_list)
+    decoded = decode(engine, prompts_by_workload, args.max_tokens)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "decoded": decoded}, indent=1))
+
+
+def replayed(engine, ranks: dict[str, list[list[int]]], shapes: list[Shape], rows_list: list[int]) -> list[dict]:
+    """Each shape replayed over the greedy outputs and priced with passes timed here: a table per row count."""
     # pass costs: a verify pass over n tokens a row (r rows), a draft forward over n tokens a row, at a 256 context
     target, draft = engine.target, engine.draft_model.runner
     context = [(i * 7919) % 1000 for i in range(256)]
@@ -217,19 +232,27 @@ def main() -> None:
     passes = ", ".join(f"{r} x {1 + s.nodes if s else 1}: {v * 1000:.1f}" for (r, s), v in verify.items())
     print("\nverify pass, ms (rows x tokens a row): " + passes)
     print("draft forward, ms (rows, tokens a row): " + ", ".join(f"{k}: {v * 1000:.1f}" for k, v in drafting.items()))
-    decoded = decode(engine, prompts_by_workload, args.max_tokens)
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "decoded": decoded}, indent=1))
+    for runner in (target, draft):  # empty rows, as the engine leaves them between requests
+        for r in range(runner.max_rows):
+            runner.set_length(r, 0)
+    return results
 
 
 def decode(engine, prompts: dict[str, list[list[int]]], max_tokens: int) -> list[dict]:
     """The engine itself, one request at a time: plain decoding, chains only, a tree of 2 branches wherever
     drafting pays, and the policy's own choice; each prompt through every mode before the next (drift hits all
-    alike). Tokens a second over each workload, and whether every output is plain decoding's."""
+    alike; no prefix cache, so each reads its prompt). Tokens a second over each workload, target passes, tree
+    steps, and whether every output is plain decoding's."""
     from depctl_runtime.speculation import GenerationParams
     from depctl_runtime.speculation.scheduler import generate
 
-    modes = {"plain": None, "chains": 1, "trees of 2": 2, "policy's choice": 0}
+    # (tree branches, the policy adaptive): "always" drafts K a step whatever it costs, to show a tree step's price
+    modes = {
+        "plain": (None, True),
+        "chains, always": (1, False),
+        "trees of 2, always": (2, False),
+        "policy's choice": (0, True),
+    }
     out = []
     print("\n| workload | mode | tok/s | vs plain | steps | trees drafted | exact |\n|---|---|---:|---:|---:|---:|---|")
     for workload, prompt_ids in prompts.items():
@@ -237,8 +260,8 @@ def decode(engine, prompts: dict[str, list[list[int]]], max_tokens: int) -> list
         for m in modes:
             steps[m], outputs[m], trees[m] = 0, [], 0
         for ids in prompt_ids:
-            for mode, branches in modes.items():
-                engine.policy.tree_branches = branches or 0
+            for mode, (branches, adaptive) in modes.items():
+                engine.policy.tree_branches, engine.policy.adaptive = branches or 0, adaptive
                 before = engine.stats.num_steps
                 counted = _count_trees(engine)
                 t0 = time.perf_counter()

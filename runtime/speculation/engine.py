@@ -495,11 +495,24 @@ class SpeculativeEngine:
             )
         return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether this engine may draft trees: from a draft model that grows them, through a target whose passes
+        all run eagerly (a compiled pass or CUDA graphs attend chains only, and round otherwise than the eager pass a
+        tree would take, so a tree beside them would change the output), and not followed by an observer (it reads
+        the features of chains)."""
+        return (
+            hasattr(self.draft_model, "propose_tree")
+            and self.target.fast_pass is None
+            and self.observer is None
+            and self.free is None
+            and self.config.tree_branches != 1
+        )
+
     def _trees_possible(self, batch: list[Sequence], guesses: list[Guess]) -> bool:
-        """Whether this step may draft trees: a draft model that drafts them, and every row drafting from it, free of
-        a grammar and of penalties (their verification walks chains), and not followed by an observer (it reads the
-        features of chains)."""
-        if self.observer is not None or self.free is not None or not hasattr(self.draft_model, "propose_tree"):
+        """Whether this step may draft trees (``drafts_trees``): every row drafting from the draft model, free of a
+        grammar and of penalties (their verification walks chains)."""
+        if not self.drafts_trees:
             return False
         return all(
             g.source == DraftSource.MODEL and g.available and seq.grammar is None and not seq.params.penalties.active
@@ -703,7 +716,7 @@ class SpeculativeEngine:
                     self.target.set_length(r, context)
             if measure:
                 self.policy.verify_cost.samples[b * s] = best
-        if hasattr(self.draft_model, "propose_tree") and self.config.tree_branches != 1:
+        if self.drafts_trees:
             # a pass over draft trees at the sizes the policy weighs: a row's tree of 2..4 branches, 1 or K deep
             shapes = sorted({(b, branches, w) for b in {1, rows} for branches in (2, 4) for w in {1, widest - 1}})
             for b, branches, w in shapes:

@@ -455,3 +455,45 @@ def test_calibration_prices_passes_over_trees_where_the_draft_can_grow_them(targ
     assert sorted(map(int, costs["tree_ms"])) == [3, 5, 6, 7, 10, 13, 14, 26]
     chains = make(target, DraftModelProposer(ModelRunner(_near(target), max_rows=2)), 3, rows=2, tree_branches=1)
     assert chains.calibrate(context=16, repeats=0)["tree_ms"] == {}
+
+
+class _RoundsOtherwise:
+    """A fast pass (as a compiled library is) that rounds otherwise than the eager pass: its logits are the eager
+    ones nudged by a different amount at each position, enough to reorder near ties."""
+
+    returns_hidden = False
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def fits(self, first, widths, keep) -> bool:
+        return keep is None
+
+    def __call__(self, input_ids, layout, cache, keep):
+        logits = self.runner._forward(input_ids[None], cache.step.positions[None], layout, None).logits()
+        nudge = torch.sin(torch.arange(logits.shape[-1], dtype=logits.dtype) * 0.37) * 0.5
+        return logits + nudge * (1 + cache.step.positions[:, None].to(logits.dtype) % 3), None
+
+    def set_widths(self, widths) -> None:
+        pass
+
+
+def test_a_target_with_a_fast_pass_drafts_chains_only_and_stays_exact(target):
+    # seen with a compiled 4-bit Qwen target: a tree's pass ran eagerly beside compiled plain steps, rounded
+    # otherwise, and the output drifted from plain decoding's
+    def runner() -> ModelRunner:
+        made = ModelRunner(target)
+        made.fast_pass = _RoundsOtherwise(made)
+        return made
+
+    config = EngineConfig(num_draft_tokens=3, max_context=512, adaptive=False, tree_branches=2)
+    plain = [
+        t
+        for o in generate(SpeculativeEngine(runner()), PROMPTS[0], GenerationParams(max_tokens=40))
+        for t in o.token_ids
+    ]
+    engine = SpeculativeEngine(runner(), DraftModelProposer(ModelRunner(_near(target))), config)
+    assert not engine.drafts_trees
+    assert [t for o in generate(engine, PROMPTS[0], GenerationParams(max_tokens=40)) for t in o.token_ids] == plain
+    eager = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(_near(target))), config)
+    assert eager.drafts_trees
