@@ -25,7 +25,13 @@ from depctl_runtime.model.runner import ModelRunner, PromptPass, greedy
 from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.params import GenerationParams
-from depctl_runtime.speculation.policy import CostModel, DraftLengthPolicy, RequestAcceptance, RowPlan
+from depctl_runtime.speculation.policy import (
+    MAX_TREE_TOKENS,
+    CostModel,
+    DraftLengthPolicy,
+    RequestAcceptance,
+    RowPlan,
+)
 from depctl_runtime.speculation.proposers import FeatureObserver, ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
 from depctl_runtime.speculation.sequence import Sequence, StepOutput
@@ -718,8 +724,8 @@ class SpeculativeEngine:
                 self.policy.verify_cost.samples[b * s] = best
         if self.drafts_trees:
             # a pass over draft trees at the sizes the policy weighs: a row's tree of 2..4 branches, 1 or K deep
-            shapes = sorted({(b, branches, w) for b in {1, rows} for branches in (2, 4) for w in {1, widest - 1}})
-            for b, branches, w in shapes:
+            shapes = {(b, branches, w) for b in {1, rows} for branches in (2, 4) for w in {1, widest - 1}}
+            for b, branches, w in sorted(s for s in shapes if 1 + s[1] * s[2] <= min(MAX_TREE_TOKENS, context)):
                 tree = _ancestry(DraftTree.grown(branches, w))
                 best = float("inf")
                 for _ in range(repeats + 1):

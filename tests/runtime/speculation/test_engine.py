@@ -497,3 +497,9 @@ def test_a_target_with_a_fast_pass_drafts_chains_only_and_stays_exact(target):
     assert [t for o in generate(engine, PROMPTS[0], GenerationParams(max_tokens=40)) for t in o.token_ids] == plain
     eager = SpeculativeEngine(ModelRunner(target), DraftModelProposer(ModelRunner(_near(target))), config)
     assert eager.drafts_trees
+
+
+def test_calibration_with_a_long_draft_prices_only_the_trees_a_row_can_hold(target):
+    engine = make(target, DraftModelProposer(ModelRunner(_near(target))), 16)
+    costs = engine.calibrate(context=64, repeats=0)  # 4 x 16 drafts would not fit: 2 x 16, and 1 deep
+    assert sorted(map(int, costs["tree_ms"])) == [3, 5, 33]
