@@ -386,18 +386,23 @@ class DraftModelProposer:
     def propose(self, batch, width: int) -> ModelDrafts:
         """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``)."""
         runner = self.runner
-        # Catch up: a row holds a prefix of its tokens; feed the rest. Normally that is the last accepted token;
-        # after a full accept also d_k, which was never fed; more after steps that did not draft.
+        logits, caught_up = self._catch_up(batch)
+        first = logits.topk(min(TOP_CHOICES, logits.shape[-1]), -1).indices  # synced with the drafts
+        tokens, probs = draft_loop(batch, width, logits, lambda token: runner.forward(0, token[:, None]))
+        return ModelDrafts(tokens, probs, caught_up, first_choices=first.tolist())
+
+    def _catch_up(self, batch) -> tuple[torch.Tensor, int]:
+        """Feed each row what it has not read: normally the last accepted token; after a full accept also d_k, which
+        was never fed; more after steps that did not draft. The logits after each row's last token [B, vocab], and
+        the most tokens a row fed."""
+        runner = self.runner
         pending = [list(seq.tokens[runner.length(b) :]) for b, seq in enumerate(batch)]
         caught_up = max(map(len, pending))
         for b, tokens in enumerate(pending):  # a prompt (read lazily) or a long gap: a prefill of the row alone
             while len(tokens) > self.catch_up_chunk:
                 runner.forward(b, [tokens[: self.catch_up_chunk]], last_only=True, prefill=True)
                 del tokens[: self.catch_up_chunk]
-        logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
-        first = logits.topk(min(TOP_CHOICES, logits.shape[-1]), -1).indices.tolist()
-        tokens, probs = draft_loop(batch, width, logits, lambda token: runner.forward(0, token[:, None]))
-        return ModelDrafts(tokens, probs, caught_up, first_choices=first)
+        return runner.forward(0, pending, last_only=True), caught_up
 
     @torch.inference_mode()
     def propose_tree(self, batch, width: int, branches: int) -> ModelDrafts:
@@ -406,13 +411,7 @@ class DraftModelProposer:
         sampling rows). The draft reads the tree a depth a pass (``ModelRunner.score`` with ``trees``). For rows
         without a grammar (the engine drafts chains for those)."""
         runner = self.runner
-        pending = [list(seq.tokens[runner.length(b) :]) for b, seq in enumerate(batch)]
-        caught_up = max(map(len, pending))
-        for b, tokens in enumerate(pending):
-            while len(tokens) > self.catch_up_chunk:
-                runner.forward(b, [tokens[: self.catch_up_chunk]], last_only=True, prefill=True)
-                del tokens[: self.catch_up_chunk]
-        logits = runner.forward(0, pending, last_only=True)  # [B, vocab]
+        logits, caught_up = self._catch_up(batch)
         first = logits.topk(min(max(branches, TOP_CHOICES), logits.shape[-1]), -1).indices  # [B, >= branches]
         level = first[:, :branches]  # [B, branches]: the tokens at the depth just drafted
         levels, rows = [level], len(batch)
