@@ -318,6 +318,12 @@ _DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], st
             ", ".join(f"{n}: {v}" for n, v in _policy(d)["draft_ms"].items()) if _policy(d).get("draft_ms") else None
         ),
     ),
+    (
+        "Tree pass cost (tokens: ms)",
+        lambda d: (
+            ", ".join(f"{n}: {v}" for n, v in _policy(d)["tree_ms"].items()) if _policy(d).get("tree_ms") else None
+        ),
+    ),
     ("Suffix index", _suffix_cell),
     ("Prefix cache", _prefix_cell),
     (
