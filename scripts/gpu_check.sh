@@ -38,19 +38,24 @@ fi
 
 PY="${PYTHON:-python3}"
 bench=(--budget 270)
+cpu=0
 if [ "${1:-}" = "--cpu" ]; then
     shift
+    cpu=1
+    PY="${PYTHON:-.venv/bin/python}"  # the wheels are CPython 3.12's; the project's venv has what they hold
+    [ -x "$PY" ] || { scripts/setup.sh >&2; PY=.venv/bin/python; }
     bench=(--device cpu --shapes tiny --rows 1,2 --tokens 8 --passes eager --cpu-tokens 8)
 elif ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check: no CUDA GPU here ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null \
         || echo "no torch")): nothing to check. Run it on a GPU machine, after --prepare here."
     exit 0
 fi
-[ -d "$WHEELS" ] || { echo "gpu_check: no $WHEELS: run scripts/gpu_check.sh --prepare where PyPI is reachable" >&2; exit 2; }
-
 SITE="$ROOT/.gpu/site"
 rm -rf "$SITE" && mkdir -p "$SITE"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
+if [ "$cpu" = 0 ]; then
+    [ -d "$WHEELS" ] || { echo "gpu_check: no $WHEELS: run scripts/gpu_check.sh --prepare where PyPI is reachable" >&2; exit 2; }
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
+fi
 ln -s "$ROOT/runtime" "$SITE/depctl_runtime"  # the runtime's folder installs under this name (pyproject.toml)
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export DEPCTL_HOME="$ROOT/.gpu/home"
