@@ -19,12 +19,18 @@ each loaded as the daemon loads it (compiled passes where they pay). A round:
    are not recorded (the head never trains on what measures it).
 
 Round 0 measures before any traffic (the n-gram index alone). Run on a quiet machine: both deployments share the
-process's threads, and nothing else should run.
+process's threads, and nothing else should run. With ``--home`` of an earlier run, the deployment resumes what it
+learned and the minutes go on from where that run stopped.
+
+Beside the speed, each round shows the head's own drafts while measuring (how many steps drafted from it, and their
+mean accepted length, apart from the n-gram index's copies) and what the policy's guard measured at one row: the
+head's steps and the index's against plain steps, in tokens a second ("off": that kind stopped drafting there).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -47,6 +53,8 @@ def main() -> None:
     parser.add_argument("--home", default=None, help="DEPCTL_HOME for the learned head (default: a new folder)")
     args = parser.parse_args()
     os.environ["DEPCTL_HOME"] = args.home or tempfile.mkdtemp(prefix="depctl-learning-")
+    clock = os.path.join(os.environ["DEPCTL_HOME"], "learning-benchmark.json")  # minutes of earlier runs
+    earlier = json.load(open(clock))["minutes"] if os.path.exists(clock) else 0.0
 
     from depctl import workloads
     from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
@@ -85,7 +93,8 @@ def main() -> None:
 
     def measure() -> dict:
         observer, engine.observer = engine.observer, None  # the measuring requests are not recorded
-        before = (engine.stats.num_drafts, engine.stats.num_accepted_tokens)
+        stats = engine.stats
+        before = (stats.num_drafts, stats.num_accepted_tokens, stats.num_model_drafts, stats.num_model_accepted_tokens)
         times, tokens, exact = {"plain": 0.0, "learning": 0.0}, 0, True
         try:
             for prompt in held:
@@ -97,12 +106,26 @@ def main() -> None:
                 exact &= got == want
         finally:
             engine.observer = observer
-        drafts = engine.stats.num_drafts - before[0]
-        accepted = engine.stats.num_accepted_tokens - before[1]
+        drafts, accepted, head_drafts, head_accepted = (
+            now - then
+            for now, then in zip(
+                (stats.num_drafts, stats.num_accepted_tokens, stats.num_model_drafts, stats.num_model_accepted_tokens),
+                before,
+            )
+        )
+        guard = engine.policy.snapshot()["drafting_over_plain"].get(1, {})
         return {
             "plain": tokens / times["plain"],
             "learning": tokens / times["learning"],
             "mean_accepted": 1 + accepted / drafts if drafts else None,
+            "head_drafts": head_drafts,
+            "head_accepted": 1 + head_accepted / head_drafts if head_drafts else None,
+            "guard": " / ".join(
+                f"{kind} {g['ratio']:.2f}{' off' if g['off'] else ''}"
+                for kind, g in guard.items()
+                if kind in ("model", "free")
+            )
+            or "-",
             "exact": exact,
         }
 
@@ -114,23 +137,27 @@ def main() -> None:
     )
     header = (
         "| minutes | answers recorded | trained (min) | generation | held-out accepted | live accepted "
-        "| plain tok/s | learning tok/s | speedup | exact |"
+        "| head steps | head accepted | steps vs plain at 1 row | plain tok/s | learning tok/s | speedup | exact |"
     )
-    print(header + "\n|" + "---:|" * 9 + "---|", flush=True)
+    print(header + "\n|" + "---:|" * 8 + "---|" + "---:|" * 3 + "---|", flush=True)
     slices: list[float] = []
     started, served, round_ = time.monotonic(), 0, 0
     while True:
         m = measure()
         status = learner.status()
+        minutes = earlier + (time.monotonic() - started) / 60
         print(
-            f"| {(time.monotonic() - started) / 60:.1f} | {status['traffic']['answers'] + status['traffic']['waiting']}"
+            f"| {minutes:.1f} | {status['traffic']['answers'] + status['traffic']['waiting']}"
             f" | {status['training']['minutes']:.1f} | {status['generation']}"
             f" | {status['held_out_mean_accepted'] or '-'} | {_fmt(m['mean_accepted'])}"
+            f" | {m['head_drafts']} | {_fmt(m['head_accepted'])} | {m['guard']}"
             f" | {m['plain']:.1f} | {m['learning']:.1f} | {m['learning'] / m['plain']:.2f}x"
             f" | {'yes' if m['exact'] else 'NO'} |",
             flush=True,
         )
-        if time.monotonic() - started >= args.minutes * 60:
+        with open(clock, "w") as f:
+            json.dump({"minutes": minutes}, f)
+        if minutes >= earlier + args.minutes:
             break
         batch = []
         for i in range(args.traffic):  # greedy on the first pass over the set, sampled after

@@ -159,7 +159,7 @@ def _learned_head_cell(d: _Detail) -> str | None:
     if not learning["generation"]:
         return "none yet: drafting with the n-gram or suffix index until a head drafts better"
     live = learning.get("live") or {}
-    now = f", {fmt_num(live['mean_accepted'])} accepted a drafting step serving" if live.get("mean_accepted") else ""
+    now = f", {fmt_num(live['mean_accepted'])} accepted a step it drafted serving" if live.get("mean_accepted") else ""
     return (
         f"generation {learning['generation']}: {fmt_num(learning['held_out_mean_accepted'])} mean accepted length on "
         f"held-out recent answers{now}"
@@ -197,6 +197,25 @@ def _head_history_cell(d: _Detail) -> str | None:
 def _policy(d: _Detail) -> dict:
     policy = d.status.get("policy") or {}
     return policy if policy.get("max_draft_tokens") else {}
+
+
+_STEP_KINDS = {"free": "free guesses", "model": "draft model"}
+
+
+def _guard_cell(d: _Detail) -> str | None:
+    """Per band of batch sizes measured, each kind of drafting step's tokens a second over plain steps' there, and
+    where the guard turned it off."""
+    bands = _policy(d).get("drafting_over_plain") or {}
+    parts = []
+    for band in bands.values():
+        kinds = [(k, band[k]) for k in _STEP_KINDS if k in band]
+        named = len(kinds) > 1
+        cells = [
+            f"{_STEP_KINDS[k] + ' ' if named else ''}{g['ratio']:.2f}x{' (off)' if g['off'] else ''}" for k, g in kinds
+        ]
+        rows = "1 row" if band["sizes"] == "1" else f"{band['sizes']} rows"
+        parts.append(f"{rows}: {', '.join(cells)}")
+    return "; ".join(parts) or None
 
 
 def _counted(cell: Callable[[_Detail], str | None]) -> Callable[[_Detail], str | None]:
@@ -324,6 +343,7 @@ _DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], st
             ", ".join(f"{n}: {v}" for n, v in _policy(d)["tree_ms"].items()) if _policy(d).get("tree_ms") else None
         ),
     ),
+    ("Drafting steps vs plain", _guard_cell),
     ("Suffix index", _suffix_cell),
     ("Prefix cache", _prefix_cell),
     (

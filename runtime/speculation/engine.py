@@ -26,11 +26,14 @@ from depctl_runtime.speculation.faults import record_fault
 from depctl_runtime.speculation.grammar import RowGrammar
 from depctl_runtime.speculation.params import GenerationParams
 from depctl_runtime.speculation.policy import (
+    FREE,
     MAX_TREE_TOKENS,
+    MODEL,
     CostModel,
     DraftLengthPolicy,
     RequestAcceptance,
     RowPlan,
+    step_kind,
 )
 from depctl_runtime.speculation.proposers import FeatureObserver, ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
@@ -156,12 +159,15 @@ class SpeculativeEngine:
         self.target.set_max_width(1 + self.policy.max_k)
 
     @torch.inference_mode()
-    def swap_proposer(self, proposer: ModelProposer, rows: Seq[Sequence], features) -> None:
+    def swap_proposer(
+        self, proposer: ModelProposer, rows: Seq[Sequence], features, mean_accepted: float | None = None
+    ) -> None:
         """Draft with ``proposer`` from the next step on (a new generation of a learning head), rows under way
         included: each sequence holding a row (a prompt half read too) is handed the target's layer features of the
         positions read so far (``features(seq)`` [n, F], None before any), as if the proposer had followed it from
-        its first token. Its draft cost is measured first. Drafts only propose, so the output is the target's
-        whichever proposer drafted any step."""
+        its first token. Its draft cost is measured first, and its mean accepted length at K, where measured, is the
+        next requests' prior for its drafts. Drafts only propose, so the output is the target's whichever proposer
+        drafted any step."""
         old = self.draft_model
         if old is None and self.proposer is not None:
             self.free = self.proposer  # the n-gram or suffix index goes on drafting where it finds a match
@@ -173,6 +179,7 @@ class SpeculativeEngine:
                 proposer.prefilled(seq, 0, read)
         self.proposer = self.draft_model = proposer
         self.policy.max_k = self.config.num_draft_tokens
+        self.policy.new_draft_model(mean_accepted)
         if old is not None:
             old.release()
 
@@ -198,7 +205,7 @@ class SpeculativeEngine:
             prediction_prior,
             self.target.device,
             grammar_prior,
-            self.policy.new_request(),
+            self.policy.new_request(model=True),
         )
 
     @torch.inference_mode()
@@ -394,14 +401,20 @@ class SpeculativeEngine:
             except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or proposer: it ends alone
                 outputs.append(self._failed(seq, part, exc))
         (self.policy.tree_cost if trees else self.policy.verify_cost).observe(len(argmax), t2 - t1)
-        if any(drafts):
-            self.policy.observe_step(predicted, sum(len(o.token_ids) for o in outputs) - len(batch))
+        realised: dict[str, int] = {}  # per kind of row that drafted, the tokens it emitted beyond one
+        for guess, d, out in zip(guesses, drafts, outputs):
+            if d:
+                kind = MODEL if guess.source == DraftSource.MODEL else FREE
+                realised[kind] = realised.get(kind, 0) + len(out.token_ids) - 1
+        if realised:
+            self.policy.observe_step(predicted, realised)
         # a draft forward's cost, from chain steps that fed the draft its usual one or two tokens: after plain steps
         # it first catches up on every token it missed, a prefill that says nothing of what drafting costs
         if model_drafts[0] is not None and width and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         t3 = time.perf_counter()
-        self.policy.observe_step_time(t3 - t0, len(batch), sum(len(o.token_ids) for o in outputs), any(drafts))
+        kind = step_kind(bool(realised), MODEL in realised)
+        self.policy.observe_step_time(t3 - t0, len(batch), sum(len(o.token_ids) for o in outputs), kind)
         self.stats.record_step(t1 - t0, t3 - t1)
         return outputs
 
@@ -429,7 +442,7 @@ class SpeculativeEngine:
             free.finish(seq)  # suffix speculation keeps the finished request as context for later ones
         if self.observer is not None:
             self.observer.finished(seq)
-        self.policy.end_request(seq.acceptance)
+        self.policy.end_request(seq.acceptance, seq.model_acceptance if self.free is not None else None)
         self.stats.num_requests += 1
 
     # ---- the parts of a step ----
@@ -664,6 +677,8 @@ class SpeculativeEngine:
         k = len(drafts)
         if k:
             guess.acceptance.observe(n, n + (1 if n < k else 0))
+            if guess.source == DraftSource.MODEL:
+                self.stats.record_model(k, n)
         elif guess.tokens:  # a free guess not drafted this step still tells whether it would have been right
             guess.acceptance.observe(int(guess.tokens[0] == token), 1)
         pd = k if guess.source == DraftSource.PREDICTION else 0

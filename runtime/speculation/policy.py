@@ -19,9 +19,10 @@ all.
   running a wider pass as several narrower ones (a quiet pass undoes what contention left on wider counts); counts
   never measured are interpolated, and extrapolated past the largest.
 - ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
-  separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``). The
-  extra tokens these rates predict are scaled by what drafting steps actually delivered against their prediction
-  (``realism``): per-row rates run optimistic when hits come in bursts, and a batch amplifies the error. A row that
+  separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``); a head's
+  drafts beside an n-gram index have a rate and an average of their own. The extra tokens these rates predict are
+  scaled by what drafting steps actually delivered against their prediction (``realism``, per kind of row): per-row
+  rates run optimistic when hits come in bursts, and a batch amplifies the error. A row that
   does not draft still has its free guess compared with the token the target produced, so the estimate keeps
   moving; after ``PROBE_EVERY`` x B plain steps the batch drafts once anyway (one token for a draft model, where
   drafts that were all accepted would pay; K for a single request whose free guesses keep hitting), re-measuring a
@@ -64,6 +65,24 @@ CHOICE_DECAY = 0.99  # per observation: how often the target took the draft's 2n
 # before any: where the target's token ranks among the draft's choices when it is not the first (a prior, 4 misses'
 # worth: 30% its second, 10% its third, 5% its fourth)
 CHOICE_PRIOR = (0.0, 1.2, 0.4, 0.2)
+
+
+def _clamped(row) -> float:
+    """A row's acceptance rate within [0, 0.999] (1 would make every sum of its powers endless)."""
+    return min(max(row.acceptance.rate, 0.0), 0.999)
+
+
+def rate_for_mean_accepted(mean_accepted: float, k: int) -> float:
+    """The per-token acceptance rate a whose drafts of ``k`` give this mean accepted length, 1 + a + ... + a^k
+    (bisection: the sum grows with a)."""
+    low, high = 0.0, 0.999
+    for _ in range(40):
+        mid = (low + high) / 2
+        if (1 - mid ** (k + 1)) / (1 - mid) < mean_accepted:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def _estimate(recent: deque, old: float | None, sample: float) -> float:
@@ -191,13 +210,24 @@ def band(batch: int) -> int:
     return 1 << (batch.bit_length() - 1)
 
 
+FREE, MODEL = "free", "model"  # a drafting step's kind: free guesses only, or the draft model's forwards too
+
+
+def step_kind(drafted: bool, model: bool) -> str | None:
+    """The guard's name for a step: None (plain), ``MODEL`` (a draft model or head drafted a row), ``FREE``."""
+    return (MODEL if model else FREE) if drafted else None
+
+
 class RegimeGuard:
     """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the
     tokens a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost
-    taken at another load, host work the cost model does not see, acceptance the rows over-estimate) shows here. Where
-    drafting steps measured under ``LOSS_MARGIN`` of plain ones, that band decodes plainly and probes: one drafting
-    step after ``REGIME_PROBE`` plain ones, then twice as many after each probe that loses (up to
-    ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows several plain steps' worth), and drafting comes
+    taken at another load, host work the cost model does not see, acceptance the rows over-estimate) shows here.
+    Drafting steps are judged by kind: steps that ran the draft model (or head) apart from steps of free guesses only
+    (n-gram, suffix, a prediction, a grammar), so a head whose guesses lose is turned off where it loses while the
+    copies an n-gram index finds go on (judged together, the copies' gain hid the head's loss). Where a kind of
+    drafting step measured under ``LOSS_MARGIN`` of plain ones, that kind stops drafting in that band and probes: one
+    drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that loses (up to
+    ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows several plain steps' worth), and the kind comes
     back after ``REGIME_CONFIRM`` probes in a row each gain on their own (one lucky step must not undo a measured
     loss). Where drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in
     ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds
@@ -206,73 +236,83 @@ class RegimeGuard:
     anything was compared, and a loss at a wandering size ran on for most of a load test's cell."""
 
     def __init__(self):
-        self._rates: dict[tuple[int, bool], list[float]] = {}  # (band, drafted) -> [tokens, seconds, steps], decayed
-        self.off: dict[int, int] = {}  # bands where drafting measured a loss -> plain steps since the last probe
-        self._probes: dict[int, list[int]] = {}  # band turned off -> [steps between its probes, gaining in a row]
+        # (band, kind) -> [tokens, seconds, steps], decayed; kind None for plain steps
+        self._rates: dict[tuple[int, str | None], list[float]] = {}
+        self.off: dict[tuple[int, str], int] = {}  # (band, kind) that measured a loss -> refusals since its last probe
+        self._probes: dict[tuple[int, str], list[int]] = {}  # turned off -> [refusals between probes, gains in a row]
         self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per band
-        self.probing = False  # the step just planned is a probe of a band turned off
+        self.probing: str | None = None  # the kind the step just planned probes, in a band where it is off
 
-    def rate(self, batch: int, drafted: bool) -> float | None:
+    def rate(self, batch: int, kind: str | None) -> float | None:
         """Tokens a second of this kind of step in this batch size's band (None: too few steps yet)."""
-        kept = self._rates.get((band(batch), drafted))
+        kept = self._rates.get((band(batch), kind))
         if kept is None or kept[2] < REGIME_MIN_STEPS or kept[1] <= 0:
             return None
         return kept[0] / kept[1]
 
-    def allows(self, batch: int) -> bool:
-        """Whether a step at this batch size may draft (called when the policy would): not where drafting measured a
-        loss, except for its probes; and not for the plain step that keeps the plain rate measured, once every
-        ``REGIME_PROBE`` drafting steps."""
-        batch = band(batch)
-        if batch in self.off:
-            self.off[batch] += 1
-            if self.off[batch] < self._probes[batch][0]:
-                return False
-            self.off[batch] = 0
-            self.probing = True
-            return True
-        since = self._since_plain.get(batch, 0)
-        return since < (REGIME_WARMUP if self.rate(batch, False) is None else REGIME_PROBE)
+    def is_off(self, batch: int, kind: str) -> bool:
+        return (band(batch), kind) in self.off
 
-    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def allows(self, batch: int, kind: str) -> bool:
+        """Whether a step at this batch size may draft this kind of step (called when the policy would): not where it
+        measured a loss, except for its probes; and not for the plain step that keeps the plain rate measured, once
+        every ``REGIME_PROBE`` drafting steps."""
+        key = (band(batch), kind)
+        if key in self.off:
+            self.off[key] += 1
+            if self.off[key] < self._probes[key][0]:
+                return False
+            self.off[key] = 0
+            self.probing = kind
+            return True
+        since = self._since_plain.get(key[0], 0)
+        return since < (REGIME_WARMUP if self.rate(batch, None) is None else REGIME_PROBE)
+
+    def observe(self, batch: int, kind: str | None, tokens: int, seconds: float) -> None:
         batch = band(batch)
-        kept = self._rates.setdefault((batch, drafted), [0.0, 0.0, 0])
+        kept = self._rates.setdefault((batch, kind), [0.0, 0.0, 0])
         kept[0] = kept[0] * REGIME_DECAY + tokens
         kept[1] = kept[1] * REGIME_DECAY + seconds
         kept[2] += 1
-        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if drafted else 0
-        probe, self.probing = self.probing, False
-        if not drafted:
+        self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if kind else 0
+        probe, self.probing = self.probing, None
+        if kind is None:
             return
-        plain = self.rate(batch, False)
-        if probe and batch in self.off:
-            self._judge_probe(batch, plain is not None and seconds > 0 and tokens / seconds >= LOSS_MARGIN * plain)
+        plain = self.rate(batch, None)
+        if probe == kind and (batch, kind) in self.off:
+            gained = plain is not None and seconds > 0 and tokens / seconds >= LOSS_MARGIN * plain
+            self._judge_probe((batch, kind), gained)
             return
-        drafting = self.rate(batch, True)
+        drafting = self.rate(batch, kind)
         if plain is not None and drafting is not None and drafting < LOSS_MARGIN * plain:
-            self.off.setdefault(batch, 0)
-            self._probes[batch] = [REGIME_PROBE, 0]
+            self.off.setdefault((batch, kind), 0)
+            self._probes[(batch, kind)] = [REGIME_PROBE, 0]
 
-    def _judge_probe(self, batch: int, gained: bool) -> None:
-        """A probe's step on its own against the plain rate: after ``REGIME_CONFIRM`` gains in a row drafting comes
-        back, measured afresh (the losing steps before it would turn it off again); a loss backs the probes off."""
-        probes = self._probes[batch]
+    def _judge_probe(self, key: tuple[int, str], gained: bool) -> None:
+        """A probe's step on its own against the plain rate: after ``REGIME_CONFIRM`` gains in a row the kind drafts
+        again, measured afresh (the losing steps before it would turn it off again); a loss backs the probes off."""
+        probes = self._probes[key]
         if not gained:
             probes[:] = [min(2 * probes[0], REGIME_PROBE_MAX), 0]
             return
         probes[:] = [REGIME_PROBE, probes[1] + 1]
         if probes[1] >= REGIME_CONFIRM:
-            del self.off[batch], self._probes[batch]
-            self._rates.pop((batch, True), None)
+            del self.off[key], self._probes[key]
+            self._rates.pop(key, None)
 
     def snapshot(self) -> dict:
-        """Per band measured: its sizes, drafting's tokens a second over plain's, and whether drafting is off there."""
+        """Per band measured: its sizes and, per kind of drafting step, its tokens a second over plain steps' and
+        whether it is off there."""
         out = {}
         for low in sorted({b for b, _ in list(self._rates)}):
-            plain, drafting = self.rate(low, False), self.rate(low, True)
-            if plain and drafting:
-                sizes = str(low) if low == 1 else f"{low}-{2 * low - 1}"
-                out[low] = {"sizes": sizes, "ratio": round(drafting / plain, 3), "off": low in self.off}
+            plain = self.rate(low, None)
+            kinds = {}
+            for kind in (FREE, MODEL):
+                drafting = self.rate(low, kind)
+                if plain and drafting:
+                    kinds[kind] = {"ratio": round(drafting / plain, 3), "off": (low, kind) in self.off}
+            if kinds:
+                out[low] = {"sizes": str(low) if low == 1 else f"{low}-{2 * low - 1}", **kinds}
         return out
 
 
@@ -292,33 +332,51 @@ class DraftLengthPolicy:
         # a target pass over n token rows that verifies draft trees: attended apart from chains (compiled passes
         # and CUDA graphs attend chains only), so priced apart; unmeasured, trees are not drafted
         self.tree_cost = CostModel()
-        self.deployment_rate = 0.6  # running average of requests' acceptance, the prior for the next one
+        # running average of requests' acceptance, the prior for the next one: of their free guesses (or of the draft
+        # model where it is the only proposer), and of a draft model's (or head's) drafts beside free guesses, whose
+        # rate says nothing of the copies an n-gram index finds
+        self.deployment_rate = 0.6
+        self.model_rate = 0.6
         self.plain_steps = 0  # consecutive steps without drafts, for probing
         self.probe_debt = 0.0  # seconds the last probes cost beyond a plain step, repaid by PROBE_BUDGET of each step
         self._probing = False  # the width just returned is a probe's
-        # realised / predicted extra tokens of the steps that drafted (decayed sums, prior 1.0): acceptance rates
-        # estimated per row are optimistic when guesses come in bursts, and at batch 8 an optimism of 1.5x turns a
-        # predicted gain into a measured loss; what the steps actually returned corrects the prediction
-        self._realised, self._predicted = 4.0, 4.0
+        # per kind of row (FREE, MODEL), realised / predicted extra tokens of the steps that drafted (decayed sums,
+        # prior 1.0): acceptance rates estimated per row are optimistic when guesses come in bursts, and at batch 8
+        # an optimism of 1.5x turns a predicted gain into a measured loss; what the steps actually returned corrects
+        # the prediction. Kept apart because a head's guesses and an n-gram index's copies err apart
+        self._realism = {FREE: [4.0, 4.0], MODEL: [4.0, 4.0]}
 
     # ---- per request ----
-    def new_request(self, prior: float | None = None) -> RequestAcceptance:
-        rate = self.deployment_rate if prior is None else prior
+    def new_request(self, prior: float | None = None, model: bool = False) -> RequestAcceptance:
+        """A request's acceptance estimate for its free guesses (or a lone draft model's drafts), or with ``model``
+        for a draft model's beside free guesses."""
+        rate = (self.model_rate if model else self.deployment_rate) if prior is None else prior
         return RequestAcceptance(rate, PRIOR_WEIGHT)
 
-    def end_request(self, acc: RequestAcceptance) -> None:
+    def end_request(self, acc: RequestAcceptance, model: RequestAcceptance | None = None) -> None:
         if acc.trials > 2 * PRIOR_WEIGHT:
             self.deployment_rate = 0.7 * self.deployment_rate + 0.3 * acc.overall
+        if model is not None and model.trials > 2 * PRIOR_WEIGHT:
+            self.model_rate = 0.7 * self.model_rate + 0.3 * model.overall
 
-    @property
-    def realism(self) -> float:
-        """How many of the extra tokens the acceptance estimates predicted the drafting steps actually delivered."""
-        return min(self._realised / self._predicted, 1.0)  # it may only temper the rates' optimism
+    def new_draft_model(self, mean_accepted: float | None) -> None:
+        """A new draft model (or head generation) drafts from now on: where its mean accepted length at ``max_k``
+        was measured (a head's held-out comparison), the next requests start from the rate that gives it."""
+        if mean_accepted is not None and self.max_k > 0:
+            self.model_rate = rate_for_mean_accepted(mean_accepted, self.max_k)
 
-    def observe_step(self, predicted_extra: float, realised_extra: int) -> None:
-        """A drafting step: the extra tokens (beyond one per row) ``width`` predicted, and what the step emitted."""
-        self._realised = REALISM_DECAY * self._realised + realised_extra
-        self._predicted = REALISM_DECAY * self._predicted + max(predicted_extra, 1e-6)
+    def realism(self, kind: str = FREE) -> float:
+        """How many of the extra tokens the acceptance estimates predicted this kind of row's drafts delivered."""
+        realised, predicted = self._realism[kind]
+        return min(realised / predicted, 1.0)  # it may only temper the rates' optimism
+
+    def observe_step(self, predicted: dict[str, float], realised: dict[str, int]) -> None:
+        """A drafting step: per kind of row, the extra tokens (beyond one per row) ``width`` predicted, and what the
+        step's rows emitted."""
+        for kind, expected in predicted.items():
+            kept = self._realism[kind]
+            kept[0] = REALISM_DECAY * kept[0] + realised.get(kind, 0)
+            kept[1] = REALISM_DECAY * kept[1] + max(expected, 1e-6)
 
     def observe_first_choices(self, choices: list[int], target_first: int) -> None:
         """A step that drafted from a draft model: its first choices at the first position, best first, and the token
@@ -336,55 +394,34 @@ class DraftLengthPolicy:
         return min(sum(self._choice_hits[1:branches]) / self._choice_misses, 1.0)
 
     # ---- per step ----
-    def width(self, rows: list[RowPlan], trees: bool = False) -> tuple[int, float]:
+    def width(self, rows: list[RowPlan], trees: bool = False) -> tuple[int, dict[str, float]]:
         """This step's draft width w for the batch (row i then verifies ``min(w, rows[i].available)`` drafts), and
-        the extra tokens it is expected to bring beyond one per row (0 for a plain step). trees: every row drafts
-        from a draft model that can draft a tree; ``branches`` then says whether this step's drafts are one (see
-        ``_tree``)."""
+        the extra tokens it is expected to bring beyond one per row, per kind of row (``FREE``, ``MODEL``; empty for
+        a plain step). trees: every row drafts from a draft model that can draft a tree; ``branches`` then says
+        whether this step's drafts are one (see ``_tree``)."""
         self.branches = 1
         longest = max((r.available for r in rows), default=0)
         if longest <= 0:
-            return 0, 0.0
-        batch = len(rows)
-        # extra[w]: the tokens beyond one a row that drafts of width w bring, sum_i E_i(min(w, k_i)) - 1 with E(k) - 1 =
-        # a + ... + a^k (a clamped to [0, 0.999]), and tokens[w]: the pass's token count, both built up one width at a
-        # time (this runs every step)
-        drafting = [(min(max(r.acceptance.rate, 0.0), 0.999), r.available) for r in rows if r.available > 0]
-        powers = [a for a, _ in drafting]
-        extra, tokens = [0.0] * (longest + 1), [batch] * (longest + 1)
-        for w in range(1, longest + 1):
-            more, n = extra[w - 1], tokens[w - 1]
-            for i, (a, k) in enumerate(drafting):
-                if k >= w:
-                    more += powers[i]
-                    powers[i] *= a
-                    n += 1
-            extra[w], tokens[w] = more, n
+            return 0, {}
         if not self.adaptive:
             b = self.tree_branches
             if trees and b > 1 and 1 + b * longest <= MAX_TREE_TOKENS and all(r.available >= longest for r in rows):
                 self.branches = b
-            return longest, extra[longest]
+            return longest, self._expected(rows, longest)
+        batch = len(rows)
         uses_model = any(r.model and r.available for r in rows)
-        realism = self.realism
-        draft_seconds = self.draft_cost(batch) if uses_model else 0.0
-        best_w, best_rate = 0, batch / self.verify_cost(batch)
-        base_rate = best_rate
-        for w in range(1, longest + 1):
-            rate = (batch + realism * extra[w]) / (self.verify_cost(tokens[w]) + w * draft_seconds)
-            if rate > best_rate:
-                best_w, best_rate = w, rate
-        best_extra = extra[best_w]
-        if trees and self.tree_branches != 1 and self.tree_cost.samples and all(r.available >= 1 for r in rows):
-            best_w, best_rate, best_extra = self._tree(rows, draft_seconds, best_w, best_rate, best_extra)
-        if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
-            best_w = 0
-        if best_w and not self.guard.allows(batch):
-            best_w = 0
+        best_w = self._best(rows, trees)
+        if best_w and not self.guard.allows(batch, MODEL if uses_model else FREE):
+            best_w, self.branches = 0, 1
+            if uses_model and any(not r.model and r.available for r in rows):
+                # the draft model's steps measured a loss at this load: the rows with free guesses draft alone
+                rows = [r if not r.model else RowPlan(r.acceptance, 0, True) for r in rows]
+                best_w = self._best(rows, False)
+                if best_w and not self.guard.allows(batch, FREE):
+                    best_w = 0
         if best_w:
             self.plain_steps = 0
-            return best_w, best_extra
-        self.branches = 1
+            return best_w, self._expected(rows, best_w)
         self.plain_steps += 1
         # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and for
         # free guesses that keep hitting, the cost of a long verify, which may have been measured while the machine
@@ -394,22 +431,71 @@ class DraftLengthPolicy:
         # What a probe cost beyond a plain step is repaid before the next one (``observe_step_time``).
         if self.plain_steps >= PROBE_EVERY * batch and self.probe_debt <= 0:
             self.plain_steps = 0
-            if uses_model and self._perfect_drafts_pay(batch, tokens, draft_seconds):
+            if uses_model and self._perfect_drafts_pay(rows):
                 self._probing = True
-                return 1, extra[1]
+                return 1, self._expected(rows, 1)
             if not uses_model and batch == 1 and any(r.acceptance.rate >= 0.5 and r.available for r in rows):
                 self._probing = True
-                return longest, extra[longest]
-        return 0, 0.0
+                return longest, self._expected(rows, longest)
+        return 0, {}
 
-    def _tree(self, rows: list[RowPlan], draft_seconds: float, best_w: int, best_rate: float, best_extra: float):
+    def _best(self, rows: list[RowPlan], trees: bool) -> int:
+        """The width that maximises the batch's expected tokens a second, 0 where none beats a plain step by the
+        margin asked (``branches`` set where a tree wins)."""
+        batch = len(rows)
+        longest = max(r.available for r in rows)
+        # extra[w]: the tokens beyond one the rows bring at width w, sum_i s_i (E_i(min(w, k_i)) - 1) with E(k) - 1 =
+        # a + ... + a^k (a clamped to [0, 0.999]) and s_i the realism of the row's kind, and tokens[w]: the pass's
+        # token count, both built up one width at a time (this runs every step)
+        drafting = [(_clamped(r), r.available) for r in rows if r.available > 0]
+        scale = [self.realism(MODEL if r.model else FREE) for r in rows if r.available > 0]
+        powers = [a * s for (a, _), s in zip(drafting, scale)]
+        extra, tokens = [0.0] * (longest + 1), [batch] * (longest + 1)
+        for w in range(1, longest + 1):
+            more, n = extra[w - 1], tokens[w - 1]
+            for i, (a, k) in enumerate(drafting):
+                if k >= w:
+                    more += powers[i]
+                    powers[i] *= a
+                    n += 1
+            extra[w], tokens[w] = more, n
+        draft_seconds = self.draft_cost(batch) if any(r.model and r.available for r in rows) else 0.0
+        best_w, best_rate = 0, batch / self.verify_cost(batch)
+        base_rate = best_rate
+        for w in range(1, longest + 1):
+            rate = (batch + extra[w]) / (self.verify_cost(tokens[w]) + w * draft_seconds)
+            if rate > best_rate:
+                best_w, best_rate = w, rate
+        if trees and self.tree_branches != 1 and self.tree_cost.samples and all(r.available >= 1 for r in rows):
+            best_w, best_rate = self._tree(rows, draft_seconds, best_w, best_rate)
+        if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
+            best_w, self.branches = 0, 1
+        return best_w
+
+    def _expected(self, rows: list[RowPlan], w: int) -> dict[str, float]:
+        """The extra tokens width ``w`` is expected to bring, per kind of row, from the rows' rates alone (what
+        ``realism`` compares with what the step delivers): a + ... + a^k a chain, (a + (1 - a) c) (1 + ... + a^(k-1))
+        a tree."""
+        caught = self.caught_by(self.branches) if self.branches > 1 else 0.0
+        out: dict[str, float] = {}
+        for r in rows:
+            k = min(w, r.available)
+            if k <= 0:
+                continue
+            a = _clamped(r)
+            chain = (1 - a**k) / (1 - a)  # 1 + a + ... + a^(k-1)
+            kind = MODEL if r.model else FREE
+            out[kind] = out.get(kind, 0.0) + (a + (1 - a) * caught) * chain
+        return out
+
+    def _tree(self, rows: list[RowPlan], draft_seconds: float, best_w: int, best_rate: float) -> tuple[int, float]:
         """The best of the chain found and trees of 2..``MAX_BRANCHES`` branches (the draft's best tokens at the first
-        position, a chain under each, ``w`` deep): (w, tokens a second, extra tokens), ``branches`` set to the winner.
-        A row's first draft is then accepted with probability a + (1 - a) c (c: ``caught_by``), and each later one
-        with a, as in a chain; the pass verifies ``1 + b w`` tokens a row, and the draft runs once over the rows and
+        position, a chain under each, ``w`` deep): (w, tokens a second), ``branches`` set to the winner. A row's
+        first draft is then accepted with probability a + (1 - a) c (c: ``caught_by``), and each later one with a,
+        as in a chain; the pass verifies ``1 + b w`` tokens a row, and the draft runs once over the rows and
         ``w - 1`` times over b tokens a row."""
-        batch, realism = len(rows), self.realism
-        rates = [min(max(r.acceptance.rate, 0.0), 0.999) for r in rows]
+        batch, realism = len(rows), self.realism(MODEL)
+        rates = [_clamped(r) for r in rows]
         shortest = min(r.available for r in rows)
         forced = self.tree_branches if self.tree_branches > 1 else 0
         if forced:  # a tree whenever drafting pays: the best width for one, whatever a chain would bring
@@ -423,32 +509,39 @@ class DraftLengthPolicy:
                 seconds = self.tree_cost(batch * (1 + b * w)) + draft_seconds + (w - 1) * self.draft_cost(batch * b)
                 rate = (batch + realism * extra) / seconds
                 if rate > best_rate:
-                    best_w, best_rate, best_extra, self.branches = w, rate, extra, b
+                    best_w, best_rate, self.branches = w, rate, b
                 for i, a in enumerate(rates):
                     power[i] *= a
                     chain[i] += power[i]
-        return best_w, best_rate, best_extra
+        return best_w, best_rate
 
-    def observe_step_time(self, seconds: float, batch: int, emitted: int | None = None, drafted: bool = False) -> None:
+    def observe_step_time(
+        self, seconds: float, batch: int, emitted: int | None = None, kind: str | None = None
+    ) -> None:
         """A step's whole time: a probe's beyond a plain step's is owed, and every other step repays a share. With
-        ``emitted`` (the tokens it produced), the guard compares drafting and plain steps at this batch size."""
+        ``emitted`` (the tokens it produced), the guard compares this kind of step (``step_kind``: None plain) with
+        plain steps at this batch size."""
         if emitted is not None and self.adaptive:
-            self.guard.observe(batch, drafted, emitted, seconds)
+            self.guard.observe(batch, kind, emitted, seconds)
         if self._probing:
             self.probe_debt += max(seconds - self.verify_cost(batch), 0.0)
             self._probing = False
         else:
             self.probe_debt = max(self.probe_debt - PROBE_BUDGET * seconds, 0.0)
 
-    def _perfect_drafts_pay(self, batch: int, tokens: list[int], draft_seconds: float) -> bool:
+    def _perfect_drafts_pay(self, rows: list[RowPlan]) -> bool:
         """Whether drafts that were all accepted would beat a plain step by the margin asked of any drafting. Where
         not even they would (4-bit products on a CPU are compute-bound: a pass costs in proportion to its tokens),
         probing a draft model's acceptance pays its forwards, and its catch-up on every token it missed, for
         nothing."""
+        batch = len(rows)
+        draft_seconds = self.draft_cost(batch)
         margin = (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * batch / self.verify_cost(batch)
-        return any(
-            tokens[w] / (self.verify_cost(tokens[w]) + w * draft_seconds) >= margin for w in range(1, len(tokens))
-        )
+        for w in range(1, max(r.available for r in rows) + 1):
+            tokens = batch + sum(min(w, r.available) for r in rows)
+            if tokens / (self.verify_cost(tokens) + w * draft_seconds) >= margin:
+                return True
+        return False
 
     def restore(self, kept: dict) -> None:
         """Start from pass costs a ``snapshot`` of an earlier load of the same deployment on this machine held (as
@@ -465,7 +558,8 @@ class DraftLengthPolicy:
             "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
             "tree_ms": self.tree_cost.snapshot(),  # token rows in a pass over draft trees -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
-            "realised_over_predicted": round(self.realism, 3),
+            "expected_model_acceptance": round(self.model_rate, 3),  # a draft model's or head's beside free guesses
+            "realised_over_predicted": {kind: round(self.realism(kind), 3) for kind in (FREE, MODEL)},
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
             # of the first positions a draft model's first choice missed, the share its 2nd, 2nd-3rd, 2nd-4th caught
             "first_choice_misses_caught": [round(self.caught_by(b), 3) for b in range(2, MAX_BRANCHES + 1)],

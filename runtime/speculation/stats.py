@@ -8,6 +8,8 @@
   (the first i + 1 tokens accepted), which for a draft head is what its training reports as held-out acceptance
 - ``num_grammar_draft_tokens`` / ``num_grammar_accepted_tokens``: of those, tokens a grammar forced (counted apart
   from the proposer's); ``grammar_seconds``: time in grammar matchers (masks, checks, advancing)
+- ``num_model_drafts`` / ``num_model_draft_tokens`` / ``num_model_accepted_tokens``: of those, drafts from a draft
+  model or head (beside an n-gram or suffix index, a learning head's own, apart from the index's copies)
 - ``num_row_faults``: requests ended alone by a fault in their own grammar, guess or sampling
 - acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts (the 1 is the
   recovered-or-bonus token every verified step adds)
@@ -35,6 +37,9 @@ class SpecDecodeStats:
     num_grammar_draft_tokens: int = 0
     num_grammar_accepted_tokens: int = 0
     grammar_seconds: float = 0.0
+    num_model_drafts: int = 0
+    num_model_draft_tokens: int = 0
+    num_model_accepted_tokens: int = 0
     num_row_faults: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -53,6 +58,13 @@ class SpecDecodeStats:
                     self.drafted_per_position[i] += 1
                 for i in range(accepted):
                     self.accepted_per_position[i] += 1
+
+    def record_model(self, drafted: int, accepted: int) -> None:
+        """A row's drafts this step came from the draft model or head (counted in ``record_row`` too)."""
+        with self._lock:
+            self.num_model_drafts += 1
+            self.num_model_draft_tokens += drafted
+            self.num_model_accepted_tokens += accepted
 
     def record_grammar(self, drafted: int, accepted: int, seconds: float) -> None:
         with self._lock:
@@ -104,6 +116,9 @@ class SpecDecodeStats:
             "grammar_draft_tokens": self.num_grammar_draft_tokens,
             "grammar_accepted_tokens": self.num_grammar_accepted_tokens,
             "grammar_seconds": round(self.grammar_seconds, 4),
+            "model_drafts": self.num_model_drafts,
+            "model_draft_tokens": self.num_model_draft_tokens,
+            "model_accepted_tokens": self.num_model_accepted_tokens,
             "row_faults": self.num_row_faults,
             "decode_tokens_per_second": self.tokens_per_second,
         }

@@ -261,7 +261,7 @@ class HeadLearner:
         serving = c.result("serving") if self.serving is not None else None
         better = candidate >= self.options.first_head_min if serving is None else candidate >= serving + BETTER_BY
         if better:
-            self._promote()
+            self._promote(candidate)
         self.history.append(
             {
                 "at": datetime.now(timezone.utc).replace(microsecond=0).isoformat(),
@@ -277,8 +277,9 @@ class HeadLearner:
         del self.history[:-HISTORY_KEPT]
         self.save()
 
-    def _promote(self) -> None:
-        """The head in training becomes the serving generation: saved, then swapped into the engine."""
+    def _promote(self, mean_accepted: float) -> None:
+        """The head in training becomes the serving generation: saved, then swapped into the engine, which starts
+        from the mean accepted length it reached on the held-out answers."""
         self.generation += 1
         head = copy.deepcopy(self.trainer.head).eval().requires_grad_(False)
         self.serving = head
@@ -286,7 +287,8 @@ class HeadLearner:
         eagle_format.save(head, self.folder / "head", self.verifier, self.options.steps, extra)
         _private_files(self.folder / "head")
         if self.engine is not None:
-            self.engine.swap_proposer(self.make_proposer(copy.deepcopy(head)), [], self.recorder.features)
+            proposer = self.make_proposer(copy.deepcopy(head))
+            self.engine.swap_proposer(proposer, [], self.recorder.features, mean_accepted)
             self._live_from = _draft_counters(self.engine)
         log.info("the learned draft head's generation %d serves", self.generation)
 
@@ -536,8 +538,9 @@ def _private_files(folder: Path) -> None:
 
 
 def _draft_counters(engine) -> tuple[int, int, int]:
-    """(draft tokens, accepted, steps that drafted) so far: the serving generation's live acceptance is the change."""
+    """The head's (draft tokens, accepted, steps that drafted) so far, apart from the n-gram or suffix index's copies:
+    the serving generation's live acceptance is the change."""
     if engine is None:
         return (0, 0, 0)
     s = engine.stats
-    return (s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
+    return (s.num_model_draft_tokens, s.num_model_accepted_tokens, s.num_model_drafts)

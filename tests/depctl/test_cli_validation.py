@@ -929,7 +929,7 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
     console = Console(width=400, record=True)
     console.print(detail_table({**spec, "status": {"state": "READY", "learning": learning}}))
     text = " ".join(console.export_text().split())
-    assert "generation 3: 2.41 mean accepted length on held-out recent answers, 2.20 accepted" in text
+    assert "generation 3: 2.41 mean accepted length on held-out recent answers, 2.20 accepted a step it drafted" in text
     assert (
         "training; 12.5 min, 90 steps over 46000 positions; 120 answers recorded (15 held out, 40 of 262 shipped"
         in text
@@ -965,3 +965,29 @@ def test_get_shows_the_pass_costs_of_chains_and_of_draft_trees():
     untried = {"state": "READY", "policy": {**policy, "tree_ms": {}}}
     console.print(detail_table({"id": "dep", "model": "m", "status": untried}))
     assert "Tree pass cost" not in console.export_text()  # none measured: no row
+
+
+def test_get_shows_where_each_kind_of_drafting_step_gains_or_was_turned_off():
+    from rich.console import Console
+
+    from depctl.cli.views import detail_table
+
+    policy = {
+        "max_draft_tokens": 4,
+        "verify_ms": {"1": 50.0},
+        "drafting_over_plain": {  # as JSON carries it: the bands' keys are strings
+            "1": {"sizes": "1", "free": {"ratio": 1.42, "off": False}, "model": {"ratio": 0.81, "off": True}},
+            "8": {"sizes": "8-15", "free": {"ratio": 1.1, "off": False}},
+        },
+    }
+    console = Console(width=300, record=True)
+    console.print(detail_table({"id": "dep", "model": "m", "status": {"state": "READY", "policy": policy}}))
+    text = " ".join(console.export_text().split())
+    assert "Drafting steps vs plain 1 row: free guesses 1.42x, draft model 0.81x (off); 8-15 rows: 1.10x" in text
+    console = Console(width=300, record=True)
+    console.print(
+        detail_table(
+            {"id": "dep", "model": "m", "status": {"state": "READY", "policy": {**policy, "drafting_over_plain": {}}}}
+        )
+    )
+    assert "Drafting steps vs plain" not in console.export_text()  # nothing compared yet: no row

@@ -12,6 +12,7 @@ from depctl_runtime.model.eagle import EagleConfig, EagleHead, layer_outputs
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import EngineConfig, GenerationParams, SamplingParams, Scheduler, SpeculativeEngine
 from depctl_runtime.speculation.eagle import EagleProposer
+from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from tests.driving import BATCH_PROMPTS as PROMPTS
 from tests.driving import GREEDY, draft_step_by_step, drive
 
@@ -180,16 +181,29 @@ def test_heads_swapped_mid_stream_leave_greedy_and_seeded_output_unchanged(fused
     scheduler = Scheduler(eng, 3, prefill_chunk=8)
     heads = {8: make_head(fused, seed=1), 20: make_head(fused, seed=2)}
     drafted_by_head = []
+    kinds = []  # (heads swapped in so far, the step's kind as the policy's guard was told)
+    observe = eng.policy.observe_step_time
+
+    def observe_step_time(seconds, batch, emitted=None, kind=None):
+        kinds.append((len(drafted_by_head), kind))
+        observe(seconds, batch, emitted, kind)
+
+    eng.policy.observe_step_time = observe_step_time
 
     def swap(it: int) -> None:
         if it in heads:
             before = eng.stats.num_draft_tokens
             proposer = EagleProposer(heads[it], 3, runner.vocab_size or fused.config.vocab_size)
             rows = scheduler.running + ([scheduler.prefilling] if scheduler.prefilling else [])
-            eng.swap_proposer(proposer, rows, recorder.features)
+            eng.swap_proposer(proposer, rows, recorder.features, mean_accepted=1.5)
             assert eng.draft_model is proposer and scheduler.running
+            # the head's held-out mean accepted length at K is its drafts' prior, apart from the n-gram index's
+            assert eng.policy.model_rate == pytest.approx(rate_for_mean_accepted(1.5, 4))
             drafted_by_head.append(before)
 
     got, _ = drive(scheduler, arrivals, on_iteration=swap)
     assert got == plain
     assert eng.stats.num_draft_tokens > drafted_by_head[1] > drafted_by_head[0]  # each head drafted
+    # the guard judges the head's steps apart from the index's copies, which go on beside it
+    assert "model" not in {kind for swapped, kind in kinds if swapped == 0}
+    assert {"free", "model"} <= {kind for swapped, kind in kinds if swapped > 0}

@@ -225,7 +225,7 @@ def test_a_draft_model_catching_up_after_plain_steps_is_not_priced_as_its_drafti
     policy stopped drafting where drafting paid; only steps whose catch-up is the usual one or two tokens count."""
     engine = make(target, DraftModelProposer(ModelRunner(draft)), 3)
     widths = iter([0] * 6 + [3] * 6)
-    engine.policy.width = lambda rows, **_: (next(widths), 1.0)
+    engine.policy.width = lambda rows, **_: (next(widths), {"model": 1.0})
     seen = []
     engine.policy.draft_cost.observe = lambda n, seconds: seen.append(step)
     gen = generate(engine, PROMPTS[1], GenerationParams(max_tokens=40, ignore_eos=True))
@@ -246,7 +246,7 @@ def test_a_draft_model_reads_a_prompt_only_when_its_row_first_drafts(target, dra
     proposer.catch_up_chunk = 8
     engine = make(target, proposer, 3)
     widths = itertools.chain([0] * 5, itertools.repeat(3))
-    engine.policy.width = lambda rows, **_: (next(widths), 1.0)
+    engine.policy.width = lambda rows, **_: (next(widths), {"model": 1.0})
     passes = []
     forward = runner.forward
     runner.forward = lambda first, inputs, **kw: passes.append([len(x) for x in inputs]) or forward(first, inputs, **kw)

@@ -12,6 +12,7 @@ from depctl_runtime.speculation.policy import (
     DraftLengthPolicy,
     RequestAcceptance,
     RowPlan,
+    rate_for_mean_accepted,
 )
 
 
@@ -85,10 +86,10 @@ def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
     _cpu_like(policy)
     rows = _rows(policy, [(0.6, 8)] * 4)
     width, predicted = policy.width(rows)
-    assert width > 0 and predicted > 0
+    assert width > 0 and predicted["free"] > 0
     for _ in range(40):
-        policy.observe_step(predicted, round(predicted / 3))
-    assert policy.realism < 0.5
+        policy.observe_step(predicted, {"free": round(predicted["free"] / 3)})
+    assert policy.realism("free") < 0.5
     assert policy.width(rows)[0] < width
 
 
@@ -248,7 +249,7 @@ def _steps(policy, batch: int, plain_rate: float, drafting_rate: float, n: int) 
         w = policy.width(_rows(policy, [(0.9, 8)] * batch))[0]
         tokens = batch * (3 if w else 1)
         rate = drafting_rate if w else plain_rate
-        policy.observe_step_time(tokens / rate, batch, tokens, bool(w))
+        policy.observe_step_time(tokens / rate, batch, tokens, "free" if w else None)
         widths.append(w)
     return widths
 
@@ -259,15 +260,15 @@ def test_drafting_that_measured_a_loss_at_a_batch_size_turns_off_there_and_probe
     policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
     widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=90.0, n=200)
-    assert policy.guard.off.get(8) is not None
+    assert policy.guard.is_off(8, "free")
     late = widths[100:]
     assert 0 < sum(1 for w in late if w) <= len(late) // 40  # a probe every REGIME_PROBE steps at most
-    assert policy.snapshot()["drafting_over_plain"][8]["off"]
+    assert policy.snapshot()["drafting_over_plain"][8]["free"]["off"]
     # batch 1 is another regime: drafting that gains there goes on
     assert sum(1 for w in _steps(policy, 1, plain_rate=20.0, drafting_rate=45.0, n=40) if w) > 30
     # the load changes and drafting gains at 8 again: the probes see it and drafting comes back
     widths = _steps(policy, 8, plain_rate=100.0, drafting_rate=160.0, n=REGIME_PROBE_MAX + 300)
-    assert 8 not in policy.guard.off and sum(1 for w in widths[-100:] if w) > 90
+    assert not policy.guard.is_off(8, "free") and sum(1 for w in widths[-100:] if w) > 90
 
 
 def test_a_band_that_keeps_losing_is_probed_less_and_less_often():
@@ -276,7 +277,7 @@ def test_a_band_that_keeps_losing_is_probed_less_and_less_often():
     policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
     widths = _steps(policy, 16, plain_rate=100.0, drafting_rate=60.0, n=3000)
-    assert policy.guard.off.get(16) is not None
+    assert policy.guard.is_off(16, "free")
     probes = [i for i, w in enumerate(widths) if w and i > 100]
     assert 3 <= len(probes) <= 3000 // REGIME_PROBE_MAX + 5  # backing off to one in REGIME_PROBE_MAX
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -288,16 +289,16 @@ def test_one_lucky_probe_does_not_turn_a_losing_band_back_on():
     _cpu_like(policy)
     # a loss near the margin: one probe's step folded into the average would lift it over and turn drafting back on
     _steps(policy, 8, plain_rate=100.0, drafting_rate=95.0, n=200)
-    assert 8 in policy.guard.off
+    assert policy.guard.is_off(8, "free")
     lucky, widths = True, []
     for _ in range(2000):  # the first probe after that lands on a lucky step; every later one loses again
         w = policy.width(_rows(policy, [(0.9, 8)] * 8))[0]
         tokens = 8 * (3 if w else 1)
         rate = (200.0 if lucky else 95.0) if w else 100.0
         lucky = lucky and not w
-        policy.observe_step_time(tokens / rate, 8, tokens, bool(w))
+        policy.observe_step_time(tokens / rate, 8, tokens, "free" if w else None)
         widths.append(w)
-    assert 8 in policy.guard.off
+    assert policy.guard.is_off(8, "free")
     assert sum(1 for w in widths if w) <= 2000 // REGIME_PROBE + 1  # only probes drafted: the band never came on
 
 
@@ -311,7 +312,7 @@ def test_a_batch_whose_size_wanders_is_judged_as_one_regime():
         batch = 9 + (i // 3) % 7
         widths += _steps(policy, batch, plain_rate=100.0, drafting_rate=80.0, n=1)
     assert sum(1 for w in widths[120:] if w) <= 120 // 40
-    assert policy.snapshot()["drafting_over_plain"][8] == {"sizes": "8-15", "ratio": 0.8, "off": True}
+    assert policy.snapshot()["drafting_over_plain"][8] == {"sizes": "8-15", "free": {"ratio": 0.8, "off": True}}
 
 
 def test_where_drafting_gains_one_step_in_many_runs_plainly_to_keep_the_comparison_measured():
@@ -352,3 +353,69 @@ def test_a_tree_never_outgrows_what_a_cache_row_holds_past_its_length():
     assert policy.width(wide, trees=True)[0] == 32 and policy.branches == 1  # 4 x 32 drafts: a chain instead
     narrow = [RowPlan(policy.new_request(prior=0.9), 8, True)]
     assert policy.width(narrow, trees=True)[0] == 8 and policy.branches == 4
+
+
+def test_a_draft_head_that_loses_beside_free_guesses_stops_drafting_while_the_free_guesses_go_on():
+    # a learning deployment: an n-gram index's copies where it finds one, a head's guesses elsewhere. The copies gain
+    # (150 tokens a second against plain steps' 100), the head's steps lose (80): judged together, the copies hid the
+    # head's loss and it drafted on
+    policy = DraftLengthPolicy(max_k=4)
+    _cpu_like(policy)
+    policy.draft_cost.observe(1, 0.002)
+    free, model = policy.new_request(prior=0.9), policy.new_request(prior=0.6, model=True)
+    late = {"free": 0, "model": 0}
+    for i in range(600):
+        from_model = i % 2 == 1  # the index finds a copy every other step
+        w = policy.width([RowPlan(model if from_model else free, 4, from_model)])[0]
+        kind = ("model" if from_model else "free") if w else None
+        tokens = 3 if w else 1
+        policy.observe_step_time(tokens / {"free": 150.0, "model": 80.0, None: 100.0}[kind], 1, tokens, kind)
+        if kind and i >= 300:
+            late[kind] += 1
+    assert policy.guard.is_off(1, "model") and not policy.guard.is_off(1, "free")
+    assert late["free"] >= 150 - 150 // REGIME_PROBE - 1  # a plain step in REGIME_PROBE keeps plain's rate measured
+    assert late["model"] <= 300 // REGIME_PROBE + 1  # the head's probes only
+    snapshot = policy.snapshot()["drafting_over_plain"][1]
+    assert snapshot["model"]["off"] and not snapshot["free"]["off"] and snapshot["free"]["ratio"] > 1.3
+
+
+def test_a_draft_models_optimism_does_not_shorten_the_free_guesses():
+    # the head's steps delivered a third of what its rates implied; the n-gram index's copies delivered what theirs
+    # did. Realism kept for both together cut the copies' drafts for the head's optimism
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    policy.draft_cost.observe(4, 0.001)
+    free = _rows(policy, [(0.6, 8)] * 4)
+    heads = _rows(policy, [(0.6, 8)] * 4, model=True)
+    width = policy.width(free)[0]
+    head_width, predicted = policy.width(heads)
+    assert width > 0 and head_width > 0 and set(predicted) == {"model"}
+    for _ in range(40):
+        policy.observe_step(predicted, {"model": round(predicted["model"] / 3)})
+    assert policy.realism("model") < 0.5 and policy.realism("free") == 1.0
+    assert policy.width(free)[0] == width
+    assert policy.width(heads)[0] < head_width
+
+
+def test_a_draft_head_starts_each_request_from_its_own_rate():
+    # beside an n-gram index the head's requests started from the deployment's average of the index's copies (90%
+    # here): every request's first drafts from the head were priced as copies
+    policy = DraftLengthPolicy(max_k=4)
+    for _ in range(5):
+        copies, guesses = policy.new_request(), policy.new_request(model=True)
+        for _ in range(10):
+            copies.observe(4, 4)
+            guesses.observe(0, 1)
+        policy.end_request(copies, guesses)
+    assert policy.new_request().rate > 0.8 and policy.new_request(model=True).rate < 0.3
+    policy.new_draft_model(1.76)  # a new generation, measured on held-out answers at K=4
+    a = policy.new_request(model=True).rate
+    assert 1 + a + a**2 + a**3 + a**4 == pytest.approx(1.76, abs=1e-6)
+    assert policy.new_request().rate > 0.8  # the index's prior is its own
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_the_rate_for_a_mean_accepted_length(k):
+    for a in (0.0, 0.3, 0.75, 0.95):
+        mean = sum(a**j for j in range(k + 1))
+        assert rate_for_mean_accepted(mean, k) == pytest.approx(a, abs=1e-6)
