@@ -16,7 +16,10 @@ each loaded as the daemon loads it (compiled passes where they pay). A round:
 3. **measure**: the held-out workload (``--workload``, a prompt set of ``depctl/data/prompts``, none of them in the
    training set), one request at a time, each prompt on the plain deployment then on the learning one, greedy:
    output tokens a second over the whole set, the ratio, and whether every output is the plain one. These requests
-   are not recorded (the head never trains on what measures it).
+   are not recorded (the head never trains on what measures it); the serving head's mean accepted length at K over
+   their answers, every position, as the deployment measures heads on its held-out answers, is the "held-out
+   workload accepted" column (the deployment's own figure is on the most recent answers to its held-out prompts,
+   here prompts of the shipped set, like the ones it trains on).
 
 Round 0 measures before any traffic (the n-gram index alone). Run on a quiet machine: both deployments share the
 process's threads, and nothing else should run. With ``--home`` of an earlier run, the deployment resumes what it
@@ -62,6 +65,8 @@ def main() -> None:
     from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler
     from depctl_runtime.speculation.scheduler import generate
     from depctl_runtime.training.data import load_conversations
+    from depctl_runtime.training.eagle import acceptance, reach
+    from depctl_runtime.training.traffic import TrafficRecorder
 
     # no prefix cache on either: the held-out prompts come back every round, and the learning deployment reads
     # prompts whole (its head needs every position's features)
@@ -92,7 +97,9 @@ def main() -> None:
         return out, time.perf_counter() - start
 
     def measure() -> dict:
-        observer, engine.observer = engine.observer, None  # the measuring requests are not recorded
+        # the measuring requests are not recorded for training: their answers only measure the serving head
+        answers = _Answers()
+        observer, engine.observer = engine.observer, TrafficRecorder(answers, torch.float32)
         stats = engine.stats
         before = (stats.num_drafts, stats.num_accepted_tokens, stats.num_model_drafts, stats.num_model_accepted_tokens)
         times, tokens, exact = {"plain": 0.0, "learning": 0.0}, 0, True
@@ -114,11 +121,19 @@ def main() -> None:
             )
         )
         guard = engine.policy.snapshot()["drafting_over_plain"].get(1, {})
+        workload_accepted = None
+        if learner.serving is not None:
+            reached, positions = [0] * args.k, 0
+            for answer in answers.kept:
+                r, n = reach(learner.serving, answer.example(), args.k)
+                reached, positions = [a + b for a, b in zip(reached, r)], positions + n
+            workload_accepted = acceptance(reached, positions)["mean_accepted"] if positions else None
         return {
             "plain": tokens / times["plain"],
             "learning": tokens / times["learning"],
             "mean_accepted": 1 + accepted / drafts if drafts else None,
             "head_drafts": head_drafts,
+            "workload_accepted": workload_accepted,
             "head_accepted": 1 + head_accepted / head_drafts if head_drafts else None,
             "guard": " / ".join(
                 f"{kind} {g['ratio']:.2f}{' off' if g['off'] else ''}"
@@ -136,10 +151,11 @@ def main() -> None:
         flush=True,
     )
     header = (
-        "| minutes | answers recorded | trained (min) | generation | held-out accepted | live accepted "
-        "| head steps | head accepted | steps vs plain at 1 row | plain tok/s | learning tok/s | speedup | exact |"
+        "| minutes | answers recorded | trained (min) | generation | held-out accepted | held-out workload accepted "
+        "| live accepted | head steps | head accepted | steps vs plain at 1 row | plain tok/s | learning tok/s "
+        "| speedup | exact |"
     )
-    print(header + "\n|" + "---:|" * 8 + "---|" + "---:|" * 3 + "---|", flush=True)
+    print(header + "\n|" + "---:|" * 9 + "---|" + "---:|" * 3 + "---|", flush=True)
     slices: list[float] = []
     started, served, round_ = time.monotonic(), 0, 0
     while True:
@@ -149,7 +165,8 @@ def main() -> None:
         print(
             f"| {minutes:.1f} | {status['traffic']['answers'] + status['traffic']['waiting']}"
             f" | {status['training']['minutes']:.1f} | {status['generation']}"
-            f" | {status['held_out_mean_accepted'] or '-'} | {_fmt(m['mean_accepted'])}"
+            f" | {status['held_out_mean_accepted'] or '-'} | {_fmt(m['workload_accepted'])}"
+            f" | {_fmt(m['mean_accepted'])}"
             f" | {m['head_drafts']} | {_fmt(m['head_accepted'])} | {m['guard']}"
             f" | {m['plain']:.1f} | {m['learning']:.1f} | {m['learning'] / m['plain']:.2f}x"
             f" | {'yes' if m['exact'] else 'NO'} |",
@@ -194,6 +211,16 @@ def main() -> None:
         )
     learning.release()
     plain.release()
+
+
+class _Answers:
+    """Where the measuring requests' answers go (a ``TrafficRecorder``'s store): kept in memory, never trained on."""
+
+    def __init__(self):
+        self.kept = []
+
+    def put(self, answer) -> None:
+        self.kept.append(answer)
 
 
 def _fmt(value) -> str:

@@ -584,8 +584,8 @@ def settle(group: list, quiet: float = 5.0, limit: float = 120.0) -> None:
 
 
 def guard_state(url: str) -> dict:
-    """The deployment's regime guard: per batch size stepped, drafting's tokens a second over plain steps', and
-    whether drafting is off there."""
+    """The deployment's regime guard: per band of batch sizes stepped and kind of drafting step (free guesses, a draft
+    model), its tokens a second over plain steps', and whether it is off there."""
     import httpx
 
     status = httpx.get(f"{url}/depctl/v1/deployments/bench", timeout=10).json()
@@ -645,7 +645,10 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
     for (name, w, c), guard in guards.items():
         if w == workload and guard:
             cells = ", ".join(
-                f"{g.get('sizes', b)}: {g['ratio']:.2f}{' off' if g['off'] else ''}" for b, g in guard.items()
+                f"{g.get('sizes', b)}: {kind} {k['ratio']:.2f}{' off' if k['off'] else ''}"
+                for b, g in guard.items()
+                for kind, k in g.items()
+                if kind in ("free", "model")
             )
             print(f"\n{name} after {c} clients, drafting over plain steps by batch size: {cells}")
     sys.stdout.flush()

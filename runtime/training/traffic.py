@@ -8,13 +8,17 @@ The features of a sequence under way also seed a new head generation's rows (``S
 
 The store is a folder of the deployment's own (mode 0700, each file 0600: users' text and the states it produced),
 one safetensors file per answer, written in idle time, oldest deleted first beyond a disk budget, and deleted with
-the deployment (``depctl.learning``). Every ``HELD_OUT_EVERY``-th answer is held out: the most recent of those
-measure a candidate head against the serving one, and none is trained on.
+the deployment (``depctl.learning``). One prompt in ``HELD_OUT_EVERY`` is held out, chosen by a hash of its tokens:
+the most recent answers to those measure a candidate head against the serving one, and none is trained on. Held out
+by prompt, not by answer: a prompt asked again (a retry, a sampled answer, a shipped prompt answered in idle time and
+then by a client) gives nearly or exactly the answer it gave before, and a head measured on answers it had trained
+on under other numbers looks far better than it drafts on prompts it never saw.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-HELD_OUT_EVERY = 8  # one answer in eight measures heads and is never trained on
+HELD_OUT_EVERY = 8  # one prompt in eight measures heads and is never trained on
 HELD_OUT_KEPT = 32  # the most recent held-out answers a comparison reads
 MIN_ANSWER = 8  # output tokens below which an answer teaches too little to keep
 PENDING_BYTES = 64 << 20  # finished answers waiting for idle time to be written; the oldest dropped beyond
@@ -45,6 +49,12 @@ class Answer:
     def example(self) -> dict:
         """The shape ``training.eagle`` reads (``start``: the first answer token)."""
         return {"tokens": self.tokens, "features": self.features, "start": self.prompt_len}
+
+    @property
+    def held_out(self) -> bool:
+        """Whether this answer's prompt is one of those held out: every answer to the same prompt agrees."""
+        prompt = self.tokens[: self.prompt_len].to(torch.int32).numpy().tobytes()
+        return zlib.crc32(prompt) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
 
 
 class TrafficRecorder:
@@ -129,7 +139,7 @@ class TrafficStore:
         self._pending_bytes -= answer.nbytes
         number = self._next
         self._next += 1
-        kind = "held" if number % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"
+        kind = "held" if answer.held_out else "train"
         path = self.folder / f"{kind}-{number}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(

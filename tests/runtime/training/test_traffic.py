@@ -83,15 +83,21 @@ def test_an_answer_ends_at_its_stop_token_and_faulted_or_cancelled_ones_are_drop
     assert answer.features.shape == (29, 6)
 
 
-def answer(n: int = 50, width: int = 1024) -> Answer:
-    return Answer(torch.arange(n, dtype=torch.int32), torch.zeros(n - 1, width, dtype=torch.bfloat16), 10)
+def answer(n: int = 50, width: int = 1024, prompt: int = 0) -> Answer:
+    tokens = torch.arange(n, dtype=torch.int32)
+    tokens[0] = prompt  # the prompt's first token tells prompts apart
+    return Answer(tokens, torch.zeros(n - 1, width, dtype=torch.bfloat16), 10)
 
 
-def test_the_store_is_private_holds_one_in_eight_out_and_keeps_within_its_budget(tmp_path):
+HELD = [p for p in range(2000) if answer(prompt=p).held_out]
+TRAINED = [p for p in range(2000) if not answer(prompt=p).held_out]
+
+
+def test_the_store_is_private_holds_prompts_out_and_keeps_within_its_budget(tmp_path):
     one = len(answer().features.flatten()) * 2
     store = TrafficStore(tmp_path / "learning" / "traffic", budget=int(one * 10.5))
-    for _ in range(24):
-        store.put(answer())
+    for i in range(24):
+        store.put(answer(prompt=HELD[i] if i in (15, 23) else TRAINED[i]))
     while store.flush_one() is not None:
         pass
     assert stat.S_IMODE(store.folder.stat().st_mode) == 0o700
@@ -100,10 +106,25 @@ def test_the_store_is_private_holds_one_in_eight_out_and_keeps_within_its_budget
     assert len(files) == 10 and store.bytes <= store.budget  # the oldest went first
     assert store.counts()["dropped"] == 14
     assert [p.name for p in store.held_out_files()] == [f"held-{n}.safetensors" for n in (15, 23)]
-    assert all(int(p.stem.split("-")[1]) % HELD_OUT_EVERY != HELD_OUT_EVERY - 1 for p in store.training_files())
+    assert all(not read_answer(p).held_out for p in store.training_files())
     again = TrafficStore(store.folder, store.budget)  # a restart numbers on from the files there
-    again.put(answer())
+    again.put(answer(prompt=TRAINED[0]))
     assert again.flush_one().name == "train-24.safetensors"
+
+
+def test_every_answer_to_a_held_out_prompt_is_held_out(tmp_path):
+    # a prompt asked again (a retry, a sampled answer, a shipped prompt a client also sends) answers as before: held
+    # out by answer, a head was measured on answers it had trained on under other numbers
+    assert 0.7 < len(HELD) / 2000 * HELD_OUT_EVERY < 1.3  # about one prompt in HELD_OUT_EVERY
+    store = TrafficStore(tmp_path / "traffic", budget=1 << 30)
+    for n in (30, 40, 50):  # three answers to each of two prompts, one of them held out
+        store.put(answer(n, 8, prompt=HELD[0]))
+        store.put(answer(n, 8, prompt=TRAINED[0]))
+    while store.flush_one() is not None:
+        pass
+    assert len(store.held_out_files()) == 3 and len(store.training_files()) == 3
+    assert {read_answer(p).tokens[0].item() for p in store.held_out_files()} == {HELD[0]}
+    assert {read_answer(p).tokens[0].item() for p in store.training_files()} == {TRAINED[0]}
 
 
 def test_answers_waiting_for_idle_time_are_bounded(tmp_path, monkeypatch):
