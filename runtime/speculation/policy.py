@@ -229,7 +229,7 @@ class RegimeGuard:
     drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that loses (up to
     ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows several plain steps' worth), and the kind comes
     back after ``REGIME_CONFIRM`` probes in a row each gain on their own (one lucky step must not undo a measured
-    loss). Where drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in
+    loss). The policy's own probes of a kind turned off are judged the same way. Where drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in
     ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds
     of step come at the same mix of sizes (plain ones are spread over time), so the comparison is fair although the
     policy drafts only where it expects a gain. Judged size by size, each size needed plain steps of its own before
@@ -241,7 +241,6 @@ class RegimeGuard:
         self.off: dict[tuple[int, str], int] = {}  # (band, kind) that measured a loss -> refusals since its last probe
         self._probes: dict[tuple[int, str], list[int]] = {}  # turned off -> [refusals between probes, gains in a row]
         self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per band
-        self.probing: str | None = None  # the kind the step just planned probes, in a band where it is off
 
     def rate(self, batch: int, kind: str | None) -> float | None:
         """Tokens a second of this kind of step in this batch size's band (None: too few steps yet)."""
@@ -263,7 +262,6 @@ class RegimeGuard:
             if self.off[key] < self._probes[key][0]:
                 return False
             self.off[key] = 0
-            self.probing = kind
             return True
         since = self._since_plain.get(key[0], 0)
         return since < (REGIME_WARMUP if self.rate(batch, None) is None else REGIME_PROBE)
@@ -275,17 +273,19 @@ class RegimeGuard:
         kept[1] = kept[1] * REGIME_DECAY + seconds
         kept[2] += 1
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if kind else 0
-        probe, self.probing = self.probing, None
         if kind is None:
             return
         plain = self.rate(batch, None)
-        if probe == kind and (batch, kind) in self.off:
+        if (batch, kind) in self.off:
+            # a kind turned off drafts only in probes, the guard's or the policy's own (a single request whose guesses
+            # keep hitting, every few plain steps): each is judged on its own. Judged only when the guard's came,
+            # drafting stayed off through a whole cell where the policy's probes measured 2.25x plain
             gained = plain is not None and seconds > 0 and tokens / seconds >= LOSS_MARGIN * plain
             self._judge_probe((batch, kind), gained)
             return
         drafting = self.rate(batch, kind)
         if plain is not None and drafting is not None and drafting < LOSS_MARGIN * plain:
-            self.off.setdefault((batch, kind), 0)
+            self.off[(batch, kind)] = 0
             self._probes[(batch, kind)] = [REGIME_PROBE, 0]
 
     def _judge_probe(self, key: tuple[int, str], gained: bool) -> None:

@@ -419,3 +419,17 @@ def test_the_rate_for_a_mean_accepted_length(k):
     for a in (0.0, 0.3, 0.75, 0.95):
         mean = sum(a**j for j in range(k + 1))
         assert rate_for_mean_accepted(mean, k) == pytest.approx(a, abs=1e-6)
+
+
+def test_a_band_turned_off_comes_back_when_the_policys_own_probes_gain():
+    # chat at one client turned drafting off at one row; then code came, where n-gram's copies deliver 2.25x plain
+    # steps' tokens a second. The policy's own probes (a single request whose guesses keep hitting drafts once every
+    # 8 plain steps) measured that, but only the guard's probes, one in up to 512 refused steps, could turn drafting
+    # back on: the code cell ran at 1.00x
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    _steps(policy, 1, plain_rate=100.0, drafting_rate=80.0, n=3000)
+    assert policy.guard.is_off(1, "free")
+    widths = _steps(policy, 1, plain_rate=100.0, drafting_rate=250.0, n=100)
+    assert not policy.guard.is_off(1, "free")
+    assert sum(1 for w in widths[-40:] if w) > 35
