@@ -33,7 +33,6 @@ from depctl_runtime.speculation.policy import (
     DraftLengthPolicy,
     RequestAcceptance,
     RowPlan,
-    step_kind,
 )
 from depctl_runtime.speculation.proposers import FeatureObserver, ModelProposer, PredictionTracker, Proposer
 from depctl_runtime.speculation.sampling import apply_penalties, probs_from_logits, token_logprobs
@@ -413,7 +412,7 @@ class SpeculativeEngine:
         if model_drafts[0] is not None and width and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
             self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
         t3 = time.perf_counter()
-        kind = step_kind(bool(realised), MODEL in realised)
+        kind = MODEL if MODEL in realised else FREE if realised else None  # the guard judges each kind apart
         self.policy.observe_step_time(t3 - t0, len(batch), sum(len(o.token_ids) for o in outputs), kind)
         self.stats.record_step(t1 - t0, t3 - t1)
         return outputs

@@ -213,11 +213,6 @@ def band(batch: int) -> int:
 FREE, MODEL = "free", "model"  # a drafting step's kind: free guesses only, or the draft model's forwards too
 
 
-def step_kind(drafted: bool, model: bool) -> str | None:
-    """The guard's name for a step: None (plain), ``MODEL`` (a draft model or head drafted a row), ``FREE``."""
-    return (MODEL if model else FREE) if drafted else None
-
-
 class RegimeGuard:
     """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the
     tokens a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost
@@ -449,7 +444,8 @@ class DraftLengthPolicy:
         # a + ... + a^k (a clamped to [0, 0.999]) and s_i the realism of the row's kind, and tokens[w]: the pass's
         # token count, both built up one width at a time (this runs every step)
         drafting = [(_clamped(r), r.available) for r in rows if r.available > 0]
-        scale = [self.realism(MODEL if r.model else FREE) for r in rows if r.available > 0]
+        realism = {kind: self.realism(kind) for kind in (FREE, MODEL)}  # this runs every step: once a kind
+        scale = [realism[MODEL if r.model else FREE] for r in rows if r.available > 0]
         powers = [a * s for (a, _), s in zip(drafting, scale)]
         extra, tokens = [0.0] * (longest + 1), [batch] * (longest + 1)
         for w in range(1, longest + 1):
@@ -520,8 +516,8 @@ class DraftLengthPolicy:
         self, seconds: float, batch: int, emitted: int | None = None, kind: str | None = None
     ) -> None:
         """A step's whole time: a probe's beyond a plain step's is owed, and every other step repays a share. With
-        ``emitted`` (the tokens it produced), the guard compares this kind of step (``step_kind``: None plain) with
-        plain steps at this batch size."""
+        ``emitted`` (the tokens it produced), the guard compares this kind of step (None plain; ``MODEL`` where a
+        draft model or head drafted a row) with plain steps at this batch size."""
         if emitted is not None and self.adaptive:
             self.guard.observe(batch, kind, emitted, seconds)
         if self._probing:
