@@ -46,6 +46,7 @@ PROBE_EVERY = 8
 # missed since the last one (a prefill of the whole batch), which can cost more than the plain steps between probes
 PROBE_BUDGET = 0.02
 REALISM_DECAY = 0.97  # per drafting step: the realised/predicted ratio follows the last ~30 drafting steps
+REALISM_PRIOR = 4.0  # extra tokens, realised and predicted alike, a kind of row's ratio starts from
 MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decoding by at least 3%
 # in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and a batch's wide pass costs
 # several plain steps, so a small predicted gain can be a real loss
@@ -284,6 +285,12 @@ class RegimeGuard:
             self.off[(batch, kind)] = 0
             self._probes[(batch, kind)] = [REGIME_PROBE, 0]
 
+    def forget(self, kind: str) -> None:
+        """What this kind of drafting step measured in every band: its proposer changed."""
+        for kept in (self._rates, self.off, self._probes):
+            for key in [k for k in kept if k[1] == kind]:
+                del kept[key]
+
     def _judge_probe(self, key: tuple[int, str], gained: bool) -> None:
         """A probe's step on its own against the plain rate: after ``REGIME_CONFIRM`` gains in a row the kind drafts
         again, measured afresh (the losing steps before it would turn it off again); a loss backs the probes off."""
@@ -340,7 +347,7 @@ class DraftLengthPolicy:
         # prior 1.0): acceptance rates estimated per row are optimistic when guesses come in bursts, and at batch 8
         # an optimism of 1.5x turns a predicted gain into a measured loss; what the steps actually returned corrects
         # the prediction. Kept apart because a head's guesses and an n-gram index's copies err apart
-        self._realism = {FREE: [4.0, 4.0], MODEL: [4.0, 4.0]}
+        self._realism = {FREE: [REALISM_PRIOR] * 2, MODEL: [REALISM_PRIOR] * 2}
 
     # ---- per request ----
     def new_request(self, prior: float | None = None, model: bool = False) -> RequestAcceptance:
@@ -357,9 +364,13 @@ class DraftLengthPolicy:
 
     def new_draft_model(self, mean_accepted: float | None) -> None:
         """A new draft model (or head generation) drafts from now on: where its mean accepted length at ``max_k``
-        was measured (a head's held-out comparison), the next requests start from the rate that gives it."""
+        was measured (a head's held-out comparison), the next requests start from the rate that gives it. What its
+        predecessor's steps measured (the guard's verdicts, their realism) is forgotten: a better head held off by an
+        old head's loss would wait for two of its rare probes in a row to gain."""
         if mean_accepted is not None and self.max_k > 0:
             self.model_rate = rate_for_mean_accepted(mean_accepted, self.max_k)
+        self.guard.forget(MODEL)
+        self._realism[MODEL] = [REALISM_PRIOR] * 2
 
     def realism(self, kind: str = FREE) -> float:
         """How many of the extra tokens the acceptance estimates predicted this kind of row's drafts delivered."""

@@ -379,6 +379,36 @@ def test_a_draft_head_that_loses_beside_free_guesses_stops_drafting_while_the_fr
     assert snapshot["model"]["off"] and not snapshot["free"]["off"] and snapshot["free"]["ratio"] > 1.3
 
 
+def test_a_new_draft_head_is_judged_afresh_where_its_predecessor_lost():
+    # a learning deployment's head lost at one row and was turned off there, its probes backed off; the next
+    # generation drafts better. Kept, the old verdict held it off until two of its rare probes in a row gained
+    policy = DraftLengthPolicy(max_k=4)
+    _cpu_like(policy)
+    policy.draft_cost.observe(1, 0.002)
+    free, model = policy.new_request(prior=0.9), policy.new_request(prior=0.6, model=True)
+
+    def serve(steps: int, head_rate: float) -> int:
+        drafted = 0
+        for i in range(steps):
+            from_model = i % 2 == 1
+            w = policy.width([RowPlan(model if from_model else free, 4, from_model)])[0]
+            kind = ("model" if from_model else "free") if w else None
+            tokens = 3 if w else 1
+            policy.observe_step_time(tokens / {"free": 150.0, "model": head_rate, None: 100.0}[kind], 1, tokens, kind)
+            drafted += kind == "model"
+        return drafted
+
+    serve(1000, 80.0)
+    assert policy.guard.is_off(1, "model") and not policy.guard.is_off(1, "free")
+    for _ in range(40):  # and the old head delivered half of what its rates predicted
+        policy.observe_step({"model": 2.0}, {"model": 1})
+    policy.new_draft_model(2.4)
+    assert not policy.guard.is_off(1, "model") and policy.realism("model") == 1.0
+    assert serve(200, 130.0) >= 80  # the new head drafts where it gains
+    assert not policy.guard.is_off(1, "model")
+    assert policy.snapshot()["drafting_over_plain"][1]["free"]["ratio"] > 1.3  # the index's record is its own
+
+
 def test_a_draft_models_optimism_does_not_shorten_the_free_guesses():
     # the head's steps delivered a third of what its rates implied; the n-gram index's copies delivered what theirs
     # did. Realism kept for both together cut the copies' drafts for the head's optimism
