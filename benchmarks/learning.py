@@ -12,7 +12,8 @@ each loaded as the daemon loads it (compiled passes where they pay). A round:
    (``depctl/data/train/prompts.jsonl``: chat, instructions and code), ``--clients`` at a time, greedy on the first
    pass over the set and sampled at temperature 0.7 after;
 2. **idle time**: ``--idle`` seconds in which the engine thread does what it does when no request waits
-   (``Scheduler.idle``: write the answers recorded, train, compare, swap in a better generation);
+   (``Scheduler.idle``: write the answers recorded, answer prompts of its own (the shipped set, then requests the
+   target writes: the "requests written" column), train, compare, swap in a better generation);
 3. **measure**: the held-out workload (``--workload``, a prompt set of ``depctl/data/prompts``, none of them in the
    training set), one request at a time, each prompt on the plain deployment then on the learning one, greedy:
    output tokens a second over the whole set, the ratio, and whether every output is the plain one. These requests
@@ -20,6 +21,10 @@ each loaded as the daemon loads it (compiled passes where they pay). A round:
    their answers, every position, as the deployment measures heads on its held-out answers, is the "held-out
    workload accepted" column (the deployment's own figure is on the most recent answers to its held-out prompts,
    here prompts of the shipped set, like the ones it trains on).
+
+After the last round, the learned deployment under load (``--load``, 8 and 16 clients): the held-out workload's
+prompts queued at once, each level ``--repeat`` times with the modes alternating, against the plain deployment
+(not recorded either).
 
 Round 0 measures before any traffic (the n-gram index alone). Run on a quiet machine: both deployments share the
 process's threads, and nothing else should run. With ``--home`` of an earlier run, the deployment resumes what it
@@ -54,6 +59,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--home", default=None, help="DEPCTL_HOME for the learned head (default: a new folder)")
+    parser.add_argument("--load", default="8,16", help="clients of the load test after the last round ('' for none)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each load level, the modes alternating")
     args = parser.parse_args()
     os.environ["DEPCTL_HOME"] = args.home or tempfile.mkdtemp(prefix="depctl-learning-")
     clock = os.path.join(os.environ["DEPCTL_HOME"], "learning-benchmark.json")  # minutes of earlier runs
@@ -70,7 +77,9 @@ def main() -> None:
 
     # no prefix cache on either: the held-out prompts come back every round, and the learning deployment reads
     # prompts whole (its head needs every position's features)
-    common = dict(model=args.model, quantization=args.quantization, max_batch_size=args.clients, prefix_cache_bytes=0)
+    levels = [int(c) for c in args.load.split(",") if c.strip()]
+    rows = max([args.clients, *levels])
+    common = dict(model=args.model, quantization=args.quantization, max_batch_size=rows, prefix_cache_bytes=0)
     plain = load_deployment(DeploymentSpec(id="plain", **common))
     learning = load_deployment(
         DeploymentSpec(
@@ -151,11 +160,11 @@ def main() -> None:
         flush=True,
     )
     header = (
-        "| minutes | answers recorded | trained (min) | generation | held-out accepted | held-out workload accepted "
-        "| live accepted | head steps | head accepted | steps vs plain at 1 row | plain tok/s | learning tok/s "
-        "| speedup | exact |"
+        "| minutes | answers recorded | requests written | trained (min) | generation | held-out accepted "
+        "| held-out workload accepted | live accepted | head steps | head accepted | steps vs plain at 1 row "
+        "| plain tok/s | learning tok/s | speedup | exact |"
     )
-    print(header + "\n|" + "---:|" * 9 + "---|" + "---:|" * 3 + "---|", flush=True)
+    print(header + "\n|" + "---:|" * 10 + "---|" + "---:|" * 3 + "---|", flush=True)
     slices: list[float] = []
     started, served, round_ = time.monotonic(), 0, 0
     while True:
@@ -164,6 +173,7 @@ def main() -> None:
         minutes = earlier + (time.monotonic() - started) / 60
         print(
             f"| {minutes:.1f} | {status['traffic']['answers'] + status['traffic']['waiting']}"
+            f" | {status['training']['requests_written']}"
             f" | {status['training']['minutes']:.1f} | {status['generation']}"
             f" | {status['held_out_mean_accepted'] or '-'} | {_fmt(m['workload_accepted'])}"
             f" | {_fmt(m['mean_accepted'])}"
@@ -209,8 +219,51 @@ def main() -> None:
             f"  {h['at']}  trained {h['trained_minutes']:.1f} min  answers {h['answers']}  candidate {h['candidate']}"
             f"  serving {h['serving']}  -> generation {h['generation']}{'  (promoted)' if h['promoted'] else ''}"
         )
+    if levels:
+        print(
+            f"\nunder load: the held-out workload's prompts, {args.repeat} runs a level, the modes alternating; each "
+            "run queues max(2 x clients, prompts) requests at once, so the batch stays full until the queue drains"
+        )
+        print("\n| clients | plain tok/s | learning tok/s | vs plain | each run | head steps | exact |")
+        print("|---:|---:|---:|---:|---|---:|---|")
+        observer, engine.observer = engine.observer, TrafficRecorder(_Answers(), torch.float32)  # not trained on
+        for level in levels:
+            rates, exact = {"plain": [], "learning": []}, True
+            drafts_before = engine.stats.num_model_drafts
+            for r in range(args.repeat):
+                runs = {}
+                for name in ("plain", "learning") if r % 2 == 0 else ("learning", "plain"):
+                    eng = plain.engine if name == "plain" else engine
+                    rate, runs[name] = _closed_loop(eng, Scheduler(eng, level), held, level, greedy)
+                    rates[name].append(rate)
+                exact &= runs["plain"] == runs["learning"]
+            ratios = [a / b for a, b in zip(rates["learning"], rates["plain"])]
+            print(
+                f"| {level} | {statistics.mean(rates['plain']):.1f} | {statistics.mean(rates['learning']):.1f}"
+                f" | {statistics.mean(rates['learning']) / statistics.mean(rates['plain']):.2f}x"
+                f" | {min(ratios):.2f}-{max(ratios):.2f} | {engine.stats.num_model_drafts - drafts_before}"
+                f" | {'yes' if exact else 'NO'} |",
+                flush=True,
+            )
+        engine.observer = observer
     learning.release()
     plain.release()
+
+
+def _closed_loop(engine, scheduler, prompts, level: int, params) -> tuple[float, dict[int, list[int]]]:
+    """max(2 x level, len(prompts)) requests over ``prompts``, queued at once: output tokens a second, and each
+    request's tokens."""
+    outputs: dict[int, list[int]] = {}
+    number = {}
+    for i in range(max(2 * level, len(prompts))):
+        seq = engine.new_sequence(prompts[i % len(prompts)], params)
+        number[seq.id], outputs[i] = i, []
+        scheduler.add(seq)
+    start = time.perf_counter()
+    while scheduler.has_work():
+        for seq, out in scheduler.step():
+            outputs[number[seq.id]].extend(out.token_ids)
+    return sum(map(len, outputs.values())) / (time.perf_counter() - start), outputs
 
 
 class _Answers:

@@ -172,11 +172,13 @@ def _head_training_cell(d: _Detail) -> str | None:
         return None
     t, traffic = learning["training"], learning["traffic"]
     error = f" ({learning['error']})" if learning.get("error") else ""
-    shipped = t.get("shipped_prompts")
-    shipped = f", {shipped['answered']} of {shipped['total']} shipped prompts among them" if shipped else ""
+    shipped, written = t.get("shipped_prompts"), t.get("requests_written")
+    idle = [f"{shipped['answered']} of {shipped['total']} shipped prompts"] if shipped else []
+    idle += [f"{written} requests the target wrote"] if written else []
+    among = f", {' and '.join(idle)} among them" if idle else ""
     return (
         f"{t['state']}{error}; {t['minutes']:.1f} min, {t['optimizer_steps']} steps over {t['positions']} positions; "
-        f"{traffic['answers']} answers recorded ({traffic['held_out']} held out{shipped}), "
+        f"{traffic['answers']} answers recorded ({traffic['held_out']} held out{among}), "
         f"{fmt_bytes(traffic['bytes'])} of {fmt_bytes(traffic['budget_bytes'])} on disk"
     )
 

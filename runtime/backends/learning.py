@@ -3,6 +3,8 @@ becomes the proposer that drafts (``depctl_runtime.training.online``)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from depctl import learning
 from depctl.spec import DeploymentSpec
 from depctl_runtime.backends import eagle
@@ -11,9 +13,9 @@ from depctl_runtime.model import decoder, eagle_format
 from depctl_runtime.model.eagle import EagleConfig
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation.eagle import EagleProposer
+from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.data import load_conversations
 from depctl_runtime.training.online import HeadLearner, LearnOptions
-from depctl_runtime.training.shipped import ShippedAnswers
 
 DRAFT_VOCAB = 8192  # the head's output layer: the tokens the recorded answers use most
 MAX_TRAINED_STEPS = 5  # draft steps trained: later ones are reached rarely, and each costs a pass of the head
@@ -48,18 +50,36 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int) -> HeadLearner:
     )
 
 
-def shipped_answers(learner: HeadLearner, model, tokenizer, vocab: int, stop_ids) -> ShippedAnswers | None:
-    """The shipped prompts (``depctl draft train``'s set) for ``learner`` to answer while traffic is short; None for
-    a model without a chat template (its answers to them would not be what it serves)."""
+def idle_answers(learner: HeadLearner, model, tokenizer, vocab: int, stop_ids) -> IdleAnswers | None:
+    """What ``learner`` answers while traffic is short: the shipped prompts (``depctl draft train``'s set), then
+    requests the target writes in a user turn of its chat template; None for a model without a chat template (its
+    answers to them would not be what it serves)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    prompts = []
-    for conversation in load_conversations(None):
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def make_runner(context: int) -> ModelRunner:
-        # one row of its own: the engine's rows, cache and compiled passes are never touched
-        return ModelRunner(model, vocab, max_rows=1, max_context=context, features=learner.config.aux_layers)
+    def tokens(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    return ShippedAnswers(make_runner, prompts, set(stop_ids))
+    prompts = [
+        tokens(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False))
+        for conversation in load_conversations(None)
+    ]
+
+    def make_runner(rows: int, context: int) -> ModelRunner:
+        # rows of its own: the engine's rows, cache and compiled passes are never touched
+        return ModelRunner(model, vocab, max_rows=rows, max_context=context, features=learner.config.aux_layers)
+
+    return IdleAnswers(make_runner, prompts, set(stop_ids), user_turn(tokenizer, tokens))
+
+
+def user_turn(tokenizer, tokens: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:
+    """The chat template's text before a user's request and after it (to the assistant's answer), as tokens; None
+    where the template does not put the request's text in as given."""
+    mark = "\u2063depctl-request\u2063"  # invisible separators: no template rewrites them
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False
+    )
+    if text.count(mark) != 1:
+        return None
+    opening, closing = text.split(mark)
+    return tokens(opening), tokens(closing)

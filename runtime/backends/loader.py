@@ -186,9 +186,9 @@ def load_deployment(
         if head is not None:  # a generation served before a restart: the n-gram or suffix index drafts beside it
             engine.free = pick_proposer(spec_method, passes, None, rows, vocab)
         learner.attach(engine)
-        shipped = learning.shipped_answers(learner, target.model, target.tokenizer, vocab, eos_ids)
-        if shipped is not None:
-            learner.answer(shipped)
+        answers = learning.idle_answers(learner, target.model, target.tokenizer, vocab, eos_ids)
+        if answers is not None:
+            learner.answer(answers)
     grammars = None
     try:  # llguidance's table of every token's bytes: structured outputs and logprobs' token bytes
         grammars = GrammarCompiler(target.tokenizer, vocab, list(eos_ids))

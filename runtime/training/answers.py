@@ -1,86 +1,182 @@
-"""A learning head's first data: the target's own answers to the prompts depctl ships (``depctl draft train``'s set),
-generated in idle time a piece at a time.
+"""A learning head's data while traffic is short: the target's own answers, generated in idle time a pass at a time,
+first to the prompts depctl ships (``depctl draft train``'s set), then to requests the target writes itself.
 
-A deployment that learns from its traffic has nothing to learn from until it has served, and its training waits
-whenever it has caught up with what it served. That idle time answers the shipped prompts instead: greedily, through
-a one-row runner of its own over the target's weights (its own small KV cache; the engine's rows, cache and passes
-are never touched, so a request arriving mid-answer is served exactly as it would have been, and the answer goes on
-in the next idle slice). Each answer is recorded as a served one is: tokens, the target's layer features at every
-position, one in eight held out. Real traffic joins them, and the disk budget evicts the oldest first.
+A deployment that learns from its traffic has nothing to learn from until it has served, and a head trained on a few
+hundred answers learns those answers: on prompts it never saw, it drafts little better than at the start. Idle time
+therefore answers prompts of its own: greedily, through a runner of its own over the target's weights, ``ROWS``
+answers side by side (its own small KV cache; the engine's rows, cache and passes are never touched, so a request
+arriving mid-answer is served exactly as it would have been, and the answers go on in the next idle slice).
+
+Once the shipped prompts are answered, the target writes the requests (as Magpie does, Xu et al. 2024): given its chat
+template's opening of a user turn and nothing else, an instruct model continues with a user's request as it learned
+them, sampled, so each differs; the turn it writes is closed by the template and answered greedily, as the deployment
+answers. No text comes from outside the deployment, and the head learns the target's answers to requests of every
+kind it was tuned on, not only the ones depctl ships. Each answer is recorded as a served one is: tokens, the target's
+layer features at every position (the written request's too), one prompt in eight held out.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from depctl_runtime.model.runner import ModelRunner, greedy
+from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.training.traffic import MIN_ANSWER, Answer
 
+ROWS = 8  # answers generated side by side: a pass over 8 rows costs a CPU little more than a pass over one
 MAX_TOKENS = 192  # tokens an answer may run to, as ``depctl draft train`` generates them
-PROMPT_CHUNK = 32  # prompt tokens a piece reads
+PROMPT_CHUNK = 32  # prompt tokens a row reads in one pass
+WRITE_TEMPERATURE = 1.0  # a written request is sampled from the target's own distribution, unsharpened
+MAX_WRITTEN = 128  # tokens a written request may run to; one that runs on is closed there
 
 
-class ShippedAnswers:
-    """The target's greedy answers to ``prompts`` (token ids, chat template applied), in a fixed shuffled order.
+@dataclass
+class _Row:
+    """One answer under way: every token decided (the prompt so far, then the answer), and what the runner read."""
 
-    ``piece`` runs one pass: a chunk of a prompt or one decode step; it returns an ``Answer`` when one ends."""
+    tokens: list[int]
+    prompt_len: int | None  # None while the target writes the request
+    shipped: int | None = None  # the shipped prompt's index; None for a written request
+    read: int = 0  # tokens the runner holds
+    features: list[torch.Tensor] = field(default_factory=list)
+    rng: torch.Generator | None = None  # a written request's sampling
+
+
+class IdleAnswers:
+    """The target's greedy answers to ``prompts`` (token ids, chat template applied, answered in a fixed shuffled
+    order), then, where ``user_turn`` gives the template's opening and closing of a user turn, to requests it writes.
+
+    ``piece`` runs one pass over the answers under way: a chunk of each prompt being read, one token of the others; it
+    returns the answers that ended."""
 
     def __init__(
         self,
-        make_runner: Callable[[int], ModelRunner],
+        make_runner: Callable[[int, int], ModelRunner],
         prompts: list[list[int]],
         stop_ids: set[int],
+        user_turn: tuple[list[int], list[int]] | None = None,
         dtype: torch.dtype = torch.bfloat16,
         max_tokens: int = MAX_TOKENS,
+        rows: int = ROWS,
         done: int = 0,
+        written: int = 0,
         seed: int = 0,
     ):
         self.prompts = list(prompts)
         random.Random(seed).shuffle(self.prompts)  # a mix of kinds early on, the same order after a restart
-        self.stop_ids, self.dtype, self.max_tokens = stop_ids, dtype, max_tokens
-        self.done = done  # prompts answered (or skipped): the next is ``prompts[done]``
-        self._make_runner = make_runner
+        self.stop_ids, self.user_turn, self.dtype, self.max_tokens = stop_ids, user_turn, dtype, max_tokens
+        self.max_rows = rows
+        self.seed = seed
+        self.started = done  # shipped prompts started: the next is ``prompts[started]``
+        self.written = written  # requests the target began to write (each seeds its own sampling)
+        self.answered_written = 0  # ... of them answered since this object was made
+        self.positions_read = 0  # tokens the runner has read, every row's, since this object was made
         self.runner: ModelRunner | None = None  # made at the first piece: its cache costs memory
-        self._tokens: list[int] = []  # the answer under way: prompt and tokens so far
-        self._features: list[torch.Tensor] = []
-        self._prompt_len = 0
+        self.rows: list[_Row] = []  # runner row i holds rows[i]
+        self._make_runner = make_runner
+
+    @property
+    def done(self) -> int:
+        """Shipped prompts answered (or skipped) in order: a restart starts again from ``prompts[done]``."""
+        running = [r.shipped for r in self.rows if r.shipped is not None]
+        return min(running) if running else self.started
+
+    @done.setter
+    def done(self, value: int) -> None:
+        if self.rows:
+            raise ValueError("answers are under way: where they start from is set before the first piece")
+        self.started = value
 
     @property
     def remaining(self) -> int:
+        """Shipped prompts not answered yet."""
         return len(self.prompts) - self.done
 
+    def has_work(self, write: bool = True) -> bool:
+        """Whether a piece would run: answers under way, shipped prompts left, or (``write``) requests to write."""
+        return bool(self.rows) or self.started < len(self.prompts) or (write and self.user_turn is not None)
+
     @torch.inference_mode()
-    def piece(self) -> Answer | None:
-        """One pass of the next answer; the answer once it ends (None while it runs, or where it was too short)."""
+    def piece(self, write: bool = True) -> list[Answer]:
+        """One pass over the answers under way, new ones started in free rows first (a request written by the target
+        only with ``write``); the answers it ended, too-short ones left out."""
         if self.runner is None:
             longest = max(map(len, self.prompts), default=0)
-            self.runner = self._make_runner(longest + self.max_tokens)
-        runner = self.runner
-        if not self._tokens:
-            runner.set_length(0, 0)
-            self._tokens = list(self.prompts[self.done])
-            self._prompt_len, self._features = len(self._tokens), []
-        read = runner.length(0)
-        if read < self._prompt_len:  # the prompt, a chunk a piece: a request arriving waits for one chunk at most
-            logits, features = runner.prefill(0, self._tokens[read : read + PROMPT_CHUNK])
-            self._features.append(features.to(device="cpu", dtype=self.dtype))
-            if runner.length(0) < self._prompt_len:
-                return None
-            token = int(greedy(logits[0]))
+            if self.user_turn is not None:
+                longest = max(longest, sum(map(len, self.user_turn)) + MAX_WRITTEN)
+            self.runner = self._make_runner(self.max_rows, longest + self.max_tokens)
+        while len(self.rows) < self.max_rows and (row := self._start(write)) is not None:
+            self.runner.set_length(len(self.rows), 0)
+            self.rows.append(row)
+        if not self.rows:
+            return []
+        inputs = [row.tokens[row.read : row.read + PROMPT_CHUNK] for row in self.rows]
+        scores = self.runner.score(0, inputs, last_only=True)
+        self.positions_read += sum(map(len, inputs))
+        features = scores.features.to(device="cpu", dtype=self.dtype).split([len(x) for x in inputs])
+        choices = scores.argmax()  # a greedy token per row: one host sync for the pass
+        writing = any(row.prompt_len is None for row in self.rows)
+        logits = scores.logits() if writing else None  # every row's in one product, where any row samples
+        ended: list[int] = []
+        for i, row in enumerate(self.rows):
+            row.features.append(features[i])
+            row.read += len(inputs[i])
+            if row.read < len(row.tokens):
+                continue  # the prompt goes on in the next pass
+            if row.prompt_len is None:
+                self._write(row, logits[i])
+            elif self._answer(row, choices[i]):
+                ended.append(i)
+        return self._end(ended)
+
+    def _start(self, write: bool) -> _Row | None:
+        if self.started < len(self.prompts):
+            prompt = self.prompts[self.started]
+            self.started += 1
+            return _Row(list(prompt), len(prompt), shipped=self.started - 1)
+        if not write or self.user_turn is None:
+            return None
+        self.written += 1
+        rng = torch.Generator().manual_seed(self.seed * 1_000_003 + self.written)
+        return _Row(list(self.user_turn[0]), None, rng=rng)
+
+    def _write(self, row: _Row, logits: torch.Tensor) -> None:
+        """The request's next token, sampled; at a stop token (or ``MAX_WRITTEN``) the template closes the turn and
+        the answer begins."""
+        probs = torch.softmax(logits.float() / WRITE_TEMPERATURE, dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=row.rng))
+        written = len(row.tokens) - len(self.user_turn[0])
+        if token in self.stop_ids or written + 1 >= MAX_WRITTEN:
+            row.tokens += self.user_turn[1]
+            row.prompt_len = len(row.tokens)
         else:
-            scores = runner.score(0, [[self._tokens[-1]]])
-            self._features.append(scores.features.to(device="cpu", dtype=self.dtype))
-            token = scores.argmax()[0]
-        self._tokens.append(token)
-        produced = len(self._tokens) - self._prompt_len
-        if token not in self.stop_ids and produced < self.max_tokens:
-            return None
-        tokens, features = self._tokens, torch.cat(self._features)
-        self._tokens, self._features = [], []
-        self.done += 1
-        if produced < MIN_ANSWER:
-            return None
-        return Answer(torch.tensor(tokens, dtype=torch.int32), features[: len(tokens) - 1], self._prompt_len)
+            row.tokens.append(token)
+
+    def _answer(self, row: _Row, token: int) -> bool:
+        """The answer's next token, greedy; whether the answer ended."""
+        row.tokens.append(token)
+        return token in self.stop_ids or len(row.tokens) - row.prompt_len >= self.max_tokens
+
+    def _end(self, ended: list[int]) -> list[Answer]:
+        """The ended rows' answers; the rows after them move up so that the rows under way stay 0..n-1."""
+        out = []
+        for i in ended:
+            row = self.rows[i]
+            if row.shipped is None:
+                self.answered_written += 1
+            if len(row.tokens) - row.prompt_len >= MIN_ANSWER and (row.shipped is not None or self._written_ok(row)):
+                features = torch.cat(row.features)[: len(row.tokens) - 1]
+                out.append(Answer(torch.tensor(row.tokens, dtype=torch.int32), features, row.prompt_len))
+        kept = [(i, row) for i, row in enumerate(self.rows) if i not in ended]
+        for dst, (src, _) in enumerate(kept):  # src >= dst, and every later src > dst: nothing is overwritten unread
+            if src != dst:
+                self.runner.move_row(src, dst)
+        self.rows = [row for _, row in kept]
+        return out
+
+    def _written_ok(self, row: _Row) -> bool:
+        """A written request with some text in it (a turn closed at once teaches only the template)."""
+        return row.prompt_len - sum(map(len, self.user_turn)) >= MIN_ANSWER

@@ -14,6 +14,11 @@ time here, a slice of about ``SLICE`` seconds at a time, so a request that arriv
    accepted length of greedy drafts at K); where it is better, it becomes the next generation: saved in the
    deployment's folder and swapped into the engine between steps (``SpeculativeEngine.swap_proposer``), no reload.
 
+Traffic alone is too little to learn from: a head trained on a few hundred answers learns them, and drafts on new
+prompts little better than at the start. So idle time also answers prompts of the deployment's own
+(``answers.IdleAnswers``: the shipped set, then requests the target writes), recorded as traffic is: all the idle
+time training cannot use, and about half of the rest, until those answers fill ``WRITTEN_SHARE`` of the disk budget.
+
 Exactness never depends on the head: drafts only propose, and the target's verification decides every token. The
 training's state (the head, the optimizer, the clocks and the comparisons) is saved at each comparison and when the
 deployment stops, and a restart goes on from it.
@@ -36,8 +41,8 @@ from torch.nn import functional as F
 from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
+from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.eagle import STEP_WEIGHT, _vocabulary, acceptance, reach
-from depctl_runtime.training.shipped import ShippedAnswers
 from depctl_runtime.training.state import load_state, save_state
 from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStore, private_dir, read_answer
 
@@ -54,6 +59,7 @@ EPOCHS = 8  # passes over the recorded positions before training waits for more 
 LR = 5e-4
 WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 HISTORY_KEPT = 200
+WRITTEN_SHARE = 0.5  # of the disk budget: what answers to requests the target writes may fill
 
 
 @dataclass
@@ -105,8 +111,11 @@ class HeadLearner:
         self.trainer: _Trainer | None = None
         self.error: str | None = None
         self.rows_recorded = 0  # positions of the training answers ever recorded (the epochs' measure)
-        self.shipped: ShippedAnswers | None = None  # the shipped prompts' answers, while training waits (``answer``)
-        self._shipped_done = 0  # of them, answered before a restart
+        self.answers: IdleAnswers | None = None  # the target's answers to prompts of its own, in idle time (``answer``)
+        self._shipped_done = 0  # shipped prompts answered before a restart
+        self._written = 0  # requests the target wrote before a restart
+        self._answering_seconds = 0.0  # idle time spent answering and training since load: kept about even
+        self._training_seconds = 0.0
         self._comparison: _Comparison | None = None
         self._since_comparison = 0.0
         self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
@@ -136,15 +145,18 @@ class HeadLearner:
         self.history = info.get("history", [])
         self.rows_recorded = info.get("rows_recorded", 0)
         self._shipped_done = info.get("shipped_answered", 0)
+        self._written = info.get("requests_written", 0)
 
     def initial_head(self) -> EagleHead | None:
         """The generation that served last, ready to serve again (a copy): None before any."""
         return copy.deepcopy(self.serving) if self.serving is not None else None
 
-    def answer(self, shipped: ShippedAnswers) -> None:
-        """Spend the idle time training cannot use answering ``shipped``'s prompts (from where a restart left off)."""
-        shipped.done = max(shipped.done, min(self._shipped_done, len(shipped.prompts)))
-        self.shipped = shipped
+    def answer(self, answers: IdleAnswers) -> None:
+        """Spend idle time on ``answers`` too (from where a restart left off): all of what training cannot use, and
+        about half of the rest while it writes requests."""
+        answers.done = max(answers.done, min(self._shipped_done, len(answers.prompts)))
+        answers.written = max(answers.written, self._written)
+        self.answers = answers
 
     def attach(self, engine) -> None:
         self.engine = engine
@@ -165,7 +177,12 @@ class HeadLearner:
         return trainer is None or trainer.rows < self.options.epochs * self.rows_recorded or self._owes_comparison()
 
     def _answering(self) -> bool:
-        return self.shipped is not None and self.shipped.remaining > 0
+        return self.answers is not None and self.answers.has_work(self._may_write())
+
+    def _may_write(self) -> bool:
+        """Whether the target may write more requests: while what is recorded fills under ``WRITTEN_SHARE`` of the
+        disk budget (the rest is for traffic; idle time never runs on once training has caught up)."""
+        return self.store.bytes + self.store.pending_bytes < WRITTEN_SHARE * self.store.budget
 
     def work(self, seconds: float | None = None) -> None:
         """About ``seconds`` (one slice by default) of the next things to do: write, train, compare."""
@@ -195,13 +212,15 @@ class HeadLearner:
         if self._comparison is not None:
             self._compare_one()
             return True
-        if not self._training_due():
-            if not self._answering():
-                return False
-            answer = self.shipped.piece()  # a prompt chunk or one token: training has nothing to do
-            if answer is not None:
+        due, answering = self._training_due(), self._answering()
+        if answering and (not due or self._answering_seconds <= self._training_seconds):
+            t0 = time.perf_counter()
+            for answer in self.answers.piece(self._may_write()):  # a prompt chunk or one token of each answer
                 self.store.put(answer)
+            self._answering_seconds += time.perf_counter() - t0
             return True
+        if not due:
+            return False
         if self.trainer is None:
             self.trainer = _Trainer(self._new_head(), self.options, self._first_vocabulary(), self._final_norm())
         if self._owes_comparison():
@@ -210,6 +229,7 @@ class HeadLearner:
         t0 = time.perf_counter()
         self.trainer.train_window(self._next_window, self.options.slice_seconds)
         self._since_comparison += time.perf_counter() - t0
+        self._training_seconds += time.perf_counter() - t0
         return True
 
     def _owes_comparison(self) -> bool:
@@ -302,7 +322,8 @@ class HeadLearner:
             "fingerprint": self.verifier["fingerprint"],
             "history": self.history,
             "rows_recorded": self.rows_recorded,
-            "shipped_answered": self.shipped.done if self.shipped is not None else self._shipped_done,
+            "shipped_answered": self.answers.done if self.answers is not None else self._shipped_done,
+            "requests_written": self.answers.written if self.answers is not None else self._written,
         }
         folder = self._state_dir()
         private_dir(folder)
@@ -323,13 +344,13 @@ class HeadLearner:
 
     def memory_bytes(self) -> int:
         """What learning holds beyond the target: the head in training with its optimizer's moments, the serving
-        generation, the features of the requests running, the answers waiting to be written and the shipped
+        generation, the features of the requests running, the answers waiting to be written and the idle
         answers' cache."""
         table = self.model.get_input_embeddings().weight  # the heads' frozen embeddings: the target's own, or a copy
         trainer = self.trainer
         parts = (trainer, trainer.optimizer.state) if trainer is not None else ()
-        if self.shipped is not None and self.shipped.runner is not None:
-            parts += (self.shipped.runner.cache,)  # not the runner: it holds the target's weights
+        if self.answers is not None and self.answers.runner is not None:
+            parts += (self.answers.runner.cache,)  # not the runner: it holds the target's weights
         return held_bytes(table, *parts, self.serving, self.recorder) - held_bytes(table) + self.store.pending_bytes
 
     def status(self) -> dict:
@@ -353,9 +374,10 @@ class HeadLearner:
                 "optimizer_steps": trainer.steps if trainer else 0,
                 "positions": trainer.rows if trainer else 0,
                 "positions_recorded": self.rows_recorded,
-                "shipped_prompts": {"answered": self.shipped.done, "total": len(self.shipped.prompts)}
-                if self.shipped is not None
+                "shipped_prompts": {"answered": self.answers.done, "total": len(self.answers.prompts)}
+                if self.answers is not None
                 else None,
+                "requests_written": self.answers.written if self.answers is not None else self._written,
             },
             "traffic": self.store.counts(),
             "history": self.history[-12:],
@@ -367,11 +389,17 @@ class HeadLearner:
     def _state(self) -> str:
         if self.error is not None:
             return "failed"
-        if self._training_due() or self._comparison is not None:
-            return "training"
+        training = self._comparison is not None or self._training_due()
         if self._answering():
-            shipped = self.shipped
-            return f"answering depctl's prompts while traffic is short ({shipped.done} of {len(shipped.prompts)})"
+            answers = self.answers
+            what = (
+                f"depctl's prompts ({answers.done} of {len(answers.prompts)})"
+                if answers.remaining
+                else f"requests the target writes ({answers.written} written)"
+            )
+            return f"training, and answering {what}" if training else f"answering {what} while traffic is short"
+        if training:
+            return "training"
         answers = len(self.store.training_files())
         if answers < self.options.min_answers or not self.store.held_out_files():
             held = "" if self.store.held_out_files() else ", none held out yet"

@@ -915,7 +915,7 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
         "live": {"drafted": 400, "accepted": 300, "mean_accepted": 2.2},
         "training": {
             "state": "training", "minutes": 12.5, "optimizer_steps": 90, "positions": 46000,
-            "positions_recorded": 30000, "shipped_prompts": {"answered": 40, "total": 262},
+            "positions_recorded": 30000, "shipped_prompts": {"answered": 262, "total": 262}, "requests_written": 57,
         },
         "traffic": {
             "answers": 120, "held_out": 15, "bytes": 300 << 20, "budget_bytes": 1 << 30, "waiting": 0, "dropped": 0,
@@ -931,8 +931,8 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
     text = " ".join(console.export_text().split())
     assert "generation 3: 2.41 mean accepted length on held-out recent answers, 2.20 accepted a step it drafted" in text
     assert (
-        "training; 12.5 min, 90 steps over 46000 positions; 120 answers recorded (15 held out, 40 of 262 shipped"
-        in text
+        "training; 12.5 min, 90 steps over 46000 positions; 120 answers recorded (15 held out, 262 of 262 shipped "
+        "prompts and 57 requests the target wrote among them)" in text
     )
     assert "17:01 1.90 -> generation 1; 17:03 1.91 vs 1.90 (kept); 17:05 2.41 vs 1.90 -> generation 3" in text
 

@@ -1,5 +1,6 @@
-"""A learning head's first data: the target's answers to the shipped prompts, generated in the idle time training
-cannot use, through a runner of their own, so requests in between are served exactly as without them."""
+"""A learning head's data while traffic is short: the target's answers to the shipped prompts, then to requests it
+writes itself, generated in idle time through a runner of their own, so requests in between are served exactly as
+without them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from depctl_runtime.model.eagle import layer_outputs
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
-from depctl_runtime.training.shipped import ShippedAnswers
+from depctl_runtime.training.answers import MAX_WRITTEN, IdleAnswers
 from depctl_runtime.training.traffic import read_answer
 from tests.driving import drive
 from tests.runtime.training.test_online import idle, prompts, quick, spec
@@ -19,13 +20,14 @@ from tests.runtime.training.test_online import idle, prompts, quick, spec
 TOKENS = 24
 
 
-def shipped_for(loaded, batch, **kw) -> ShippedAnswers:
+def answers_for(loaded, batch, **kw) -> IdleAnswers:
     model, learner = loaded.target.model, loaded.learner
 
-    def make_runner(context: int) -> ModelRunner:
-        return ModelRunner(model, loaded.engine.target.vocab_size, 1, context, features=learner.config.aux_layers)
+    def make_runner(rows: int, context: int) -> ModelRunner:
+        return ModelRunner(model, loaded.engine.target.vocab_size, rows, context, features=learner.config.aux_layers)
 
-    return ShippedAnswers(make_runner, batch, stop_ids=set(), dtype=torch.float32, max_tokens=TOKENS, **kw)
+    kw = {"stop_ids": set(), "dtype": torch.float32, "max_tokens": TOKENS, **kw}
+    return IdleAnswers(make_runner, batch, **kw)
 
 
 def greedy(model_dir, batch) -> dict[tuple, list[int]]:
@@ -44,16 +46,16 @@ def greedy(model_dir, batch) -> dict[tuple, list[int]]:
 def test_with_no_traffic_idle_time_answers_the_shipped_prompts_and_a_first_head_learns_from_them(tiny_model_dir):
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     learner = loaded.learner
-    assert learner.shipped is not None and learner.shipped.remaining > 200  # the tiny model has a chat template
+    assert learner.answers is not None and learner.answers.remaining > 200  # the tiny model has a chat template
     quick(learner)  # (which leaves the traffic alone to learn from: here, the prompts below)
     batch = [p * 4 for p in prompts(12, offset=5)]  # 48 tokens: a prompt is read in chunks
     expected = greedy(tiny_model_dir, batch)
-    learner.answer(shipped_for(loaded, batch))
+    learner.answer(answers_for(loaded, batch))
     scheduler = Scheduler(loaded.engine, 2, background=learner)
     assert scheduler.has_idle_work()  # no request has been served: there is something to learn from all the same
     assert "answering depctl's prompts" in learner.status()["training"]["state"]
     idle(learner, 120)
-    assert learner.shipped.remaining == 0
+    assert learner.answers.remaining == 0
     files = learner.store.training_files() + learner.store.held_out_files()
     assert len(files) == len(batch) and learner.store.held_out_files()
     for path in files:
@@ -70,22 +72,84 @@ def test_with_no_traffic_idle_time_answers_the_shipped_prompts_and_a_first_head_
     loaded.release()
 
 
+OPENING, CLOSING = [5, 6, 7, 8], [9, 10]  # a user turn's template around the request, as the tiny model's tokens
+
+
+def test_then_the_target_writes_requests_in_its_user_turn_and_answers_each_greedily(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    shipped = prompts(1, offset=3)
+    answers = answers_for(loaded, shipped, user_turn=(OPENING, CLOSING), rows=3)
+    got = []
+    for _ in range(2000):
+        got += answers.piece()
+        if len(got) >= 5:
+            break
+    assert answers.done == 1 and answers.written >= 4  # the shipped prompt first, then requests written
+    written = [a for a in got if a.tokens[: len(OPENING)].tolist() == OPENING]
+    assert len(written) == len(got) - 1
+    requests = []
+    for a in written:
+        tokens = a.tokens.tolist()
+        assert tokens[a.prompt_len - len(CLOSING) : a.prompt_len] == CLOSING  # the template closed the turn
+        requests.append(tuple(tokens[len(OPENING) : a.prompt_len - len(CLOSING)]))
+        assert 8 <= len(requests[-1]) < MAX_WRITTEN
+    assert len(set(requests)) == len(requests)  # sampled: each request differs
+    expected = greedy(tiny_model_dir, [a.tokens[: a.prompt_len].tolist() for a in got])
+    for a in got:  # answered as the deployment answers: greedy, with every position's layer outputs
+        tokens = a.tokens.tolist()
+        assert tokens[a.prompt_len :] == expected[tuple(tokens[: a.prompt_len])]
+        with torch.no_grad():
+            _, reference = layer_outputs(loaded.target.model, a.tokens[None].long(), loaded.learner.config.aux_layers)
+        torch.testing.assert_close(a.features, reference[:-1], atol=1e-4, rtol=1e-4)
+    loaded.release()
+
+
+def test_a_request_closed_at_once_teaches_only_the_template_and_is_not_kept(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    every = set(range(loaded.engine.target.vocab_size))  # whatever it samples ends the turn
+    answers = answers_for(loaded, [], user_turn=(OPENING, CLOSING), stop_ids=every, rows=2)
+    got = [a for _ in range(20) for a in answers.piece()]
+    assert got == [] and answers.written >= 4 and answers.answered_written >= 4
+    loaded.release()
+
+
+def test_requests_written_fill_half_the_disk_budget_at_most_and_idle_time_then_ends(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    learner = loaded.learner
+    quick(learner)
+    learner.options.epochs = 2
+    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING)))
+    while not learner.store.training_files():
+        learner.work()
+    one = learner.store.bytes / len(learner.store.training_files() + learner.store.held_out_files())
+    learner.store.budget = int(40 * one)  # room for about 20 written answers
+    assert "answering requests the target writes" in learner.status()["training"]["state"]
+    idle(learner, 300)
+    assert not learner.has_work()  # idle time ends: nothing more to write, and trained on what was written
+    kept = len(learner.store.training_files() + learner.store.held_out_files())
+    assert 15 <= kept <= 30 and learner.store.bytes <= 0.5 * learner.store.budget + 8 * one
+    assert learner.trainer.rows >= learner.rows_recorded and learner.generation >= 1
+    status = learner.status()["training"]
+    assert status["requests_written"] >= kept and status["state"].startswith("caught up")
+    loaded.release()
+
+
 def test_a_request_arriving_mid_answer_is_served_as_without_it_and_the_answer_goes_on(tiny_model_dir):
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     learner = loaded.learner
     batch = prompts(2, offset=9)
     requests = prompts(3, offset=31)
     plain = greedy(tiny_model_dir, batch + requests)
-    learner.answer(shipped_for(loaded, batch))
+    learner.answer(answers_for(loaded, batch))
     scheduler = Scheduler(loaded.engine, 2, background=learner)
     for _ in range(TOKENS // 2):  # half of the first answer, a pass per piece
         learner.work(seconds=0.0)
-    assert learner.shipped.done == 0 and learner.shipped._tokens
+    assert learner.answers.done == 0 and learner.answers.rows
     params = GenerationParams(max_tokens=TOKENS, ignore_eos=True, speculate=False)
     got, _ = drive(scheduler, [(0, p, params) for p in requests])
     assert [got[i] for i in range(len(requests))] == [plain[tuple(p)] for p in requests]
     idle(learner, 60)
-    assert learner.shipped.remaining == 0
+    assert learner.answers.remaining == 0
     for path in learner.store.training_files() + learner.store.held_out_files():
         answer = read_answer(path)
         tokens = answer.tokens.tolist()
@@ -98,13 +162,18 @@ def test_answering_resumes_where_a_restart_left_off(tiny_model_dir):
     learner = loaded.learner
     quick(learner)
     batch = prompts(12, offset=2)
-    learner.answer(shipped_for(loaded, batch))
+    learner.answer(answers_for(loaded, batch))
     idle(learner, 120)  # every prompt answered, and training started on them
     assert learner.trainer is not None
+    learner.answers.user_turn = (OPENING, CLOSING)
+    while learner.answers.written < 3:  # requests written, their sampling seeded by their number
+        learner.answers.piece()
+    written = learner.answers.written
     loaded.release()
     again = load_deployment(spec(tiny_model_dir), calibrate=False)
-    again.learner.answer(shipped_for(again, batch))
-    assert again.learner.shipped.remaining == 0  # not answered twice
+    again.learner.answer(answers_for(again, batch, user_turn=(OPENING, CLOSING)))
+    assert again.learner.answers.remaining == 0  # not answered twice
+    assert again.learner.answers.written == written  # and the next request written is a new one
     again.release()
 
 
@@ -123,9 +192,11 @@ def test_a_model_with_a_chat_template_answers_the_shipped_prompts_through_it(tin
 
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     vocab = loaded.engine.target.vocab_size
-    shipped = learning.shipped_answers(loaded.learner, loaded.target.model, Templated(), vocab, (0,))
+    answers = learning.idle_answers(loaded.learner, loaded.target.model, Templated(), vocab, (0,))
     conversations = load_conversations(None)
-    assert len(shipped.prompts) == len(conversations) and shipped.stop_ids == {0}
+    assert len(answers.prompts) == len(conversations) and answers.stop_ids == {0}
     first = "<user>" + conversations[0][-1]["content"] + "<assistant>"
-    assert [min(ord(c), 250) for c in first] in shipped.prompts
+    assert [min(ord(c), 250) for c in first] in answers.prompts
+    # the turn the target writes requests in: the template's text before and after a request
+    assert answers.user_turn == ([min(ord(c), 250) for c in "<user>"], [min(ord(c), 250) for c in "<assistant>"])
     loaded.release()

@@ -37,8 +37,8 @@ def spec(model_dir, **kw) -> DeploymentSpec:
 
 def quick(learner) -> None:
     """Comparisons after a fraction of a second, and any first head that drafts at all may serve; it learns from the
-    traffic alone (the tiny model's chat template would have it answer the shipped prompts too: test_shipped)."""
-    learner.shipped = None
+    traffic alone (the tiny model's chat template would have it answer prompts of its own too: test_answers)."""
+    learner.answers = None
     o = learner.options
     o.min_answers, o.first_comparison, o.compare_every, o.first_head_min, o.epochs = 8, 0.5, 1.0, 1.0, 30
 
