@@ -146,7 +146,7 @@ class IdleAnswers:
     def _write(self, row: _Row, logits: torch.Tensor) -> None:
         """The request's next token, sampled; at a stop token (or ``MAX_WRITTEN``) the template closes the turn and
         the answer begins."""
-        probs = torch.softmax(logits.float() / WRITE_TEMPERATURE, dim=-1)
+        probs = torch.softmax(logits.float().cpu() / WRITE_TEMPERATURE, dim=-1)  # the row's generator is a CPU one
         token = int(torch.multinomial(probs, 1, generator=row.rng))
         written = len(row.tokens) - len(self.user_turn[0])
         if token in self.stop_ids or written + 1 >= MAX_WRITTEN:
