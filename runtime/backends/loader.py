@@ -22,7 +22,7 @@ from depctl.spec import DeploymentSpec, DraftModelSpeculation, NgramSpeculation,
 from depctl_runtime.backends import eagle, learning
 from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.calibration import kept_costs_path, read_costs, write_costs
-from depctl_runtime.backends.passes import Passes, compile_passes
+from depctl_runtime.backends.passes import Passes, PassKind, compile_passes
 from depctl_runtime.backends.precision import (
     QUANTIZED,
     load_dtype,
@@ -186,7 +186,9 @@ def load_deployment(
         if head is not None:  # a generation served before a restart: the n-gram or suffix index drafts beside it
             engine.free = pick_proposer(spec_method, passes, None, rows, vocab)
         learner.attach(engine)
-        answers = learning.idle_answers(learner, target.model, target.tokenizer, vocab, eos_ids)
+        # a compiled library takes the caches as inputs: idle answers pass through an instance of their own
+        another = passes.target.fast_pass.another if passes.kind is PassKind.COMPILED else None
+        answers = learning.idle_answers(learner, target.model, target.tokenizer, vocab, eos_ids, another)
         if answers is not None:
             learner.answer(answers)
     grammars = None

@@ -77,6 +77,7 @@ class CompiledPass:
     def __init__(self, package: Path, model: nn.Module, features: tuple[int, ...] = ()):
         self.package = package
         self.features = features  # as built: the library returns these layers' outputs too
+        self._model = model
         native.load()  # the library calls depctl_native::token_attention; run_pass calls the library
         device = next(model.parameters()).device
         self._key = (str(package), -1 if device.index is None else device.index)
@@ -100,6 +101,11 @@ class CompiledPass:
         self.runner.borrow_constants(names, borrowed)
 
     returns_hidden = True  # the output layer is the runner's (``runner.Scores``)
+
+    def another(self) -> CompiledPass:
+        """The same library for another runner over the same model: the caches are the library's inputs, so a runner
+        with a cache of its own (a learning head's idle answers) passes through it without touching this one's."""
+        return CompiledPass(self.package, self._model, self.features)
 
     def release(self) -> None:
         """Nothing runs this pass again: the library goes back for the next load of its package to borrow new

@@ -17,7 +17,8 @@ time here, a slice of about ``SLICE`` seconds at a time, so a request that arriv
 Traffic alone is too little to learn from: a head trained on a few hundred answers learns them, and drafts on new
 prompts little better than at the start. So idle time also answers prompts of the deployment's own
 (``answers.IdleAnswers``: the shipped set, then requests the target writes), recorded as traffic is: all the idle
-time training cannot use, and about half of the rest, until those answers fill ``WRITTEN_SHARE`` of the disk budget.
+time training cannot use, and about half of the rest, until the target has written ``answers.MAX_REQUESTS``
+requests; on disk the newest of those answers replace the oldest beyond ``traffic.IDLE_SHARE`` of the budget.
 
 Exactness never depends on the head: drafts only propose, and the target's verification decides every token. The
 training's state (the head, the optimizer, the clocks and the comparisons) is saved at each comparison and when the
@@ -59,7 +60,6 @@ EPOCHS = 8  # passes over the recorded positions before training waits for more 
 LR = 5e-4
 WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 HISTORY_KEPT = 200
-WRITTEN_SHARE = 0.5  # of the disk budget: what answers to requests the target writes may fill
 
 
 @dataclass
@@ -177,12 +177,7 @@ class HeadLearner:
         return trainer is None or trainer.rows < self.options.epochs * self.rows_recorded or self._owes_comparison()
 
     def _answering(self) -> bool:
-        return self.answers is not None and self.answers.has_work(self._may_write())
-
-    def _may_write(self) -> bool:
-        """Whether the target may write more requests: while what is recorded fills under ``WRITTEN_SHARE`` of the
-        disk budget (the rest is for traffic; idle time never runs on once training has caught up)."""
-        return self.store.bytes + self.store.pending_bytes < WRITTEN_SHARE * self.store.budget
+        return self.answers is not None and self.answers.has_work()
 
     def work(self, seconds: float | None = None) -> None:
         """About ``seconds`` (one slice by default) of the next things to do: write, train, compare."""
@@ -215,7 +210,7 @@ class HeadLearner:
         due, answering = self._training_due(), self._answering()
         if answering and (not due or self._answering_seconds <= self._training_seconds):
             t0 = time.perf_counter()
-            for answer in self.answers.piece(self._may_write()):  # a prompt chunk or one token of each answer
+            for answer in self.answers.piece():  # a prompt chunk or one token of each answer
                 self.store.put(answer)
             self._answering_seconds += time.perf_counter() - t0
             return True
@@ -341,6 +336,8 @@ class HeadLearner:
         except Exception:  # noqa: BLE001 - a stop must not fail for this; the next load starts from what is on disk
             log.exception("saving the draft head's training failed")
         self.recorder.release()
+        if self.answers is not None:
+            self.answers.release()
 
     def memory_bytes(self) -> int:
         """What learning holds beyond the target: the head in training with its optimizer's moments, the serving

@@ -8,8 +8,11 @@ The features of a sequence under way also seed a new head generation's rows (``S
 
 The store is a folder of the deployment's own (mode 0700, each file 0600: users' text and the states it produced),
 one safetensors file per answer, written in idle time, oldest deleted first beyond a disk budget, and deleted with
-the deployment (``depctl.learning``). One prompt in ``HELD_OUT_EVERY`` is held out, chosen by a hash of its tokens:
-the most recent answers to those measure a candidate head against the serving one, and none is trained on. Held out
+the deployment (``depctl.learning``). Answers the deployment generated itself in idle time (``answers.IdleAnswers``)
+may fill ``IDLE_SHARE`` of the budget, the oldest of them making room for the next: the rest is the traffic's.
+
+One prompt in ``HELD_OUT_EVERY`` is held out, chosen by a hash of its tokens: the most recent answers to those
+measure a candidate head against the serving one, and none is trained on. Held out
 by prompt, not by answer: a prompt asked again (a retry, a sampled answer, a shipped prompt answered in idle time and
 then by a client) gives nearly or exactly the answer it gave before, and a head measured on answers it had trained
 on under other numbers looks far better than it drafts on prompts it never saw.
@@ -31,16 +34,19 @@ HELD_OUT_EVERY = 8  # one prompt in eight measures heads and is never trained on
 HELD_OUT_KEPT = 32  # the most recent held-out answers a comparison reads
 MIN_ANSWER = 8  # output tokens below which an answer teaches too little to keep
 PENDING_BYTES = 64 << 20  # finished answers waiting for idle time to be written; the oldest dropped beyond
+IDLE_SHARE = 0.5  # of the disk budget: what answers generated in idle time may fill
 
 
 @dataclass
 class Answer:
     """One finished sequence as training reads it: ``tokens`` [n] (prompt and answer, its stop token included),
-    ``features`` [n - 1, F] (position i's predict token i + 1), ``prompt_len``."""
+    ``features`` [n - 1, F] (position i's predict token i + 1), ``prompt_len``; ``idle``: generated in idle time, not
+    served."""
 
     tokens: torch.Tensor
     features: torch.Tensor
     prompt_len: int
+    idle: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -98,17 +104,20 @@ class TrafficRecorder:
 
 
 class TrafficStore:
-    """A deployment's recorded answers on disk (``folder``), within ``budget`` bytes."""
+    """A deployment's recorded answers on disk (``folder``), within ``budget`` bytes, those generated in idle time
+    within ``idle_share`` of it."""
 
-    def __init__(self, folder: Path, budget: int):
+    def __init__(self, folder: Path, budget: int, idle_share: float = IDLE_SHARE):
         self.folder = folder
         self.budget = budget
+        self.idle_share = idle_share
         private_dir(folder)
         self._pending: deque[Answer] = deque()
         self._pending_bytes = 0
         self._files = sorted(folder.glob("*.safetensors"), key=_number)
         self._next = _number(self._files[-1]) + 1 if self._files else 0
         self.bytes = sum(p.stat().st_size for p in self._files)
+        self.idle_bytes = sum(p.stat().st_size for p in self._files if _idle(p))
         self.dropped = 0  # answers not kept: waiting too long for idle time, or evicted by the budget
         self.positions_written = 0  # tokens of the training answers written since this store opened
 
@@ -131,8 +140,8 @@ class TrafficStore:
 
     # ---- idle time ----
     def flush_one(self) -> Path | None:
-        """Write the oldest waiting answer (then evict the oldest files beyond the budget); its path. A training
-        answer's positions are added to ``positions_written``."""
+        """Write the oldest waiting answer (then evict the oldest files beyond the budget, and the oldest idle-time
+        answers beyond their share); its path. A training answer's positions are added to ``positions_written``."""
         if not self._pending:
             return None
         answer = self._pending.popleft()
@@ -140,7 +149,7 @@ class TrafficStore:
         number = self._next
         self._next += 1
         kind = "held" if answer.held_out else "train"
-        path = self.folder / f"{kind}-{number}.safetensors"
+        path = self.folder / f"{kind}-{number}{'-idle' if answer.idle else ''}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(
             {"tokens": answer.tokens, "features": answer.features.contiguous()},
@@ -150,15 +159,27 @@ class TrafficStore:
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
         self._files.append(path)
-        self.bytes += path.stat().st_size
+        size = path.stat().st_size
+        self.bytes += size
+        self.idle_bytes += size if answer.idle else 0
         if kind == "train":
             self.positions_written += len(answer.tokens)
         while self.bytes > self.budget and len(self._files) > 1:
-            old = self._files.pop(0)
-            self.bytes -= old.stat().st_size
-            old.unlink(missing_ok=True)
-            self.dropped += 1
+            self._evict(self._files[0])
+        while self.idle_bytes > self.idle_share * self.budget:
+            oldest = next(p for p in self._files if _idle(p))
+            if oldest == path:
+                break  # the one just written stays: it is what the next comparison or window reads
+            self._evict(oldest)
         return path
+
+    def _evict(self, path: Path) -> None:
+        self._files.remove(path)
+        size = path.stat().st_size
+        self.bytes -= size
+        self.idle_bytes -= size if _idle(path) else 0
+        path.unlink(missing_ok=True)
+        self.dropped += 1
 
     def positions_on_disk(self) -> int:
         """The tokens of the training answers on disk (their headers only)."""
@@ -193,7 +214,7 @@ def read_answer(path: Path) -> Answer | None:
     try:
         with safe_open(str(path), framework="pt") as f:
             prompt_len = int(f.metadata()["prompt_len"])
-            return Answer(f.get_tensor("tokens"), f.get_tensor("features"), prompt_len)
+            return Answer(f.get_tensor("tokens"), f.get_tensor("features"), prompt_len, _idle(path))
     except Exception:  # noqa: BLE001 - a file evicted meanwhile, or not one this code wrote: skipped
         return None
 
@@ -205,3 +226,8 @@ def private_dir(folder: Path) -> None:
 
 def _number(path: Path) -> int:
     return int(path.stem.split("-")[1])
+
+
+def _idle(path: Path) -> bool:
+    """Whether the file holds an answer generated in idle time (``train-N-idle``, ``held-N-idle``)."""
+    return path.stem.endswith("-idle")

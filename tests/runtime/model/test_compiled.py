@@ -154,6 +154,27 @@ def test_speculation_through_the_compiled_pass_is_exact_against_plain_decoding_t
     assert_speculation_is_exact(compiled_runner(package, model=model))
 
 
+def test_another_instance_serves_a_runner_with_a_cache_of_its_own_beside_the_first(package):
+    """A learning head's idle answers run through the deployment's library with a cache of their own: passes on
+    either leave the other's rows as they were, and both compute what the first alone does."""
+    model = package[1]()
+    first = compiled_runner(package, model=model)
+    second = runner_for(model, rows=2)
+    second.fast_pass = first.fast_pass.another()
+    prompt, steps = [5, 9, 14, 3], [[4], [8], [15]]
+    first.forward(0, [prompt], prefill=True)
+    alone = torch.cat([first.forward(0, [s]) for s in steps])
+    first.set_length(0, len(prompt))
+    second.forward(1, [prompt], prefill=True)
+    interleaved, other = [], []
+    for s in steps:  # the two runners' passes in turn, as a step and an idle piece
+        interleaved.append(first.forward(0, [s]))
+        other.append(second.forward(1, [s]))
+    assert torch.equal(torch.cat(interleaved), alone) and torch.equal(torch.cat(other), alone)
+    assert second.cache.layers[0].keys.shape[0] == 2 and first.length(0) == second.length(1) == len(prompt) + 3
+    second.fast_pass.release()
+
+
 def test_the_cache_may_grow_under_it(package):
     """Capacity is symbolic: a row that outgrows the cache's first allocation keeps running the same library."""
     runner = compiled_runner(package, rows=1)

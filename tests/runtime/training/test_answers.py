@@ -4,15 +4,19 @@ without them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from depctl.spec import DeploymentSpec
+from depctl_runtime.backends import learning
 from depctl_runtime.backends.loader import load_deployment
+from depctl_runtime.model.compiled import CompiledPass
 from depctl_runtime.model.eagle import layer_outputs
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
-from depctl_runtime.training.answers import MAX_WRITTEN, IdleAnswers
+from depctl_runtime.training import traffic
+from depctl_runtime.training.answers import MAX_CHUNK, MAX_WRITTEN, MIN_CHUNK, IdleAnswers
 from depctl_runtime.training.traffic import read_answer
 from tests.driving import drive
 from tests.runtime.training.test_online import idle, prompts, quick, spec
@@ -113,24 +117,40 @@ def test_a_request_closed_at_once_teaches_only_the_template_and_is_not_kept(tiny
     loaded.release()
 
 
-def test_requests_written_fill_half_the_disk_budget_at_most_and_idle_time_then_ends(tiny_model_dir):
+def test_requests_written_go_on_past_their_disk_share_replacing_the_oldest_and_stop_at_their_count(tiny_model_dir):
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     learner = loaded.learner
     quick(learner)
     learner.options.epochs = 2
-    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING)))
+    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=60))
     while not learner.store.training_files():
         learner.work()
     one = learner.store.bytes / len(learner.store.training_files() + learner.store.held_out_files())
     learner.store.budget = int(40 * one)  # room for about 20 written answers
     assert "answering requests the target writes" in learner.status()["training"]["state"]
-    idle(learner, 300)
-    assert not learner.has_work()  # idle time ends: nothing more to write, and trained on what was written
-    kept = len(learner.store.training_files() + learner.store.held_out_files())
-    assert 15 <= kept <= 30 and learner.store.bytes <= 0.5 * learner.store.budget + 8 * one
-    assert learner.trainer.rows >= learner.rows_recorded and learner.generation >= 1
+    idle(learner, 600)
+    assert not learner.has_work()  # idle time ends: every request written, and trained on what was written
     status = learner.status()["training"]
-    assert status["requests_written"] >= kept and status["state"].startswith("caught up")
+    assert status["requests_written"] == 60
+    files = learner.store.training_files() + learner.store.held_out_files()
+    assert 15 <= len(files) <= 21 and learner.store.bytes <= 0.5 * learner.store.budget
+    numbers = sorted(traffic._number(p) for p in files)  # the newest kept: the oldest made room for them
+    assert numbers == list(range(numbers[-1] + 1 - len(files), numbers[-1] + 1)) and numbers[0] >= 20
+    assert learner.trainer.rows >= 2 * learner.rows_recorded and learner.generation >= 1
+    assert status["state"].startswith("caught up")
+    loaded.release()
+
+
+def test_a_piece_reads_fewer_prompt_tokens_a_row_where_passes_overran_their_time(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    batch = [p * 8 for p in prompts(4, offset=7)]  # 96-token prompts, read a chunk a pass
+    hurried = answers_for(loaded, batch, slice_seconds=1e-6)
+    leisurely = answers_for(loaded, batch, slice_seconds=100.0)
+    for _ in range(6):
+        hurried.piece()
+        leisurely.piece()
+    assert hurried.chunk == MIN_CHUNK and leisurely.chunk == MAX_CHUNK
+    assert sum(r.read for r in leisurely.rows) > sum(r.read for r in hurried.rows)
     loaded.release()
 
 
@@ -178,7 +198,6 @@ def test_answering_resumes_where_a_restart_left_off(tiny_model_dir):
 
 
 def test_a_model_with_a_chat_template_answers_the_shipped_prompts_through_it(tiny_model_dir):
-    from depctl_runtime.backends import learning
     from depctl_runtime.training.data import load_conversations
 
     class Templated:
@@ -199,4 +218,25 @@ def test_a_model_with_a_chat_template_answers_the_shipped_prompts_through_it(tin
     assert [min(ord(c), 250) for c in first] in answers.prompts
     # the turn the target writes requests in: the template's text before and after a request
     assert answers.user_turn == ([min(ord(c), 250) for c in "<user>"], [min(ord(c), 250) for c in "<assistant>"])
+    loaded.release()
+
+
+@pytest.mark.slow  # builds the tiny model's library: tens of seconds
+def test_where_the_deployment_compiled_its_passes_idle_answers_run_through_an_instance_of_their_own(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir).model_copy(update={"compile": True}), calibrate=False)
+    assert loaded.engine.target.fast_pass is not None, loaded.compiled_status
+    answers = loaded.learner.answers  # as the loader made them
+    batch = prompts(3, offset=11)
+    expected = greedy(tiny_model_dir, batch)
+    answers.prompts, answers.user_turn, answers.stop_ids, answers.max_tokens = batch, None, set(), TOKENS
+    got = []
+    while answers.has_work():
+        got += answers.piece()
+    runner = answers.runner
+    assert isinstance(runner.fast_pass, CompiledPass) and runner.fast_pass is not loaded.engine.target.fast_pass
+    assert runner.cache is not loaded.engine.target.cache
+    assert len(got) == len(batch)
+    for a in got:  # the target's greedy answers
+        tokens = a.tokens.tolist()
+        assert tokens[a.prompt_len :] == expected[tuple(tokens[: a.prompt_len])]
     loaded.release()

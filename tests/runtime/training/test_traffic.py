@@ -145,3 +145,24 @@ def test_a_file_cut_short_or_gone_reads_as_none(tmp_path, cut):
     else:
         path.unlink()
     assert read_answer(path) is None
+
+
+def test_idle_answers_beyond_their_share_replace_the_oldest_idle_ones_and_never_traffic(tmp_path):
+    one = answer().nbytes + 200  # an answer's file: its tensors and the header
+    store = TrafficStore(tmp_path / "t", budget=20 * one, idle_share=0.5)  # about ten idle answers
+    traffic_prompts = TRAINED[:5]
+    for i in range(30):
+        if i % 6 == 0:
+            store.put(answer(prompt=traffic_prompts[i // 6]))  # a served answer now and then
+        store.put(Answer(answer(prompt=TRAINED[100 + i]).tokens, answer().features, 10, idle=True))
+    while store.flush_one() is not None:
+        pass
+    files = store.training_files() + store.held_out_files()
+    idle = [p for p in files if p.stem.endswith("-idle")]
+    served = [read_answer(p).tokens[0].item() for p in files if p not in idle]
+    assert sorted(served) == sorted(traffic_prompts)  # every served answer kept
+    assert 8 <= len(idle) <= 10 and store.idle_bytes <= 0.5 * store.budget
+    kept = sorted(read_answer(p).tokens[0].item() for p in idle)
+    assert kept == sorted(TRAINED[100 + 30 - len(idle) : 130])  # the newest idle answers
+    again = TrafficStore(store.folder, store.budget, idle_share=0.5)  # a restart counts them again
+    assert again.idle_bytes == store.idle_bytes and read_answer(idle[0]).idle
