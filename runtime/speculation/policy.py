@@ -33,9 +33,10 @@ all.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WINDOW = 5  # a cost is the median of this many recent measurements
 CONFIRMED = 3  # measurements behind a cost before it may correct the costs of other counts
@@ -59,6 +60,12 @@ REGIME_MIN_STEPS = 3  # steps of each kind at a batch size before its rates are 
 REGIME_PROBE = 64  # steps between a regime's probes: one drafting step where drafting is off, one plain step where on
 REGIME_PROBE_MAX = 512  # a band that keeps losing is probed half as often after each losing probe, down to this
 REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts again
+# a kind's last step rates in a band, whose spread says how sure a verdict on its rate is: a weak head's steps are coin
+# tosses (one draft accepted or not), and ten of them read as a loss by chance every few dozen steps
+REGIME_SAMPLES = 64
+REGIME_SURE = 2.0  # standard errors by which a kind's rate must fall under the margin to turn it off
+# a rate decayed by REGIME_DECAY a step: its standard error over one step's standard deviation
+_DECAYED_ERROR = math.sqrt((1 - REGIME_DECAY) / (1 + REGIME_DECAY))
 REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
 MAX_BRANCHES = 4  # the widest draft tree's first position: the draft's best four tokens
 MAX_TREE_TOKENS = 64  # a row's tokens in a pass over a tree, at most: what a cache row holds past its length
@@ -214,6 +221,15 @@ def band(batch: int) -> int:
 FREE, MODEL = "free", "model"  # a drafting step's kind: free guesses only, or the draft model's forwards too
 
 
+@dataclass
+class _Probes:
+    """A kind turned off in a band: its probes' spacing, the gains in a row, and every probe's (tokens, seconds)."""
+
+    every: int = REGIME_PROBE  # refusals between probes
+    gains: int = 0
+    steps: deque = field(default_factory=lambda: deque(maxlen=REGIME_SAMPLES))
+
+
 class RegimeGuard:
     """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the
     tokens a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost
@@ -221,22 +237,26 @@ class RegimeGuard:
     Drafting steps are judged by kind: steps that ran the draft model (or head) apart from steps of free guesses
     only (n-gram, suffix, a prediction, a grammar), so a head whose guesses lose is turned off where it loses while
     the copies an n-gram index finds go on (judged together, the copies' gain hid the head's loss). Where a kind of
-    drafting step measured under ``LOSS_MARGIN`` of plain ones, that kind stops drafting in that band and probes:
-    one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that loses
-    (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows several plain steps' worth), and the
-    kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their own (one lucky step must not undo a
-    measured loss). The policy's own probes of a kind turned off are judged the same way. Where drafting runs, one
-    step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in ``REGIME_WARMUP`` until it is).
-    Plain steps cost what they cost whatever the text, and within a band both kinds of step come at the same mix of
-    sizes (plain ones are spread over time), so the comparison is fair although the policy drafts only where it
-    expects a gain. Judged size by size, each size needed plain steps of its own before anything was compared, and a
-    loss at a wandering size ran on for most of a load test's cell."""
+    drafting step measured under ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (from
+    the spread of its recent steps: a loss, not a run of bad luck), that kind stops drafting in that band and
+    probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
+    loses while its probes together clearly lose (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31
+    rows several plain steps' worth). The kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their
+    own, or once its probes together gain by more than their standard error: one lucky step must not undo a measured
+    loss, and a kind whose steps gain on average although most single ones lose (a weak head's one draft, accepted a
+    third of the time) must not stay off. The policy's own probes of a kind turned off are judged the same way. Where
+    drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in
+    ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds
+    of step come at the same mix of sizes (plain ones are spread over time), so the comparison is fair although the
+    policy drafts only where it expects a gain. Judged size by size, each size needed plain steps of its own before
+    anything was compared, and a loss at a wandering size ran on for most of a load test's cell."""
 
     def __init__(self):
         # (band, kind) -> [tokens, seconds, steps], decayed; kind None for plain steps
         self._rates: dict[tuple[int, str | None], list[float]] = {}
+        self._recent: dict[tuple[int, str], deque] = {}  # (band, kind) -> its last step rates: their spread
         self.off: dict[tuple[int, str], int] = {}  # (band, kind) that measured a loss -> refusals since its last probe
-        self._probes: dict[tuple[int, str], list[int]] = {}  # turned off -> [refusals between probes, gains in a row]
+        self._probes: dict[tuple[int, str], _Probes] = {}  # the probes of each kind turned off
         self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per band
 
     def rate(self, batch: int, kind: str | None) -> float | None:
@@ -256,7 +276,7 @@ class RegimeGuard:
         key = (band(batch), kind)
         if key in self.off:
             self.off[key] += 1
-            if self.off[key] < self._probes[key][0]:
+            if self.off[key] < self._probes[key].every:
                 return False
             self.off[key] = 0
             return True
@@ -270,38 +290,56 @@ class RegimeGuard:
         kept[1] = kept[1] * REGIME_DECAY + seconds
         kept[2] += 1
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if kind else 0
-        if kind is None:
+        if kind is None or seconds <= 0:
             return
+        key = (batch, kind)
+        self._recent.setdefault(key, deque(maxlen=REGIME_SAMPLES)).append(tokens / seconds)
         plain = self.rate(batch, None)
-        if (batch, kind) in self.off:
+        if key in self.off:
             # a kind turned off drafts only in probes, the guard's or the policy's own (a single request whose guesses
-            # keep hitting, every few plain steps): each is judged on its own. Judged only when the guard's came,
-            # drafting stayed off through a whole cell where the policy's probes measured 2.25x plain
-            gained = plain is not None and seconds > 0 and tokens / seconds >= LOSS_MARGIN * plain
-            self._judge_probe((batch, kind), gained)
+            # keep hitting, every few plain steps). Judged only when the guard's came, drafting stayed off through a
+            # whole cell where the policy's probes measured 2.25x plain
+            self._judge_probe(key, tokens, seconds, plain)
             return
         drafting = self.rate(batch, kind)
-        if plain is not None and drafting is not None and drafting < LOSS_MARGIN * plain:
-            self.off[(batch, kind)] = 0
-            self._probes[(batch, kind)] = [REGIME_PROBE, 0]
+        sure = REGIME_SURE * _DECAYED_ERROR * self._spread(key)  # the decayed rate's standard error, twice
+        if plain is not None and drafting is not None and drafting + sure < LOSS_MARGIN * plain:
+            self.off[key] = 0
+            self._probes[key] = _Probes()
+
+    def _spread(self, key: tuple[int, str], more: list[float] | None = None) -> float:
+        """The standard deviation of this kind's recent step rates in the band (and of ``more``, where that is
+        larger); 0 with fewer than two."""
+        spreads = [statistics.pstdev(r) for r in (self._recent.get(key), more) if r is not None and len(r) >= 2]
+        return max(spreads, default=0.0)
 
     def forget(self, kind: str) -> None:
         """What this kind of drafting step measured in every band: its proposer changed."""
-        for kept in (self._rates, self.off, self._probes):
+        for kept in (self._rates, self._recent, self.off, self._probes):
             for key in [k for k in kept if k[1] == kind]:
                 del kept[key]
 
-    def _judge_probe(self, key: tuple[int, str], gained: bool) -> None:
-        """A probe's step on its own against the plain rate: after ``REGIME_CONFIRM`` gains in a row the kind drafts
-        again, measured afresh (the losing steps before it would turn it off again); a loss backs the probes off."""
+    def _judge_probe(self, key: tuple[int, str], tokens: int, seconds: float, plain: float | None) -> None:
+        """A probe's step against the plain rate, on its own and with the probes before it since the kind was turned
+        off: after ``REGIME_CONFIRM`` gains in a row, or once the probes together gain by more than their standard
+        error, the kind drafts again, measured afresh (the losing steps before it would turn it off again); a loss
+        backs the probes off while the probes together clearly lose."""
         probes = self._probes[key]
-        if not gained:
-            probes[:] = [min(2 * probes[0], REGIME_PROBE_MAX), 0]
-            return
-        probes[:] = [REGIME_PROBE, probes[1] + 1]
-        if probes[1] >= REGIME_CONFIRM:
+        gained = plain is not None and tokens / seconds >= LOSS_MARGIN * plain
+        probes.gains = probes.gains + 1 if gained else 0
+        probes.steps.append((tokens, seconds))
+        together, error = None, 0.0
+        if len(probes.steps) >= REGIME_MIN_STEPS:
+            together = sum(t for t, _ in probes.steps) / sum(s for _, s in probes.steps)
+            rates = [t / s for t, s in probes.steps]
+            error = self._spread(key, rates) / math.sqrt(len(rates))
+        if probes.gains >= REGIME_CONFIRM or (together is not None and plain and together - error >= plain):
             del self.off[key], self._probes[key]
             self._rates.pop(key, None)
+        elif gained:
+            probes.every = REGIME_PROBE
+        elif together is None or plain is None or together + error < LOSS_MARGIN * plain:
+            probes.every = min(2 * probes.every, REGIME_PROBE_MAX)
 
     def snapshot(self) -> dict:
         """Per band measured: its sizes and, per kind of drafting step, its tokens a second over plain steps' and
@@ -555,8 +593,8 @@ class DraftLengthPolicy:
         """Start from pass costs a ``snapshot`` of an earlier load of the same deployment on this machine held (as
         calibration would, and refined by its serving since)."""
         kept_costs = ((self.verify_cost, "verify_ms"), (self.draft_cost, "draft_ms"), (self.tree_cost, "tree_ms"))
-        for cost, field in kept_costs:
-            cost.samples.update({int(n): ms / 1000 for n, ms in kept.get(field, {}).items()})
+        for cost, name in kept_costs:
+            cost.samples.update({int(n): ms / 1000 for n, ms in kept.get(name, {}).items()})
 
     def snapshot(self) -> dict:
         return {

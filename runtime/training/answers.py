@@ -105,23 +105,23 @@ class IdleAnswers:
         """Shipped prompts not answered yet."""
         return len(self.prompts) - self.done
 
-    def has_work(self, write: bool = True) -> bool:
-        """Whether a piece would run: answers under way, shipped prompts left, or (``write``) requests to write."""
-        return bool(self.rows) or self.started < len(self.prompts) or (write and self._may_write())
+    def has_work(self) -> bool:
+        """Whether a piece would run: answers under way, shipped prompts left, or requests to write."""
+        return bool(self.rows) or self.started < len(self.prompts) or self._may_write()
 
     def _may_write(self) -> bool:
         return self.user_turn is not None and self.written < self.max_requests
 
     @torch.inference_mode()
-    def piece(self, write: bool = True) -> list[Answer]:
-        """One pass over the answers under way, new ones started in free rows first (a request written by the target
-        only with ``write``); the answers it ended, too-short ones left out."""
+    def piece(self) -> list[Answer]:
+        """One pass over the answers under way, new ones started in free rows first; the answers it ended, too-short
+        ones left out."""
         if self.runner is None:
             longest = max(map(len, self.prompts), default=0)
             if self.user_turn is not None:
                 longest = max(longest, sum(map(len, self.user_turn)) + MAX_WRITTEN)
             self.runner = self._make_runner(self.max_rows, longest + self.max_tokens)
-        while len(self.rows) < self.max_rows and (row := self._start(write)) is not None:
+        while len(self.rows) < self.max_rows and (row := self._start()) is not None:
             self.runner.set_length(len(self.rows), 0)
             self.rows.append(row)
         if not self.rows:
@@ -159,12 +159,12 @@ class IdleAnswers:
             self.runner.fast_pass.release()
         self.runner = None  # (the rows stay: ``done`` still counts the prompts they were answering as not done)
 
-    def _start(self, write: bool) -> _Row | None:
+    def _start(self) -> _Row | None:
         if self.started < len(self.prompts):
             prompt = self.prompts[self.started]
             self.started += 1
             return _Row(list(prompt), len(prompt), shipped=self.started - 1)
-        if not write or not self._may_write():
+        if not self._may_write():
             return None
         self.written += 1
         rng = torch.Generator().manual_seed(self.seed * 1_000_003 + self.written)

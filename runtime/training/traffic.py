@@ -12,10 +12,10 @@ the deployment (``depctl.learning``). Answers the deployment generated itself in
 may fill ``IDLE_SHARE`` of the budget, the oldest of them making room for the next: the rest is the traffic's.
 
 One prompt in ``HELD_OUT_EVERY`` is held out, chosen by a hash of its tokens: the most recent answers to those
-measure a candidate head against the serving one, and none is trained on. Held out
-by prompt, not by answer: a prompt asked again (a retry, a sampled answer, a shipped prompt answered in idle time and
-then by a client) gives nearly or exactly the answer it gave before, and a head measured on answers it had trained
-on under other numbers looks far better than it drafts on prompts it never saw.
+measure a candidate head against the serving one, and none is trained on. Held out by prompt, not by answer: a prompt
+asked again (a retry, a sampled answer, a shipped prompt answered in idle time and then by a client) gives nearly or
+exactly the answer it gave before, and a head measured on answers it had trained on under other numbers looks far
+better than it drafts on prompts it never saw.
 """
 
 from __future__ import annotations
