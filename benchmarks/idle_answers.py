@@ -48,7 +48,7 @@ def main() -> None:
     learner, target = loaded.learner, loaded.target
     print(f"{args.model} ({args.quantization}), {args.seconds:g} s a cell, torch threads {torch.get_num_threads()}\n")
     fast = loaded.engine.target.fast_pass
-    print(f"the deployment's passes: {loaded.compiled_status}\n")
+    print(f"the deployment's passes: {loaded.compiled}\n")
     print("| prompts | passes | rows | tokens/s | answers/min | vs the fewest rows | longest pass ms |")
     print("|---|---|---:|---:|---:|---:|---:|")
     base = {}
