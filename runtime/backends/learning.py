@@ -56,7 +56,7 @@ def idle_answers(
     """What ``learner`` answers while traffic is short: the shipped prompts (``depctl draft train``'s set), then
     requests the target writes in a user turn of its chat template; None for a model without a chat template (its
     answers to them would not be what it serves). ``make_pass``: the deployment's compiled pass for a runner of
-    their own, where it has one (2.4x eager's tokens a second on 8 rows of SmolLM2 on 2 cores)."""
+    their own, where it has one (eager passes answer a third as fast: BENCHMARKS.md)."""
     if not getattr(tokenizer, "chat_template", None):
         return None
 
@@ -75,7 +75,13 @@ def idle_answers(
             model, vocab, max_rows=rows, max_context=context, features=learner.config.aux_layers, fast_pass=fast_pass
         )
 
-    return IdleAnswers(make_runner, prompts, set(stop_ids), user_turn(tokenizer, tokens))
+    return IdleAnswers(
+        make_runner,
+        prompts,
+        set(stop_ids),
+        user_turn(tokenizer, tokens),
+        slice_seconds=learner.options.slice_seconds,  # a pass stays within the learner's slice of idle time
+    )
 
 
 def user_turn(tokenizer, tokens: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:

@@ -221,6 +221,12 @@ def band(batch: int) -> int:
 FREE, MODEL = "free", "model"  # a drafting step's kind: free guesses only, or the draft model's forwards too
 
 
+def _deviation(values) -> float:
+    """The population standard deviation in floats (``statistics.pstdev`` works in exact fractions: slow per step)."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
 @dataclass
 class _Probes:
     """A kind turned off in a band: its probes' spacing, the gains in a row, and every probe's (tokens, seconds)."""
@@ -302,15 +308,16 @@ class RegimeGuard:
             self._judge_probe(key, tokens, seconds, plain)
             return
         drafting = self.rate(batch, kind)
-        sure = REGIME_SURE * _DECAYED_ERROR * self._spread(key)  # the decayed rate's standard error, twice
-        if plain is not None and drafting is not None and drafting + sure < LOSS_MARGIN * plain:
+        if plain is None or drafting is None or drafting >= LOSS_MARGIN * plain:
+            return  # (the spread is computed only where the rate alone reads as a loss: this runs every step)
+        if drafting + REGIME_SURE * _DECAYED_ERROR * self._spread(key) < LOSS_MARGIN * plain:
             self.off[key] = 0
             self._probes[key] = _Probes()
 
     def _spread(self, key: tuple[int, str], more: list[float] | None = None) -> float:
         """The standard deviation of this kind's recent step rates in the band (and of ``more``, where that is
         larger); 0 with fewer than two."""
-        spreads = [statistics.pstdev(r) for r in (self._recent.get(key), more) if r is not None and len(r) >= 2]
+        spreads = [_deviation(r) for r in (self._recent.get(key), more) if r is not None and len(r) >= 2]
         return max(spreads, default=0.0)
 
     def forget(self, kind: str) -> None:

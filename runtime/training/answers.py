@@ -31,10 +31,10 @@ import torch
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.training.traffic import MIN_ANSWER, Answer
 
-ROWS = 16  # answers side by side: compiled SmolLM2 on 2 cores answers 175 tokens a second on 8 rows, 233 on 16
+ROWS = 16  # answers side by side: a pass over 16 rows costs little more than over 8 (BENCHMARKS.md, idle answers)
 MAX_TOKENS = 192  # tokens an answer may run to, as ``depctl draft train`` generates them
 MIN_CHUNK, MAX_CHUNK = 4, 64  # prompt tokens a row reads in one pass: halved or doubled as the passes run long or short
-SLICE = 0.25  # seconds a pass should take at most: what a request arriving in idle time may wait for it
+SLICE = 0.25  # seconds a pass should take at most (the learner passes its own slice)
 MAX_REQUESTS = 4096  # requests the target writes in all; then idle time is training's alone
 WRITE_TEMPERATURE = 1.0  # a written request is sampled from the target's own distribution, unsharpened
 MAX_WRITTEN = 128  # tokens a written request may run to; one that runs on is closed there
