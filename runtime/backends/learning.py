@@ -56,7 +56,7 @@ def idle_answers(
     """What ``learner`` answers while traffic is short: the shipped prompts (``depctl draft train``'s set), then
     requests the target writes in a user turn of its chat template; None for a model without a chat template (its
     answers to them would not be what it serves). ``make_pass``: the deployment's compiled pass for a runner of
-    their own, where it has one (eager passes answer a third as fast: BENCHMARKS.md)."""
+    their own, where it has one (eager passes answer a third as fast: BENCHMARKS.md, "An hour with idle answers")."""
     if not getattr(tokenizer, "chat_template", None):
         return None
 
