@@ -31,7 +31,7 @@ import torch
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.training.traffic import MIN_ANSWER, Answer
 
-# answers side by side: a pass over 16 rows costs little more than one over 8 (BENCHMARKS.md, "An hour with idle answers")
+# answers side by side: a pass over 16 costs little more than over 8 (BENCHMARKS.md, "An hour with idle answers")
 ROWS = 16
 MAX_TOKENS = 192  # tokens an answer may run to, as ``depctl draft train`` generates them
 MIN_CHUNK, MAX_CHUNK = 4, 64  # prompt tokens a row reads in one pass: halved or doubled as the passes run long or short
