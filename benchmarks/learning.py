@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--home", default=None, help="DEPCTL_HOME for the learned head (default: a new folder)")
     parser.add_argument("--load", default="8,16", help="clients of the load test after the last round ('' for none)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each load level, the modes alternating")
+    parser.add_argument(
+        "--whole-drafts", action="store_true", help="verify every draft the policy asks for, however unsure the head"
+    )
     args = parser.parse_args()
     os.environ["DEPCTL_HOME"] = args.home or tempfile.mkdtemp(prefix="depctl-learning-")
     clock = os.path.join(os.environ["DEPCTL_HOME"], "learning-benchmark.json")  # minutes of earlier runs
@@ -90,6 +93,7 @@ def main() -> None:
         )
     )
     tokenizer, learner, engine = learning.tokenizer, learning.learner, learning.engine
+    engine.config.cut_unsure_drafts &= not args.whole_drafts
 
     def chat_ids(messages) -> list[int]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

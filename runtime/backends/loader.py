@@ -179,6 +179,9 @@ def load_deployment(
             prefix_cache_bytes=(
                 spec.prefix_cache_bytes if spec.prefix_cache_bytes is not None else prefix_cache_budget(device)
             ),
+            # on a CPU every verified token and draft forward costs; on a GPU a wider verify is nearly free, and the
+            # check would wait on the device after every draft forward
+            cut_unsure_drafts=device.type == "cpu",
         ),
         observer=learner.recorder if learner is not None else None,
     )

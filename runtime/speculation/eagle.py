@@ -90,8 +90,9 @@ class EagleProposer:
 
     # ---- drafting ----
     @torch.inference_mode()
-    def propose(self, batch, width: int) -> ModelDrafts:
-        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``)."""
+    def propose(self, batch, width: int, min_confidence: float = 0.0) -> ModelDrafts:
+        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``), as
+        far as ``min_confidence`` finds them worth verifying (``proposers.draft_loop``)."""
         head = self.head
         ends = [len(seq.tokens) - 1 for seq in batch]  # a row's last index with a next token: ends[b] - 1
         self._reserve(max(ends) + width)
@@ -136,8 +137,8 @@ class EagleProposer:
             state["out"] = self._attend_finish(q, residual, state["lengths"])
             return self._spread(head.logits(state["out"]))
 
-        drafted, probs = draft_loop(batch, width, self._spread(head.logits(out)), step)
-        return ModelDrafts(drafted, probs, caught_up)
+        drafted, probs, confident = draft_loop(batch, width, self._spread(head.logits(out)), step, min_confidence)
+        return ModelDrafts(drafted, probs, caught_up, confident=confident)
 
     def _attend_finish(self, q: torch.Tensor, residual: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """One query per row (q [heads, B, dim]) over its row's first ``lengths[b]`` entries -> the layer's output

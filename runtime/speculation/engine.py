@@ -62,6 +62,9 @@ class EngineConfig:
     # draft trees from a draft model: 0 lets the policy choose chain or tree, 1 drafts chains only, b >= 2 drafts a
     # tree of b branches whenever every row can take one (benchmarks, tests)
     tree_branches: int = 0
+    # a draft model's (or head's) drafts are verified only while its own probability of the chain so far pays for
+    # verifying them (``DraftLengthPolicy.draft_threshold``); off, a row verifies the width the policy chose
+    cut_unsure_drafts: bool = False
 
 
 class DraftSource(enum.Enum):
@@ -352,7 +355,15 @@ class SpeculativeEngine:
             trees=self._trees_possible(batch, guesses),
         )
         branches = self.policy.branches if width else 1
-        drafts, draft_probs, model_drafts, caught_up, first_choices = self._drafts(batch, guesses, width, branches)
+        sure = self._draft_threshold(len(batch)) if width and branches == 1 else 0.0  # (a tree drafts whole)
+        drafted = self._drafts(batch, guesses, width, branches, sure)
+        drafts, draft_probs, model_drafts, caught_up, first_choices = drafted
+        drafted_model = model_drafts[0] is not None and width > 0  # the draft model ran: its passes are this step's
+        if drafted_model and sure > 0:
+            # rows whose drafts lost confidence verify fewer: expect what they verify
+            predicted = self.policy.expected(
+                [RowPlan(g.acceptance, len(d), g.source == DraftSource.MODEL) for g, d in zip(guesses, drafts)], width
+            )
         t1 = time.perf_counter()
         # the grammar masks every verified position of a sampling row needs, computed while the pass runs
         masks = {
@@ -409,10 +420,11 @@ class SpeculativeEngine:
             self.policy.observe_step(predicted, realised)
         # a draft forward's cost, from chain steps that fed the draft its usual one or two tokens: after plain steps
         # it first catches up on every token it missed, a prefill that says nothing of what drafting costs
-        if model_drafts[0] is not None and width and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
-            self.policy.draft_cost.observe(len(batch), (t1 - t0) / width)
+        if drafted_model and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
+            self.policy.draft_cost.observe(len(batch), (t1 - t0) / len(model_drafts[0]))  # a pass per position
         t3 = time.perf_counter()
-        kind = MODEL if MODEL in realised else FREE if realised else None  # the guard judges each kind apart
+        # the guard judges each kind apart; a step whose draft model ran is its kind's even where no row kept a draft
+        kind = MODEL if MODEL in realised or drafted_model else FREE if realised else None
         self.policy.observe_step_time(t3 - t0, len(batch), sum(len(o.token_ids) for o in outputs), kind)
         self.stats.record_step(t1 - t0, t3 - t1)
         return outputs
@@ -537,22 +549,27 @@ class SpeculativeEngine:
             for seq, g in zip(batch, guesses)
         )
 
-    def _drafts(self, batch, guesses: list[Guess], width: int, branches: int = 1):
+    def _drafts(self, batch, guesses: list[Guess], width: int, branches: int = 1, sure: float = 0.0):
         """Each row's drafts (at most ``width``; a ``DraftTree`` of ``branches`` branches when more than 1), their
         draft probabilities (None: one-hot), the draft model's own tokens per row when it ran (its cache keeps only
         the part the target accepted), the most tokens a row fed it to catch up, and the draft's first choices at
-        the first position per row (where it ran)."""
+        the first position per row (where it ran). ``sure``: a model row keeps its drafts only while the draft's own
+        probability of them stays at or above it (``proposers.draft_loop``)."""
         if branches > 1:
             made = self.draft_model.propose_tree(batch, width, branches)
             return made.trees, made.probs, made.trees, made.caught_up, made.first_choices
         model_tokens, model_probs, caught_up, first = [None] * len(batch), [None] * len(batch), 0, None
+        confident = [width] * len(batch)
         if width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
-            made = self.draft_model.propose(batch, width)
+            made = self.draft_model.propose(batch, width, sure)
             model_tokens, model_probs, caught_up, first = made.tokens, made.probs, made.caught_up, made.first_choices
+            if made.confident is not None:
+                confident = made.confident
         drafts, probs = [], []
-        for seq, g, tokens, q in zip(batch, guesses, model_tokens, model_probs):
+        for seq, g, tokens, q, sure in zip(batch, guesses, model_tokens, model_probs, confident):
             k = min(width, g.available) if seq.fault is None else 0  # (drafting may have faulted a row's grammar)
             if g.source == DraftSource.MODEL:
+                k = min(k, sure)
                 if seq.grammar is not None and k:  # masked while drafted: only what follows an end token is cut
                     try:
                         k = seq.grammar.valid_prefix(tokens[:k])
@@ -567,6 +584,11 @@ class SpeculativeEngine:
         if first is not None:  # only a model row's first draft is its first choice
             first = [f if g.source == DraftSource.MODEL else None for f, g in zip(first, guesses)]
         return drafts, probs, model_tokens, caught_up, first
+
+    def _draft_threshold(self, batch: int) -> float:
+        if not (self.config.cut_unsure_drafts and self.config.adaptive) or self.draft_model is None:
+            return 0.0  # a fixed width drafts all it asks
+        return self.policy.draft_threshold(batch)
 
     def _tree_row(
         self, seq: Sequence, guess: Guess, tree: DraftTree, scores, rows: slice, argmax, first_choices

@@ -459,7 +459,7 @@ class DraftLengthPolicy:
             b = self.tree_branches
             if trees and b > 1 and 1 + b * longest <= MAX_TREE_TOKENS and all(r.available >= longest for r in rows):
                 self.branches = b
-            return longest, self._expected(rows, longest)
+            return longest, self.expected(rows, longest)
         batch = len(rows)
         uses_model = any(r.model and r.available for r in rows)
         best_w = self._best(rows, trees)
@@ -473,7 +473,7 @@ class DraftLengthPolicy:
                     best_w = 0
         if best_w:
             self.plain_steps = 0
-            return best_w, self._expected(rows, best_w)
+            return best_w, self.expected(rows, best_w)
         self.plain_steps += 1
         # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and for
         # free guesses that keep hitting, the cost of a long verify, which may have been measured while the machine
@@ -485,10 +485,10 @@ class DraftLengthPolicy:
             self.plain_steps = 0
             if uses_model and self._perfect_drafts_pay(rows):
                 self._probing = True
-                return 1, self._expected(rows, 1)
+                return 1, self.expected(rows, 1)
             if not uses_model and batch == 1 and any(r.acceptance.rate >= 0.5 and r.available for r in rows):
                 self._probing = True
-                return longest, self._expected(rows, longest)
+                return longest, self.expected(rows, longest)
         return 0, {}
 
     def _best(self, rows: list[RowPlan], trees: bool) -> int:
@@ -525,7 +525,7 @@ class DraftLengthPolicy:
             best_w, self.branches = 0, 1
         return best_w
 
-    def _expected(self, rows: list[RowPlan], w: int) -> dict[str, float]:
+    def expected(self, rows: list[RowPlan], w: int) -> dict[str, float]:
         """The extra tokens width ``w`` is expected to bring, per kind of row, from the rows' rates alone (what
         ``realism`` compares with what the step delivers): a + ... + a^k a chain, (a + (1 - a) c) (1 + ... + a^(k-1))
         a tree."""
@@ -581,6 +581,18 @@ class DraftLengthPolicy:
             self._probing = False
         else:
             self.probe_debt = max(self.probe_debt - PROBE_BUDGET * seconds, 0.0)
+
+    def draft_threshold(self, batch: int) -> float:
+        """The probability a draft model's draft must have (its chain's so far, as the draft sees it) to be worth
+        verifying: what one more drafted position costs the batch (a draft forward, and a token more a row in the
+        verify pass) over what a plain step costs it, since a draft accepted with probability p saves p of a plain
+        step's token. A one-layer head costs a few percent of a target pass, a draft model a third of the target's
+        size a third: the cheaper the draft, the less sure it need be. 0 before the draft's cost is measured."""
+        if not self.draft_cost.samples or not self.verify_cost.samples:
+            return 0.0
+        plain = self.verify_cost(batch)
+        extra = self.draft_cost(batch) + self.verify_cost(2 * batch) - plain
+        return min(max(extra / plain, 0.0), 1.0)
 
     def _perfect_drafts_pay(self, rows: list[RowPlan]) -> bool:
         """Whether drafts that were all accepted would beat a plain step by the margin asked of any drafting. Where

@@ -237,11 +237,12 @@ TOP_CHOICES = 4  # the draft's first choices kept at a chain's first position: h
 
 
 class ModelDrafts(NamedTuple):
-    tokens: list[list[int]]  # [B][width]; a tree's tokens in its order
-    probs: list[torch.Tensor | None]  # per row [width, vocab]; None for a greedy row (one-hot)
+    tokens: list[list[int]]  # [B][passes]: a row's token at each position drafted (a tree's in its order)
+    probs: list[torch.Tensor | None]  # per row [passes, vocab]; None for a greedy row (one-hot)
     caught_up: int  # the most tokens a row fed before drafting: 1 or 2 when it drafted last step, more after a gap
     trees: list[DraftTree] | None = None  # per row, when the draft drafted trees
     first_choices: list[list[int]] | None = None  # per row, the draft's TOP_CHOICES best at the first position
+    confident: list[int] | None = None  # per row, the drafts worth verifying (``draft_loop``'s min_confidence)
 
 
 class ModelProposer(Protocol):
@@ -254,7 +255,7 @@ class ModelProposer(Protocol):
     name: str
     steady_catch_up: int  # tokens a row catches up on in a step after a drafting step (costs are measured there)
 
-    def propose(self, batch, width: int) -> ModelDrafts: ...
+    def propose(self, batch, width: int, min_confidence: float = 0.0) -> ModelDrafts: ...
 
     def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None: ...
 
@@ -291,13 +292,22 @@ class FeatureObserver(Protocol):
     def finished(self, seq) -> None: ...
 
 
-def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+def draft_loop(
+    batch, width: int, logits: torch.Tensor, step, min_confidence: float = 0.0
+) -> tuple[list[list[int]], list[torch.Tensor | None], list[int] | None]:
     """The drafting both model proposers run: ``width`` tokens for each of rows 0..B-1, chosen from logits
     [B, vocab] greedily or sampled as the row samples (keeping the draft probabilities rejection sampling needs),
     within the row's grammar up to an end token; ``step(tokens [B]) -> logits [B, vocab]`` runs the proposer once more.
-    The last token is never stepped: the target checks it, and catch-up feeds it if accepted."""
+    The last token is never stepped: the target checks it, and catch-up feeds it if accepted.
+
+    With ``min_confidence``, each row's drafts are worth verifying only while the draft's own probability of its
+    chain so far (the product of each drafted token's probability) stays at or above it; the third value says how
+    many a row has (None without), and drafting stops early once no row has any left. The choice uses the draft's
+    probabilities alone, so the output is the target's whatever is cut (as for any draft length)."""
     drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
     probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
+    chain = torch.ones(len(batch), device=logits.device) if min_confidence > 0 else None
+    sure: list[torch.Tensor] = []  # per position, [B]: the row's chain is still confident there
     # drafts are proposed within a row's grammar (they are then never cut), up to an end token
     taken = {b: 0 for b, seq in enumerate(batch) if seq.grammar is not None}  # tokens each matcher advanced
     for i in range(width):
@@ -328,12 +338,28 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step) -> tuple[list[list
                     continue
                 probs[b].append(q[0])
         drafted.append(token)
+        if chain is not None:
+            chain *= _drafted_probability(batch, logits, token, probs, i)
+            sure.append(chain >= min_confidence)
+            if not bool(sure[-1].any()):  # no row would verify another draft: stop stepping the proposer
+                break
         if i + 1 < width:
             logits = step(token)
     for b, n in taken.items():
         batch[b].grammar.rollback(n)  # (a faulted row's matcher is never used again)
     tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
-    return tokens, [torch.stack(p) if p else None for p in probs]
+    confident = torch.stack(sure, 1).cumprod(1).sum(1).tolist() if sure else None
+    return tokens, [torch.stack(p) if p else None for p in probs], confident
+
+
+def _drafted_probability(batch, logits: torch.Tensor, token: torch.Tensor, probs, i: int) -> torch.Tensor:
+    """[B]: the probability each row's draft at position ``i`` had under the distribution it was drawn from (the
+    greedy rows': the softmax of the logits, whose largest it is)."""
+    p = torch.softmax(logits.float(), -1).gather(1, token[:, None])[:, 0]
+    for b, seq in enumerate(batch):
+        if len(probs[b]) > i:  # a sampled row's own distribution (temperature, top-k, top-p)
+            p[b] = probs[b][i][token[b]]
+    return p
 
 
 class DraftModelProposer:
@@ -374,8 +400,10 @@ class DraftModelProposer:
             self.runner.keep_path(seq.row, before, path)
             self.set_length(seq.row, before + len(path))
             return
+        # the last emitted token is fed at the next draft (its logits draft d_1), even where the draft had fed it
+        # already: a draft cut short for its confidence can be right past the cut, where the target's own token lands
         agree = 0
-        while agree < len(drafted) and agree < len(emitted) and drafted[agree] == emitted[agree]:
+        while agree < len(drafted) and agree < len(emitted) - 1 and drafted[agree] == emitted[agree]:
             agree += 1
         self.set_length(seq.row, before + agree)
 
@@ -383,13 +411,15 @@ class DraftModelProposer:
         self.runner.release()
 
     @torch.inference_mode()
-    def propose(self, batch, width: int) -> ModelDrafts:
-        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``)."""
+    def propose(self, batch, width: int, min_confidence: float = 0.0) -> ModelDrafts:
+        """``width`` drafts for each of rows 0..B-1 (``batch[b]`` has ``tokens``, ``sampling``, ``generator``), as
+        far as ``min_confidence`` finds them worth verifying (``draft_loop``)."""
         runner = self.runner
         logits, caught_up = self._catch_up(batch)
         first = logits.topk(min(TOP_CHOICES, logits.shape[-1]), -1).indices  # synced with the drafts
-        tokens, probs = draft_loop(batch, width, logits, lambda token: runner.forward(0, token[:, None]))
-        return ModelDrafts(tokens, probs, caught_up, first_choices=first.tolist())
+        step = lambda token: runner.forward(0, token[:, None])  # noqa: E731
+        tokens, probs, confident = draft_loop(batch, width, logits, step, min_confidence)
+        return ModelDrafts(tokens, probs, caught_up, first_choices=first.tolist(), confident=confident)
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, int]:
         """Feed each row what it has not read: normally the last accepted token; after a full accept also d_k, which

@@ -71,7 +71,7 @@ class FeatureRecorder:
     def drop(self, seq_id: int) -> None:
         self._seqs.pop(seq_id, None)
 
-    def propose(self, batch, width: int):
+    def propose(self, batch, width: int, min_confidence: float = 0.0):
         raise RuntimeError("the feature recorder never drafts: generate with speculation off")
 
     def set_length(self, row: int, length: int) -> None:

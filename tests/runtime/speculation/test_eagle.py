@@ -37,11 +37,11 @@ def make_head(model, seed: int = 0, draft_vocab: int = 96) -> EagleHead:
     return head.eval()
 
 
-def engine(model, head, rows=1, k=4, adaptive=False):
+def engine(model, head, rows=1, k=4, adaptive=False, **cfg):
     runner = ModelRunner(model, max_rows=rows, max_context=512, features=head.config.aux_layers if head else ())
     proposer = EagleProposer(head, rows, runner.vocab_size or model.config.vocab_size) if head else None
     return SpeculativeEngine(
-        runner, proposer, EngineConfig(num_draft_tokens=k if head else 0, max_context=512, adaptive=adaptive)
+        runner, proposer, EngineConfig(num_draft_tokens=k if head else 0, max_context=512, adaptive=adaptive, **cfg)
     )
 
 
@@ -104,6 +104,23 @@ def test_mixed_rows_sampled_plain_and_greedy_stay_exact_and_seeded_rows_reproduc
         assert got[i] == plain[i], i
     again, _ = drive(Scheduler(engine(fused, head, 4), 4, prefill_chunk=8), arrivals)
     assert again[2] == got[2]
+
+
+def test_a_head_whose_unsure_drafts_are_not_verified_decodes_as_plain_decoding(fused):
+    head = make_head(fused)
+    arrivals = [(i, PROMPTS[i], GenerationParams(max_tokens=16 + 2 * i, ignore_eos=True)) for i in range(6)]
+    plain, _ = drive(Scheduler(engine(fused, None, 3), 3, prefill_chunk=8), arrivals)
+    eng = engine(fused, head, 3, adaptive=True, cut_unsure_drafts=True)
+    eng.policy.width = lambda plans, **_: (4, {"model": 1.0})  # every step asks for four
+    eng.policy.draft_threshold = lambda batch: 0.05  # a random head is rarely sure
+    kept = []
+    propose = eng.draft_model.propose
+    eng.draft_model.propose = lambda batch, width, sure: (
+        (made := propose(batch, width, sure)) and (kept.extend(made.confident) or made)
+    )
+    got, _ = drive(Scheduler(eng, 3, prefill_chunk=8), arrivals)
+    assert got == plain
+    assert 0 in kept and max(kept) > 0, kept  # some drafts cut, some verified
 
 
 def test_sampled_drafts_carry_the_heads_distribution_over_the_target_vocabulary(fused):

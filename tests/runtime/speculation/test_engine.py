@@ -259,6 +259,50 @@ def test_a_draft_model_reads_a_prompt_only_when_its_row_first_drafts(target, dra
     assert max(w for p in passes for w in p) <= 8  # 51 tokens to catch up, read 8 at a time
 
 
+def _spy_verify(engine) -> list[list[int]]:
+    """Each step's tokens a row verified (1 + its drafts), recorded as the target scores them."""
+    widths = []
+    score = engine.target.score
+    engine.target.score = lambda first, rows, **kw: widths.append([len(r) for r in rows]) or score(first, rows, **kw)
+    return widths
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_drafts_the_draft_model_is_unsure_of_are_not_verified_and_the_output_stays_the_targets(target, rows):
+    near = _near(target)
+    params = [
+        GenerationParams(max_tokens=40, ignore_eos=True),
+        GenerationParams(max_tokens=40, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=11)),
+    ]
+    for p in params:
+        plain = Scheduler(make(target, rows=rows), rows).run_all(PROMPTS, p)
+        engine = make(target, DraftModelProposer(ModelRunner(near, max_rows=rows)), 4, rows, cut_unsure_drafts=True)
+        engine.policy.width = lambda plans, **_: (4, {"model": 1.0})  # every step asks for four
+        engine.policy.draft_threshold = lambda batch: 0.3
+        verified = _spy_verify(engine)
+        assert Scheduler(engine, rows).run_all(PROMPTS, p) == plain
+        kept = [n - 1 for step in verified[1:] for n in step]  # (the first pass is a prompt's)
+        assert 0 in kept and 4 in kept and any(0 < n < 4 for n in kept), kept
+
+
+def test_a_step_whose_draft_model_kept_no_draft_is_judged_as_drafting_not_as_a_plain_step(target):
+    """The draft model ran (its passes are the step's time) though no row verified a draft: the guard must see that
+    cost as drafting's, or plain steps would look slower than they are and drafting better."""
+    plain, _ = run(make(target), PROMPTS[1], ignore_eos=True)
+    engine = make(target, DraftModelProposer(ModelRunner(_near(target))), 3, cut_unsure_drafts=True)
+    engine.policy.width = lambda plans, **_: (3, {"model": 1.0})
+    engine.policy.draft_threshold = lambda batch: 1.0  # never sure enough
+    kinds = []
+    observe = engine.policy.observe_step_time
+    engine.policy.observe_step_time = lambda seconds, batch, tokens, kind: (
+        kinds.append(kind) or observe(seconds, batch, tokens, kind)
+    )
+    assert run(engine, PROMPTS[1], ignore_eos=True)[0] == plain
+    assert engine.stats.num_draft_tokens == 0
+    assert kinds[-1] is None  # the last step has room for one token: a plain step
+    assert kinds[:-1] and set(kinds[:-1]) == {"model"}
+
+
 def test_update_draft_count_in_place(target):
     engine = make(target, NgramProposer(2), 4)
     engine.set_num_draft_tokens(1)

@@ -495,3 +495,14 @@ def test_steps_that_lose_on_average_are_turned_off_although_some_gain():
     for seed in range(3):
         guard, drafted = _coin_steps(0.15, 1.25, 3000, seed)
         assert guard.is_off(1, "model") and sum(drafted[500:]) < 0.1 * 2500, seed
+
+
+def test_the_cheaper_the_draft_the_less_sure_of_a_draft_it_must_be_to_verify_it():
+    p = DraftLengthPolicy(max_k=4)
+    assert p.draft_threshold(1) == 0.0  # nothing measured: the width chosen is drafted whole
+    p.verify_cost.samples.update({1: 0.010, 2: 0.0105, 8: 0.012, 16: 0.016})
+    p.draft_cost.samples.update({1: 0.0005, 8: 0.001})  # a one-layer head
+    assert p.draft_threshold(1) == pytest.approx(0.1)  # (0.5 ms + 0.5 ms) / 10 ms
+    assert p.draft_threshold(8) == pytest.approx((0.001 + 0.004) / 0.012)  # a batch: verify tokens cost more
+    p.draft_cost.samples.update({1: 0.0033})  # a draft model a third of the target's cost
+    assert p.draft_threshold(1) == pytest.approx(0.38)

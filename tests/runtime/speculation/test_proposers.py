@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from depctl_runtime.speculation.params import GenerationParams, Tenant
+from depctl_runtime.speculation.params import GenerationParams, SamplingParams, Tenant
 from depctl_runtime.speculation.proposers import (
     CONTEXT_LOOKBACK,
     NgramIndex,
     NgramProposer,
     PredictionTracker,
     SuffixProposer,
+    draft_loop,
     ngram_propose,
     rejoin,
 )
@@ -202,3 +206,62 @@ def test_suffix_drafts_cross_users_only_where_the_deployment_shares_its_index(sc
     assert proposer.propose(_Row(asked, bob), 4) == shared
     assert proposer.propose(_Row(asked, other_key), 4) == shared  # the same user field under another key
     assert proposer.snapshot()["scope"] == scope
+
+
+def _confident_logits(top: list[float], vocab: int = 8) -> torch.Tensor:
+    """[B, vocab] logits whose softmax puts ``top[b]`` on token b + 1 and spreads the rest evenly."""
+    rows = []
+    for b, p in enumerate(top):
+        probs = torch.full((vocab,), (1 - p) / (vocab - 1))
+        probs[b + 1] = p
+        rows.append(probs.log())
+    return torch.stack(rows)
+
+
+def _drafting_rows(n: int, sampling: SamplingParams = SamplingParams()):
+    return [
+        SimpleNamespace(grammar=None, sampling=sampling, fault=None, stop_ids=(), generator=torch.Generator())
+        for _ in range(n)
+    ]
+
+
+def test_drafts_are_kept_while_the_drafts_own_chain_probability_stays_over_the_confidence_asked():
+    # row 0 is sure at every position; row 1 is sure of its first draft only (0.9 x 0.3 < 0.5)
+    tops = iter([[0.9, 0.9], [0.9, 0.3], [0.9, 0.9], [0.9, 0.9]])
+    steps = []
+
+    def step(token):
+        steps.append(token.tolist())
+        return _confident_logits(next(tops))
+
+    tokens, probs, confident = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    assert tokens == [[1, 1, 1, 1], [2, 2, 2, 2]]  # every row is drafted while any is worth drafting
+    assert confident == [4, 1]  # 0.9^4 = 0.66 for row 0
+    assert len(steps) == 3 and probs == [None, None]
+    # without a confidence asked, every row has the width, as before
+    tops = iter([[0.9, 0.9], [0.9, 0.3], [0.9, 0.9], [0.9, 0.9]])
+    assert draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.0)[2] is None
+
+
+def test_drafting_stops_once_no_row_keeps_a_draft():
+    tops = iter([[0.9, 0.3], [0.4, 0.9], [0.9, 0.9]])
+    steps = []
+
+    def step(token):
+        steps.append(token.tolist())
+        return _confident_logits(next(tops))
+
+    tokens, _, confident = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    assert confident == [1, 0]  # row 0: 0.9, then 0.36; row 1 is unsure of its first draft
+    assert len(steps) == 1 and len(tokens[0]) == 2  # the proposer ran twice, not four times
+
+
+def test_a_sampled_rows_confidence_is_its_drafts_probability_under_its_own_distribution():
+    # at temperature 3 the 0.9 of the first draft flattens to about 0.36: under 0.5, where greedy keeps it
+    rows = _drafting_rows(1, SamplingParams(temperature=3.0, seed=1))
+    logits = _confident_logits([0.9])
+    tokens, probs, confident = draft_loop(rows, 1, logits, lambda token: None, 0.5)
+    q = torch.softmax(logits[0] / 3.0, -1)
+    assert math.isclose(float(probs[0][0][tokens[0][0]]), float(q[tokens[0][0]]), rel_tol=1e-5)
+    assert confident == [0]
+    assert draft_loop(_drafting_rows(1), 1, logits, lambda token: None, 0.5)[2] == [1]

@@ -1,0 +1,133 @@
+"""Recipes for a learning draft head, side by side: held-out acceptance against minutes of training, from one folder of
+recorded traffic. One table.
+
+    .venv/bin/python benchmarks/head_recipes.py --traffic $DEPCTL_HOME/learning/<deployment>/traffic --minutes 8
+    .venv/bin/python benchmarks/head_recipes.py --traffic DIR --recipes current,2-steps --minutes 20 --every 4
+
+The traffic is what a deployment with ``--learn-draft-head`` recorded (its answers and idle answers: the target's
+layer features and tokens). Each recipe trains a new head from it as the deployment trains one in idle time
+(``training.online._Trainer``: windows of an answer, prompt positions included, the training-time test's chained
+steps), for ``--minutes`` of training time; every ``--every`` minutes the head drafts greedily over every held-out
+answer at K (the mean accepted length, and the share of first drafts accepted), which is not counted as training.
+Recipes run one after another in this process: run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+# what each recipe changes in the deployment's own (``LearnOptions``, and the draft vocabulary's size)
+RECIPES = {
+    "current": {},
+    "2-steps": {"steps": 2},  # train two chained draft steps, not K: a pass per step less
+    "vocab-4096": {"draft_vocab": 4096},  # half the output layer
+    "lr-1e-3": {"lr": 1e-3},
+    "batch-256": {"batch_rows": 256},  # twice the optimizer steps
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--traffic", type=Path, required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--minutes", type=float, default=8.0, help="training time a recipe")
+    parser.add_argument("--every", type=float, default=2.0, help="minutes of training between measurements")
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from depctl_runtime.backends.weights import resolve_source
+    from depctl_runtime.model.eagle import EagleConfig, EagleHead
+    from depctl_runtime.training.eagle import _vocabulary, acceptance, reach
+    from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer
+    from depctl_runtime.training.traffic import read_answer
+
+    source = resolve_source(args.model, "MODEL", lambda stage: None)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    embeddings = model.get_input_embeddings().weight.detach()
+    final_norm = model.model.norm.weight.detach()
+    files = sorted(args.traffic.glob("*.safetensors"))
+    train = [p for p in files if p.name.startswith("train-")]
+    held = [a.example() for a in map(read_answer, (p for p in files if p.name.startswith("held-"))) if a is not None]
+    examples = [a.example() for a in map(read_answer, train) if a is not None]
+    positions = sum(len(e["tokens"]) for e in examples)
+    print(
+        f"{args.model}: {len(examples)} recorded answers ({positions:,} positions), {len(held)} held out; K={args.k}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    answer_tokens = torch.cat([e["tokens"][e["start"] :] for e in held])
+    for size in sorted({r.get("draft_vocab", 8192) for r in RECIPES.values()}):
+        vocabulary = _vocabulary(examples, size, model.config.vocab_size)
+        covered = torch.isin(answer_tokens, vocabulary).float().mean()
+        print(f"  a {size}-token draft vocabulary covers {covered:.1%} of the held-out answers' tokens")
+
+    results: dict[str, list[dict]] = {}
+    for name in args.recipes.split(","):
+        recipe = dict(RECIPES[name])
+        size = recipe.pop("draft_vocab", 8192)
+        options = LearnOptions(steps=min(recipe.pop("steps", args.k), args.k), draft_vocab=size, **recipe)
+        config = EagleConfig.for_target(model.config, size)
+        head = EagleHead(config)
+        head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
+        trainer = _Trainer(head, options, _vocabulary(examples, size, config.vocab_size), final_norm)
+        rng, queue = random.Random(0), []
+
+        def next_answer():
+            while True:
+                if not queue:
+                    queue.extend(train)
+                    rng.shuffle(queue)
+                answer = read_answer(queue.pop())
+                if answer is not None:
+                    return answer
+
+        rows, due = [], 0.0
+        while True:
+            if trainer.seconds >= due:
+                trainer.flush()
+                t0 = time.perf_counter()
+                reached, counted = [0] * args.k, 0
+                for example in held:
+                    got, n = reach(head, example, args.k)
+                    reached, counted = [a + b for a, b in zip(reached, got)], counted + n
+                measured = acceptance(reached, counted)
+                rows.append({"minutes": trainer.seconds / 60, "positions": trainer.rows, **measured})
+                print(
+                    f"  [{name}] {trainer.seconds / 60:.1f} min, {trainer.rows:,} positions: mean accepted "
+                    f"{measured['mean_accepted']}, first {measured['acceptance'][0]:.1%} "
+                    f"(measured in {time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+                if trainer.seconds >= args.minutes * 60:
+                    break
+                due += args.every * 60
+            trainer.train_window(next_answer, SLICE)
+        results[name] = rows
+
+    names = list(results)
+    print("\nmean accepted length at K on the held-out answers (first drafts accepted), by minutes of training\n")
+    print("| minutes | " + " | ".join(names) + " |")
+    print("|---:|" + "---|" * len(names))
+    for i in range(max(len(r) for r in results.values())):
+        cells = []
+        for name in names:
+            row = results[name][i] if i < len(results[name]) else None
+            cells.append(f"{row['mean_accepted']:.3f} ({row['acceptance'][0]:.0%})" if row else "")
+        minutes = next(results[n][i]["minutes"] for n in names if i < len(results[n]))
+        print(f"| {minutes:.0f} | " + " | ".join(cells) + " |")
+    print(
+        "| positions a minute | "
+        + " | ".join(f"{results[n][-1]['positions'] / max(results[n][-1]['minutes'], 1e-9):,.0f}" for n in names)
+        + " |"
+    )
+
+
+if __name__ == "__main__":
+    main()
