@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-# what each recipe changes in the deployment's own (``LearnOptions``, and the draft vocabulary's size)
+# what each recipe changes in the deployment's own: ``LearnOptions`` fields, and the draft vocabulary's size
 RECIPES = {
-    "current": {},
-    "2-steps": {"steps": 2},  # train two chained draft steps, not K: a pass per step less
-    "vocab-4096": {"draft_vocab": 4096},  # half the output layer
+    "deployment": {},  # as a learning deployment trains now
+    "4-steps-vocab-8192": {"train_steps": 4, "draft_vocab": 8192},  # as it trained before (K=4)
+    "4-steps": {"train_steps": 4},  # a pass of the head and its output layer per chained step
+    "vocab-8192": {"draft_vocab": 8192},
     "lr-1e-3": {"lr": 1e-3},
     "batch-256": {"batch_rows": 256},  # twice the optimizer steps
 }
@@ -43,6 +44,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from depctl_runtime.backends.learning import DRAFT_VOCAB
     from depctl_runtime.backends.weights import resolve_source
     from depctl_runtime.model.eagle import EagleConfig, EagleHead
     from depctl_runtime.training.eagle import _vocabulary, acceptance, reach
@@ -63,7 +65,7 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}"
     )
     answer_tokens = torch.cat([e["tokens"][e["start"] :] for e in held])
-    for size in sorted({r.get("draft_vocab", 8192) for r in RECIPES.values()}):
+    for size in sorted({r.get("draft_vocab", DRAFT_VOCAB) for r in RECIPES.values()}):
         vocabulary = _vocabulary(examples, size, model.config.vocab_size)
         covered = torch.isin(answer_tokens, vocabulary).float().mean()
         print(f"  a {size}-token draft vocabulary covers {covered:.1%} of the held-out answers' tokens")
@@ -71,8 +73,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for name in args.recipes.split(","):
         recipe = dict(RECIPES[name])
-        size = recipe.pop("draft_vocab", 8192)
-        options = LearnOptions(steps=min(recipe.pop("steps", args.k), args.k), draft_vocab=size, **recipe)
+        size = recipe.pop("draft_vocab", DRAFT_VOCAB)
+        options = LearnOptions(steps=args.k, **recipe)
         config = EagleConfig.for_target(model.config, size)
         head = EagleHead(config)
         head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)

@@ -17,8 +17,11 @@ from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.data import load_conversations
 from depctl_runtime.training.online import HeadLearner, LearnOptions
 
-DRAFT_VOCAB = 8192  # the head's output layer: the tokens the recorded answers use most
-MAX_TRAINED_STEPS = 5  # draft steps trained: later ones are reached rarely, and each costs a pass of the head
+# the head's output layer: the tokens the recorded answers use most. 4,096 cover about 90% of chat answers' tokens
+# (8,192: 94%), and the layer is half of a training step: the smaller one learns more in the same minutes
+# (BENCHMARKS.md, "Recipes for a learning head"), and drafts cheaper
+DRAFT_VOCAB = 4096
+MAX_MEASURED_STEPS = 5  # draft steps heads are compared at: later ones are reached rarely, and each costs a pass
 
 
 def learner(spec: DeploymentSpec, model, rows: int, vocab: int) -> HeadLearner:
@@ -34,7 +37,7 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int) -> HeadLearner:
         "architectures": list(getattr(model.config, "architectures", None) or []),
         "fingerprint": eagle_format.fingerprint(model),
     }
-    steps = min(spec.speculation.num_draft_tokens, MAX_TRAINED_STEPS)
+    steps = min(spec.speculation.num_draft_tokens, MAX_MEASURED_STEPS)
 
     def make_proposer(head) -> EagleProposer:
         return EagleProposer(eagle.for_serving(head, model), rows, vocab)

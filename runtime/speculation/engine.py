@@ -586,7 +586,7 @@ class SpeculativeEngine:
         return drafts, probs, model_tokens, caught_up, first
 
     def _draft_threshold(self, batch: int) -> float:
-        if not (self.config.cut_unsure_drafts and self.config.adaptive) or self.draft_model is None:
+        if not (self.config.cut_unsure_drafts and self.policy.adaptive) or self.draft_model is None:
             return 0.0  # a fixed width drafts all it asks
         return self.policy.draft_threshold(batch)
 

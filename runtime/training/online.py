@@ -60,12 +60,16 @@ EPOCHS = 8  # passes over the recorded positions before training waits for more 
 LR = 5e-4
 WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 HISTORY_KEPT = 200
+# chained draft steps trained (the training-time test's depth): two learn more acceptance at K=4 per CPU-minute than
+# four, later steps included (each step is a pass of the head and its output layer)
+# (BENCHMARKS.md, "Recipes for a learning head")
+TRAIN_STEPS = 2
 
 
 @dataclass
 class LearnOptions:
-    steps: int  # draft steps trained (the deployment's K)
-    draft_vocab: int = 8192
+    steps: int  # draft steps heads are measured at (the deployment's K)
+    train_steps: int = TRAIN_STEPS
     slice_seconds: float = SLICE
     batch_rows: int = BATCH_ROWS
     min_answers: int = MIN_ANSWERS
@@ -480,7 +484,7 @@ class _Trainer:
             answer.tokens[:end].long().to(device),
             answer.features[: end - 1].to(device).float(),
             start,
-            self.options.steps,
+            min(self.options.train_steps, self.options.steps),
             2 if self.options.prompt_positions else answer.prompt_len,
             context,
             keys,

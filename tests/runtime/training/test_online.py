@@ -7,6 +7,7 @@ import stat
 import time
 
 import pytest
+import torch
 
 from depctl import learning
 from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
@@ -14,9 +15,10 @@ from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.speculation import GenerationParams, NgramProposer, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.training.eagle import acceptance, reach
-from depctl_runtime.training.online import _Trainer
-from depctl_runtime.training.traffic import read_answer
+from depctl_runtime.training.online import LearnOptions, _Trainer
+from depctl_runtime.training.traffic import Answer, read_answer
 from tests.driving import drive
+from tests.tiny import tiny_head
 
 GREEDY = GenerationParams(max_tokens=40, ignore_eos=True)
 
@@ -209,3 +211,15 @@ def test_resumed_training_state_is_refused_for_another_target(tiny_model_dir, ti
     assert other.learner.generation == 0 and other.learner.trainer is None
     assert isinstance(other.engine.proposer, NgramProposer)
     other.release()
+
+
+@pytest.mark.parametrize("steps,train_steps,chained", [(4, 2, 2), (4, 8, 4), (1, 2, 1)])
+def test_the_head_trains_its_chained_steps_up_to_train_steps_and_is_measured_at_k(steps, train_steps, chained):
+    head = tiny_head(vocab=50, draft_vocab=40)
+    trainer = _Trainer(head, LearnOptions(steps=steps, train_steps=train_steps))
+    asked = []
+    ttt = head.ttt_logits
+    head.ttt_logits = lambda tokens, features, n, **kw: asked.append(n) or ttt(tokens, features, n, **kw)
+    answer = Answer(torch.randint(0, 50, (30,)), torch.randn(29, 3 * 32), prompt_len=10)
+    trainer.train_window(lambda: answer, 1.0)
+    assert asked == [chained] and trainer.rows > 0
