@@ -421,7 +421,7 @@ class SpeculativeEngine:
         # a draft forward's cost, from chain steps that fed the draft its usual one or two tokens: after plain steps
         # it first catches up on every token it missed, a prefill that says nothing of what drafting costs
         if drafted_model and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
-            self.policy.draft_cost.observe(len(batch), (t1 - t0) / len(model_drafts[0]))  # a pass per position
+            self.policy.draft_cost.observe(len(batch), (t1 - t0) / max(len(model_drafts[0]), 1))  # a pass a position
         t3 = time.perf_counter()
         # the guard judges each kind apart; a step whose draft model ran is its kind's even where no row kept a draft
         kind = MODEL if MODEL in realised or drafted_model else FREE if realised else None
@@ -566,10 +566,10 @@ class SpeculativeEngine:
             if made.confident is not None:
                 confident = made.confident
         drafts, probs = [], []
-        for seq, g, tokens, q, sure in zip(batch, guesses, model_tokens, model_probs, confident):
+        for seq, g, tokens, q, kept in zip(batch, guesses, model_tokens, model_probs, confident):
             k = min(width, g.available) if seq.fault is None else 0  # (drafting may have faulted a row's grammar)
             if g.source == DraftSource.MODEL:
-                k = min(k, sure)
+                k = min(k, kept)
                 if seq.grammar is not None and k:  # masked while drafted: only what follows an end token is cut
                     try:
                         k = seq.grammar.valid_prefix(tokens[:k])

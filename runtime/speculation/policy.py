@@ -586,8 +586,8 @@ class DraftLengthPolicy:
         """The probability a draft model's draft must have (its chain's so far, as the draft sees it) to be worth
         verifying: what one more drafted position costs the batch (a draft forward, and a token more a row in the
         verify pass) over what a plain step costs it, since a draft accepted with probability p saves p of a plain
-        step's token. A one-layer head costs a few percent of a target pass, a draft model a third of the target's
-        size a third: the cheaper the draft, the less sure it need be. 0 before the draft's cost is measured."""
+        step's token. A one-layer head's forward costs a few percent of a target pass, a draft model's up to a third
+        or more: the cheaper the draft, the less sure it need be. 0 before the draft's cost is measured."""
         if not self.draft_cost.samples or not self.verify_cost.samples:
             return 0.0
         plain = self.verify_cost(batch)
