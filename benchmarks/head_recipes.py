@@ -47,7 +47,7 @@ def main() -> None:
     from depctl_runtime.backends.learning import DRAFT_VOCAB
     from depctl_runtime.backends.weights import resolve_source
     from depctl_runtime.model.eagle import EagleConfig, EagleHead
-    from depctl_runtime.training.eagle import _vocabulary, acceptance, reach
+    from depctl_runtime.training.eagle import _vocabulary, evaluate
     from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer
     from depctl_runtime.training.traffic import read_answer
 
@@ -95,11 +95,7 @@ def main() -> None:
             if trainer.seconds >= due:
                 trainer.flush()
                 t0 = time.perf_counter()
-                reached, counted = [0] * args.k, 0
-                for example in held:
-                    got, n = reach(head, example, args.k)
-                    reached, counted = [a + b for a, b in zip(reached, got)], counted + n
-                measured = acceptance(reached, counted)
+                measured = evaluate(head, held, args.k)
                 rows.append({"minutes": trainer.seconds / 60, "positions": trainer.rows, **measured})
                 print(
                     f"  [{name}] {trainer.seconds / 60:.1f} min, {trainer.rows:,} positions: mean accepted "
