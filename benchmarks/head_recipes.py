@@ -44,10 +44,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from depctl_runtime.backends.learning import DRAFT_VOCAB
     from depctl_runtime.backends.weights import resolve_source
     from depctl_runtime.model.eagle import EagleConfig, EagleHead
-    from depctl_runtime.training.eagle import _vocabulary, evaluate
+    from depctl_runtime.training.eagle import DRAFT_VOCAB, _vocabulary, evaluate
     from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer
     from depctl_runtime.training.traffic import read_answer
 

@@ -49,10 +49,19 @@ def train(
         30.0, "--minutes", metavar="MINUTES", min=0.1, help="The whole run's time budget, answers included."
     ),
     draft_vocab: int = typer.Option(
-        8192, "--draft-vocab", metavar="N", min=16, help="Tokens the head predicts: the answers' most frequent."
+        4096, "--draft-vocab", metavar="N", min=16, help="Tokens the head predicts: the answers' most frequent."
     ),
     steps: int = typer.Option(
-        4, "--steps", metavar="K", min=1, max=16, help="Draft steps trained (training-time test): K it is for."
+        4, "--steps", metavar="K", min=1, max=16, help="Draft steps the head is for: held-out acceptance is at K."
+    ),
+    train_steps: Optional[int] = typer.Option(
+        None,
+        "--train-steps",
+        metavar="N",
+        min=1,
+        max=16,
+        help="Chained draft steps trained (training-time test), at most K: fewer train more positions a minute. "
+        "Default: 2, or K if smaller.",
     ),
     max_tokens: int = typer.Option(
         192, "--max-tokens", metavar="N", min=8, help="Longest answer generated per prompt."
@@ -91,6 +100,12 @@ def train(
         if quantization is None:
             quantization = SpecStore().get(from_deployment).quantization
     quantization = quantization or "none"
+    if train_steps is not None and train_steps > steps:
+        raise UsageError(
+            f"--train-steps {train_steps} is more than --steps {steps}: the head cannot train steps it never drafts",
+            f"give --train-steps {steps} or fewer, or raise --steps",
+        )
+    train_steps = min(steps, 2) if train_steps is None else train_steps
     if quantization not in typing.get_args(Quantization):
         raise UsageError(f"--quantization {quantization!r} is not one of none, int8, int4", "give one of them")
     try:
@@ -102,7 +117,8 @@ def train(
     _check_data(data)
     _check_out(out, target, force)  # the last check: nothing is written before every one has passed
     cmd = config.python_module("depctl_runtime.training") + [target, "--out", str(out), "--minutes", str(minutes)]
-    cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--max-tokens", str(max_tokens)]
+    cmd += ["--draft-vocab", str(draft_vocab), "--steps", str(steps), "--train-steps", str(train_steps)]
+    cmd += ["--max-tokens", str(max_tokens)]
     cmd += ["--samples", str(samples), "--quantization", quantization]
     cmd += ["--device", device] + {None: [], True: ["--compile"], False: ["--no-compile"]}[compile_passes]
     cmd += ["--data", str(data)] if data is not None else []

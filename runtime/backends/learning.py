@@ -15,12 +15,9 @@ from depctl_runtime.model.runner import FastPass, ModelRunner
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.data import load_conversations
+from depctl_runtime.training.eagle import DRAFT_VOCAB
 from depctl_runtime.training.online import HeadLearner, LearnOptions
 
-# the head's output layer: the tokens the recorded answers use most. 4,096 cover about 90% of chat answers' tokens
-# (8,192: 94%), and the layer is half of a training step: the smaller one learns more in the same minutes
-# (BENCHMARKS.md, "Recipes for a learning head"), and drafts cheaper
-DRAFT_VOCAB = 4096
 MAX_MEASURED_STEPS = 5  # draft steps heads are compared at: later ones are reached rarely, and each costs a pass
 
 

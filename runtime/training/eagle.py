@@ -7,9 +7,10 @@ EAGLE-3's recipe (Li et al. 2025, arXiv 2503.01840), sized for a laptop:
    (low, middle, high) at every position are kept as the engine computes them, the same features a deployment will
    hand the head. Cached in ``OUT/.train/answers-N.safetensors``.
 2. **Vocabulary**: the head predicts over the ``--draft-vocab`` tokens the answers use most (``d2t`` maps them back).
-3. **Training-time test**: the head runs ``--steps`` chained draft steps over every answer, each step reading its
-   own previous output as drafting will (``EagleHead.ttt_logits``); cross-entropy against the target's tokens,
-   step j weighted 0.8^j. A held-out tenth of the prompts measures acceptance as training goes.
+3. **Training-time test**: the head runs ``--train-steps`` chained draft steps over every answer, each step reading
+   its own previous output as drafting will (``EagleHead.ttt_logits``); cross-entropy against the target's
+   distribution, step j weighted 0.8^j. A held-out tenth of the prompts measures acceptance at ``--steps`` (the K
+   the head is for) as training goes.
 
 Progress goes to stdout as JSON lines (the CLI draws them); the head is saved in the speculators format at every
 evaluation, so an interrupted run leaves a usable head, and the same command resumes it (``OUT/.train/state.*``)
@@ -43,6 +44,12 @@ SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the targe
 GENERATION_SHARE = 0.4  # answers stop being generated once this share of the budget is spent
 MIN_EXAMPLES = 10  # below this there is no meaningful held-out split
 COMPILE_WORTH_MINUTES = 20  # a budget this long pays for building compiled passes (minutes on 2 cores)
+# the recipe of offline and learning heads alike: two chained draft steps (the training-time test's depth) into the
+# 4,096 tokens the answers use most (about 90% of chat answers' tokens; 8,192: 94%) train three times the positions a
+# CPU-minute of four into 8,192 (the output layer is half a training step), and reach more acceptance at K=4 in the
+# same minutes (BENCHMARKS.md, "Two chained steps into 4,096 tokens for")
+TRAIN_STEPS = 2
+DRAFT_VOCAB = 4096
 
 
 @dataclass
@@ -51,8 +58,9 @@ class TrainOptions:
     out: Path
     data: Path | None = None
     minutes: float = 30.0
-    draft_vocab: int = 8192
-    steps: int = 4
+    draft_vocab: int = DRAFT_VOCAB
+    steps: int = 4  # the K the head is for: held-out acceptance is measured at it, and the head's config says it
+    train_steps: int = TRAIN_STEPS  # chained draft steps trained (at most ``steps``)
     max_tokens: int = 192
     samples: int = 3  # answers per prompt: one greedy, the rest sampled
     batch: int = 16
@@ -154,6 +162,7 @@ def train(opts: TrainOptions) -> dict:
     def save() -> None:
         extra = {
             "trained_minutes": round(trained / 60, 2),
+            "train_steps": min(opts.train_steps, opts.steps),
             "history": history,
             "examples": len(examples),
             "target_quantization": opts.quantization,
@@ -184,7 +193,7 @@ def train(opts: TrainOptions) -> dict:
             ramp = min(1.0, trained / warmup) if warmup else 1.0
             for group in optimizer.param_groups:
                 group["lr"] = opts.lr * max(ramp, 0.01) * 0.5 * (1 + math.cos(math.pi * progress))
-            loss = _loss(head, example, opts.steps)
+            loss = _loss(head, example, min(opts.train_steps, opts.steps))
             if loss is not None:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -485,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         ("minutes", float),
         ("draft-vocab", int),
         ("steps", int),
+        ("train-steps", int),
         ("max-tokens", int),
         ("samples", int),
         ("batch", int),

@@ -43,7 +43,7 @@ from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.answers import IdleAnswers
-from depctl_runtime.training.eagle import STEP_WEIGHT, _vocabulary, acceptance, reach
+from depctl_runtime.training.eagle import STEP_WEIGHT, TRAIN_STEPS, _vocabulary, acceptance, reach
 from depctl_runtime.training.state import load_state, save_state
 from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStore, private_dir, read_answer
 
@@ -60,10 +60,6 @@ EPOCHS = 8  # passes over the recorded positions before training waits for more 
 LR = 5e-4
 WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 HISTORY_KEPT = 200
-# chained draft steps trained (the training-time test's depth): two learn more acceptance at K=4 per CPU-minute than
-# four, later steps included (each step is a pass of the head and its output layer)
-# (BENCHMARKS.md, "Recipes for a learning head")
-TRAIN_STEPS = 2
 
 
 @dataclass
@@ -123,6 +119,7 @@ class HeadLearner:
         self._comparison: _Comparison | None = None
         self._since_comparison = 0.0
         self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
+        self._served_score: float | None = None  # the serving generation's held-out score as saved with it
         self._resume()
 
     # ---- load time ----
@@ -136,6 +133,7 @@ class HeadLearner:
                 head, config = eagle_format.load(head_dir, self._embeddings())
                 self.serving = head.to(self.device)
                 self.generation = int((config.get("depctl") or {}).get("generation", 1))
+                self._served_score = (eagle_format.measured(config) or (None,))[0]
             except eagle_format.HeadError as exc:
                 log.warning("the learned head in %s cannot be read (%s): learning starts over", head_dir, exc)
         saved = load_state(self._state_dir(), self.device) if self._state_dir().exists() else None
@@ -154,6 +152,14 @@ class HeadLearner:
     def initial_head(self) -> EagleHead | None:
         """The generation that served last, ready to serve again (a copy): None before any."""
         return copy.deepcopy(self.serving) if self.serving is not None else None
+
+    def serving_mean_accepted(self) -> float | None:
+        """The serving generation's mean accepted length at ``options.steps`` on the latest held-out answers it was
+        measured on: what the engine's policy starts its drafts from after a restart."""
+        for h in reversed(self.history):
+            if h["generation"] == self.generation and (h["promoted"] or h["serving"] is not None):
+                return h["candidate"] if h["promoted"] else h["serving"]
+        return self._served_score
 
     def answer(self, answers: IdleAnswers) -> None:
         """Spend idle time on ``answers`` too (from where a restart left off): all of what training cannot use, and
@@ -302,7 +308,11 @@ class HeadLearner:
         self.generation += 1
         head = copy.deepcopy(self.trainer.head).eval().requires_grad_(False)
         self.serving = head
-        extra = {"generation": self.generation, "trained_minutes": round(self.trainer.seconds / 60, 2)}
+        extra = {
+            "generation": self.generation,
+            "trained_minutes": round(self.trainer.seconds / 60, 2),
+            "held_out_mean_accepted": mean_accepted,
+        }
         eagle_format.save(head, self.folder / "head", self.verifier, self.options.steps, extra)
         _private_files(self.folder / "head")
         if self.engine is not None:

@@ -38,6 +38,14 @@ def test_train_writes_a_head_and_says_how_to_serve_it(tiny_model_dir, tmp_path):
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
 
 
+def test_more_train_steps_than_steps_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "h"
+    result = run("draft", "train", "smollm2-135m-instruct", "--out", str(out), "--steps", "2", "--train-steps", "3")
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--train-steps 3 is more than --steps 2" in text, result.output
+    assert "give --train-steps 2 or fewer" in text and not out.exists()
+
+
 def test_a_trainer_error_is_shown_as_the_commands_error(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "only one"}\n')

@@ -150,6 +150,7 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(tiny_model_dir)
     assert config["depctl"]["history"]
+    assert config["depctl"]["train_steps"] == 2  # two chained steps trained by default, measured at --steps 3
     # the same command again: nothing is regenerated, and the budget is already spent; pickles planted where older
     # versions kept the state are never read (one of them ran a shell command when it was)
     marker = tmp_path / "ran"
