@@ -112,9 +112,16 @@ def save_tiny(
     return path
 
 
-def save_tiny_head(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int = 96, verifier: str | None = None):
+def save_tiny_head(
+    path: Path,
+    target_dir: Path,
+    seed: int = 0,
+    draft_vocab: int = 96,
+    verifier: str | None = None,
+    extra: dict | None = None,
+):
     """A random EAGLE-3 head for the tiny model saved in ``target_dir``, in the speculators format: trained for it
-    (its fingerprint), named ``verifier`` (default: the directory)."""
+    (its fingerprint), named ``verifier`` (default: the directory), with ``extra`` as its ``depctl`` record."""
     from transformers import AutoModelForCausalLM
 
     from depctl_runtime.model import eagle_format
@@ -130,7 +137,11 @@ def save_tiny_head(path: Path, target_dir: Path, seed: int = 0, draft_vocab: int
     head.set_vocabulary(torch.arange(0, 2 * draft_vocab, 2))
     fingerprint = eagle_format.fingerprint(target)
     eagle_format.save(
-        head, path, {"name_or_path": verifier or str(target_dir), "fingerprint": fingerprint}, speculative_tokens=4
+        head,
+        path,
+        {"name_or_path": verifier or str(target_dir), "fingerprint": fingerprint},
+        speculative_tokens=4,
+        extra=extra,
     )
     return path
 

@@ -30,6 +30,11 @@ def head_bytes(source: str) -> int:
     return sum(p.stat().st_size for p in Path(source).glob("*.safetensors"))
 
 
+def measured(source: str) -> tuple[float, int] | None:
+    """The held-out mean accepted length the head in ``source`` recorded, and the draft steps it was measured at."""
+    return eagle_format.measured(eagle_format.read_config(Path(source)))
+
+
 def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: str) -> EagleHead:
     """The head in ``source`` over ``model``'s embeddings, on its device, after checking it was trained for it."""
     try:

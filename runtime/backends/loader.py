@@ -135,11 +135,13 @@ def load_deployment(
     surgery(target)
     draft = None
     head = None
+    head_measured = None  # the head's held-out mean accepted length and its K: where its drafts' rate starts
     if head_source:
         try:
             head = eagle.load_head(head_source, target.model, spec.model, draft_ref)
         except eagle.HeadLoadError as exc:
             raise LoadError(str(exc)) from None
+        head_measured = eagle.measured(head_source)
     elif draft_ref:
         draft = load_model(draft_ref, "--draft-model", device, load_dtype(precision))
         draft.precision = precision
@@ -156,6 +158,7 @@ def load_deployment(
         learner = learning.learner(spec, target.model, rows, vocab)
         served = learner.initial_head()  # the generation that served before a restart, if any
         head = eagle.for_serving(served, target.model) if served is not None else None
+        head_measured = (learner.serving_mean_accepted(), learner.options.steps)
         features = learner.config.aux_layers
     features = head.config.aux_layers if head is not None else features
     passes = compile_passes(
@@ -185,6 +188,10 @@ def load_deployment(
         ),
         observer=learner.recorder if learner is not None else None,
     )
+    if head is not None and head_measured is not None:
+        # as a head swapped in while serving does: an unmeasured rate drafts a weak head long, and its first steps
+        # lose until the guard turns it off
+        engine.policy.new_draft_model(*head_measured)
     if learner is not None:
         if head is not None:  # a generation served before a restart: the n-gram or suffix index drafts beside it
             engine.free = pick_proposer(spec_method, passes, None, rows, vocab)

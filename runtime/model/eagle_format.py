@@ -93,6 +93,19 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def measured(config: dict) -> tuple[float, int] | None:
+    """A head's mean accepted length on held-out answers and the draft steps it was measured at, where its config
+    records them (a learned generation's last comparison, or ``depctl draft train``'s last evaluation); else None."""
+    extra = config.get("depctl") or {}
+    history = extra.get("history") or [{}]
+    mean = extra.get("held_out_mean_accepted") or history[-1].get("mean_accepted")
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens")
+    if not isinstance(mean, (int, float)) or not isinstance(k, int) or k < 1:
+        return None
+    return float(mean), k
+
+
 def load(path: Path, embeddings: torch.Tensor) -> tuple[EagleHead, dict]:
     """The head in ``path`` with the target's input ``embeddings`` [vocab, hidden]; and its config."""
     config = read_config(path)

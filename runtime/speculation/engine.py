@@ -359,8 +359,8 @@ class SpeculativeEngine:
         drafted = self._drafts(batch, guesses, width, branches, sure)
         drafts, draft_probs, model_drafts, caught_up, first_choices = drafted
         drafted_model = model_drafts[0] is not None and width > 0  # the draft model ran: its passes are this step's
-        if drafted_model and sure > 0:
-            # rows whose drafts lost confidence verify fewer: expect what they verify
+        if sure > 0:
+            # rows whose drafts lost confidence (or were never drafted) verify fewer: expect what they verify
             predicted = self.policy.expected(
                 [RowPlan(g.acceptance, len(d), g.source == DraftSource.MODEL) for g, d in zip(guesses, drafts)], width
             )
@@ -560,7 +560,9 @@ class SpeculativeEngine:
             return made.trees, made.probs, made.trees, made.caught_up, made.first_choices
         model_tokens, model_probs, caught_up, first = [None] * len(batch), [None] * len(batch), 0, None
         confident = [width] * len(batch)
-        if width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
+        if sure >= 1.0:  # no draft could pay for verifying it: the draft model's forwards would be spent for nothing
+            confident = [0] * len(batch)
+        elif width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
             made = self.draft_model.propose(batch, width, sure)
             model_tokens, model_probs, caught_up, first = made.tokens, made.probs, made.caught_up, made.first_choices
             if made.confident is not None:

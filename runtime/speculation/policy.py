@@ -407,13 +407,14 @@ class DraftLengthPolicy:
         if model is not None and model.trials > 2 * PRIOR_WEIGHT:
             self.model_rate = 0.7 * self.model_rate + 0.3 * model.overall
 
-    def new_draft_model(self, mean_accepted: float | None) -> None:
-        """A new draft model (or head generation) drafts from now on: where its mean accepted length at ``max_k``
-        was measured (a head's held-out comparison), the next requests start from the rate that gives it. What its
-        predecessor's steps measured (the guard's verdicts, their realism) is forgotten: a better head held off by an
-        old head's loss would wait for two of its rare probes in a row to gain."""
-        if mean_accepted is not None and self.max_k > 0:
-            self.model_rate = rate_for_mean_accepted(mean_accepted, self.max_k)
+    def new_draft_model(self, mean_accepted: float | None, k: int | None = None) -> None:
+        """A new draft model (or head generation) drafts from now on: where its mean accepted length at ``k``
+        (default ``max_k``) was measured (a head's held-out acceptance), the next requests start from the rate that
+        gives it. What its predecessor's steps measured (the guard's verdicts, their realism) is forgotten: a better
+        head held off by an old head's loss would wait for two of its rare probes in a row to gain."""
+        k = k or self.max_k
+        if mean_accepted is not None and k > 0:
+            self.model_rate = rate_for_mean_accepted(mean_accepted, k)
         self.guard.forget(MODEL)
         self._realism[MODEL] = [REALISM_PRIOR] * 2
 

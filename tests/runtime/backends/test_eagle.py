@@ -11,6 +11,7 @@ from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
+from depctl_runtime.speculation.policy import DraftLengthPolicy, rate_for_mean_accepted
 from tests.tiny import save_tiny_head
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -59,6 +60,17 @@ def test_the_compiled_pass_returns_the_layer_features_the_eager_pass_does(tiny_m
     b = eager.score(0, [[6, 7, 8]]).features
     assert a.shape == (3, 3 * 64)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_heads_drafts_start_from_the_acceptance_its_training_measured(tiny_model_dir, tmp_path):
+    history = [{"minutes": 30.0, "mean_accepted": 1.2}, {"minutes": 31.0, "mean_accepted": 1.7}]
+    measured = save_tiny_head(tmp_path / "measured", tiny_model_dir, extra={"history": history})
+    engine = load_deployment(spec_with(tiny_model_dir, measured), calibrate=False).engine
+    assert engine.policy.model_rate == pytest.approx(rate_for_mean_accepted(1.7, 4))  # the last, at its K of 4
+    unmeasured = load_deployment(
+        spec_with(tiny_model_dir, save_tiny_head(tmp_path / "u", tiny_model_dir)), calibrate=False
+    )
+    assert unmeasured.engine.policy.model_rate == DraftLengthPolicy(3).model_rate  # the default prior
 
 
 def test_a_head_trained_for_another_model_is_refused_naming_both(tiny_model_dir, tiny_draft_dir, tmp_path):

@@ -291,16 +291,37 @@ def test_a_step_whose_draft_model_kept_no_draft_is_judged_as_drafting_not_as_a_p
     plain, _ = run(make(target), PROMPTS[1], ignore_eos=True)
     engine = make(target, DraftModelProposer(ModelRunner(_near(target))), 3, cut_unsure_drafts=True)
     engine.policy.width = lambda plans, **_: (3, {"model": 1.0})
-    engine.policy.draft_threshold = lambda batch: 1.0  # never sure enough
+    engine.policy.draft_threshold = lambda batch: 0.99  # (a tiny random draft is never this sure)
     kinds = []
     observe = engine.policy.observe_step_time
     engine.policy.observe_step_time = lambda seconds, batch, tokens, kind: (
         kinds.append(kind) or observe(seconds, batch, tokens, kind)
     )
     assert run(engine, PROMPTS[1], ignore_eos=True)[0] == plain
-    assert engine.stats.num_draft_tokens == 0
+    assert engine.stats.num_drafts <= 2 < len(kinds)  # (a draft the tiny model is that sure of is rare)
     assert kinds[-1] is None  # the last step has room for one token: a plain step
     assert kinds[:-1] and set(kinds[:-1]) == {"model"}
+
+
+def test_where_no_draft_could_pay_for_its_verify_the_draft_model_does_not_run(target):
+    """At a threshold of 1 no draft is worth verifying, whatever the draft's probabilities: running the draft model
+    anyway would cost its forwards and verify nothing."""
+    plain, _ = run(make(target), PROMPTS[1], ignore_eos=True)
+    proposer = DraftModelProposer(ModelRunner(_near(target)))
+    engine = make(target, proposer, 3, cut_unsure_drafts=True)
+    engine.policy.width = lambda plans, **_: (3, {"model": 1.0})
+    engine.policy.draft_threshold = lambda batch: 1.0
+    proposed = []
+    propose = proposer.propose
+    proposer.propose = lambda *a, **kw: proposed.append(1) or propose(*a, **kw)
+    kinds = []
+    observe = engine.policy.observe_step_time
+    engine.policy.observe_step_time = lambda seconds, batch, tokens, kind: (
+        kinds.append(kind) or observe(seconds, batch, tokens, kind)
+    )
+    assert run(engine, PROMPTS[1], ignore_eos=True)[0] == plain
+    assert not proposed and engine.stats.num_draft_tokens == 0
+    assert kinds and set(kinds) == {None}  # plain steps, as the guard sees them
 
 
 def test_update_draft_count_in_place(target):

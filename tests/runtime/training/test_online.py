@@ -14,6 +14,7 @@ from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.speculation import GenerationParams, NgramProposer, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
+from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from depctl_runtime.training.eagle import acceptance, reach
 from depctl_runtime.training.online import LearnOptions, _Trainer
 from depctl_runtime.training.traffic import Answer, read_answer
@@ -135,6 +136,10 @@ def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_st
     again = load_deployment(spec(tiny_model_dir), calibrate=False)
     assert isinstance(again.engine.draft_model, EagleProposer) and isinstance(again.engine.free, NgramProposer)
     assert again.learner.generation == generation
+    # its drafts start from the rate its last held-out score gives, as when it was swapped in, not a default
+    score = learner.serving_mean_accepted()
+    assert score is not None and score == again.learner.serving_mean_accepted()
+    assert again.engine.policy.model_rate == pytest.approx(rate_for_mean_accepted(score, learner.options.steps))
     assert again.learner.trainer.rows == rows and again.learner.history == learner.history
     got, _ = drive(Scheduler(again.engine, 2), [(0, p, GREEDY) for p in later])
     assert got == plain_outputs(later)
