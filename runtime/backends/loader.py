@@ -214,8 +214,8 @@ def load_deployment(
         kept = read_costs(costs_file)
         if kept is not None:
             report(Stage("warming up", "the passes, with the costs an earlier load measured here"))
-            engine.calibrate(measure=False)
             engine.policy.restore(kept)
+            engine.calibrate(measure=False)
         else:
             report(Stage("calibrating", "the pass costs for the speculation policy (once per model and machine)"))
             engine.calibrate()

@@ -735,7 +735,9 @@ class SpeculativeEngine:
     def calibrate(self, context: int = 64, repeats: int = 2, measure: bool = True) -> dict:
         """Measure passes over n tokens (and a draft model's or head's forwards over B rows) once, so the policy starts
         from real numbers. Also warms up the kernels, so the first request does not pay for lazy initialisation.
-        ``measure=False`` only warms up (each shape once), for a policy whose costs were kept from an earlier load."""
+        ``measure=False`` only warms up (each shape once), for a policy whose costs were kept from an earlier load
+        (and restored before this), measuring only a draft's forward those costs lack."""
+        draft_repeats = repeats
         if not measure:
             repeats = 0
         rows = self.target.max_rows
@@ -775,7 +777,12 @@ class SpeculativeEngine:
                 if measure:
                     self.policy.tree_cost.samples[b * len(tree)] = best
         if self.draft_model is not None:
-            self.draft_model.calibrate(self.policy.draft_cost if measure else CostModel(), rows, prompt, repeats)
+            # kept costs may predate the draft (a learning deployment's head that came later): unmeasured, its forward
+            # would be priced at a second and never draft
+            if measure or not self.policy.draft_cost.samples:
+                self.draft_model.calibrate(self.policy.draft_cost, rows, prompt, draft_repeats)
+            else:
+                self.draft_model.calibrate(CostModel(), rows, prompt, 0)
         for r in range(rows):
             self.target.set_length(r, 0)
         return self.policy.snapshot()

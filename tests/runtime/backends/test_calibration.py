@@ -64,3 +64,39 @@ def test_costs_kept_before_tree_passes_were_priced_are_measured_again(tmp_path):
     assert read_costs(path) is None  # no "tree_ms": a policy restored from it would never price a tree
     write_costs(path, {"verify_ms": {"1": 5.0}, "draft_ms": {}, "tree_ms": {}})
     assert read_costs(path)["verify_ms"] == {"1": 5.0}
+
+
+def test_a_head_the_kept_costs_never_priced_has_its_forward_measured(tiny_model_dir, tmp_path, monkeypatch):
+    # a learning deployment kept its costs before it had a head, then stopped without writing them back (killed, or
+    # before its first generation served). Restored as they were, they priced no head forward, and an unmeasured
+    # forward costs a second: its head never drafted
+    from depctl import learning
+    from depctl.spec import LearnDraftHead
+    from tests.tiny import save_tiny_head
+
+    monkeypatch.setattr(config, "cache_dir", lambda: tmp_path / "cache")
+    spec = DeploymentSpec(
+        id="learns",
+        model=str(tiny_model_dir),
+        compile=False,
+        device="cpu",
+        max_batch_size=2,
+        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
+        learn_draft_head=LearnDraftHead(),
+        prefix_cache_bytes=0,
+    )
+    load_deployment(spec)  # calibrates and keeps the costs; never released
+    assert not read_kept(tmp_path / "cache")["draft_ms"]
+    save_tiny_head(learning.path(spec.id) / "head", tiny_model_dir)  # its first generation, as a restart finds it
+    stages = []
+    again = load_deployment(spec, report=stages.append)
+    assert "warming up" in [s.name for s in stages]  # the target's costs are the kept ones
+    assert again.engine.draft_model is not None and set(again.engine.policy.draft_cost.samples) == {1, 2}
+    again.release()
+
+
+def read_kept(cache) -> dict:
+    import json
+
+    (path,) = (cache / "calibration").glob("*.json")
+    return json.loads(path.read_text())
