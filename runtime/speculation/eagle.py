@@ -129,28 +129,34 @@ class EagleProposer:
 
         def step(token: torch.Tensor) -> torch.Tensor:  # token [B] -> the next draft's logits [B, vocab]
             # step j's entry goes at index and position n - 2 + j: right after the row's entries and chain so far
-            q, k, v, residual = head._qkv(token, state["out"], torch.tensor(state["lengths"], device=self.device))
-            for b, pos in enumerate(state["lengths"]):
-                self.keys[b, :, pos] = k[:, b]
-                self.values[b, :, pos] = v[:, b]
+            at = torch.tensor(state["lengths"], device=self.device)
+            q, k, v, residual = head._qkv(token, state["out"], at)
+            rows = torch.arange(len(batch), device=self.device)
+            self.keys[rows, :, at] = k.transpose(0, 1)  # [B, kv_heads, dim], each row at its own index
+            self.values[rows, :, at] = v.transpose(0, 1)
             state["lengths"] = [n + 1 for n in state["lengths"]]
             state["out"] = self._attend_finish(q, residual, state["lengths"])
             return self._spread(head.logits(state["out"]))
 
-        drafted, probs, confident = draft_loop(batch, width, self._spread(head.logits(out)), step, min_confidence)
-        return ModelDrafts(drafted, probs, caught_up, confident=confident)
+        drafted = draft_loop(batch, width, self._spread(head.logits(out)), step, min_confidence)
+        return ModelDrafts(drafted.tokens, drafted.probs, caught_up, confident=drafted.confident, chains=drafted.chains)
 
     def _attend_finish(self, q: torch.Tensor, residual: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """One query per row (q [heads, B, dim]) over its row's first ``lengths[b]`` entries -> the layer's output
         [B, hidden]."""
         rows, span = q.shape[1], max(lengths)
-        keys = self.keys[:rows, :, :span].repeat_interleave(self.groups, 1)  # [B, heads, span, dim]
-        values = self.values[:rows, :, :span].repeat_interleave(self.groups, 1)
+        # the query heads that share a key head attend as that head's queries: the cache is read in place, where
+        # repeating it per query head copied every row's whole context each draft step
+        queries = q.transpose(0, 1).reshape(rows, self.kv_heads, self.groups, self.dim)
         sees = torch.arange(span, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
         attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[:, :, None], keys, values, attn_mask=sees[:, None, None], scale=self.dim**-0.5
-        )  # [B, heads, 1, dim]
-        return self.head._finish(attended[:, :, 0].transpose(0, 1), residual)
+            queries,
+            self.keys[:rows, :, :span],
+            self.values[:rows, :, :span],
+            attn_mask=sees[:, None, None],
+            scale=self.dim**-0.5,
+        )  # [B, kv_heads, groups, dim]
+        return self.head._finish(attended.reshape(rows, -1, self.dim).transpose(0, 1), residual)
 
     def _spread(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, draft_vocab] -> [B, vocab]: each draft id's logit at its target id, -inf at the rest."""

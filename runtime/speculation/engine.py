@@ -357,7 +357,7 @@ class SpeculativeEngine:
         branches = self.policy.branches if width else 1
         sure = self._draft_threshold(len(batch)) if width and branches == 1 else 0.0  # (a tree drafts whole)
         drafted = self._drafts(batch, guesses, width, branches, sure)
-        drafts, draft_probs, model_drafts, caught_up, first_choices = drafted
+        drafts, draft_probs, model_drafts, caught_up, first_choices, chains = drafted
         drafted_model = model_drafts[0] is not None and width > 0  # the draft model ran: its passes are this step's
         if sure > 0:
             # rows whose drafts lost confidence (or were never drafted) verify fewer: expect what they verify
@@ -407,6 +407,8 @@ class SpeculativeEngine:
                 part = "proposer"
                 if first_choices is not None and first_choices[b] is not None and drafts[b]:
                     self.policy.observe_first_choices(first_choices[b], drafts[b][0] if n else token)
+                if chains is not None and guesses[b].source == DraftSource.MODEL and drafts[b]:
+                    self.policy.observe_confidence(chains[b][: len(drafts[b])], n)
                 outputs.append(self._advance(seq, guesses[b], drafts[b], n, token, model_drafts[b], logprobs, read))
             except Exception as exc:  # noqa: BLE001 - this row's grammar, sampling or proposer: it ends alone
                 outputs.append(self._failed(seq, part, exc))
@@ -553,18 +555,21 @@ class SpeculativeEngine:
         """Each row's drafts (at most ``width``; a ``DraftTree`` of ``branches`` branches when more than 1), their
         draft probabilities (None: one-hot), the draft model's own tokens per row when it ran (its cache keeps only
         the part the target accepted), the most tokens a row fed it to catch up, and the draft's first choices at
-        the first position per row (where it ran). ``sure``: a model row keeps its drafts only while the draft's own
-        probability of them stays at or above it (``proposers.draft_loop``)."""
+        the first position per row (where it ran), and the draft's probability of each row's chain up to each draft
+        (where ``sure`` asked for it). ``sure``: a model row keeps its drafts only while the draft's own probability
+        of them stays at or above it (``proposers.draft_loop``)."""
         if branches > 1:
             made = self.draft_model.propose_tree(batch, width, branches)
-            return made.trees, made.probs, made.trees, made.caught_up, made.first_choices
+            return made.trees, made.probs, made.trees, made.caught_up, made.first_choices, None
         model_tokens, model_probs, caught_up, first = [None] * len(batch), [None] * len(batch), 0, None
+        chains = None
         confident = [width] * len(batch)
         if sure >= 1.0:  # no draft could pay for verifying it: the draft model's forwards would be spent for nothing
             confident = [0] * len(batch)
         elif width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
             made = self.draft_model.propose(batch, width, sure)
             model_tokens, model_probs, caught_up, first = made.tokens, made.probs, made.caught_up, made.first_choices
+            chains = made.chains
             if made.confident is not None:
                 confident = made.confident
         drafts, probs = [], []
@@ -585,7 +590,7 @@ class SpeculativeEngine:
                 probs.append(None)
         if first is not None:  # only a model row's first draft is its first choice
             first = [f if g.source == DraftSource.MODEL else None for f, g in zip(first, guesses)]
-        return drafts, probs, model_tokens, caught_up, first
+        return drafts, probs, model_tokens, caught_up, first, chains
 
     def _draft_threshold(self, batch: int) -> float:
         if not (self.config.cut_unsure_drafts and self.policy.adaptive) or self.draft_model is None:

@@ -75,6 +75,14 @@ CHOICE_DECAY = 0.99  # per observation: how often the target took the draft's 2n
 CHOICE_PRIOR = (0.0, 1.2, 0.4, 0.2)
 
 
+# a draft model's own probability of its chain, against how often the target accepted chains that probable
+# (``DraftConfidence``): per tenth of probability, decayed counts that follow its last ~500 drafts there, from a
+# prior of a few drafts accepted as often as the draft said
+CONFIDENCE_BINS = 10
+CONFIDENCE_DECAY = 0.998
+CONFIDENCE_PRIOR = 2.0
+
+
 def _clamped(row) -> float:
     """A row's acceptance rate within [0, 0.999] (1 would make every sum of its powers endless)."""
     return min(max(row.acceptance.rate, 0.0), 0.999)
@@ -201,6 +209,53 @@ class CostModel:
 
     def snapshot(self) -> dict[int, float]:
         return {n: round(v * 1000, 2) for n, v in sorted(dict(self.samples).items())}  # a copy: read off-thread
+
+
+class DraftConfidence:
+    """How often the target accepted a draft model's drafts (or a head's), against the draft's own probability of its
+    chain up to them: a draft's word calibrated by its record. A head trained for minutes is far surer than it is
+    right (BENCHMARKS.md, "What a learned head's confidence is worth"), and a cut at its own word verified drafts
+    that lost under load. The map is kept non-decreasing from the top down (a less sure chain is never taken to be
+    worth more than a surer one measured), so it errs towards verifying less."""
+
+    def __init__(self):
+        n = CONFIDENCE_BINS
+        self._counts = [[(i + 0.5) / n * CONFIDENCE_PRIOR, CONFIDENCE_PRIOR] for i in range(n)]  # [accepted, trials]
+        self._curve: list[float] | None = None  # per bin, the rate kept non-decreasing; None: to be recomputed
+
+    def observe(self, chain: list[float], accepted: int) -> None:
+        """A row's verified drafts: the draft's probability of its chain up to each, and how many the target took."""
+        for j, p in enumerate(chain):
+            counts = self._counts[min(int(p * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)]
+            counts[0] = counts[0] * CONFIDENCE_DECAY + (j < accepted)
+            counts[1] = counts[1] * CONFIDENCE_DECAY + 1
+        self._curve = None
+
+    def _rates(self) -> list[float]:
+        if self._curve is None:
+            curve, floor = [], 1.0
+            for accepted, trials in reversed(self._counts):
+                floor = min(floor, accepted / trials)
+                curve.append(floor)
+            self._curve = curve[::-1]
+        return self._curve
+
+    def needed(self, accepted: float) -> float:
+        """The draft's own probability of a chain that the target accepts with probability ``accepted``: linear
+        between the bins' middles (and 0 at 0); 1.0 where no chain the draft makes is accepted that often."""
+        if accepted <= 0:
+            return 0.0
+        x0, y0 = 0.0, 0.0
+        for i, y in enumerate(self._rates()):
+            x = (i + 0.5) / CONFIDENCE_BINS
+            if y >= accepted:
+                return x0 + (x - x0) * (accepted - y0) / (y - y0)
+            x0, y0 = x, y
+        return 1.0
+
+    def snapshot(self) -> dict[str, float]:
+        n = CONFIDENCE_BINS
+        return {f"{i / n:.1f}-{(i + 1) / n:.1f}": round(a / t, 3) for i, (a, t) in enumerate(self._counts)}
 
 
 @dataclass
@@ -393,6 +448,7 @@ class DraftLengthPolicy:
         # an optimism of 1.5x turns a predicted gain into a measured loss; what the steps actually returned corrects
         # the prediction. Kept apart because a head's guesses and an n-gram index's copies err apart
         self._realism = {FREE: [REALISM_PRIOR] * 2, MODEL: [REALISM_PRIOR] * 2}
+        self.confidence = DraftConfidence()
 
     # ---- per request ----
     def new_request(self, prior: float | None = None, model: bool = False) -> RequestAcceptance:
@@ -417,6 +473,7 @@ class DraftLengthPolicy:
             self.model_rate = rate_for_mean_accepted(mean_accepted, k)
         self.guard.forget(MODEL)
         self._realism[MODEL] = [REALISM_PRIOR] * 2
+        self.confidence = DraftConfidence()
 
     def realism(self, kind: str = FREE) -> float:
         """How many of the extra tokens the acceptance estimates predicted this kind of row's drafts delivered."""
@@ -585,15 +642,22 @@ class DraftLengthPolicy:
 
     def draft_threshold(self, batch: int) -> float:
         """The probability a draft model's draft must have (its chain's so far, as the draft sees it) to be worth
-        verifying: what one more drafted position costs the batch (a draft forward, and a token more a row in the
-        verify pass) over what a plain step costs it, since a draft accepted with probability p saves p of a plain
-        step's token. A one-layer head's forward costs a few percent of a target pass, a draft model's up to a third
-        or more: the cheaper the draft, the less sure it need be. 0 before the draft's cost is measured."""
+        verifying: the chance of acceptance that pays for what one more drafted position costs the batch (a draft
+        forward, and a token more a row in the verify pass) over what a plain step costs it, since a draft accepted
+        with probability p saves p of a plain step's token, read through how often drafts the draft was that sure of
+        were accepted (``DraftConfidence``). A one-layer head's forward costs a few percent of a target pass, a draft
+        model's up to a third or more: the cheaper the draft, the less sure it need be. 0 before the draft's cost is
+        measured; 1.0 where no draft would pay."""
         if not self.draft_cost.samples or not self.verify_cost.samples:
             return 0.0
         plain = self.verify_cost(batch)
         extra = self.draft_cost(batch) + self.verify_cost(2 * batch) - plain
-        return min(max(extra / plain, 0.0), 1.0)
+        return self.confidence.needed(min(max(extra / plain, 0.0), 1.0))
+
+    def observe_confidence(self, chain: list[float], accepted: int) -> None:
+        """A row's verified draft-model drafts: the draft's probability of its chain up to each, and how many the
+        target accepted."""
+        self.confidence.observe(chain, accepted)
 
     def _perfect_drafts_pay(self, rows: list[RowPlan]) -> bool:
         """Whether drafts that were all accepted would beat a plain step by the margin asked of any drafting. Where
@@ -629,4 +693,6 @@ class DraftLengthPolicy:
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
             # of the first positions a draft model's first choice missed, the share its 2nd, 2nd-3rd, 2nd-4th caught
             "first_choice_misses_caught": [round(self.caught_by(b), 3) for b in range(2, MAX_BRANCHES + 1)],
+            # per tenth of a draft model's own probability of its chain, how often the target accepted such drafts
+            "draft_confidence": self.confidence.snapshot(),
         }

@@ -243,6 +243,7 @@ class ModelDrafts(NamedTuple):
     trees: list[DraftTree] | None = None  # per row, when the draft drafted trees
     first_choices: list[list[int]] | None = None  # per row, the draft's TOP_CHOICES best at the first position
     confident: list[int] | None = None  # per row, the drafts worth verifying (``draft_loop``'s min_confidence)
+    chains: list[list[float]] | None = None  # per row, the draft's probability of its chain up to each draft
 
 
 class ModelProposer(Protocol):
@@ -292,22 +293,29 @@ class FeatureObserver(Protocol):
     def finished(self, seq) -> None: ...
 
 
-def draft_loop(
-    batch, width: int, logits: torch.Tensor, step, min_confidence: float = 0.0
-) -> tuple[list[list[int]], list[torch.Tensor | None], list[int] | None]:
+class Drafted(NamedTuple):
+    tokens: list[list[int]]
+    probs: list[torch.Tensor | None]
+    confident: list[int] | None = None
+    chains: list[list[float]] | None = None
+
+
+def draft_loop(batch, width: int, logits: torch.Tensor, step, min_confidence: float = 0.0) -> Drafted:
     """The drafting both model proposers run: ``width`` tokens for each of rows 0..B-1, chosen from logits
     [B, vocab] greedily or sampled as the row samples (keeping the draft probabilities rejection sampling needs),
     within the row's grammar up to an end token; ``step(tokens [B]) -> logits [B, vocab]`` runs the proposer once more.
     The last token is never stepped: the target checks it, and catch-up feeds it if accepted.
 
     With ``min_confidence``, each row's drafts are worth verifying only while the draft's own probability of its
-    chain so far (the product of each drafted token's probability) stays at or above it; the third value says how
-    many a row has (None without), and drafting stops early once no row has any left. The choice uses the draft's
+    chain so far (the product of each drafted token's probability) stays at or above it; ``confident`` says how
+    many a row has and ``chains`` its chain's probability at each draft (None without), and drafting stops early
+    once no row has any left. The choice uses the draft's
     probabilities alone, so the output is the target's whatever is cut (as for any draft length)."""
     drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
     probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
     chain = torch.ones(len(batch), device=logits.device) if min_confidence > 0 else None
     sure: list[torch.Tensor] = []  # per position, [B]: the row's chain is still confident there
+    chains: list[torch.Tensor] = []  # per position, [B]: the chain's probability up to there
     # drafts are proposed within a row's grammar (they are then never cut), up to an end token
     taken = {b: 0 for b, seq in enumerate(batch) if seq.grammar is not None}  # tokens each matcher advanced
     for i in range(width):
@@ -339,7 +347,8 @@ def draft_loop(
                 probs[b].append(q[0])
         drafted.append(token)
         if chain is not None:
-            chain *= _drafted_probability(batch, logits, token, probs, i)
+            chain = chain * _drafted_probability(batch, logits, token, probs, i)
+            chains.append(chain)
             sure.append(chain >= min_confidence)
             if not bool(sure[-1].any()):  # no row would verify another draft: stop stepping the proposer
                 break
@@ -349,7 +358,8 @@ def draft_loop(
         batch[b].grammar.rollback(n)  # (a faulted row's matcher is never used again)
     tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
     confident = torch.stack(sure, 1).cumprod(1).sum(1).tolist() if sure else None
-    return tokens, [torch.stack(p) if p else None for p in probs], confident
+    kept = torch.stack(chains, 1).tolist() if chains else None
+    return Drafted(tokens, [torch.stack(p) if p else None for p in probs], confident, kept)
 
 
 def _drafted_probability(batch, logits: torch.Tensor, token: torch.Tensor, probs, i: int) -> torch.Tensor:
@@ -418,8 +428,15 @@ class DraftModelProposer:
         logits, caught_up = self._catch_up(batch)
         first = logits.topk(min(TOP_CHOICES, logits.shape[-1]), -1).indices  # synced with the drafts
         step = lambda token: runner.forward(0, token[:, None])  # noqa: E731
-        tokens, probs, confident = draft_loop(batch, width, logits, step, min_confidence)
-        return ModelDrafts(tokens, probs, caught_up, first_choices=first.tolist(), confident=confident)
+        drafted = draft_loop(batch, width, logits, step, min_confidence)
+        return ModelDrafts(
+            drafted.tokens,
+            drafted.probs,
+            caught_up,
+            first_choices=first.tolist(),
+            confident=drafted.confident,
+            chains=drafted.chains,
+        )
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, int]:
         """Feed each row what it has not read: normally the last accepted token; after a full accept also d_k, which

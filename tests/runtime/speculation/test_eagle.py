@@ -118,9 +118,15 @@ def test_a_head_whose_unsure_drafts_are_not_verified_decodes_as_plain_decoding(f
     eng.draft_model.propose = lambda batch, width, sure: (
         (made := propose(batch, width, sure)) and (kept.extend(made.confident) or made)
     )
+    seen = []  # what the policy learns the head's confidence is worth from: each verified chain and its outcome
+    eng.policy.observe_confidence = lambda chain, accepted: seen.append((chain, accepted))
     got, _ = drive(Scheduler(eng, 3, prefill_chunk=8), arrivals)
     assert got == plain
     assert 0 in kept and max(kept) > 0, kept  # some drafts cut, some verified
+    assert sum(len(chain) for chain, _ in seen) == eng.stats.num_draft_tokens  # every verified draft, once
+    for chain, accepted in seen:
+        assert 1 >= chain[0] and all(a >= b >= 0.05 for a, b in zip(chain, chain[1:])) and chain[-1] >= 0.05
+        assert 0 <= accepted <= len(chain)
 
 
 def test_sampled_drafts_carry_the_heads_distribution_over_the_target_vocabulary(fused):

@@ -506,3 +506,34 @@ def test_the_cheaper_the_draft_the_less_sure_of_a_draft_it_must_be_to_verify_it(
     assert p.draft_threshold(8) == pytest.approx((0.001 + 0.004) / 0.012)  # a batch: verify tokens cost more
     p.draft_cost.samples.update({1: 0.0033})  # a draft model a third of the target's cost
     assert p.draft_threshold(1) == pytest.approx(0.38)
+
+
+def test_a_draft_is_held_to_how_often_drafts_as_sure_as_its_own_were_accepted():
+    # a learned head's own probability of its chain runs high: of its drafts it was 90-100% sure of, the target took
+    # 70%; at 70-80% sure, 49%. Taken at its word against a break-even of 53%, it verified drafts that lost
+    p = DraftLengthPolicy(max_k=4)
+    p.verify_cost.samples.update({1: 0.010, 2: 0.0105, 8: 0.012, 16: 0.016})
+    p.draft_cost.samples.update({1: 0.0005, 8: 0.001})
+    break_even = (0.001 + 0.004) / 0.012
+    assert p.draft_threshold(8) == pytest.approx(break_even)  # nothing measured: its probability at its word
+    for accepted in [1, 0] * 200:  # sure of the first draft at 95%, taken half the time; of the second, never
+        p.observe_confidence([0.95, 0.55], accepted)
+    assert 0.6 < p.draft_threshold(8) < 0.7  # the chain must be surer: as sure as drafts accepted 42% of the time
+    assert p.draft_threshold(1) > 0.55  # (a break-even of 10%: nothing under 55% sure was ever accepted)
+    p.draft_cost.samples.update({8: 0.0025})  # a break-even of 54%: no draft it makes was accepted that often
+    assert p.draft_threshold(8) == 1.0  # (the engine then runs no draft forward)
+    snapshot = p.snapshot()["draft_confidence"]
+    assert snapshot["0.9-1.0"] == pytest.approx(0.5, abs=0.02) and snapshot["0.5-0.6"] < 0.02
+
+    p.new_draft_model(None)  # another head: its confidence is its own
+    assert p.draft_threshold(1) == pytest.approx(0.1)
+
+
+def test_a_draft_less_sure_than_its_drafts_deserve_verifies_more_of_them():
+    p = DraftLengthPolicy(max_k=4)
+    p.verify_cost.samples.update({1: 0.010, 2: 0.0105, 8: 0.012, 16: 0.016})
+    p.draft_cost.samples.update({1: 0.0005, 8: 0.001})
+    for accepted in [1, 1, 1, 1, 0] * 100:  # 35% sure, accepted 80% of the time
+        p.observe_confidence([0.35], accepted)
+    # lower than the break-even, though never below what surer, unmeasured drafts are taken to be worth
+    assert 0.3 < p.draft_threshold(8) < (0.001 + 0.004) / 0.012

@@ -234,10 +234,13 @@ def test_drafts_are_kept_while_the_drafts_own_chain_probability_stays_over_the_c
         steps.append(token.tolist())
         return _confident_logits(next(tops))
 
-    tokens, probs, confident = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    tokens, probs, confident, chains = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
     assert tokens == [[1, 1, 1, 1], [2, 2, 2, 2]]  # every row is drafted while any is worth drafting
     assert confident == [4, 1]  # 0.9^4 = 0.66 for row 0
     assert len(steps) == 3 and probs == [None, None]
+    # each row's chain probability up to each draft: what the policy checks against what the target accepted
+    assert chains[0] == pytest.approx([0.9, 0.81, 0.729, 0.6561], abs=1e-3)
+    assert chains[1] == pytest.approx([0.9, 0.27, 0.243, 0.2187], abs=1e-3)
     # without a confidence asked, every row has the width, as before
     tops = iter([[0.9, 0.9], [0.9, 0.3], [0.9, 0.9], [0.9, 0.9]])
     assert draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.0)[2] is None
@@ -251,7 +254,7 @@ def test_drafting_stops_once_no_row_keeps_a_draft():
         steps.append(token.tolist())
         return _confident_logits(next(tops))
 
-    tokens, _, confident = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    tokens, _, confident, _ = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
     assert confident == [1, 0]  # row 0: 0.9, then 0.36; row 1 is unsure of its first draft
     assert len(steps) == 1 and len(tokens[0]) == 2  # the proposer ran twice, not four times
 
@@ -260,7 +263,7 @@ def test_a_sampled_rows_confidence_is_its_drafts_probability_under_its_own_distr
     # at temperature 3 the 0.9 of the first draft flattens to about 0.36: under 0.5, where greedy keeps it
     rows = _drafting_rows(1, SamplingParams(temperature=3.0, seed=1))
     logits = _confident_logits([0.9])
-    tokens, probs, confident = draft_loop(rows, 1, logits, lambda token: None, 0.5)
+    tokens, probs, confident, _ = draft_loop(rows, 1, logits, lambda token: None, 0.5)
     q = torch.softmax(logits[0] / 3.0, -1)
     assert math.isclose(float(probs[0][0][tokens[0][0]]), float(q[tokens[0][0]]), rel_tol=1e-5)
     assert confident == [0]
