@@ -354,6 +354,8 @@ class SpeculativeEngine:
             [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses],
             trees=self._trees_possible(batch, guesses),
         )
+        if width and not self.policy.model_drafts:  # the rows with free guesses draft alone: no draft forward
+            guesses = [replace(g, available=0) if g.source == DraftSource.MODEL else g for g in guesses]
         branches = self.policy.branches if width else 1
         sure = self._draft_threshold(len(batch)) if width and branches == 1 else 0.0  # (a tree drafts whole)
         drafted = self._drafts(batch, guesses, width, branches, sure)

@@ -425,6 +425,7 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
         self.tree_branches = tree_branches  # 0: chain or tree as the costs say; 1: chains; b: b branches where possible
         self.branches = 1  # the step just planned drafts a tree of this many branches (1: a chain)
+        self.model_drafts = True  # the step just planned runs the draft model for its rows (``width``)
         # where the target's first token ranked among the draft's first choices when it was not the draft's first
         # (decayed counts per rank, and the misses they come from): what a tree's other branches would have caught
         self._choice_hits = list(CHOICE_PRIOR)
@@ -508,9 +509,11 @@ class DraftLengthPolicy:
         """This step's draft width w for the batch (row i then verifies ``min(w, rows[i].available)`` drafts), and
         the extra tokens it is expected to bring beyond one per row, per kind of row (``FREE``, ``MODEL``; empty for
         a plain step). trees: every row drafts from a draft model that can draft a tree; ``branches`` then says
-        whether this step's drafts are one (see ``_tree``)."""
+        whether this step's drafts are one (see ``_tree``), and ``model_drafts`` whether the draft model drafts for
+        its rows (False: only the rows with free guesses draft, and the draft model does not run)."""
         self.branches = 1
         longest = max((r.available for r in rows), default=0)
+        self.model_drafts = any(r.model and r.available for r in rows)
         if longest <= 0:
             return 0, {}
         if not self.adaptive:
@@ -519,16 +522,21 @@ class DraftLengthPolicy:
                 self.branches = b
             return longest, self.expected(rows, longest)
         batch = len(rows)
-        uses_model = any(r.model and r.available for r in rows)
-        best_w = self._best(rows, trees)
-        if best_w and not self.guard.allows(batch, MODEL if uses_model else FREE):
+        uses_model = self.model_drafts
+        best_w, gain = self._best(rows, trees)
+        # beside free guesses, the draft model's rows are drafted only where they add to the step: priced without
+        # them too (no draft forward, none of their tokens in the pass), and left out where they measured a loss
+        alone = None
+        if uses_model and any(not r.model and r.available for r in rows):
+            alone = [r if not r.model else RowPlan(r.acceptance, 0, True) for r in rows]
+            alone_w, alone_gain = self._best(alone, False)
+            if alone_w and alone_gain >= gain:
+                rows, best_w, self.model_drafts = alone, alone_w, False
+        if best_w and not self.guard.allows(batch, MODEL if self.model_drafts else FREE):
             best_w, self.branches = 0, 1
-            if uses_model and any(not r.model and r.available for r in rows):
-                # the draft model's steps measured a loss at this load: the rows with free guesses draft alone
-                rows = [r if not r.model else RowPlan(r.acceptance, 0, True) for r in rows]
-                best_w = self._best(rows, False)
-                if best_w and not self.guard.allows(batch, FREE):
-                    best_w = 0
+            if self.model_drafts and alone is not None:
+                rows, self.model_drafts = alone, False
+                best_w = alone_w if alone_w and self.guard.allows(batch, FREE) else 0
         if best_w:
             self.plain_steps = 0
             return best_w, self.expected(rows, best_w)
@@ -549,9 +557,9 @@ class DraftLengthPolicy:
                 return longest, self.expected(rows, longest)
         return 0, {}
 
-    def _best(self, rows: list[RowPlan], trees: bool) -> int:
+    def _best(self, rows: list[RowPlan], trees: bool) -> tuple[int, float]:
         """The width that maximises the batch's expected tokens a second, 0 where none beats a plain step by the
-        margin asked (``branches`` set where a tree wins)."""
+        margin asked (``branches`` set where a tree wins), and its tokens a second over a plain step's."""
         batch = len(rows)
         longest = max(r.available for r in rows)
         # extra[w]: the tokens beyond one the rows bring at width w, sum_i s_i (E_i(min(w, k_i)) - 1) with E(k) - 1 =
@@ -581,7 +589,7 @@ class DraftLengthPolicy:
             best_w, best_rate = self._tree(rows, draft_seconds, best_w, best_rate)
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w, self.branches = 0, 1
-        return best_w
+        return best_w, (best_rate / base_rate if best_w else 1.0)
 
     def expected(self, rows: list[RowPlan], w: int) -> dict[str, float]:
         """The extra tokens width ``w`` is expected to bring, per kind of row, from the rows' rates alone (what

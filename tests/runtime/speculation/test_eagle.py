@@ -230,3 +230,35 @@ def test_heads_swapped_mid_stream_leave_greedy_and_seeded_output_unchanged(fused
     # the guard judges the head's steps apart from the index's copies, which go on beside it
     assert "model" not in {kind for swapped, kind in kinds if swapped == 0}
     assert {"free", "model"} <= {kind for swapped, kind in kinds if swapped > 0}
+
+
+def test_where_the_heads_steps_are_turned_off_the_free_guesses_draft_without_it(fused):
+    # a learning deployment's head measured a loss at this load while the n-gram index's copies gain: the policy
+    # drafts the copies alone. The engine ran the head anyway, and verified its drafts beside the copies
+    arrivals = [(i, PROMPTS[i], GenerationParams(max_tokens=24, ignore_eos=True)) for i in range(6)]
+    plain, _ = drive(Scheduler(engine(fused, None, 3), 3, prefill_chunk=8), arrivals)
+    eng = engine(fused, make_head(fused), 3, adaptive=True)
+    eng.free = _EveryOtherRequest()  # the index finds a copy for some rows, the head drafts for the others
+    eng.policy.verify_cost.samples.update({n: 0.010 + 0.0001 * n for n in (1, 2, 4, 8, 16)})  # drafts nearly free
+    eng.policy.draft_cost.samples.update({1: 0.001, 3: 0.001})
+    eng.policy.guard.allows = lambda batch, kind: kind != "model"
+    eng.policy._perfect_drafts_pay = lambda rows: False  # and no probe of the head's acceptance either
+    ran = []
+    propose = eng.draft_model.propose
+    eng.draft_model.propose = lambda *a: ran.append(1) or propose(*a)
+    got, _ = drive(Scheduler(eng, 3, prefill_chunk=8), arrivals)
+    assert got == plain
+    assert eng.stats.num_draft_tokens > 0 and eng.stats.num_model_drafts == 0
+    assert not ran
+
+
+class _EveryOtherRequest:
+    """A free proposer with a guess for even-numbered requests only (the last token again, twice)."""
+
+    name = "every-other"
+
+    def propose(self, seq, k):
+        return [seq.tokens[-1]] * min(k, 2) if seq.id % 2 == 0 else []
+
+    def finish(self, seq):
+        pass

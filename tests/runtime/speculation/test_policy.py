@@ -537,3 +537,21 @@ def test_a_draft_less_sure_than_its_drafts_deserve_verifies_more_of_them():
         p.observe_confidence([0.35], accepted)
     # lower than the break-even, though never below what surer, unmeasured drafts are taken to be worth
     assert 0.3 < p.draft_threshold(8) < (0.001 + 0.004) / 0.012
+
+
+def test_beside_free_guesses_a_draft_models_rows_draft_only_where_they_add_to_the_step():
+    # 16 rows on a CPU, where a pass costs nearly in proportion to its tokens: half the rows have an n-gram copy
+    # (accepted 90%), half only a head (40%). Priced together, the copies' gain carried the head's rows, whose tokens
+    # and forwards lost; priced apart, the copies draft alone
+    policy = DraftLengthPolicy(max_k=4)
+    policy.verify_cost.samples.update({16: 0.072, 24: 0.094, 32: 0.113, 48: 0.160, 80: 0.260})
+    policy.draft_cost.samples.update({16: 0.012})
+    copies = [RowPlan(policy.new_request(prior=0.9), 4, False) for _ in range(8)]
+    heads = [RowPlan(policy.new_request(prior=0.4, model=True), 4, True) for _ in range(8)]
+    w, predicted = policy.width(copies + heads)
+    assert w > 0 and not policy.model_drafts and set(predicted) == {"free"}
+    # a head whose rows are accepted as often as the copies, with a cheaper forward, adds to the step: both draft
+    policy.draft_cost.samples.update({16: 0.002})
+    sure = [RowPlan(policy.new_request(prior=0.95, model=True), 4, True) for _ in range(8)]
+    w, predicted = policy.width(copies + sure)
+    assert w > 0 and policy.model_drafts and set(predicted) == {"free", "model"}
