@@ -294,6 +294,9 @@ class FeatureObserver(Protocol):
 
 
 class Drafted(NamedTuple):
+    """What ``draft_loop`` drafted: per row its tokens, their draft probabilities (None: greedy), and with a
+    confidence asked, how many are worth verifying and the chain's probability at each."""
+
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
     confident: list[int] | None = None
@@ -309,8 +312,8 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step, min_confidence: fl
     With ``min_confidence``, each row's drafts are worth verifying only while the draft's own probability of its
     chain so far (the product of each drafted token's probability) stays at or above it; ``confident`` says how
     many a row has and ``chains`` its chain's probability at each draft (None without), and drafting stops early
-    once no row has any left. The choice uses the draft's
-    probabilities alone, so the output is the target's whatever is cut (as for any draft length)."""
+    once no row has any left. The choice uses the draft's probabilities alone, so the output is the target's
+    whatever is cut (as for any draft length)."""
     drafted: list[torch.Tensor] = []  # width tensors of shape [B]; on the device until the end
     probs: list[list[torch.Tensor]] = [[] for _ in batch]  # per row, width tensors of [vocab]
     chain = torch.ones(len(batch), device=logits.device) if min_confidence > 0 else None
