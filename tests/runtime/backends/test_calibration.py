@@ -8,18 +8,18 @@ from depctl.spec import DeploymentSpec, NgramSpeculation
 from depctl_runtime.backends.loader import load_deployment
 
 
+def _spec(name: str, model_dir, **kw) -> DeploymentSpec:
+    speculation = NgramSpeculation(ngram_length=2, num_draft_tokens=3)
+    return DeploymentSpec(
+        id=name, model=str(model_dir), compile=False, device="cpu", max_batch_size=2, speculation=speculation, **kw
+    )
+
+
 def test_a_reload_starts_from_the_costs_the_last_load_kept_and_a_new_shape_calibrates(
     tiny_model_dir, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(config, "cache_dir", lambda: tmp_path)
-    spec = DeploymentSpec(
-        id="c",
-        model=str(tiny_model_dir),
-        compile=False,
-        device="cpu",
-        max_batch_size=2,
-        speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=3),
-    )
+    spec = _spec("c", tiny_model_dir)
     stages = []
     first = load_deployment(spec, report=stages.append)
     assert "calibrating" in [s.name for s in stages] and "warming up" not in [s.name for s in stages]
@@ -75,16 +75,7 @@ def test_a_head_the_kept_costs_never_priced_has_its_forward_measured(tiny_model_
     from tests.tiny import save_tiny_head
 
     monkeypatch.setattr(config, "cache_dir", lambda: tmp_path / "cache")
-    spec = DeploymentSpec(
-        id="learns",
-        model=str(tiny_model_dir),
-        compile=False,
-        device="cpu",
-        max_batch_size=2,
-        speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
-        learn_draft_head=LearnDraftHead(),
-        prefix_cache_bytes=0,
-    )
+    spec = _spec("learns", tiny_model_dir, learn_draft_head=LearnDraftHead(), prefix_cache_bytes=0)
     load_deployment(spec)  # calibrates and keeps the costs; never released
     assert not read_kept(tmp_path / "cache")["draft_ms"]
     save_tiny_head(learning.path(spec.id) / "head", tiny_model_dir)  # its first generation, as a restart finds it
