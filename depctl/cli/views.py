@@ -340,6 +340,14 @@ _DETAIL_ROWS: tuple[tuple[str | Callable[[_Detail], str], Callable[[_Detail], st
         ),
     ),
     (
+        "Draft start (rows: ms)",  # a step's first drafted position: the draft's catch-up and its first forward
+        lambda d: (
+            ", ".join(f"{n}: {v}" for n, v in _policy(d)["draft_start_ms"].items())
+            if _policy(d).get("draft_start_ms")
+            else None
+        ),
+    ),
+    (
         "Tree pass cost (tokens: ms)",
         lambda d: (
             ", ".join(f"{n}: {v}" for n, v in _policy(d)["tree_ms"].items()) if _policy(d).get("tree_ms") else None

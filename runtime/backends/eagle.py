@@ -7,14 +7,21 @@ before anything runs. It also needs depctl's fused decoder, which returns those 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
+from depctl.errors import first_line
+from depctl_runtime.backends.base import Stage
+from depctl_runtime.backends.weights import Report
 from depctl_runtime.kernels import native
 from depctl_runtime.kernels.quantized import quantized_linears
-from depctl_runtime.model import decoder, eagle_format
+from depctl_runtime.model import compiled_head, decoder, eagle_format
 from depctl_runtime.model.eagle import EagleHead
+from depctl_runtime.speculation.eagle import EagleProposer
+
+log = logging.getLogger("depctl.loader")
 
 
 class HeadLoadError(Exception):
@@ -89,3 +96,47 @@ def for_serving(head: EagleHead, model: torch.nn.Module) -> EagleHead:
         # of float32's bytes; drafts only propose, so this never changes the output
         quantized_linears(head, 8)
     return head
+
+
+class HeadSteps:
+    """How a deployment's serving heads run their draft step: through the libraries built for heads of their shape
+    (``model.compiled_head``) where the deployment's passes compile, else eagerly. Decided once at load (``prepare``);
+    every head the deployment serves (a learning head's every generation) drafts through the same choice."""
+
+    def __init__(self):
+        self.root: Path | None = None  # where the libraries are (None: eagerly)
+        self.detail = ""  # what ``deployment get`` says of it
+
+    def prepare(self, head: EagleHead, root: Path, build: bool, report: Report) -> None:
+        """Use the libraries under ``root`` for heads shaped like the serving ``head``, building them first where
+        none exist yet (``build``; a minute or so); a failure leaves heads drafting eagerly and says why."""
+        paths = compiled_head.package_paths(head, root)
+        built = ""
+        try:
+            if not all(path.exists() for path in paths.values()):
+                if not build:
+                    self.detail = (
+                        "; the draft head drafts eagerly: its step is not compiled yet, and this load builds none"
+                    )
+                    return
+                report(
+                    Stage("compiling", "the draft head's step (once per head shape and machine; later loads reuse it)")
+                )
+                built = f", built in {compiled_head.build(head, root):.0f}s"
+            compiled_head.CompiledHead(paths, head).release()  # it opens: the next proposer takes it back
+        except Exception as exc:  # noqa: BLE001 - any failure here means: the head drafts eagerly
+            log.warning("compiling the draft head's step failed; it drafts eagerly", exc_info=exc)
+            self.detail = f"; the draft head drafts eagerly (compiling its step failed: {first_line(exc, 160)})"
+            return
+        self.root = root
+        self.detail = f"; the draft head's step compiled{built}"
+
+    def proposer(self, head: EagleHead, rows: int, vocab: int) -> EagleProposer:
+        """A proposer for ``head`` (made ready by ``for_serving``) over ``rows`` rows."""
+        step = None
+        if self.root is not None:
+            try:
+                step = compiled_head.CompiledHead(compiled_head.package_paths(head, self.root), head)
+            except Exception as exc:  # noqa: BLE001 - this head drafts eagerly
+                log.warning("the draft head's compiled step does not open; it drafts eagerly", exc_info=exc)
+        return EagleProposer(head, rows, vocab, step)

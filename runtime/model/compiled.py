@@ -71,15 +71,13 @@ _SPARE: dict[tuple[str, int], list] = {}
 _SPARE_LOCK = threading.Lock()
 
 
-class CompiledPass:
-    """A fused model's decode/verify pass as an AOTInductor library, called like ``decoder.forward``."""
+class Library:
+    """An AOTInductor package through ``depctl_native::run_pass``, borrowing its constants from ``module`` (named as
+    the export named them, under ``prefix``)."""
 
-    def __init__(self, package: Path, model: nn.Module, features: tuple[int, ...] = ()):
-        self.package = package
-        self.features = features  # as built: the library returns these layers' outputs too
-        self._model = model
-        native.load()  # the library calls depctl_native::token_attention; run_pass calls the library
-        device = next(model.parameters()).device
+    def __init__(self, package: Path, module: nn.Module, prefix: str):
+        native.load()  # the library calls depctl's ops; run_pass calls the library
+        device = next(module.parameters()).device
         self._key = (str(package), -1 if device.index is None else device.index)
         with _SPARE_LOCK:
             spare = _SPARE.get(self._key)
@@ -89,9 +87,8 @@ class CompiledPass:
             # daemon the event loop then waited out every pass (see compiled_pass.cpp). Ours releases it, as an op
             # does.
             self.runner = torch.classes.depctl_native.CompiledPass(*self._key)
-        named = dict(model.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
-        named.update(model.named_buffers(remove_duplicate=False))
-        prefix = "model."
+        named = dict(module.named_parameters(remove_duplicate=False))  # a tied output layer is a constant of its own
+        named.update(module.named_buffers(remove_duplicate=False))
         names = self.runner.constant_names()
         borrowed = [named[fqn.removeprefix(prefix)] for fqn in names]
         for tensor in borrowed:  # mapped from the weights file: a copy of our own, which ``release_weights`` can free
@@ -99,6 +96,27 @@ class CompiledPass:
             if not tensor.is_mkldnn and not tensor.untyped_storage().resizable():
                 tensor.data = tensor.data.clone()
         self.runner.borrow_constants(names, borrowed)
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        return torch.ops.depctl_native.run_pass(self.runner, list(inputs))
+
+    def release(self) -> None:
+        """Nothing runs this library again: it goes back for the next load of its package to borrow new weights
+        (which replace these in full: ``load_constants`` checks every constant is given)."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            with _SPARE_LOCK:
+                _SPARE.setdefault(self._key, []).append(runner)
+
+
+class CompiledPass:
+    """A fused model's decode/verify pass as an AOTInductor library, called like ``decoder.forward``."""
+
+    def __init__(self, package: Path, model: nn.Module, features: tuple[int, ...] = ()):
+        self.package = package
+        self.features = features  # as built: the library returns these layers' outputs too
+        self._model = model
+        self.library = Library(package, model, "model.")
 
     returns_hidden = True  # the output layer is the runner's (``runner.Scores``)
 
@@ -108,12 +126,8 @@ class CompiledPass:
         return CompiledPass(self.package, self._model, self.features)
 
     def release(self) -> None:
-        """Nothing runs this pass again: the library goes back for the next load of its package to borrow new
-        weights (which replace these in full: ``load_constants`` checks every constant is given)."""
-        runner, self.runner = self.runner, None
-        if runner is not None:
-            with _SPARE_LOCK:
-                _SPARE.setdefault(self._key, []).append(runner)
+        """Nothing runs this pass again (``Library.release``)."""
+        self.library.release()
 
     def fits(self, first: int, widths: list[int], keep: list[int] | None) -> bool:
         return True  # every size is symbolic, and ``keep`` picks rows of the output (a draft's catch-up wants them)
@@ -136,7 +150,7 @@ class CompiledPass:
             *(layer.keys for layer in cache.layers),
             *(layer.values for layer in cache.layers),
         ]
-        outputs = torch.ops.depctl_native.run_pass(self.runner, inputs)
+        outputs = self.library(*inputs)
         hidden = outputs[0] if keep is None else outputs[0][keep]
         return hidden, (outputs[1] if self.features else None)
 

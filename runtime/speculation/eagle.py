@@ -13,20 +13,23 @@ exists for every accepted token but the last). Drafting from a row of n tokens:
 3. **roll back**: the chain's entries came from the head's own states, never the target's, so the row keeps only its
    caught-up entries; the next step's features replace the rest.
 
-The head predicts over its reduced vocabulary; its logits are spread over the target's vocabulary (-inf elsewhere) so
-that greedy choice, sampling with the row's own settings (the draft probabilities rejection sampling needs) and
-grammars work exactly as for a draft model (``proposers.draft_loop``). Drafts only propose: the output is the target's.
+The head predicts over its reduced vocabulary: greedy rows draft within it, and for rows that sample or follow a
+grammar its logits are spread over the target's vocabulary (-inf elsewhere), so that sampling with the row's own
+settings (the draft probabilities rejection sampling needs) and grammars work exactly as for a draft model
+(``proposers.draft_loop``). Drafts only propose: the output is the target's.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 from torch.nn import functional as F
 
+from depctl_runtime.model.compiled_head import CompiledHead
 from depctl_runtime.model.eagle import EagleHead
-from depctl_runtime.speculation.proposers import ModelDrafts, draft_loop
+from depctl_runtime.speculation.proposers import DraftVocabulary, ModelDrafts, draft_loop
 
 
 class EagleProposer:
@@ -37,11 +40,11 @@ class EagleProposer:
     steady_catch_up = 17
     needs_prompt_features = True  # it reads every prompt position's layer features: no prompt from the prefix cache
 
-    def __init__(self, head: EagleHead, max_rows: int, vocab_size: int):
+    def __init__(self, head: EagleHead, max_rows: int, vocab_size: int, compiled: CompiledHead | None = None):
         self.head = head
+        self.compiled = compiled  # the head's step as compiled libraries (``model.compiled_head``); None: eagerly
         self.dtype = head.norm.weight.dtype  # (its linears may be packed: the norms never are)
         self.device = head.norm.weight.device
-        self.vocab_size = vocab_size  # the target's logits' width
         c = head.config
         self.kv_heads, self.dim = c.num_key_value_heads, c.head_dim
         self.groups = c.num_attention_heads // c.num_key_value_heads
@@ -50,8 +53,9 @@ class EagleProposer:
         self.lengths = [0] * max_rows  # entries per row: indices 0..length-1
         self.waiting: list[_Held | None] = [None] * max_rows
         ids = head.target_ids
-        self._columns = ids[ids < vocab_size]  # draft ids past the target's real vocabulary never draft
-        self._draft_cols = torch.nonzero(ids < vocab_size).flatten()
+        real = ids < vocab_size  # draft ids past the target's real vocabulary never draft
+        self._draft_cols = None if bool(real.all()) else torch.nonzero(real).flatten()
+        self.vocabulary = DraftVocabulary(ids[real], vocab_size)
 
     # ---- the rows, in step with the target's ----
     def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
@@ -87,6 +91,8 @@ class EagleProposer:
 
     def release(self) -> None:
         self.keys = self.values = None
+        if self.compiled is not None:
+            self.compiled.release()
 
     # ---- drafting ----
     @torch.inference_mode()
@@ -113,33 +119,55 @@ class EagleProposer:
         fused = head.fuse(torch.cat([f for _, _, f in pending]).to(self.dtype))  # [M, hidden]
         for b in range(len(batch)):  # the last index is caught up again next time: its query drafts d_1
             self.waiting[b].keep_from(ends[b] - 1)
-        positions = torch.cat([torch.arange(s, s + t.shape[0], device=self.device) for s, t, _ in pending])
-        q, k, v, residual = head._qkv(tokens, fused, positions)  # q [heads, M, dim], k and v [kv_heads, M, dim]
-        at, last = 0, []
-        for b, (start, t, _) in enumerate(pending):
-            m = t.shape[0]
-            self.keys[b, :, start : start + m] = k[:, at : at + m]
-            self.values[b, :, start : start + m] = v[:, at : at + m]
-            self.lengths[b] = start + m - 1  # the last index is caught up again next time (below)
-            at += m
-            last.append(at - 1)
+            self.lengths[b] = ends[b] - 1
+        indices = [(b, i) for b, (start, _, _) in enumerate(pending) for i in range(start, ends[b])]
+        rows, positions = torch.tensor(indices, device=self.device).T.contiguous()  # [M] each
+        q, residual = self._keys(tokens, fused, positions, rows)  # q [heads, M, dim]
+        last = list(itertools.accumulate(end - start for end, (start, _, _) in zip(ends, pending)))
+        last = [n - 1 for n in last]
         # d_1: the last index of each row attends over its row (itself included)
-        out = self._attend_finish(q[:, last], residual[last], ends)  # [B, hidden]
+        batch_rows = torch.arange(len(batch), device=self.device)
+        out, logits = self._attend(q[:, last], residual[last], positions[last], batch_rows, ends)  # [B, hidden]
         state = {"out": out, "lengths": list(ends)}
 
         def step(token: torch.Tensor) -> torch.Tensor:  # token [B] -> the next draft's logits [B, vocab]
             # step j's entry goes at index and position n - 2 + j: right after the row's entries and chain so far
             at = torch.tensor(state["lengths"], device=self.device)
-            q, k, v, residual = head._qkv(token, state["out"], at)
-            rows = torch.arange(len(batch), device=self.device)
-            self.keys[rows, :, at] = k.transpose(0, 1)  # [B, kv_heads, dim], each row at its own index
-            self.values[rows, :, at] = v.transpose(0, 1)
+            q, residual = self._keys(token, state["out"], at, batch_rows)
             state["lengths"] = [n + 1 for n in state["lengths"]]
-            state["out"] = self._attend_finish(q, residual, state["lengths"])
-            return self._spread(head.logits(state["out"]))
+            state["out"], logits = self._attend(q, residual, at, batch_rows, state["lengths"])
+            return logits
 
-        drafted = draft_loop(batch, width, self._spread(head.logits(out)), step, min_confidence)
-        return ModelDrafts(drafted.tokens, drafted.probs, caught_up, confident=drafted.confident, chains=drafted.chains)
+        drafted = draft_loop(batch, width, logits, step, min_confidence, self.vocabulary)
+        return ModelDrafts(
+            drafted.tokens,
+            drafted.probs,
+            caught_up,
+            confident=drafted.confident,
+            chains=drafted.chains,
+            forwards=drafted.forwards,
+            forward_seconds=drafted.forward_seconds,
+        )
+
+    def _keys(self, tokens, hidden, positions, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's entries for T (row, position) pairs written into its cache; their queries [heads, T, dim] and
+        residual [T, hidden]."""
+        if self.compiled is not None:
+            return self.compiled.keys(tokens, hidden, positions, rows, self.keys, self.values)
+        q, k, v, residual = self.head._qkv(tokens, hidden, positions)  # k and v [kv_heads, T, dim]
+        self.keys[rows, :, positions] = k.transpose(0, 1)
+        self.values[rows, :, positions] = v.transpose(0, 1)
+        return q, residual
+
+    def _attend(self, q, residual, positions, rows, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per row 0..B-1, each over its row's entries up to ``positions[b]`` (``lengths[b]`` of them) ->
+        the layer's output [B, hidden] and the logits over ``vocabulary``."""
+        if self.compiled is not None:
+            out, logits = self.compiled.attend(q, residual, positions, rows, self.keys, self.values)
+        else:
+            out = self._attend_finish(q, residual, lengths)
+            logits = self.head.logits(out)
+        return out, logits if self._draft_cols is None else logits[:, self._draft_cols]
 
     def _attend_finish(self, q: torch.Tensor, residual: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """One query per row (q [heads, B, dim]) over its row's first ``lengths[b]`` entries -> the layer's output
@@ -157,12 +185,6 @@ class EagleProposer:
             scale=self.dim**-0.5,
         )  # [B, kv_heads, groups, dim]
         return self.head._finish(attended.reshape(rows, -1, self.dim).transpose(0, 1), residual)
-
-    def _spread(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B, draft_vocab] -> [B, vocab]: each draft id's logit at its target id, -inf at the rest."""
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self._columns] = logits[:, self._draft_cols]
-        return full
 
     def _reserve(self, positions: int) -> None:
         """Room for ``positions`` entries a row (doubling, so a growing context copies rarely)."""
@@ -187,13 +209,13 @@ class EagleProposer:
             best = float("inf")
             token = torch.tensor(prompt[:1] * b, device=self.device)
             hidden = torch.zeros(b, head.config.hidden_size, dtype=self.dtype, device=self.device)
+            rows_b = torch.arange(b, device=self.device)
+            at = torch.full((b,), n, device=self.device)
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                q, k, v, residual = head._qkv(token, hidden, torch.full((b,), n, device=self.device))
-                self.keys[:b, :, n] = k.transpose(0, 1)
-                out = self._attend_finish(q, residual, [n + 1] * b)
-                greedy_tokens = self._spread(head.logits(out)).max(-1).indices
-                greedy_tokens.tolist()
+                q, residual = self._keys(token, hidden, at, rows_b)
+                _, logits = self._attend(q, residual, at, rows_b, [n + 1] * b)
+                logits.max(-1).indices.tolist()
                 best = min(best, time.perf_counter() - t0)
             cost.samples[b] = best
         self.lengths = [0] * len(self.lengths)

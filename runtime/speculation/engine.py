@@ -15,7 +15,7 @@ import enum
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 from typing import Sequence as Seq
 
 import torch
@@ -85,6 +85,19 @@ class Guess:
     source: DraftSource | None  # None: no speculation for this row
     available: int = 0
     prediction_start: int | None = None  # where in the prediction this step's guess starts (-1: none; None: not asked)
+
+
+class StepDrafts(NamedTuple):
+    """A step's drafts (``SpeculativeEngine._drafts``)."""
+
+    drafts: list  # per row, its drafts (a ``DraftTree`` where the step drafts trees)
+    probs: list  # per row, their draft probabilities (None: one-hot)
+    model_tokens: list  # per row, the draft model's own tokens where it ran (its cache keeps what the target took)
+    caught_up: int  # the most tokens a row fed the draft model before it drafted
+    first_choices: list | None  # per model row, the draft's best tokens at the first position
+    chains: list | None = None  # per row, the draft's probability of its chain up to each draft (with ``sure``)
+    forwards: int = 0  # draft forwards after the first position
+    forward_seconds: float = 0.0  # and their cost
 
 
 @dataclass
@@ -359,7 +372,8 @@ class SpeculativeEngine:
         branches = self.policy.branches if width else 1
         sure = self._draft_threshold(len(batch)) if width and branches == 1 else 0.0  # (a tree drafts whole)
         drafted = self._drafts(batch, guesses, width, branches, sure)
-        drafts, draft_probs, model_drafts, caught_up, first_choices, chains = drafted
+        drafts, draft_probs, model_drafts = drafted.drafts, drafted.probs, drafted.model_tokens
+        first_choices, chains = drafted.first_choices, drafted.chains
         drafted_model = model_drafts[0] is not None and width > 0  # the draft model ran: its passes are this step's
         if sure > 0:
             # rows whose drafts lost confidence (or were never drafted) verify fewer: expect what they verify
@@ -422,10 +436,13 @@ class SpeculativeEngine:
                 realised[kind] = realised.get(kind, 0) + len(out.token_ids) - 1
         if realised:
             self.policy.observe_step(predicted, realised)
-        # a draft forward's cost, from chain steps that fed the draft its usual one or two tokens: after plain steps
-        # it first catches up on every token it missed, a prefill that says nothing of what drafting costs
-        if drafted_model and branches == 1 and caught_up <= self.draft_model.steady_catch_up:
-            self.policy.draft_cost.observe(len(batch), (t1 - t0) / max(len(model_drafts[0]), 1))  # a pass a position
+        # what drafting costs, from chain steps that fed the draft its usual one or two tokens: after plain steps it
+        # first catches up on every token it missed, a prefill that says nothing of what drafting costs. The first
+        # position (catch-up, first forward, the step's planning) and each forward after it are priced apart
+        if drafted_model and branches == 1 and drafted.caught_up <= self.draft_model.steady_catch_up:
+            if drafted.forwards:
+                self.policy.draft_cost.observe(len(batch), drafted.forward_seconds / drafted.forwards)
+            self.policy.draft_start_cost.observe(len(batch), (t1 - t0) - drafted.forward_seconds)
         t3 = time.perf_counter()
         # the guard judges each kind apart; a step whose draft model ran is its kind's even where no row kept a draft
         kind = MODEL if MODEL in realised or drafted_model else FREE if realised else None
@@ -553,25 +570,21 @@ class SpeculativeEngine:
             for seq, g in zip(batch, guesses)
         )
 
-    def _drafts(self, batch, guesses: list[Guess], width: int, branches: int = 1, sure: float = 0.0):
-        """Each row's drafts (at most ``width``; a ``DraftTree`` of ``branches`` branches when more than 1), their
-        draft probabilities (None: one-hot), the draft model's own tokens per row when it ran (its cache keeps only
-        the part the target accepted), the most tokens a row fed it to catch up, and the draft's first choices at
-        the first position per row (where it ran), and the draft's probability of each row's chain up to each draft
-        (where ``sure`` asked for it). ``sure``: a model row keeps its drafts only while the draft's own probability
-        of them stays at or above it (``proposers.draft_loop``)."""
+    def _drafts(self, batch, guesses: list[Guess], width: int, branches: int = 1, sure: float = 0.0) -> StepDrafts:
+        """Each row's drafts (at most ``width``; a ``DraftTree`` of ``branches`` branches when more than 1) and what
+        the draft model said of them where it ran (``StepDrafts``). ``sure``: a model row keeps its drafts only while
+        the draft's own probability of them stays at or above it (``proposers.draft_loop``)."""
         if branches > 1:
             made = self.draft_model.propose_tree(batch, width, branches)
-            return made.trees, made.probs, made.trees, made.caught_up, made.first_choices, None
+            return StepDrafts(made.trees, made.probs, made.trees, made.caught_up, made.first_choices)
         model_tokens, model_probs, caught_up, first = [None] * len(batch), [None] * len(batch), 0, None
-        chains = None
+        made = None
         confident = [width] * len(batch)
         if sure >= 1.0:  # no draft could pay for verifying it: the draft model's forwards would be spent for nothing
             confident = [0] * len(batch)
         elif width and any(g.source == DraftSource.MODEL and g.available for g in guesses):
             made = self.draft_model.propose(batch, width, sure)
             model_tokens, model_probs, caught_up, first = made.tokens, made.probs, made.caught_up, made.first_choices
-            chains = made.chains
             if made.confident is not None:
                 confident = made.confident
         drafts, probs = [], []
@@ -592,7 +605,11 @@ class SpeculativeEngine:
                 probs.append(None)
         if first is not None:  # only a model row's first draft is its first choice
             first = [f if g.source == DraftSource.MODEL else None for f, g in zip(first, guesses)]
-        return drafts, probs, model_tokens, caught_up, first, chains
+        if made is None:
+            return StepDrafts(drafts, probs, model_tokens, caught_up, first)
+        return StepDrafts(
+            drafts, probs, model_tokens, caught_up, first, made.chains, made.forwards, made.forward_seconds
+        )
 
     def _draft_threshold(self, batch: int) -> float:
         if not (self.config.cut_unsure_drafts and self.policy.adaptive) or self.draft_model is None:

@@ -2,7 +2,8 @@
 
 One step runs ONE target pass over ``sum_i (1 + k_i)`` tokens, row i verifying ``k_i = min(w, what it has)`` drafts
 (w = the step's draft width; the pass is one flat stream, so a row without drafts costs one token), plus, with a
-draft model, ``w`` draft forwards over the B rows. Row i then emits on average
+draft model, its start over the B rows (a catch-up and the first forward) and ``w - 1`` forwards after it. Row i
+then emits on average
 
     E_i(k) = 1 + a_i + a_i^2 + ... + a_i^k = (1 - a_i^(k+1)) / (1 - a_i)
 
@@ -432,7 +433,11 @@ class DraftLengthPolicy:
         self._choice_misses = 4.0
         self.guard = RegimeGuard()
         self.verify_cost = CostModel()  # target pass over n token rows
-        self.draft_cost = CostModel()  # one draft-model forward over n rows
+        self.draft_cost = CostModel()  # one draft-model forward over n rows: a drafted position after the first
+        # a step's first drafted position over n rows: the draft's catch-up on what the rows accepted (several tokens
+        # a row, and for a head its fused features), its first forward and the drafting around it. Priced as one
+        # more forward, it made every position as dear as the first and deeper drafts look worse than they are
+        self.draft_start_cost = CostModel()
         # a target pass over n token rows that verifies draft trees: attended apart from chains (compiled passes
         # and CUDA graphs attend chains only), so priced apart; unmeasured, trees are not drafted
         self.tree_cost = CostModel()
@@ -578,18 +583,27 @@ class DraftLengthPolicy:
                     powers[i] *= a
                     n += 1
             extra[w], tokens[w] = more, n
-        draft_seconds = self.draft_cost(batch) if any(r.model and r.available for r in rows) else 0.0
+        drafts = any(r.model and r.available for r in rows)
         best_w, best_rate = 0, batch / self.verify_cost(batch)
         base_rate = best_rate
         for w in range(1, longest + 1):
-            rate = (batch + extra[w]) / (self.verify_cost(tokens[w]) + w * draft_seconds)
+            seconds = self.verify_cost(tokens[w]) + (self.drafting_seconds(batch, w) if drafts else 0.0)
+            rate = (batch + extra[w]) / seconds
             if rate > best_rate:
                 best_w, best_rate = w, rate
         if trees and self.tree_branches != 1 and self.tree_cost.samples and all(r.available >= 1 for r in rows):
-            best_w, best_rate = self._tree(rows, draft_seconds, best_w, best_rate)
+            best_w, best_rate = self._tree(rows, self.drafting_seconds(batch, 1), best_w, best_rate)
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w, self.branches = 0, 1
         return best_w, (best_rate / base_rate if best_w else 1.0)
+
+    def drafting_seconds(self, batch: int, w: int) -> float:
+        """What a draft model (or head) drafting ``w`` positions for ``batch`` rows costs: the first position's
+        start (priced as a forward until measured), then a forward for each later one."""
+        if w <= 0:
+            return 0.0
+        start = self.draft_start_cost(batch) if self.draft_start_cost.samples else self.draft_cost(batch)
+        return start + (w - 1) * self.draft_cost(batch)
 
     def expected(self, rows: list[RowPlan], w: int) -> dict[str, float]:
         """The extra tokens width ``w`` is expected to bring, per kind of row, from the rows' rates alone (what
@@ -673,18 +687,22 @@ class DraftLengthPolicy:
         probing a draft model's acceptance pays its forwards, and its catch-up on every token it missed, for
         nothing."""
         batch = len(rows)
-        draft_seconds = self.draft_cost(batch)
         margin = (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * batch / self.verify_cost(batch)
         for w in range(1, max(r.available for r in rows) + 1):
             tokens = batch + sum(min(w, r.available) for r in rows)
-            if tokens / (self.verify_cost(tokens) + w * draft_seconds) >= margin:
+            if tokens / (self.verify_cost(tokens) + self.drafting_seconds(batch, w)) >= margin:
                 return True
         return False
 
     def restore(self, kept: dict) -> None:
         """Start from pass costs a ``snapshot`` of an earlier load of the same deployment on this machine held (as
         calibration would, and refined by its serving since)."""
-        kept_costs = ((self.verify_cost, "verify_ms"), (self.draft_cost, "draft_ms"), (self.tree_cost, "tree_ms"))
+        kept_costs = (
+            (self.verify_cost, "verify_ms"),
+            (self.draft_cost, "draft_ms"),
+            (self.draft_start_cost, "draft_start_ms"),
+            (self.tree_cost, "tree_ms"),
+        )
         for cost, name in kept_costs:
             cost.samples.update({int(n): ms / 1000 for n, ms in kept.get(name, {}).items()})
 
@@ -694,6 +712,7 @@ class DraftLengthPolicy:
             "max_draft_tokens": self.max_k,
             "verify_ms": self.verify_cost.snapshot(),  # token rows in the pass -> ms
             "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
+            "draft_start_ms": self.draft_start_cost.snapshot(),  # rows -> ms, a step's first drafted position
             "tree_ms": self.tree_cost.snapshot(),  # token rows in a pass over draft trees -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
             "expected_model_acceptance": round(self.model_rate, 3),  # a draft model's or head's beside free guesses

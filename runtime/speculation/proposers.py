@@ -244,6 +244,8 @@ class ModelDrafts(NamedTuple):
     first_choices: list[list[int]] | None = None  # per row, the draft's TOP_CHOICES best at the first position
     confident: list[int] | None = None  # per row, the drafts worth verifying (``draft_loop``'s min_confidence)
     chains: list[list[float]] | None = None  # per row, the draft's probability of its chain up to each draft
+    forwards: int = 0  # forwards run after the first position's (``draft_loop``)
+    forward_seconds: float = 0.0  # and what they cost, the drafting around them included
 
 
 class ModelProposer(Protocol):
@@ -295,19 +297,46 @@ class FeatureObserver(Protocol):
 
 class Drafted(NamedTuple):
     """What ``draft_loop`` drafted: per row its tokens, their draft probabilities (None: greedy), and with a
-    confidence asked, how many are worth verifying and the chain's probability at each."""
+    confidence asked, how many are worth verifying and the chain's probability at each; the forwards it ran after
+    the first position and their cost (the policy prices a step's first position and each later one apart)."""
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
     confident: list[int] | None = None
     chains: list[list[float]] | None = None
+    forwards: int = 0
+    forward_seconds: float = 0.0
 
 
-def draft_loop(batch, width: int, logits: torch.Tensor, step, min_confidence: float = 0.0) -> Drafted:
+class DraftVocabulary:
+    """A proposer's own vocabulary (an EAGLE head's few thousand most frequent tokens): column j of its logits is the
+    target's token ``ids[j]``. Greedy rows draft within it; rows that sample or follow a grammar read its logits
+    spread over the target's vocabulary (-inf elsewhere), where their distributions and masks live."""
+
+    def __init__(self, ids: torch.Tensor, size: int):
+        self.ids, self.size = ids, size
+
+    def spread(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, len(ids)] -> [B, size]."""
+        full = logits.new_full((logits.shape[0], self.size), float("-inf"))
+        full[:, self.ids] = logits
+        return full
+
+
+def draft_loop(
+    batch,
+    width: int,
+    logits: torch.Tensor,
+    step,
+    min_confidence: float = 0.0,
+    vocabulary: DraftVocabulary | None = None,
+) -> Drafted:
     """The drafting both model proposers run: ``width`` tokens for each of rows 0..B-1, chosen from logits
     [B, vocab] greedily or sampled as the row samples (keeping the draft probabilities rejection sampling needs),
     within the row's grammar up to an end token; ``step(tokens [B]) -> logits [B, vocab]`` runs the proposer once more.
-    The last token is never stepped: the target checks it, and catch-up feeds it if accepted.
+    The last token is never stepped: the target checks it, and catch-up feeds it if accepted. With ``vocabulary`` the
+    logits are over the proposer's own (tokens are still the target's): a batch of greedy rows drafts within it, an
+    argmax and a softmax over its columns instead of the target's whole vocabulary each position.
 
     With ``min_confidence``, each row's drafts are worth verifying only while the draft's own probability of its
     chain so far (the product of each drafted token's probability) stays at or above it; ``confident`` says how
@@ -321,6 +350,14 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step, min_confidence: fl
     chains: list[torch.Tensor] = []  # per position, [B]: the chain's probability up to there
     # drafts are proposed within a row's grammar (they are then never cut), up to an end token
     taken = {b: 0 for b, seq in enumerate(batch) if seq.grammar is not None}  # tokens each matcher advanced
+    forwards, later = 0, 0.0  # the forwards after the first position, and when the first of them began
+    ids = None  # the target's token at each column of the logits, where they are the proposer's own
+    if vocabulary is not None:
+        if taken or any(not seq.sampling.greedy for seq in batch):
+            logits, proposer_step = vocabulary.spread(logits), step
+            step = lambda token: vocabulary.spread(proposer_step(token))  # noqa: E731
+        else:
+            ids = vocabulary.ids
     for i in range(width):
         if taken:
             logits = logits.clone()
@@ -338,7 +375,8 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step, min_confidence: fl
                 except Exception as exc:  # noqa: BLE001 - that row ends after the pass; the others draft on
                     record_fault(batch[b], "grammar", exc)
                     del taken[b]
-        token = greedy(logits)  # [B]
+        column = greedy(logits)  # [B]
+        token = column if ids is None else ids[column]
         for b, seq in enumerate(batch):
             if not seq.sampling.greedy and seq.fault is None:
                 try:
@@ -350,28 +388,33 @@ def draft_loop(batch, width: int, logits: torch.Tensor, step, min_confidence: fl
                 probs[b].append(q[0])
         drafted.append(token)
         if chain is not None:
-            chain = chain * _drafted_probability(batch, logits, token, probs, i)
+            chain = chain * _drafted_probability(batch, logits, column, probs, i)
             chains.append(chain)
             sure.append(chain >= min_confidence)
             if not bool(sure[-1].any()):  # no row would verify another draft: stop stepping the proposer
                 break
         if i + 1 < width:
+            if not forwards:
+                later = time.perf_counter()
             logits = step(token)
+            forwards += 1
     for b, n in taken.items():
         batch[b].grammar.rollback(n)  # (a faulted row's matcher is never used again)
     tokens = torch.stack(drafted, 1).tolist() if drafted else [[] for _ in batch]  # one host sync
     confident = torch.stack(sure, 1).cumprod(1).sum(1).tolist() if sure else None
     kept = torch.stack(chains, 1).tolist() if chains else None
-    return Drafted(tokens, [torch.stack(p) if p else None for p in probs], confident, kept)
+    later = time.perf_counter() - later if forwards else 0.0  # (after the sync: a device's forwards are done)
+    return Drafted(tokens, [torch.stack(p) if p else None for p in probs], confident, kept, forwards, later)
 
 
-def _drafted_probability(batch, logits: torch.Tensor, token: torch.Tensor, probs, i: int) -> torch.Tensor:
-    """[B]: the probability each row's draft at position ``i`` had under the distribution it was drawn from (the
-    greedy rows': the softmax of the logits, whose largest it is)."""
-    p = torch.softmax(logits.float(), -1).gather(1, token[:, None])[:, 0]
+def _drafted_probability(batch, logits: torch.Tensor, column: torch.Tensor, probs, i: int) -> torch.Tensor:
+    """[B]: the probability each row's draft at position ``i`` (``column`` of the logits; for a sampled row, its
+    token) had under the distribution it was drawn from (the greedy rows': the softmax of the logits, whose largest
+    it is)."""
+    p = torch.softmax(logits.float(), -1).gather(1, column[:, None])[:, 0]
     for b, seq in enumerate(batch):
         if len(probs[b]) > i:  # a sampled row's own distribution (temperature, top-k, top-p)
-            p[b] = probs[b][i][token[b]]
+            p[b] = probs[b][i][column[b]]
     return p
 
 
@@ -439,6 +482,8 @@ class DraftModelProposer:
             first_choices=first.tolist(),
             confident=drafted.confident,
             chains=drafted.chains,
+            forwards=drafted.forwards,
+            forward_seconds=drafted.forward_seconds,
         )
 
     def _catch_up(self, batch) -> tuple[torch.Tensor, int]:

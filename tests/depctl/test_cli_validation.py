@@ -947,7 +947,7 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
     assert "h: learned head generation 3 (2.41 accepted on held-out answers); training, 12.5 min trained" in text
 
 
-def test_get_shows_the_pass_costs_of_chains_and_of_draft_trees():
+def test_get_shows_the_pass_costs_of_chains_of_a_drafts_start_and_of_draft_trees():
     from rich.console import Console
 
     from depctl.cli.views import detail_table
@@ -956,12 +956,14 @@ def test_get_shows_the_pass_costs_of_chains_and_of_draft_trees():
         "max_draft_tokens": 4,
         "verify_ms": {"1": 50.0, "5": 60.0},
         "draft_ms": {"1": 11.0},
+        "draft_start_ms": {"1": 14.5},
         "tree_ms": {"3": 55.0, "9": 70.0},
     }
     console = Console(width=200, record=True)
     console.print(detail_table({"id": "dep", "model": "m", "status": {"state": "READY", "policy": policy}}))
     text = console.export_text()
     assert "1: 50.0, 5: 60.0" in text and "3: 55.0, 9: 70.0" in text and "Tree pass cost" in text
+    assert "Draft start (rows: ms)" in text and "1: 14.5" in text  # a step's first drafted position
     untried = {"state": "READY", "policy": {**policy, "tree_ms": {}}}
     console.print(detail_table({"id": "dep", "model": "m", "status": untried}))
     assert "Tree pass cost" not in console.export_text()  # none measured: no row

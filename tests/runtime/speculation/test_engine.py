@@ -237,6 +237,30 @@ def test_a_draft_model_catching_up_after_plain_steps_is_not_priced_as_its_drafti
     assert seen and set(seen) <= set(range(7, 12))
 
 
+def test_a_drafts_first_position_and_the_forwards_after_it_are_priced_apart(target, draft):
+    """A step's first drafted position costs the draft's catch-up and the drafting around it; each later one costs a
+    forward. Each is measured as what it is: a forward made slow here is priced slow, and the start is not."""
+    import time
+
+    runner = ModelRunner(draft)
+    forward = runner.forward
+
+    def slow_step(row, tokens, *args, **kwargs):
+        if not kwargs.get("last_only"):  # a drafting step's forward (catch-up asks only for the last logits)
+            time.sleep(0.05)
+        return forward(row, tokens, *args, **kwargs)
+
+    runner.forward = slow_step
+    engine = make(target, DraftModelProposer(runner), 3)
+    engine.policy.width = lambda rows, **_: (3, {"model": 1.0})
+    starts, forwards = [], []
+    engine.policy.draft_start_cost.observe = lambda n, seconds: starts.append(seconds)
+    engine.policy.draft_cost.observe = lambda n, seconds: forwards.append(seconds)
+    run(engine, PROMPTS[1], max_tokens=20, ignore_eos=True)
+    assert forwards and min(forwards) >= 0.05
+    assert starts and max(starts) < 0.05
+
+
 def test_a_draft_model_reads_a_prompt_only_when_its_row_first_drafts(target, draft):
     """Where the policy does not draft (a batch too large for drafts to pay), the draft model costs nothing: it reads
     a row's prompt when the row first drafts, in prompt-sized chunks, and the output stays the target's."""

@@ -555,3 +555,28 @@ def test_beside_free_guesses_a_draft_models_rows_draft_only_where_they_add_to_th
     sure = [RowPlan(policy.new_request(prior=0.95, model=True), 4, True) for _ in range(8)]
     w, predicted = policy.width(copies + sure)
     assert w > 0 and policy.model_drafts and set(predicted) == {"free", "model"}
+
+
+def test_a_drafts_first_position_is_priced_apart_from_the_forwards_after_it():
+    # a head's first position costs its catch-up on the tokens just accepted and the drafting around it (4 ms here);
+    # each position after it one forward (1 ms). Priced at the first position's cost each, a draft of three cost 12 ms
+    # and the policy drafted one or two; priced as it runs, three pay most
+    policy = DraftLengthPolicy(max_k=4)
+    policy.verify_cost.samples.update({1: 0.025, 2: 0.026, 3: 0.027, 4: 0.028, 5: 0.029})
+    policy.draft_cost.samples.update({1: 0.001})
+    policy.draft_start_cost.samples.update({1: 0.004})
+    head = [RowPlan(policy.new_request(prior=0.5, model=True), 4, True)]
+    assert policy.drafting_seconds(1, 3) == pytest.approx(0.006)
+    assert policy.width(head)[0] == 3
+    policy.draft_cost.samples.update({1: 0.004})  # a forward as dear as the start: fewer
+    assert policy.width(head)[0] < 3
+    kept = DraftLengthPolicy(max_k=4)
+    kept.restore(policy.snapshot())
+    assert kept.draft_start_cost.samples == {1: 0.004}
+
+
+def test_an_unmeasured_first_position_is_priced_as_a_forward():
+    policy = DraftLengthPolicy(max_k=4)
+    policy.draft_cost.samples.update({1: 0.002})
+    assert policy.drafting_seconds(1, 2) == pytest.approx(0.004)
+    assert policy.drafting_seconds(1, 0) == 0.0

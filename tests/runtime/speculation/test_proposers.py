@@ -12,6 +12,7 @@ import torch
 from depctl_runtime.speculation.params import GenerationParams, SamplingParams, Tenant
 from depctl_runtime.speculation.proposers import (
     CONTEXT_LOOKBACK,
+    DraftVocabulary,
     NgramIndex,
     NgramProposer,
     PredictionTracker,
@@ -234,7 +235,8 @@ def test_drafts_are_kept_while_the_drafts_own_chain_probability_stays_over_the_c
         steps.append(token.tolist())
         return _confident_logits(next(tops))
 
-    tokens, probs, confident, chains = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    drafted = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    tokens, probs, confident, chains = drafted.tokens, drafted.probs, drafted.confident, drafted.chains
     assert tokens == [[1, 1, 1, 1], [2, 2, 2, 2]]  # every row is drafted while any is worth drafting
     assert confident == [4, 1]  # 0.9^4 = 0.66 for row 0
     assert len(steps) == 3 and probs == [None, None]
@@ -243,7 +245,7 @@ def test_drafts_are_kept_while_the_drafts_own_chain_probability_stays_over_the_c
     assert chains[1] == pytest.approx([0.9, 0.27, 0.243, 0.2187], abs=1e-3)
     # without a confidence asked, every row has the width, as before
     tops = iter([[0.9, 0.9], [0.9, 0.3], [0.9, 0.9], [0.9, 0.9]])
-    assert draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.0)[2] is None
+    assert draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.0).confident is None
 
 
 def test_drafting_stops_once_no_row_keeps_a_draft():
@@ -254,17 +256,51 @@ def test_drafting_stops_once_no_row_keeps_a_draft():
         steps.append(token.tolist())
         return _confident_logits(next(tops))
 
-    tokens, _, confident, _ = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
-    assert confident == [1, 0]  # row 0: 0.9, then 0.36; row 1 is unsure of its first draft
-    assert len(steps) == 1 and len(tokens[0]) == 2  # the proposer ran twice, not four times
+    drafted = draft_loop(_drafting_rows(2), 4, _confident_logits(next(tops)), step, 0.5)
+    assert drafted.confident == [1, 0]  # row 0: 0.9, then 0.36; row 1 is unsure of its first draft
+    assert len(steps) == 1 and len(drafted.tokens[0]) == 2  # the proposer ran twice, not four times
+    assert drafted.forwards == 1 and drafted.forward_seconds > 0  # what the policy prices a later position at
 
 
 def test_a_sampled_rows_confidence_is_its_drafts_probability_under_its_own_distribution():
     # at temperature 3 the 0.9 of the first draft flattens to about 0.36: under 0.5, where greedy keeps it
     rows = _drafting_rows(1, SamplingParams(temperature=3.0, seed=1))
     logits = _confident_logits([0.9])
-    tokens, probs, confident, _ = draft_loop(rows, 1, logits, lambda token: None, 0.5)
+    drafted = draft_loop(rows, 1, logits, lambda token: None, 0.5)
+    tokens, probs = drafted.tokens, drafted.probs
     q = torch.softmax(logits[0] / 3.0, -1)
     assert math.isclose(float(probs[0][0][tokens[0][0]]), float(q[tokens[0][0]]), rel_tol=1e-5)
-    assert confident == [0]
-    assert draft_loop(_drafting_rows(1), 1, logits, lambda token: None, 0.5)[2] == [1]
+    assert drafted.confident == [0]
+    assert draft_loop(_drafting_rows(1), 1, logits, lambda token: None, 0.5).confident == [1]
+    assert drafted.forwards == 0 and drafted.forward_seconds == 0.0  # one position: the start alone
+
+
+def test_greedy_rows_draft_within_a_proposers_own_vocabulary_what_they_drafted_over_the_targets():
+    # a head's logits cover 5 of the target's 12 tokens: greedy rows take the argmax and its probability over those
+    # columns (the rest are -inf over the target's vocabulary: the same softmax); a sampled row reads them spread
+    vocabulary = DraftVocabulary(torch.tensor([0, 3, 4, 7, 11]), 12)
+    torch.manual_seed(4)
+    logits = [torch.randn(2, 5) for _ in range(3)]
+    fed = {"own": [], "spread": []}
+
+    def stepper(kind, spread):
+        rest = iter(logits[1:])
+
+        def step(token):
+            fed[kind].append(token.tolist())
+            nxt = next(rest)
+            return vocabulary.spread(nxt) if spread else nxt
+
+        return step
+
+    own = draft_loop(_drafting_rows(2), 3, logits[0], stepper("own", False), 0.01, vocabulary)
+    wide = draft_loop(_drafting_rows(2), 3, vocabulary.spread(logits[0]), stepper("spread", True), 0.01)
+    assert own.tokens == wide.tokens and fed["own"] == fed["spread"]  # the target's tokens, fed back as such
+    assert set(t for row in own.tokens for t in row) <= {0, 3, 4, 7, 11}
+    for mine, theirs in zip(own.chains, wide.chains):
+        assert mine == pytest.approx(theirs)
+    assert own.confident == wide.confident
+    rows = _drafting_rows(1) + _drafting_rows(1, SamplingParams(temperature=1.0, seed=2))
+    sampled = draft_loop(rows, 1, logits[0], lambda token: None, 0.0, vocabulary)
+    assert sampled.probs[1].shape == (1, 12)  # over the target's vocabulary, as rejection sampling reads it
+    assert sampled.probs[1][0, [1, 2, 5, 6, 8, 9, 10]].sum() == 0
