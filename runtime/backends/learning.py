@@ -21,8 +21,8 @@ from depctl_runtime.training.online import HeadLearner, LearnOptions
 MAX_MEASURED_STEPS = 5  # draft steps heads are compared at: later ones are reached rarely, and each costs a pass
 
 
-def learner(spec: DeploymentSpec, model, rows: int, vocab: int, steps: eagle.HeadSteps) -> HeadLearner:
-    """``steps``: how the generations it serves run their draft step (``HeadSteps``)."""
+def learner(spec: DeploymentSpec, model, rows: int, vocab: int, head_steps: eagle.HeadSteps) -> HeadLearner:
+    """``head_steps``: how the generations it serves run their draft step (``HeadSteps``)."""
     if not decoder.is_fused(model):
         raise LoadError(
             f"--learn-draft-head trains an EAGLE head on the layer outputs of depctl's own decoder; MODEL "
@@ -38,7 +38,7 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int, steps: eagle.Hea
     steps = min(spec.speculation.num_draft_tokens, MAX_MEASURED_STEPS)
 
     def make_proposer(head) -> EagleProposer:
-        return steps.proposer(eagle.for_serving(head, model), rows, vocab)
+        return head_steps.proposer(eagle.for_serving(head, model), rows, vocab)
 
     return HeadLearner(
         learning.path(spec.id),

@@ -154,9 +154,9 @@ def load_deployment(
         draft_runner = ModelRunner(draft.model, vocab, max_rows=rows, max_context=max_context)
     num_draft_tokens = getattr(spec_method, "num_draft_tokens", 0)
     learner = None
-    steps = eagle.HeadSteps()  # how the heads it serves draft: decided once its passes are
+    head_steps = eagle.HeadSteps()  # how the heads it serves draft: decided once its passes are
     if spec.learn_draft_head is not None:
-        learner = learning.learner(spec, target.model, rows, vocab, steps)
+        learner = learning.learner(spec, target.model, rows, vocab, head_steps)
         served = learner.initial_head()  # the generation that served before a restart, if any
         head = eagle.for_serving(served, target.model) if served is not None else None
         head_measured = (learner.serving_mean_accepted(), learner.options.steps)
@@ -175,11 +175,11 @@ def load_deployment(
     if passes.kind is PassKind.COMPILED and (head is not None or learner is not None):
         # a head's step compiles where the target's passes do: heads of one shape share the libraries
         shape = head if head is not None else eagle.for_serving(EagleHead(learner.config), target.model)
-        steps.prepare(shape, libraries(), build_passes, report)
+        head_steps.prepare(shape, libraries(), build_passes, report)
     eos_ids = end_token_ids(target)
     engine = SpeculativeEngine(
         passes.target,
-        pick_proposer(spec_method, passes, head, rows, vocab, steps),
+        pick_proposer(spec_method, passes, head, rows, vocab, head_steps),
         EngineConfig(
             num_draft_tokens=num_draft_tokens,
             max_context=max_context,
@@ -199,7 +199,7 @@ def load_deployment(
         engine.policy.new_draft_model(*head_measured)
     if learner is not None:
         if head is not None:  # a generation served before a restart: the n-gram or suffix index drafts beside it
-            engine.free = pick_proposer(spec_method, passes, None, rows, vocab, steps)
+            engine.free = pick_proposer(spec_method, passes, None, rows, vocab, head_steps)
         learner.attach(engine)
         # a compiled library takes the caches as inputs: idle answers pass through an instance of their own
         another = passes.target.fast_pass.another if passes.kind is PassKind.COMPILED else None
@@ -211,7 +211,7 @@ def load_deployment(
         grammars = GrammarCompiler(target.tokenizer, vocab, list(eos_ids))
     except ValueError as exc:  # a slow (Python) tokenizer: requests that need it get a 400 saying so
         log.warning("no structured outputs for %s: %s", spec.id, exc)
-    compiled_status = passes.describe() + steps.detail
+    compiled_status = passes.describe() + head_steps.detail
     kernels = products(target.model)
     costs_file = None
     if calibrate:
@@ -260,11 +260,11 @@ def prefix_cache_budget(device) -> int:
     return min(PREFIX_CACHE_MAX, free // 10) if free is not None else 64 << 20
 
 
-def pick_proposer(method, passes: Passes, head, rows: int, vocab: int, steps: eagle.HeadSteps) -> Proposer | None:
-    """What drafts for the spec's speculation method: the EAGLE head (its step as ``steps`` runs it) or the draft
+def pick_proposer(method, passes: Passes, head, rows: int, vocab: int, head_steps: eagle.HeadSteps) -> Proposer | None:
+    """What drafts for the spec's speculation method: the EAGLE head (its step as ``head_steps`` runs it) or the draft
     model loaded for it (the draft through its own passes), the n-gram or suffix index; None for plain decoding."""
     if head is not None:
-        return steps.proposer(head, rows, vocab)
+        return head_steps.proposer(head, rows, vocab)
     if passes.draft is not None:
         return DraftModelProposer(passes.draft)
     if isinstance(method, NgramSpeculation):
