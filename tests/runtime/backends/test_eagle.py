@@ -37,6 +37,7 @@ def test_a_head_drafts_for_its_target_and_the_output_is_the_targets(tiny_model_d
     engine = loaded.engine
     assert isinstance(engine.proposer, EagleProposer)
     assert (engine.target.fast_pass is not None) == compile, loaded.compiled
+    assert (engine.proposer.compiled is not None) == compile, loaded.compiled  # the head's step compiles beside it
     engine.policy.adaptive = False  # draft every step: the hardest case for exactness
     got = Scheduler(engine, 3, prefill_chunk=8).run_all(PROMPTS, PARAMS)
     plain = load_deployment(DeploymentSpec(id="p", model=str(tiny_model_dir), device="cpu", compile=False))
