@@ -182,22 +182,22 @@ def package_path(model: nn.Module, precision: str, root: Path, features: tuple[i
         sources.update(code_fingerprint(Path(module.__file__).read_text()).encode())
     for source in (native.SOURCE, native.LINEAR_SOURCE, native.QUANTIZED_SOURCE):  # the ops the library calls
         sources.update(code_fingerprint(source.read_text(), cpp=True).encode())
-    key = json.dumps(
-        {
-            "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
-            "precision": precision,
-            "features": list(features),
-            "dtype": str(next(model.parameters()).dtype),
-            "modules": sorted({type(m).__name__ for m in model.modules()}),
-            "torch": torch.__version__,
-            "cpu": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(),
-            "sources": sources.hexdigest(),
-        },
-        sort_keys=True,
-        default=str,
-    )
-    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
+    fields = {
+        "config": model.config.to_diff_dict() if hasattr(model.config, "to_diff_dict") else str(model.config),
+        "precision": precision,
+        "features": list(features),
+        "dtype": str(next(model.parameters()).dtype),
+        "modules": sorted({type(m).__name__ for m in model.modules()}),
+        "sources": sources.hexdigest(),
+    }
+    return root / f"{library_key(fields)}.pt2"
+
+
+def library_key(fields: dict) -> str:
+    """A library's name: a digest of ``fields`` (what its generated code depends on), the torch build and the CPU."""
+    build = {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
+    key = json.dumps({**fields, **build}, sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def build(model: nn.Module, cache, package: Path, features: tuple[int, ...] = ()) -> float:

@@ -20,10 +20,8 @@ propose: the output is the target's whatever the head computes.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -72,21 +70,14 @@ def package_paths(head: eagle.EagleHead, root: Path) -> dict[str, Path]:
     sources.update(code_fingerprint(Path(__file__).read_text()).encode())
     for source in (native.SOURCE, native.QUANTIZED_SOURCE):
         sources.update(code_fingerprint(source.read_text(), cpp=True).encode())
-    key = json.dumps(
-        {
-            "config": head.config.to_dict(),
-            "dtype": str(head.norm.weight.dtype),
-            "embeddings": list(head.embed_tokens.weight.shape),
-            "modules": sorted({type(m).__name__ for m in head.modules()}),
-            "torch": torch.__version__,
-            "cpu": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(),
-            "sources": sources.hexdigest(),
-        },
-        sort_keys=True,
-        default=str,
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    fields = {
+        "config": head.config.to_dict(),
+        "dtype": str(head.norm.weight.dtype),
+        "embeddings": list(head.embed_tokens.weight.shape),
+        "modules": sorted({type(m).__name__ for m in head.modules()}),
+        "sources": sources.hexdigest(),
+    }
+    digest = compiled.library_key(fields)
     return {part: root / f"head-{digest}-{part}.pt2" for part in PARTS}
 
 
