@@ -130,7 +130,7 @@ class EagleProposer:
         out, logits = self._attend(q[:, last], residual[last], positions[last], batch_rows, ends)  # [B, hidden]
         state = {"out": out, "lengths": list(ends)}
 
-        def step(token: torch.Tensor) -> torch.Tensor:  # token [B] -> the next draft's logits [B, vocab]
+        def step(token: torch.Tensor) -> torch.Tensor:  # token [B] -> the next draft's logits over ``vocabulary``
             # step j's entry goes at index and position n - 2 + j: right after the row's entries and chain so far
             at = torch.tensor(state["lengths"], device=self.device)
             q, residual = self._keys(token, state["out"], at, batch_rows)
