@@ -1,8 +1,9 @@
 """An EAGLE head's draft step compiled ahead of time (AOTInductor), as the target's passes are (``model.compiled``).
 
 Why: a head is one decoder layer, a hundredth of a small target's bytes, yet run eagerly right after a target pass
-its draft step cost a sixth of that pass: some sixty small ops (norms, RoPE, the cache writes, attention, the MLP's
-activation), each paying for caches the pass just emptied. Compiled, they are a few C++ loops between the products.
+its draft step cost far more than its bytes: some sixty small ops (norms, RoPE, the cache writes, attention, the
+MLP's activation), each paying for caches the pass just emptied. Compiled, they are a few C++ loops between the
+products (BENCHMARKS.md, "A compiled head step").
 
 Two libraries, both with every size symbolic (tokens, cache rows, capacity):
 
