@@ -8,7 +8,9 @@ The traffic is what a deployment with ``--learn-draft-head`` recorded (its answe
 layer features and tokens). Each recipe trains a new head from it as the deployment trains one in idle time
 (``training.online._Trainer``: windows of an answer, prompt positions included, the training-time test's chained
 steps), for ``--minutes`` of training time; every ``--every`` minutes the head drafts greedily over every held-out
-answer at K (the mean accepted length, and the share of first drafts accepted), which is not counted as training.
+answer at K (the mean accepted length, and the share of first drafts accepted), which is not counted as training;
+where the recipe keeps a running average of the weights (``LearnOptions.average``), the average is measured too,
+beside the weights as trained (the same run: averaging never changes the training).
 Recipes run one after another in this process: run on a quiet machine.
 """
 
@@ -29,6 +31,8 @@ RECIPES = {
     "vocab-8192": {"draft_vocab": 8192},
     "lr-1e-3": {"lr": 1e-3},
     "batch-256": {"batch_rows": 256},  # twice the optimizer steps
+    "average-0.995": {"average": 0.995},  # a shorter running average of the weights
+    "no-average": {"average": 0.0},  # the weights as trained are the candidate
 }
 
 
@@ -93,15 +97,18 @@ def main() -> None:
         while True:
             if trainer.seconds >= due:
                 trainer.flush()
-                t0 = time.perf_counter()
-                measured = evaluate(head, held, args.k)
-                rows.append({"minutes": trainer.seconds / 60, "positions": trainer.rows, **measured})
-                print(
-                    f"  [{name}] {trainer.seconds / 60:.1f} min, {trainer.rows:,} positions: mean accepted "
-                    f"{measured['mean_accepted']}, first {measured['acceptance'][0]:.1%} "
-                    f"(measured in {time.perf_counter() - t0:.0f} s)",
-                    flush=True,
-                )
+                row = {"minutes": trainer.seconds / 60, "positions": trainer.rows}
+                heads = {"": head} if trainer.average is None else {" (weights)": head, " (average)": trainer.average}
+                for label, measured_head in heads.items():
+                    t0 = time.perf_counter()
+                    measured = row[label] = evaluate(measured_head, held, args.k)
+                    print(
+                        f"  [{name}{label}] {trainer.seconds / 60:.1f} min, {trainer.rows:,} positions: mean "
+                        f"accepted {measured['mean_accepted']}, first {measured['acceptance'][0]:.1%} "
+                        f"(measured in {time.perf_counter() - t0:.0f} s)",
+                        flush=True,
+                    )
+                rows.append(row)
                 if trainer.seconds >= args.minutes * 60:
                     break
                 due += args.every * 60
@@ -109,19 +116,20 @@ def main() -> None:
         results[name] = rows
 
     names = list(results)
+    columns = [(n, label) for n in names for label in results[n][0] if label not in ("minutes", "positions")]
     print("\nmean accepted length at K on the held-out answers (first drafts accepted), by minutes of training\n")
-    print("| minutes | " + " | ".join(names) + " |")
-    print("|---:|" + "---|" * len(names))
+    print("| minutes | " + " | ".join(n + label for n, label in columns) + " |")
+    print("|---:|" + "---|" * len(columns))
     for i in range(max(len(r) for r in results.values())):
         cells = []
-        for name in names:
-            row = results[name][i] if i < len(results[name]) else None
+        for name, label in columns:
+            row = results[name][i][label] if i < len(results[name]) else None
             cells.append(f"{row['mean_accepted']:.3f} ({row['acceptance'][0]:.0%})" if row else "")
         minutes = next(results[n][i]["minutes"] for n in names if i < len(results[n]))
         print(f"| {minutes:.0f} | " + " | ".join(cells) + " |")
     print(
         "| positions a minute | "
-        + " | ".join(f"{results[n][-1]['positions'] / max(results[n][-1]['minutes'], 1e-9):,.0f}" for n in names)
+        + " | ".join(f"{results[n][-1]['positions'] / max(results[n][-1]['minutes'], 1e-9):,.0f}" for n, _ in columns)
         + " |"
     )
 

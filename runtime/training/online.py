@@ -59,6 +59,10 @@ BETTER_BY = 0.02  # ... and a later generation must beat the serving one by, on 
 EPOCHS = 8  # passes over the recorded positions before training waits for more traffic
 LR = 5e-4
 WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
+# the weights' running average a candidate is measured and served as (Polyak averaging), per optimizer step: a
+# constant learning rate never anneals, and the average of the last few hundred steps drafts as a head whose rate
+# had decayed would, while training goes on (BENCHMARKS.md, "Averaged weights for a learning head")
+AVERAGE = 0.998
 HISTORY_KEPT = 200
 
 
@@ -75,6 +79,7 @@ class LearnOptions:
     epochs: float = EPOCHS
     lr: float = LR
     prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
+    average: float = AVERAGE  # the running average's decay per optimizer step (0: the candidate is the head itself)
     seed: int = 0
 
 
@@ -276,7 +281,7 @@ class HeadLearner:
         answer = read_answer(c.files.pop()) if c.files else None
         if answer is not None:
             example = answer.example()
-            c.add("candidate", *reach(self.trainer.head, example, self.options.steps))
+            c.add("candidate", *reach(self.trainer.candidate, example, self.options.steps))
             if self.serving is not None:
                 c.add("serving", *reach(self.serving, example, self.options.steps))
         if c.files:
@@ -306,7 +311,7 @@ class HeadLearner:
         """The head in training becomes the serving generation: saved, then swapped into the engine, which starts
         from the mean accepted length it reached on the held-out answers."""
         self.generation += 1
-        head = copy.deepcopy(self.trainer.head).eval().requires_grad_(False)
+        head = copy.deepcopy(self.trainer.candidate).eval().requires_grad_(False)
         self.serving = head
         extra = {
             "generation": self.generation,
@@ -336,8 +341,7 @@ class HeadLearner:
         }
         folder = self._state_dir()
         private_dir(folder)
-        state = {k: v for k, v in self.trainer.head.state_dict().items() if k != "embed_tokens.weight"}
-        save_state(folder, state, self.trainer.optimizer.state_dict(), info)
+        save_state(folder, self.trainer.state(), self.trainer.optimizer.state_dict(), info)
         _private_files(folder)
 
     def release(self) -> None:
@@ -447,6 +451,11 @@ class _Trainer:
             self._start(vocabulary, final_norm)
         self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
         self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=0.0)
+        # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
+        self.average = _averaged(head) if options.average else None
+        self._averaged = (
+            [p for n, p in self.average.named_parameters() if not n.startswith("embed_tokens")] if self.average else []
+        )
         self.seconds = 0.0  # training time, comparisons excluded
         self.rows = 0  # positions trained on
         self.steps = 0  # optimizer steps
@@ -466,8 +475,26 @@ class _Trainer:
             if final_norm is not None:
                 head.norm.weight.copy_(final_norm)
 
-    def restore(self, head_state: dict, optimizer_state: dict, info: dict) -> None:
-        self.head.load_state_dict(head_state, strict=False)
+    @property
+    def candidate(self) -> EagleHead:
+        """The head a comparison measures and a promotion serves: the running average, or the head itself."""
+        return self.average if self.average is not None else self.head
+
+    def state(self) -> dict:
+        """The head's tensors and the average's (``average.`` before their names), the frozen embeddings left out."""
+        state = {k: v for k, v in self.head.state_dict().items() if k != "embed_tokens.weight"}
+        if self.average is not None:
+            kept = self.average.state_dict().items()
+            state.update({f"average.{k}": v for k, v in kept if k != "embed_tokens.weight"})
+        return state
+
+    def restore(self, state: dict, optimizer_state: dict, info: dict) -> None:
+        """What ``state`` and the optimizer's state dict held; a state kept without an average starts one from the
+        head's weights."""
+        average = {k.removeprefix("average."): v for k, v in state.items() if k.startswith("average.")}
+        self.head.load_state_dict({k: v for k, v in state.items() if not k.startswith("average.")}, strict=False)
+        if self.average is not None:
+            self.average.load_state_dict(average or self.head.state_dict(), strict=False)
         self.optimizer.load_state_dict(optimizer_state)
         self.seconds, self.rows, self.steps = info["seconds"], info["rows"], info["steps"]
 
@@ -525,6 +552,18 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.pending_rows = 0
         self.steps += 1
+        if self.average is not None:
+            # the first steps' weights are far from where training goes: a shorter memory until ~1/(1 - average)
+            decay = min(self.options.average, (1 + self.steps) / (10 + self.steps))
+            with torch.no_grad():
+                for kept, param in zip(self._averaged, self.params):
+                    kept.lerp_(param, 1 - decay)
+
+
+def _averaged(head: EagleHead) -> EagleHead:
+    """A copy of ``head`` to hold the running average of its weights, sharing its frozen embeddings."""
+    average = copy.deepcopy(head, {id(head.embed_tokens): head.embed_tokens})
+    return average.requires_grad_(False).eval()
 
 
 def _window_loss(

@@ -228,3 +228,34 @@ def test_the_head_trains_its_chained_steps_up_to_train_steps_and_is_measured_at_
     answer = Answer(torch.randint(0, 50, (30,)), torch.randn(29, 3 * 32), prompt_len=10)
     trainer.train_window(lambda: answer, 1.0)
     assert asked == [chained] and trainer.rows > 0
+
+
+def test_the_candidate_is_the_running_average_of_the_weights_and_the_state_keeps_it():
+    head = tiny_head(vocab=50, draft_vocab=40)
+    trainer = _Trainer(head, LearnOptions(steps=4, batch_rows=4, average=0.9))
+    assert trainer.candidate is trainer.average and trainer.average.embed_tokens is head.embed_tokens  # shared
+    answer = Answer(torch.randint(0, 50, (30,)), torch.randn(29, 3 * 32), prompt_len=10)
+    names = [n for n, _ in head.named_parameters() if not n.startswith("embed_tokens")]
+    for step in (1, 2):
+        kept = {n: p.detach().clone() for n, p in trainer.average.named_parameters()}
+        trainer.train_window(lambda: answer, 1.0)  # a window of more than 4 positions: one optimizer step
+        assert trainer.steps == step
+        weights = dict(head.named_parameters())
+        decay = min(0.9, (1 + step) / (10 + step))
+        for n, p in trainer.average.named_parameters():
+            if n in names:
+                torch.testing.assert_close(p, decay * kept[n] + (1 - decay) * weights[n])
+    assert any(not torch.equal(dict(trainer.average.named_parameters())[n], weights[n]) for n in names)
+
+    again = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, average=0.9))
+    again.restore(trainer.state(), trainer.optimizer.state_dict(), trainer.info())
+    for which in ("head", "average"):
+        saved, restored = getattr(trainer, which).state_dict(), getattr(again, which).state_dict()
+        assert all(torch.equal(saved[k], restored[k]) for k in saved if k != "embed_tokens.weight"), which
+    # a state kept before averaging: the average starts from the weights
+    older = {k: v for k, v in trainer.state().items() if not k.startswith("average.")}
+    again.restore(older, trainer.optimizer.state_dict(), trainer.info())
+    assert all(torch.equal(again.average.state_dict()[k], v) for k, v in older.items())
+    # no averaging: the weights as trained are the candidate
+    plain = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, average=0.0))
+    assert plain.average is None and plain.candidate is plain.head and "average." not in "".join(plain.state())
