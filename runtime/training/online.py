@@ -453,7 +453,7 @@ class _Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=0.0)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
         self.average = _averaged(head) if options.average else None
-        self._averaged = (
+        self._average_params = (
             [p for n, p in self.average.named_parameters() if not n.startswith("embed_tokens")] if self.average else []
         )
         self.seconds = 0.0  # training time, comparisons excluded
@@ -556,7 +556,7 @@ class _Trainer:
             # the first steps' weights are far from where training goes: a shorter memory until ~1/(1 - average)
             decay = min(self.options.average, (1 + self.steps) / (10 + self.steps))
             with torch.no_grad():
-                for kept, param in zip(self._averaged, self.params):
+                for kept, param in zip(self._average_params, self.params):
                     kept.lerp_(param, 1 - decay)
 
 
