@@ -30,6 +30,7 @@ RECIPES = {
     "4-steps": {"train_steps": 4},  # a pass of the head and its output layer per chained step
     "vocab-8192": {"draft_vocab": 8192},
     "lr-1e-3": {"lr": 1e-3},
+    "lr-2e-3": {"lr": 2e-3},  # the running average smooths what a faster rate adds in noise
     "batch-256": {"batch_rows": 256},  # twice the optimizer steps
     "average-0.995": {"average": 0.995},  # a shorter running average of the weights
     "no-average": {"average": 0.0},  # the weights as trained are the candidate

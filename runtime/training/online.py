@@ -17,7 +17,7 @@ time here, a slice of about ``SLICE`` seconds at a time, so a request that arriv
 Traffic alone is too little to learn from: a head trained on a few hundred answers learns them, and drafts on new
 prompts little better than at the start. So idle time also answers prompts of the deployment's own
 (``answers.IdleAnswers``: the shipped set, then requests the target writes), recorded as traffic is: all the idle
-time training cannot use, and about half of the rest, until the target has written ``answers.MAX_REQUESTS``
+time training cannot use, and ``ANSWER_SHARE`` of the rest, until the target has written ``answers.MAX_REQUESTS``
 requests; on disk the newest of those answers replace the oldest beyond ``traffic.IDLE_SHARE`` of the budget.
 
 Exactness never depends on the head: drafts only propose, and the target's verification decides every token. The
@@ -63,6 +63,9 @@ WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 # constant learning rate never anneals, and the average of the last few hundred steps drafts as a head whose rate
 # had decayed would, while training goes on (BENCHMARKS.md, "Averaged weights for a learning head")
 AVERAGE = 0.998
+# of the idle time training and answering both want, answering's: on a CPU a head learns more from more training
+# than from more answers (BENCHMARKS.md, "An hour with idle answers through the compiled library")
+ANSWER_SHARE = 1 / 3
 HISTORY_KEPT = 200
 
 
@@ -80,6 +83,7 @@ class LearnOptions:
     lr: float = LR
     prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
     average: float = AVERAGE  # the running average's decay per optimizer step (0: the candidate is the head itself)
+    answer_share: float = ANSWER_SHARE  # of the idle time both could use, answering's (the rest is training's)
     seed: int = 0
 
 
@@ -119,7 +123,8 @@ class HeadLearner:
         self.answers: IdleAnswers | None = None  # the target's answers to prompts of its own, in idle time (``answer``)
         self._shipped_done = 0  # shipped prompts answered before a restart
         self._written = 0  # requests the target wrote before a restart
-        self._answering_seconds = 0.0  # idle time spent answering and training since load: kept about even
+        # idle time since load spent answering while training could have run, and training: kept at answer_share
+        self._answering_seconds = 0.0
         self._training_seconds = 0.0
         self._comparison: _Comparison | None = None
         self._since_comparison = 0.0
@@ -168,7 +173,7 @@ class HeadLearner:
 
     def answer(self, answers: IdleAnswers) -> None:
         """Spend idle time on ``answers`` too (from where a restart left off): all of what training cannot use, and
-        about half of the rest while it writes requests."""
+        ``options.answer_share`` of the rest while it writes requests."""
         answers.done = max(answers.done, min(self._shipped_done, len(answers.prompts)))
         answers.written = max(answers.written, self._written)
         self.answers = answers
@@ -223,11 +228,13 @@ class HeadLearner:
             self._compare_one()
             return True
         due, answering = self._training_due(), self._answering()
-        if answering and (not due or self._answering_seconds <= self._training_seconds):
+        share = self.options.answer_share
+        if answering and (not due or self._answering_seconds * (1 - share) <= self._training_seconds * share):
             t0 = time.perf_counter()
             for answer in self.answers.piece():  # a prompt chunk or one token of each answer
                 self.store.put(answer)
-            self._answering_seconds += time.perf_counter() - t0
+            if due:  # the time training could have had
+                self._answering_seconds += time.perf_counter() - t0
             return True
         if not due:
             return False

@@ -141,6 +141,22 @@ def test_requests_written_go_on_past_their_disk_share_replacing_the_oldest_and_s
     loaded.release()
 
 
+def test_while_training_could_run_answering_gets_its_share_of_idle_time_and_training_the_rest(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    learner = loaded.learner
+    quick(learner)
+    learner.options.epochs = 10_000  # training never catches up with the answers
+    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=100_000))
+    while learner.trainer is None or not learner.trainer.steps:  # answering alone until there is enough to train on
+        learner.work()
+    answered, trained = learner._answering_seconds, learner._training_seconds
+    idle(learner, 8)
+    answered, trained = learner._answering_seconds - answered, learner._training_seconds - trained
+    assert learner.answers.has_work() and trained > 0  # both wanted the time throughout
+    assert answered / (answered + trained) == pytest.approx(learner.options.answer_share, abs=0.08)
+    loaded.release()
+
+
 def test_a_piece_reads_fewer_prompt_tokens_a_row_where_passes_overran_their_time(tiny_model_dir):
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     batch = [p * 8 for p in prompts(4, offset=7)]  # 96-token prompts, read a chunk a pass
