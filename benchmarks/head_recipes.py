@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-# what each recipe changes in the deployment's own: ``LearnOptions`` fields, and the draft vocabulary's size
+# what each recipe changes in the deployment's own: ``LearnOptions`` fields, the draft vocabulary's size, and the
+# answers it is chosen from (all of them by default)
 RECIPES = {
     "deployment": {},  # as a learning deployment trains now
     "4-steps-vocab-8192": {"train_steps": 4, "draft_vocab": 8192},  # as it trained before (K=4)
@@ -34,6 +35,8 @@ RECIPES = {
     "batch-256": {"batch_rows": 256},  # twice the optimizer steps
     "average-0.995": {"average": 0.995},  # a shorter running average of the weights
     "no-average": {"average": 0.0},  # the weights as trained are the candidate
+    # the vocabulary chosen from the first answers recorded, as a deployment chose it once, when training started
+    "first-16-vocabulary": {"vocabulary_answers": 16},
 }
 
 
@@ -59,7 +62,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     embeddings = model.get_input_embeddings().weight.detach()
     final_norm = model.model.norm.weight.detach()
-    files = sorted(args.traffic.glob("*.safetensors"))
+    files = sorted(args.traffic.glob("*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))  # as recorded
     train = [p for p in files if p.name.startswith("train-")]
     held = [a.example() for a in map(read_answer, (p for p in files if p.name.startswith("held-"))) if a is not None]
     examples = [a.example() for a in map(read_answer, train) if a is not None]
@@ -69,20 +72,25 @@ def main() -> None:
         f"torch threads {torch.get_num_threads()}"
     )
     answer_tokens = torch.cat([e["tokens"][e["start"] :] for e in held])
-    for size in sorted({r.get("draft_vocab", DRAFT_VOCAB) for r in RECIPES.values()}):
-        vocabulary = _vocabulary(examples, size, model.config.vocab_size)
+    chosen = {(r.get("draft_vocab", DRAFT_VOCAB), r.get("vocabulary_answers", len(examples))) for r in RECIPES.values()}
+    for size, n in sorted(chosen):
+        vocabulary = _vocabulary(examples[:n], size, model.config.vocab_size)
         covered = torch.isin(answer_tokens, vocabulary).float().mean()
-        print(f"  a {size}-token draft vocabulary covers {covered:.1%} of the held-out answers' tokens")
+        print(
+            f"  a {size}-token draft vocabulary chosen from {min(n, len(examples))} answers covers {covered:.1%} of "
+            "the held-out answers' tokens"
+        )
 
     results: dict[str, list[dict]] = {}
     for name in args.recipes.split(","):
         recipe = dict(RECIPES[name])
         size = recipe.pop("draft_vocab", DRAFT_VOCAB)
+        chosen_from = examples[: recipe.pop("vocabulary_answers", len(examples))]
         options = LearnOptions(steps=args.k, **recipe)
         config = EagleConfig.for_target(model.config, size)
         head = EagleHead(config)
         head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
-        trainer = _Trainer(head, options, _vocabulary(examples, size, config.vocab_size), final_norm)
+        trainer = _Trainer(head, options, _vocabulary(chosen_from, size, config.vocab_size), final_norm)
         rng, queue = random.Random(0), []
 
         def next_answer():

@@ -359,25 +359,41 @@ def _reference_model(source: str):
 
 def _vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
     """The ``size`` tokens the answers use most; ties and the rest filled by the prompts' tokens, then by id."""
-    answers = Counter()
-    prompts = Counter()
+    counts = TokenCounts()
     for e in examples:
-        answers.update(e["tokens"][e["start"] :].tolist())
-        prompts.update(e["tokens"][: e["start"]].tolist())
-    chosen = [t for t, _ in answers.most_common(size)]
-    picked = set(chosen)
-    for t, _ in prompts.most_common():
-        if len(chosen) >= size:
-            break
-        if t not in picked:
-            chosen.append(t)
-            picked.add(t)
-    t = 0
-    while len(chosen) < size and t < vocab:
-        if t not in picked:
-            chosen.append(t)
-        t += 1
-    return torch.tensor(sorted(chosen[:size]))
+        counts.add(e["tokens"], e["start"])
+    return counts.vocabulary(size, vocab)
+
+
+class TokenCounts:
+    """How often each token occurs in answers and in their prompts: what a draft vocabulary is chosen from."""
+
+    def __init__(self):
+        self.answers: Counter = Counter()
+        self.prompts: Counter = Counter()
+        self.examples = 0
+
+    def add(self, tokens: torch.Tensor, start: int) -> None:
+        self.answers.update(tokens[start:].tolist())
+        self.prompts.update(tokens[:start].tolist())
+        self.examples += 1
+
+    def vocabulary(self, size: int, vocab: int) -> torch.Tensor:
+        """The ``size`` tokens the answers use most; ties and the rest filled by the prompts' tokens, then by id."""
+        chosen = [t for t, _ in self.answers.most_common(size)]
+        picked = set(chosen)
+        for t, _ in self.prompts.most_common():
+            if len(chosen) >= size:
+                break
+            if t not in picked:
+                chosen.append(t)
+                picked.add(t)
+        t = 0
+        while len(chosen) < size and t < vocab:
+            if t not in picked:
+                chosen.append(t)
+            t += 1
+        return torch.tensor(sorted(chosen[:size]))
 
 
 # ---- the objective -------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ time here, a slice of about ``SLICE`` seconds at a time, so a request that arriv
 2. train the head on them: EAGLE-3's training-time test (``EagleHead.ttt_logits``, as ``depctl draft train`` runs
    it) over windows of an answer sized to the slice, prompt positions included, the gradients of ``BATCH_ROWS``
    positions summed into one optimizer step; labels are the tokens the target chose, so nothing is computed for
-   training while serving;
+   training while serving. The draft vocabulary is chosen again from every answer as they grow;
 3. every so often compare the head in training with the serving one on the most recent held-out answers (the mean
    accepted length of greedy drafts at K); where it is better, it becomes the next generation: saved in the
    deployment's folder and swapped into the engine between steps (``SpeculativeEngine.swap_proposer``), no reload.
@@ -43,9 +43,16 @@ from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.answers import IdleAnswers
-from depctl_runtime.training.eagle import STEP_WEIGHT, TRAIN_STEPS, _vocabulary, acceptance, reach
+from depctl_runtime.training.eagle import STEP_WEIGHT, TRAIN_STEPS, TokenCounts, acceptance, reach
 from depctl_runtime.training.state import load_state, save_state
-from depctl_runtime.training.traffic import Answer, TrafficRecorder, TrafficStore, private_dir, read_answer
+from depctl_runtime.training.traffic import (
+    Answer,
+    TrafficRecorder,
+    TrafficStore,
+    private_dir,
+    read_answer,
+    read_tokens,
+)
 
 log = logging.getLogger("depctl.learning")
 
@@ -66,6 +73,10 @@ AVERAGE = 0.998
 # of the idle time training and answering both want, answering's: on a CPU a head learns more from more training
 # than from more answers (BENCHMARKS.md, "An hour with idle answers through the compiled library")
 ANSWER_SHARE = 1 / 3
+# the draft vocabulary is chosen again from every training answer once they are this many times those it was chosen
+# from: chosen when training starts, from a few dozen answers, most of it is filled by token id
+VOCABULARY_GROWTH = 4
+RECOUNT_FILES = 64  # answers whose tokens a unit of idle time counts for the next vocabulary
 HISTORY_KEPT = 200
 
 
@@ -127,6 +138,7 @@ class HeadLearner:
         self._answering_seconds = 0.0
         self._training_seconds = 0.0
         self._comparison: _Comparison | None = None
+        self._recount: _Recount | None = None  # the next draft vocabulary's counting, under way
         self._since_comparison = 0.0
         self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
         self._served_score: float | None = None  # the serving generation's held-out score as saved with it
@@ -186,7 +198,7 @@ class HeadLearner:
     def has_work(self) -> bool:
         if self.error is not None:
             return False
-        if self.store.has_pending or self._comparison is not None:
+        if self.store.has_pending or self._comparison is not None or self._recount is not None:
             return True
         return self._training_due() or self._answering()
 
@@ -227,6 +239,9 @@ class HeadLearner:
         if self._comparison is not None:
             self._compare_one()
             return True
+        if self._recount is not None:
+            self._recount_some()
+            return True
         due, answering = self._training_due(), self._answering()
         share = self.options.answer_share
         if answering and (not due or self._answering_seconds * (1 - share) <= self._training_seconds * share):
@@ -239,7 +254,10 @@ class HeadLearner:
         if not due:
             return False
         if self.trainer is None:
-            self.trainer = _Trainer(self._new_head(), self.options, self._first_vocabulary(), self._final_norm())
+            counts = _count(self.store.training_files())
+            vocabulary = counts.vocabulary(self.config.draft_vocab_size, self.config.vocab_size)
+            self.trainer = _Trainer(self._new_head(), self.options, vocabulary, self._final_norm())
+            self.trainer.vocabulary_answers = counts.examples
         if self._owes_comparison():
             self._start_comparison()
             return True
@@ -270,11 +288,22 @@ class HeadLearner:
             if answer is not None:
                 return answer
 
-    def _first_vocabulary(self) -> torch.Tensor:
-        """The draft vocabulary: the tokens the recorded answers use most, then their prompts' (fixed from here on:
-        the output layer is trained for these ids)."""
-        examples = [a.example() for a in map(read_answer, self.store.training_files()) if a is not None]
-        return _vocabulary(examples, self.config.draft_vocab_size, self.config.vocab_size)
+    # ---- the draft vocabulary: the tokens the recorded answers use most, then their prompts' ----
+    def _recount_due(self) -> bool:
+        answers = len(self.store.training_files())
+        return answers >= VOCABULARY_GROWTH * max(self.trainer.vocabulary_answers, 1)
+
+    def _recount_some(self) -> None:
+        r = self._recount
+        _count(r.files[:RECOUNT_FILES], r.counts)
+        del r.files[:RECOUNT_FILES]
+        if r.files:
+            return
+        self._recount = None
+        self.trainer.revocabulary(r.counts.vocabulary(self.config.draft_vocab_size, self.config.vocab_size))
+        self.trainer.vocabulary_answers = r.counts.examples
+        log.info("the learning head's draft vocabulary was chosen again, from %d answers", r.counts.examples)
+        self.save()
 
     # ---- comparisons ----
     def _start_comparison(self) -> None:
@@ -313,6 +342,8 @@ class HeadLearner:
         )
         del self.history[:-HISTORY_KEPT]
         self.save()
+        if self._recount_due():  # chosen again between comparisons: the next one measures it after training
+            self._recount = _Recount(self.store.training_files())
 
     def _promote(self, mean_accepted: float) -> None:
         """The head in training becomes the serving generation: saved, then swapped into the engine, which starts
@@ -396,6 +427,7 @@ class HeadLearner:
                 "optimizer_steps": trainer.steps if trainer else 0,
                 "positions": trainer.rows if trainer else 0,
                 "positions_recorded": self.rows_recorded,
+                "vocabulary_answers": trainer.vocabulary_answers if trainer else 0,
                 "shipped_prompts": {"answered": self.answers.done, "total": len(self.answers.prompts)}
                 if self.answers is not None
                 else None,
@@ -465,6 +497,7 @@ class _Trainer:
         )
         self.seconds = 0.0  # training time, comparisons excluded
         self.rows = 0  # positions trained on
+        self.vocabulary_answers = 0  # the answers the draft vocabulary was chosen from
         self.steps = 0  # optimizer steps
         self.pending_rows = 0  # positions whose gradients are summed, not yet stepped
         self.queue: list[Path] = []  # this pass's answers still to train on
@@ -504,9 +537,38 @@ class _Trainer:
             self.average.load_state_dict(average or self.head.state_dict(), strict=False)
         self.optimizer.load_state_dict(optimizer_state)
         self.seconds, self.rows, self.steps = info["seconds"], info["rows"], info["steps"]
+        self.vocabulary_answers = info.get("vocabulary_answers", 0)  # (a state kept before: chosen again soon)
 
     def info(self) -> dict:
-        return {"seconds": self.seconds, "rows": self.rows, "steps": self.steps}
+        return {
+            "seconds": self.seconds,
+            "rows": self.rows,
+            "steps": self.steps,
+            "vocabulary_answers": self.vocabulary_answers,
+        }
+
+    def revocabulary(self, ids: torch.Tensor) -> None:
+        """Draft within ``ids`` from now on. A token kept keeps its trained output row (in the running average and
+        in AdamW's moments too); a new one starts from the target's row, as a new head's do, its second moment
+        from the mean of the kept rows' (from zero, Adam would take its first steps on it several times too long)."""
+        self.flush()
+        head = self.head
+        ids = ids.to(head.d2t.device)
+        where = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        where[head.target_ids] = torch.arange(ids.numel(), device=ids.device)
+        source = where[ids]  # each new draft id's old one, -1 where the token is new
+        kept = source >= 0
+        with torch.no_grad():
+            moments = self.optimizer.state.get(head.lm_head.weight, {})
+            if "exp_avg" in moments:
+                m, v = moments["exp_avg"], moments["exp_avg_sq"]
+                m.copy_(_moved(m, source, torch.zeros_like(m)))
+                typical = v[kept].mean(0) if kept.any() else torch.zeros_like(v[0])
+                v.copy_(_moved(v, source, typical.expand_as(v)))
+            for model in (head, self.average) if self.average is not None else (head,):
+                rows = model.lm_head.weight
+                rows.copy_(_moved(rows, source, model.embed_tokens.weight[ids]))
+                model.set_vocabulary(ids)
 
     def train_window(self, next_answer: Callable[[], Answer], seconds: float) -> None:
         """Forward and backward over one window of an answer; an optimizer step once ``batch_rows`` positions
@@ -595,6 +657,31 @@ def _window_loss(
         if j == 0:
             counted = int(keep.sum())
     return total, counted
+
+
+def _moved(rows: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """Rows for a new vocabulary: row ``source[i]`` of ``rows`` where the token was kept (``source[i] >= 0``), the
+    ``fresh`` one where it is new."""
+    kept = source >= 0
+    out = fresh.to(rows.dtype).clone()
+    out[kept] = rows[source[kept]]
+    return out
+
+
+def _count(files: list[Path], counts: TokenCounts | None = None) -> TokenCounts:
+    """The answers' tokens counted (into ``counts``), their features never read."""
+    counts = TokenCounts() if counts is None else counts
+    for read in filter(None, map(read_tokens, files)):
+        counts.add(*read)
+    return counts
+
+
+class _Recount:
+    """The tokens of every training answer, counted ``RECOUNT_FILES`` answers a unit, for the next vocabulary."""
+
+    def __init__(self, files: list[Path]):
+        self.files = list(files)
+        self.counts = TokenCounts()
 
 
 class _Comparison:

@@ -4,6 +4,8 @@ without them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -17,6 +19,8 @@ from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.training import traffic
 from depctl_runtime.training.answers import MAX_CHUNK, MAX_WRITTEN, MIN_CHUNK, IdleAnswers
+from depctl_runtime.training.eagle import TokenCounts
+from depctl_runtime.training.online import VOCABULARY_GROWTH
 from depctl_runtime.training.traffic import read_answer
 from tests.driving import drive
 from tests.runtime.training.test_online import idle, prompts, quick, spec
@@ -155,6 +159,38 @@ def test_while_training_could_run_answering_gets_its_share_of_idle_time_and_trai
     assert learner.answers.has_work() and trained > 0  # both wanted the time throughout
     assert answered / (answered + trained) == pytest.approx(learner.options.answer_share, abs=0.08)
     loaded.release()
+
+
+def test_the_draft_vocabulary_is_chosen_again_from_every_answer_as_they_grow_and_a_restart_keeps_it(tiny_model_dir):
+    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    learner = loaded.learner
+    quick(learner)
+    learner.options.epochs = 10_000
+    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=100_000))
+    while learner.trainer is None:  # training starts from the first answers: its vocabulary chosen from them
+        learner.work()
+    first = learner.trainer.vocabulary_answers
+    assert first == len(learner.store.training_files()) >= learner.options.min_answers
+    end = time.monotonic() + 120
+    while learner.trainer.vocabulary_answers == first and time.monotonic() < end:
+        learner.work()
+    trainer = learner.trainer
+    chosen = trainer.vocabulary_answers
+    assert chosen >= VOCABULARY_GROWTH * first
+    counts = TokenCounts()  # what every answer then on disk uses most
+    for answer in map(read_answer, learner.store.training_files()[:chosen]):
+        counts.add(answer.tokens, answer.prompt_len)
+    expected = counts.vocabulary(learner.config.draft_vocab_size, learner.config.vocab_size).tolist()
+    assert trainer.head.target_ids.tolist() == trainer.average.target_ids.tolist() == expected
+    assert learner.status()["training"]["vocabulary_answers"] == chosen
+    loaded.release()
+    again = load_deployment(spec(tiny_model_dir), calibrate=False)
+    quick(again.learner)
+    while again.learner.trainer is None:
+        again.learner.work()
+    assert again.learner.trainer.vocabulary_answers == chosen
+    assert again.learner.trainer.head.target_ids.tolist() == expected
+    again.release()
 
 
 def test_a_piece_reads_fewer_prompt_tokens_a_row_where_passes_overran_their_time(tiny_model_dir):

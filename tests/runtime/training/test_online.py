@@ -259,3 +259,32 @@ def test_the_candidate_is_the_running_average_of_the_weights_and_the_state_keeps
     # no averaging: the weights as trained are the candidate
     plain = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, average=0.0))
     assert plain.average is None and plain.candidate is plain.head and "average." not in "".join(plain.state())
+
+
+def test_a_new_draft_vocabulary_keeps_the_rows_of_the_tokens_it_keeps_and_starts_new_ones_as_a_new_head_does():
+    head = tiny_head(vocab=50, draft_vocab=40)  # drafts tokens 0..39
+    trainer = _Trainer(head, LearnOptions(steps=4, batch_rows=4, average=0.9))
+    answer = Answer(torch.randint(0, 50, (30,)), torch.randn(29, 3 * 32), prompt_len=10)
+    for _ in range(2):
+        trainer.train_window(lambda: answer, 1.0)
+    rows = {m: getattr(trainer, m).lm_head.weight.detach().clone() for m in ("head", "average")}
+    moments = {k: v.clone() for k, v in trainer.optimizer.state[head.lm_head.weight].items() if k != "step"}
+    trainer.revocabulary(torch.arange(10, 50))  # tokens 10..39 kept, 40..49 new
+    for m in ("head", "average"):
+        model = getattr(trainer, m)
+        assert model.target_ids.tolist() == list(range(10, 50)), m
+        torch.testing.assert_close(model.lm_head.weight[:30], rows[m][10:])  # draft ids 0..29 are tokens 10..39
+        torch.testing.assert_close(model.lm_head.weight[30:], head.embed_tokens.weight[40:50])  # the target's rows
+    state = trainer.optimizer.state[head.lm_head.weight]
+    torch.testing.assert_close(state["exp_avg"][:30], moments["exp_avg"][10:])
+    assert not state["exp_avg"][30:].any()
+    torch.testing.assert_close(state["exp_avg_sq"][:30], moments["exp_avg_sq"][10:])
+    torch.testing.assert_close(state["exp_avg_sq"][30:], moments["exp_avg_sq"][10:].mean(0).expand(10, -1))
+    trained = head.lm_head.weight[30:].detach().clone()
+    trainer.train_window(lambda: answer, 1.0)  # training goes on, the new tokens' rows with it
+    assert trainer.steps == 3 and not torch.equal(head.lm_head.weight[30:], trained)
+    trainer.vocabulary_answers = 12
+    again = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, average=0.9))
+    again.restore(trainer.state(), trainer.optimizer.state_dict(), trainer.info())
+    assert again.vocabulary_answers == 12
+    assert again.head.target_ids.tolist() == again.average.target_ids.tolist() == list(range(10, 50))
