@@ -121,12 +121,18 @@ def test_a_request_closed_at_once_teaches_only_the_template_and_is_not_kept(tiny
     loaded.release()
 
 
+def writing(model_dir, epochs: float, max_requests: int):
+    """A learning deployment whose idle time writes requests and answers them, training ``epochs`` passes over them."""
+    loaded = load_deployment(spec(model_dir), calibrate=False)
+    quick(loaded.learner)
+    loaded.learner.options.epochs = epochs
+    loaded.learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=max_requests))
+    return loaded
+
+
 def test_requests_written_go_on_past_their_disk_share_replacing_the_oldest_and_stop_at_their_count(tiny_model_dir):
-    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    loaded = writing(tiny_model_dir, epochs=2, max_requests=60)
     learner = loaded.learner
-    quick(learner)
-    learner.options.epochs = 2
-    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=60))
     while not learner.store.training_files():
         learner.work()
     one = learner.store.bytes / len(learner.store.training_files() + learner.store.held_out_files())
@@ -146,15 +152,12 @@ def test_requests_written_go_on_past_their_disk_share_replacing_the_oldest_and_s
 
 
 def test_while_training_could_run_answering_gets_its_share_of_idle_time_and_training_the_rest(tiny_model_dir):
-    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    loaded = writing(tiny_model_dir, epochs=10_000, max_requests=100_000)  # training never catches up with them
     learner = loaded.learner
-    quick(learner)
-    learner.options.epochs = 10_000  # training never catches up with the answers
-    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=100_000))
     while learner.trainer is None or not learner.trainer.steps:  # answering alone until there is enough to train on
         learner.work()
     answered, trained = learner._answering_seconds, learner._training_seconds
-    idle(learner, 8)
+    idle(learner, 5)
     answered, trained = learner._answering_seconds - answered, learner._training_seconds - trained
     assert learner.answers.has_work() and trained > 0  # both wanted the time throughout
     assert answered / (answered + trained) == pytest.approx(learner.options.answer_share, abs=0.08)
@@ -162,11 +165,8 @@ def test_while_training_could_run_answering_gets_its_share_of_idle_time_and_trai
 
 
 def test_the_draft_vocabulary_is_chosen_again_from_every_answer_as_they_grow_and_a_restart_keeps_it(tiny_model_dir):
-    loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
+    loaded = writing(tiny_model_dir, epochs=10_000, max_requests=100_000)
     learner = loaded.learner
-    quick(learner)
-    learner.options.epochs = 10_000
-    learner.answer(answers_for(loaded, [], user_turn=(OPENING, CLOSING), max_requests=100_000))
     while learner.trainer is None:  # training starts from the first answers: its vocabulary chosen from them
         learner.work()
     first = learner.trainer.vocabulary_answers
