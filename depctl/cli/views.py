@@ -176,10 +176,13 @@ def _head_training_cell(d: _Detail) -> str | None:
     idle = [f"{shipped['answered']} of {shipped['total']} shipped prompts"] if shipped else []
     idle += [f"{written} requests the target wrote"] if written else []
     among = f", {' and '.join(idle)} among them" if idle else ""
+    vocabulary = (
+        f"; drafting within the tokens of {t['vocabulary_answers']} answers" if t.get("vocabulary_answers") else ""
+    )
     return (
         f"{t['state']}{error}; {t['minutes']:.1f} min, {t['optimizer_steps']} steps over {t['positions']} positions; "
         f"{traffic['answers']} answers recorded ({traffic['held_out']} held out{among}), "
-        f"{fmt_bytes(traffic['bytes'])} of {fmt_bytes(traffic['budget_bytes'])} on disk"
+        f"{fmt_bytes(traffic['bytes'])} of {fmt_bytes(traffic['budget_bytes'])} on disk{vocabulary}"
     )
 
 

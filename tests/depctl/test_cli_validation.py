@@ -916,6 +916,7 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
         "training": {
             "state": "training", "minutes": 12.5, "optimizer_steps": 90, "positions": 46000,
             "positions_recorded": 30000, "shipped_prompts": {"answered": 262, "total": 262}, "requests_written": 57,
+            "vocabulary_answers": 96,
         },
         "traffic": {
             "answers": 120, "held_out": 15, "bytes": 300 << 20, "budget_bytes": 1 << 30, "waiting": 0, "dropped": 0,
@@ -932,7 +933,8 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
     assert "generation 3: 2.41 mean accepted length on held-out recent answers, 2.20 accepted a step it drafted" in text
     assert (
         "training; 12.5 min, 90 steps over 46000 positions; 120 answers recorded (15 held out, 262 of 262 shipped "
-        "prompts and 57 requests the target wrote among them)" in text
+        "prompts and 57 requests the target wrote among them), 300.0 MiB of 1.0 GiB on disk; drafting within the "
+        "tokens of 96 answers" in text
     )
     assert "17:01 1.90 -> generation 1; 17:03 1.91 vs 1.90 (kept); 17:05 2.41 vs 1.90 -> generation 3" in text
 
