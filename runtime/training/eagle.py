@@ -358,7 +358,7 @@ def _reference_model(source: str):
 
 
 def _vocabulary(examples: list[dict], size: int, vocab: int) -> torch.Tensor:
-    """The ``size`` tokens the answers use most; ties and the rest filled by the prompts' tokens, then by id."""
+    """``TokenCounts.vocabulary`` over the examples' answers and prompts."""
     counts = TokenCounts()
     for e in examples:
         counts.add(e["tokens"], e["start"])
