@@ -37,6 +37,7 @@ RECIPES = {
     "no-average": {"average": 0.0},  # the weights as trained are the candidate
     # the vocabulary chosen from the first answers recorded, as a deployment chose it once, when training started
     "first-16-vocabulary": {"vocabulary_answers": 16},
+    "hard-labels": {"soft_labels": False},  # every position labelled with the token the target chose
 }
 
 
@@ -48,6 +49,11 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=8.0, help="training time a recipe")
     parser.add_argument("--every", type=float, default=2.0, help="minutes of training between measurements")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument(
+        "--label",
+        action="store_true",
+        help="where the traffic kept no distributions, compute the target's at every answer position first",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -67,6 +73,9 @@ def main() -> None:
     held = [a.example() for a in map(read_answer, (p for p in files if p.name.startswith("held-"))) if a is not None]
     examples = [a.example() for a in map(read_answer, train) if a is not None]
     positions = sum(len(e["tokens"]) for e in examples)
+    labels = _label(model, train) if args.label else {}
+    if args.label:
+        read_answer = _labelled(read_answer, labels)
     print(
         f"{args.model}: {len(examples)} recorded answers ({positions:,} positions), {len(held)} held out; K={args.k}, "
         f"torch threads {torch.get_num_threads()}"
@@ -141,6 +150,38 @@ def main() -> None:
         + " | ".join(f"{results[n][-1]['positions'] / max(results[n][-1]['minutes'], 1e-9):,.0f}" for n, _ in columns)
         + " |"
     )
+
+
+TOP_K = 16  # as a learning deployment keeps them
+
+
+@torch.inference_mode()
+def _label(model, files: list[Path]) -> dict:
+    """The target's top tokens at every answer position of each file that kept none (a pass over its tokens)."""
+    from depctl_runtime.training.traffic import Top, read_answer
+
+    out, t0 = {}, time.perf_counter()
+    for path in files:
+        answer = read_answer(path)
+        if answer is None or answer.top is not None:
+            continue
+        logits = model(input_ids=answer.tokens[None].long()).logits[0, answer.prompt_len - 1 : -1]
+        top = torch.log_softmax(logits.float(), -1).topk(TOP_K, -1)
+        out[path] = Top(top.indices.to(torch.int32), top.values.to(torch.float16), answer.prompt_len - 1)
+    print(f"  labelled {len(out)} answers with the target's distribution in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _labelled(read, labels: dict):
+    """``read_answer`` that attaches the distributions ``_label`` computed."""
+
+    def read_labelled(path):
+        answer = read(path)
+        if answer is not None and path in labels:
+            answer.top = labels[path]
+        return answer
+
+    return read_labelled
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.model import decoder, eagle_format
 from depctl_runtime.model.eagle import EagleConfig
 from depctl_runtime.model.runner import FastPass, ModelRunner
+from depctl_runtime.model.screened_head import ScreenedHead
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.data import load_conversations
@@ -36,6 +37,9 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int, head_steps: eagl
         "fingerprint": eagle_format.fingerprint(model),
     }
     steps = min(spec.speculation.num_draft_tokens, MAX_MEASURED_STEPS)
+    # the target's distribution is kept where its passes compute every position's logits anyway: a screened output
+    # layer computes them only for the rows that sample, and a float32 product a token would cost a fifth of a step
+    soft_labels = not isinstance(getattr(model, "lm_head", None), ScreenedHead)
 
     def make_proposer(head) -> EagleProposer:
         return head_steps.proposer(eagle.for_serving(head, model), rows, vocab)
@@ -44,7 +48,7 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int, head_steps: eagl
         learning.path(spec.id),
         model,
         config,
-        LearnOptions(steps=steps),
+        LearnOptions(steps=steps, soft_labels=soft_labels),
         spec.learn_draft_head.disk_bytes,
         make_proposer,
         verifier,
@@ -82,6 +86,7 @@ def idle_answers(
         set(stop_ids),
         user_turn(tokenizer, tokens),
         slice_seconds=learner.options.slice_seconds,  # a pass stays within the learner's slice of idle time
+        top=learner.options.soft_labels,
     )
 
 

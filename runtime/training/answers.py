@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from depctl_runtime.model.runner import ModelRunner
-from depctl_runtime.training.traffic import MIN_ANSWER, Answer
+from depctl_runtime.training.capture import Recorded, keep_top
+from depctl_runtime.training.traffic import MIN_ANSWER, Answer, answer_top
 
 # answers side by side: a pass over 16 costs little more than over 8 (BENCHMARKS.md, "An hour with idle answers")
 ROWS = 16
@@ -51,6 +52,7 @@ class _Row:
     read: int = 0  # tokens the runner holds
     features: list[torch.Tensor] = field(default_factory=list)
     rng: torch.Generator | None = None  # a written request's sampling
+    top: Recorded = field(default_factory=Recorded)  # the target's distribution at each answer position, where kept
 
 
 class IdleAnswers:
@@ -74,12 +76,14 @@ class IdleAnswers:
         seed: int = 0,
         slice_seconds: float = SLICE,
         max_requests: int = MAX_REQUESTS,
+        top: bool = False,
     ):
         self.prompts = list(prompts)
         random.Random(seed).shuffle(self.prompts)  # a mix of kinds early on, the same order after a restart
         self.stop_ids, self.user_turn, self.dtype, self.max_tokens = stop_ids, user_turn, dtype, max_tokens
         self.max_rows, self.slice_seconds, self.max_requests = rows, slice_seconds, max_requests
         self.seed = seed
+        self.top = top  # keep the target's distribution at each answer position (``traffic.TrafficRecorder``'s)
         self.chunk = 2 * MIN_CHUNK  # prompt tokens a row reads in a pass: small at first (the first pass is eager)
         self.started = done  # shipped prompts started: the next is ``prompts[started]``
         self.written = written  # requests the target began to write (each seeds its own sampling)
@@ -134,7 +138,8 @@ class IdleAnswers:
         features = scores.features.to(device="cpu", dtype=self.dtype).split([len(x) for x in inputs])
         choices = scores.argmax()  # a greedy token per row: one host sync for the pass
         writing = any(row.prompt_len is None for row in self.rows)
-        logits = scores.logits() if writing else None  # every row's in one product, where any row samples
+        # every row's in one product, where any row samples or answers keep the target's distribution
+        logits = scores.logits() if writing or self.top else None
         ended: list[int] = []
         for i, row in enumerate(self.rows):
             row.features.append(features[i])
@@ -143,7 +148,10 @@ class IdleAnswers:
                 continue  # the prompt goes on in the next pass
             if row.prompt_len is None:
                 self._write(row, logits[i])
-            elif self._answer(row, choices[i]):
+                continue
+            if self.top:
+                keep_top(row.top, logits[i : i + 1])
+            if self._answer(row, choices[i]):
                 ended.append(i)
         if any(len(x) > 1 for x in inputs):  # only a pass that read prompts says what a chunk costs
             took = time.perf_counter() - t0
@@ -197,7 +205,9 @@ class IdleAnswers:
                 self.answered_written += 1
             if len(row.tokens) - row.prompt_len >= MIN_ANSWER and (row.shipped is not None or self._written_ok(row)):
                 features = torch.cat(row.features)[: len(row.tokens) - 1]
-                out.append(Answer(torch.tensor(row.tokens, dtype=torch.int32), features, row.prompt_len, idle=True))
+                top = answer_top(row.top.top_ids, row.top.top_logp, row.prompt_len, len(row.tokens))
+                tokens = torch.tensor(row.tokens, dtype=torch.int32)
+                out.append(Answer(tokens, features, row.prompt_len, idle=True, top=top))
         kept = [(i, row) for i, row in enumerate(self.rows) if i not in ended]
         for dst, (src, _) in enumerate(kept):  # src >= dst, and every later src > dst: nothing is overwritten unread
             if src != dst:

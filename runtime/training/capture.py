@@ -27,6 +27,13 @@ class Recorded:
     top_logp: list[torch.Tensor] = field(default_factory=list)
 
 
+def keep_top(kept: Recorded, logits: torch.Tensor) -> None:
+    """The target's ``TOP_K`` most likely tokens and their log-probabilities at each row of ``logits`` [rows, vocab]."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(TOP_K, dim=-1)
+    kept.top_ids.append(top.indices.to(device="cpu", dtype=torch.int32))
+    kept.top_logp.append(top.values.to(device="cpu", dtype=torch.float16))
+
+
 class FeatureRecorder:
     name = "features"
     steady_catch_up = 0
@@ -39,12 +46,12 @@ class FeatureRecorder:
     def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
         kept = self._keep(seq, features)
         if start + features.shape[0] == seq.prompt_len and logits is not None:  # the prompt's last position
-            self._top(kept, logits())
+            keep_top(kept, logits())
 
     def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None:
         kept = self._keep(seq, features)
         if logits is not None:
-            self._top(kept, logits())
+            keep_top(kept, logits())
 
     def _keep(self, seq, features: torch.Tensor | None) -> Recorded:
         if features is None:
@@ -52,12 +59,6 @@ class FeatureRecorder:
         kept = self._seqs.setdefault(seq.id, Recorded())
         kept.features.append(features.to(device="cpu", dtype=self.dtype))
         return kept
-
-    @staticmethod
-    def _top(kept: Recorded, logits: torch.Tensor) -> None:
-        top = torch.log_softmax(logits.float(), dim=-1).topk(TOP_K, dim=-1)
-        kept.top_ids.append(top.indices.to(device="cpu", dtype=torch.int32))
-        kept.top_logp.append(top.values.to(device="cpu", dtype=torch.float16))
 
     def take(self, seq_id: int) -> dict:
         """A finished sequence's ``features`` (every token but its last), ``top_ids`` and ``top_logp``."""

@@ -41,6 +41,9 @@ from depctl_runtime.training.state import load_rows, load_state, save_rows, save
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
 SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
+# a position whose distribution's top tokens in the draft vocabulary carry less than this of it teaches nothing: the
+# target's likely tokens are never drafted there
+SOFT_MASS = 0.05
 GENERATION_SHARE = 0.4  # answers stop being generated once this share of the budget is spent
 MIN_EXAMPLES = 10  # below this there is no meaningful held-out split
 COMPILE_WORTH_MINUTES = 20  # a budget this long pays for building compiled passes (minutes on 2 cores)
@@ -438,7 +441,7 @@ def _loss(head: EagleHead, example: dict, steps: int) -> torch.Tensor | None:
             break
         ids, p = top_ids[at : at + rows], top_p[at : at + rows]
         mass = p.sum(-1, keepdim=True)
-        counted = mass[:, 0] > 0.05  # the target's likely tokens are drafted at all
+        counted = mass[:, 0] > SOFT_MASS  # the target's likely tokens are drafted at all
         if not counted.any():
             continue
         logq = torch.log_softmax(step_logits[:rows][counted], dim=-1).gather(-1, ids[counted].clamp(min=0))

@@ -37,16 +37,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.nn import functional as F
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.answers import IdleAnswers
-from depctl_runtime.training.eagle import STEP_WEIGHT, TRAIN_STEPS, TokenCounts, acceptance, reach
+from depctl_runtime.training.eagle import SOFT_MASS, STEP_WEIGHT, TRAIN_STEPS, TokenCounts, acceptance, reach
 from depctl_runtime.training.state import load_state, save_state
 from depctl_runtime.training.traffic import (
     Answer,
+    Top,
     TrafficRecorder,
     TrafficStore,
     private_dir,
@@ -93,6 +93,8 @@ class LearnOptions:
     epochs: float = EPOCHS
     lr: float = LR
     prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
+    # keep the target's distribution at each answer position and train on it where kept (else on the token it chose)
+    soft_labels: bool = True
     average: float = AVERAGE  # the running average's decay per optimizer step (0: the candidate is the head itself)
     answer_share: float = ANSWER_SHARE  # of the idle time both could use, answering's (the rest is training's)
     seed: int = 0
@@ -121,7 +123,7 @@ class HeadLearner:
         self.verifier = verifier
         private_dir(folder)  # users' text and the states it produced: the owner's alone
         self.store = TrafficStore(folder / "traffic", disk_budget)
-        self.recorder = TrafficRecorder(self.store)
+        self.recorder = TrafficRecorder(self.store, top=options.soft_labels)
         self.engine = None  # set by ``attach``
         self.device = model.get_input_embeddings().weight.device
         self.rng = random.Random(options.seed)
@@ -594,6 +596,7 @@ class _Trainer:
             2 if self.options.prompt_positions else answer.prompt_len,
             context,
             keys,
+            answer.top if self.options.soft_labels else None,
         )
         self._context = keys[0]
         if counted:
@@ -636,23 +639,50 @@ def _averaged(head: EagleHead) -> EagleHead:
 
 
 def _window_loss(
-    head: EagleHead, tokens, features, first: int, steps: int, labelled_from: int, context=None, keys_out=None
+    head: EagleHead,
+    tokens,
+    features,
+    first: int,
+    steps: int,
+    labelled_from: int,
+    context=None,
+    keys_out=None,
+    top: Top | None = None,
 ):
     """The summed cross-entropy of the chained draft steps for the indices from ``first`` over ``tokens`` [T]
-    (a window's end: the rows past it are the next window's), each step against the token the target chose
-    (``tokens[i + 2 + j]``, counted where it is at or past ``labelled_from`` and in the draft vocabulary), step j
-    weighted ``STEP_WEIGHT ** j``; and the positions step 0 counted. context, keys_out: as ``ttt_logits`` takes them."""
+    (a window's end: the rows past it are the next window's), step j weighted ``STEP_WEIGHT ** j``; and the
+    positions step 0 counted. Index i's step j is labelled with the token the target chose (``tokens[i + 2 + j]``,
+    counted where it is at or past ``labelled_from`` and in the draft vocabulary), or, at a position ``top`` holds,
+    with the target's distribution there (its top tokens within the draft vocabulary, renormalised; not counted where
+    they carry under ``SOFT_MASS`` of it: the target's likely tokens are not drafted at all). context, keys_out: as
+    ``ttt_logits`` takes them."""
     logits = head.ttt_logits(tokens, features, steps, first=first, context=context, keys_out=keys_out)
     ids = head.draft_ids(tokens)
+    soft = None
+    if top is not None:  # the distributions' tokens as draft ids (-1 outside), their probabilities and mass
+        top_ids = head.draft_ids(top.ids.to(ids.device).long())
+        top_p = top.logp.to(ids.device).float().exp() * (top_ids >= 0)
+        soft = (top_ids, top_p, top_p.sum(-1))
     total, counted = None, 0
     for j, step_logits in enumerate(logits):
         rows = step_logits.shape[0]
         target = ids[first + 2 + j : first + 2 + j + rows]
         where = torch.arange(first + 2 + j, first + 2 + j + rows, device=target.device)
         keep = (target >= 0) & (where >= labelled_from)
+        logq = torch.log_softmax(step_logits.float(), dim=-1)
+        loss = -logq.gather(-1, target.clamp(min=0)[:, None])[:, 0]
+        if soft is not None:
+            at = where - 1 - top.first  # the position whose distribution labels the row
+            has = (at >= 0) & (at < soft[0].shape[0])
+            if has.any():
+                at = at.clamp(0, soft[0].shape[0] - 1)
+                p, mass = soft[1][at], soft[2][at]
+                spread = -(p / mass.clamp(min=1e-9)[:, None] * logq.gather(-1, soft[0][at].clamp(min=0))).sum(-1)
+                loss = torch.where(has, spread, loss)
+                keep = torch.where(has, (mass > SOFT_MASS) & (where >= labelled_from), keep)
         if not keep.any():
             continue
-        ce = F.cross_entropy(step_logits[keep], target[keep], reduction="sum") * STEP_WEIGHT**j
+        ce = loss[keep].sum() * STEP_WEIGHT**j
         total = ce if total is None else total + ce
         if j == 0:
             counted = int(keep.sum())

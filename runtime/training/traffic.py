@@ -3,7 +3,9 @@
 ``TrafficRecorder`` is the engine's observer (``proposers.FeatureObserver``): it holds the layer features of every
 position each running sequence has read, as the passes computed them (the prompt's and the accepted tokens'), and on
 a finished answer hands tokens and features to the ``TrafficStore``. Nothing is computed for it: the features are the
-ones the target returns for the head anyway, and the labels are the tokens the target chose (no logits are taken).
+ones the target returns for the head anyway, and where the target's passes compute every position's logits (not a
+screened output layer: ``model.screened_head``) it also keeps the target's top tokens at each answer position, which
+training learns instead of the one token chosen; elsewhere the labels are the tokens the target chose.
 The features of a sequence under way also seed a new head generation's rows (``SpeculativeEngine.swap_proposer``).
 
 The store is a folder of the deployment's own (mode 0700, each file 0600: users' text and the states it produced),
@@ -30,6 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from depctl_runtime.training.capture import Recorded, keep_top
+
 HELD_OUT_EVERY = 8  # one prompt in eight measures heads and is never trained on
 HELD_OUT_KEPT = 32  # the most recent held-out answers a comparison reads
 MIN_ANSWER = 8  # output tokens below which an answer teaches too little to keep
@@ -38,19 +42,35 @@ IDLE_SHARE = 0.5  # of the disk budget: what answers generated in idle time may 
 
 
 @dataclass
+class Top:
+    """The target's most likely tokens (``ids`` [R, TOP_K] int32) and their log-probabilities (``logp``, float16) at
+    positions ``first .. first + R - 1`` of an answer: the distribution each token after them was drawn from."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    first: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.ids.nbytes + self.logp.nbytes
+
+
+@dataclass
 class Answer:
     """One finished sequence as training reads it: ``tokens`` [n] (prompt and answer, its stop token included),
     ``features`` [n - 1, F] (position i's predict token i + 1), ``prompt_len``; ``idle``: generated in idle time, not
-    served."""
+    served; ``top``: the target's distribution at the answer's positions (from the prompt's last), where it was
+    kept."""
 
     tokens: torch.Tensor
     features: torch.Tensor
     prompt_len: int
     idle: bool = False
+    top: Top | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.tokens.nbytes + self.features.nbytes
+        return self.tokens.nbytes + self.features.nbytes + (self.top.nbytes if self.top is not None else 0)
 
     def example(self) -> dict:
         """The shape ``training.eagle`` reads (``start``: the first answer token)."""
@@ -63,31 +83,50 @@ class Answer:
         return zlib.crc32(prompt) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
 
 
+def answer_top(ids: list[torch.Tensor], logp: list[torch.Tensor], prompt_len: int, n: int) -> Top | None:
+    """The distributions kept from the prompt's last position on, cut to an answer of ``n`` tokens' positions; None
+    where fewer were kept."""
+    if not ids:
+        return None
+    ids_, logp_ = torch.cat(ids), torch.cat(logp)
+    rows = n - prompt_len
+    return Top(ids_[:rows], logp_[:rows], prompt_len - 1) if ids_.shape[0] >= rows else None
+
+
 class TrafficRecorder:
     """The engine's observer: each running sequence's features, kept until it finishes."""
 
     needs_prompt_features = True  # every prompt position's: a deployment that learns reads prompts whole
 
-    def __init__(self, store: TrafficStore, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, store: TrafficStore, dtype: torch.dtype = torch.bfloat16, top: bool = False):
         self.store = store
         self.dtype = dtype  # half of float32's bytes: an answer's features are [tokens, 3 * hidden]
-        self._seqs: dict[int, list[torch.Tensor]] = {}
+        # keep the target's distribution at every answer position too: where a pass computes all its logits anyway
+        # (not where a screened output layer computes them only for the rows that ask)
+        self.top = top
+        self._seqs: dict[int, Recorded] = {}
 
     def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
-        self._keep(seq, features)
+        kept = self._keep(seq, features)
+        if self.top and logits is not None and start + features.shape[0] == seq.prompt_len:  # the prompt's last
+            keep_top(kept, logits())
 
     def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None:
-        self._keep(seq, features)
+        kept = self._keep(seq, features)
+        if self.top and logits is not None and kept.top_ids:  # (unbroken from the prompt's last position on)
+            keep_top(kept, logits())
 
-    def _keep(self, seq, features: torch.Tensor | None) -> None:
+    def _keep(self, seq, features: torch.Tensor | None) -> Recorded:
         if features is None:
             raise ValueError("a learning head needs the target's layer features: load the target with its layers")
-        self._seqs.setdefault(seq.id, []).append(features.to(device="cpu", dtype=self.dtype))
+        kept = self._seqs.setdefault(seq.id, Recorded())
+        kept.features.append(features.to(device="cpu", dtype=self.dtype))
+        return kept
 
     def features(self, seq) -> torch.Tensor | None:
         """[positions read, F]: every position of ``seq`` the target has read so far (None before any)."""
         kept = self._seqs.get(seq.id)
-        return torch.cat(kept) if kept else None
+        return torch.cat(kept.features) if kept is not None and kept.features else None
 
     def finished(self, seq) -> None:
         kept = self._seqs.pop(seq.id, None)
@@ -96,8 +135,9 @@ class TrafficRecorder:
         n = seq.answered  # a step may have accepted drafts past the stop token: not part of the answer
         if n - seq.prompt_len < MIN_ANSWER:
             return
-        features = torch.cat(kept)[: n - 1]
-        self.store.put(Answer(torch.tensor(seq.tokens[:n], dtype=torch.int32), features, seq.prompt_len))
+        features = torch.cat(kept.features)[: n - 1]
+        top = answer_top(kept.top_ids, kept.top_logp, seq.prompt_len, n)
+        self.store.put(Answer(torch.tensor(seq.tokens[:n], dtype=torch.int32), features, seq.prompt_len, top=top))
 
     def release(self) -> None:
         self._seqs.clear()
@@ -151,11 +191,10 @@ class TrafficStore:
         kind = "held" if answer.held_out else "train"
         path = self.folder / f"{kind}-{number}{'-idle' if answer.idle else ''}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file(
-            {"tokens": answer.tokens, "features": answer.features.contiguous()},
-            str(tmp),
-            metadata={"prompt_len": str(answer.prompt_len)},
-        )
+        tensors = {"tokens": answer.tokens, "features": answer.features.contiguous()}
+        if answer.top is not None:  # (its rows start at the prompt's last position)
+            tensors.update(top_ids=answer.top.ids.contiguous(), top_logp=answer.top.logp.contiguous())
+        save_file(tensors, str(tmp), metadata={"prompt_len": str(answer.prompt_len)})
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
         self._files.append(path)
@@ -214,7 +253,10 @@ def read_answer(path: Path) -> Answer | None:
     try:
         with safe_open(str(path), framework="pt") as f:
             prompt_len = int(f.metadata()["prompt_len"])
-            return Answer(f.get_tensor("tokens"), f.get_tensor("features"), prompt_len, _idle(path))
+            top = None
+            if "top_ids" in f.keys():
+                top = Top(f.get_tensor("top_ids"), f.get_tensor("top_logp"), prompt_len - 1)
+            return Answer(f.get_tensor("tokens"), f.get_tensor("features"), prompt_len, _idle(path), top)
     except Exception:  # noqa: BLE001 - a file evicted meanwhile, or not one this code wrote: skipped
         return None
 

@@ -55,6 +55,8 @@ def test_with_no_traffic_idle_time_answers_the_shipped_prompts_and_a_first_head_
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     learner = loaded.learner
     assert learner.answers is not None and learner.answers.remaining > 200  # the tiny model has a chat template
+    # its passes compute every position's logits: answers keep the target's distribution (test_traffic, below)
+    assert learner.answers.top and learner.recorder.top and learner.options.soft_labels
     quick(learner)  # (which leaves the traffic alone to learn from: here, the prompts below)
     batch = [p * 4 for p in prompts(12, offset=5)]  # 48 tokens: a prompt is read in chunks
     expected = greedy(tiny_model_dir, batch)
@@ -86,7 +88,7 @@ OPENING, CLOSING = [5, 6, 7, 8], [9, 10]  # a user turn's template around the re
 def test_then_the_target_writes_requests_in_its_user_turn_and_answers_each_greedily(tiny_model_dir):
     loaded = load_deployment(spec(tiny_model_dir), calibrate=False)
     shipped = prompts(1, offset=3)
-    answers = answers_for(loaded, shipped, user_turn=(OPENING, CLOSING), rows=3)
+    answers = answers_for(loaded, shipped, user_turn=(OPENING, CLOSING), rows=3, top=True)
     got = []
     for _ in range(2000):
         got += answers.piece()
@@ -107,8 +109,14 @@ def test_then_the_target_writes_requests_in_its_user_turn_and_answers_each_greed
         tokens = a.tokens.tolist()
         assert tokens[a.prompt_len :] == expected[tuple(tokens[: a.prompt_len])]
         with torch.no_grad():
-            _, reference = layer_outputs(loaded.target.model, a.tokens[None].long(), loaded.learner.config.aux_layers)
+            logits, reference = layer_outputs(
+                loaded.target.model, a.tokens[None].long(), loaded.learner.config.aux_layers
+            )
         torch.testing.assert_close(a.features, reference[:-1], atol=1e-4, rtol=1e-4)
+        # and the target's distribution at each answer position, from the prompt's last on
+        top = torch.log_softmax(logits[0, a.prompt_len - 1 : -1], dim=-1).topk(16)
+        assert a.top.first == a.prompt_len - 1 and torch.equal(a.top.ids[:, 0].long(), top.indices[:, 0])
+        torch.testing.assert_close(a.top.logp.float(), top.values, atol=2e-2, rtol=1e-2)
     loaded.release()
 
 

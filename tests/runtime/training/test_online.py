@@ -16,8 +16,8 @@ from depctl_runtime.speculation import GenerationParams, NgramProposer, Schedule
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from depctl_runtime.training.eagle import acceptance, reach
-from depctl_runtime.training.online import LearnOptions, _Trainer
-from depctl_runtime.training.traffic import Answer, read_answer
+from depctl_runtime.training.online import LearnOptions, _Trainer, _window_loss
+from depctl_runtime.training.traffic import Answer, Top, read_answer
 from tests.driving import drive
 from tests.tiny import tiny_head
 
@@ -288,3 +288,40 @@ def test_a_new_draft_vocabulary_keeps_the_rows_of_the_tokens_it_keeps_and_starts
     again.restore(trainer.state(), trainer.optimizer.state_dict(), trainer.info())
     assert again.vocabulary_answers == 12
     assert again.head.target_ids.tolist() == again.average.target_ids.tolist() == list(range(10, 50))
+
+
+def test_answer_positions_learn_the_targets_distribution_where_it_was_kept_and_prompt_positions_its_tokens():
+    torch.manual_seed(0)
+    head = tiny_head(vocab=50, draft_vocab=40)  # drafts tokens 0..39
+    tokens, features, prompt_len = torch.randint(0, 40, (30,)), torch.randn(29, 3 * 32), 10
+    n = len(tokens) - prompt_len  # the answer's distributions: positions prompt_len - 1 .. 28
+
+    def top(ids, logp) -> Top:
+        return Top(ids.to(torch.int32), logp.to(torch.float16), prompt_len - 1)
+
+    def loss(kept: Top | None):
+        return _window_loss(head, tokens.long(), features, 0, 2, 2, top=kept)
+
+    hard, counted = loss(None)
+    assert counted == 28  # every index whose next-but-one token exists
+    # each answer position's distribution all on the token the target chose: the same loss
+    one_hot = top(torch.stack([tokens[prompt_len:], (tokens[prompt_len:] + 1) % 40], 1), torch.tensor([0.0, -30.0]))
+    same, counted_again = loss(one_hot)
+    torch.testing.assert_close(same, hard, rtol=1e-3, atol=1e-3)
+    assert counted_again == counted
+    # spread over two tokens: a different loss, the prompt's positions unchanged
+    spread = top(one_hot.ids, torch.tensor([0.5, 0.5]).log().expand(n, 2))
+    changed, _ = loss(spread)
+    assert abs(float(changed.detach()) - float(hard.detach())) > 1e-3
+    prompt = tokens[:prompt_len].long(), features[: prompt_len - 1], 0, 2, 2  # labels up to the prompt's last token
+    torch.testing.assert_close(_window_loss(head, *prompt, top=spread)[0], _window_loss(head, *prompt)[0])
+    # a distribution whose likely tokens are never drafted (ids 40..49) teaches nothing at its position
+    outside = top(torch.full((n, 2), 45), torch.tensor([0.0, -30.0]).expand(n, 2))
+    _, counted_outside = loss(outside)
+    assert counted_outside == counted - n  # step 0's rows labelled at positions prompt_len - 1 .. 28 drop out
+    trainer = _Trainer(head, LearnOptions(steps=4, batch_rows=1 << 20))
+    trainer.train_window(lambda: Answer(tokens, features, prompt_len, top=outside), 1.0)
+    assert trainer.rows == counted_outside  # the trainer passes what the answer kept
+    trainer = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, soft_labels=False))
+    trainer.train_window(lambda: Answer(tokens, features, prompt_len, top=outside), 1.0)
+    assert trainer.rows == counted  # ... unless told to learn the tokens alone
