@@ -74,29 +74,16 @@ def main() -> None:
     earlier = json.load(open(clock))["minutes"] if os.path.exists(clock) else 0.0
 
     from depctl import workloads
-    from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation, default_draft_tokens
-    from depctl_runtime.backends.loader import load_deployment
+    from depctl.spec import default_draft_tokens
     from depctl_runtime.speculation import GenerationParams, SamplingParams, Scheduler
     from depctl_runtime.speculation.scheduler import generate
     from depctl_runtime.training.data import load_conversations
     from depctl_runtime.training.eagle import acceptance, reach
     from depctl_runtime.training.traffic import TrafficRecorder
 
-    # no prefix cache on either: the held-out prompts come back every round, and the learning deployment reads
-    # prompts whole (its head needs every position's features)
     k = args.k or default_draft_tokens("--ngram-speculation-length")
     levels = [int(c) for c in args.load.split(",") if c.strip()]
-    rows = max([args.clients, *levels])
-    common = dict(model=args.model, quantization=args.quantization, max_batch_size=rows, prefix_cache_bytes=0)
-    plain = load_deployment(DeploymentSpec(id="plain", **common))
-    learning = load_deployment(
-        DeploymentSpec(
-            id="learning",
-            speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=k),
-            learn_draft_head=LearnDraftHead(),
-            **common,
-        )
-    )
+    plain, learning = load_pair(args.model, args.quantization, max([args.clients, *levels]), k)
     tokenizer, learner, engine = learning.tokenizer, learning.learner, learning.engine
     engine.config.cut_unsure_drafts &= not args.whole_drafts
 
@@ -257,6 +244,22 @@ def main() -> None:
         engine.observer = observer
     learning.release()
     plain.release()
+
+
+def load_pair(model: str, quantization: str, rows: int, k: int):
+    """A plain deployment and a learning one (``--learn-draft-head`` beside n-gram speculation, n=3, K=k) of
+    ``model``, each loaded as the daemon loads it. No prefix cache on either: held-out prompts come back every round,
+    and a learning deployment reads prompts whole (its head needs every position's features)."""
+    from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
+    from depctl_runtime.backends.loader import load_deployment
+
+    common = dict(model=model, quantization=quantization, max_batch_size=rows, prefix_cache_bytes=0)
+    plain = load_deployment(DeploymentSpec(id="plain", **common))
+    speculation = NgramSpeculation(ngram_length=3, num_draft_tokens=k)
+    learning = load_deployment(
+        DeploymentSpec(id="learning", speculation=speculation, learn_draft_head=LearnDraftHead(), **common)
+    )
+    return plain, learning
 
 
 def _closed_loop(engine, scheduler, prompts, level: int, params) -> tuple[float, dict[int, list[int]]]:

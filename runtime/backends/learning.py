@@ -37,8 +37,8 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int, head_steps: eagl
         "fingerprint": eagle_format.fingerprint(model),
     }
     steps = min(spec.speculation.num_draft_tokens, MAX_MEASURED_STEPS)
-    # the target's distribution is kept where its passes compute every position's logits anyway: a screened output
-    # layer computes them only for the rows that sample, and a float32 product a token would cost a fifth of a step
+    # idle answers keep the target's distribution where its passes compute every position's logits anyway: a screened
+    # output layer computes them only for the rows that sample, and a float32 product a token costs a fifth of a step
     soft_labels = not isinstance(getattr(model, "lm_head", None), ScreenedHead)
 
     def make_proposer(head) -> EagleProposer:

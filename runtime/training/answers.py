@@ -30,7 +30,7 @@ import torch
 
 from depctl_runtime.model.runner import ModelRunner
 from depctl_runtime.training.capture import Recorded, keep_top
-from depctl_runtime.training.traffic import MIN_ANSWER, Answer, answer_top
+from depctl_runtime.training.traffic import MIN_ANSWER, Answer, Top
 
 # answers side by side: a pass over 16 costs little more than over 8 (BENCHMARKS.md, "An hour with idle answers")
 ROWS = 16
@@ -141,6 +141,7 @@ class IdleAnswers:
         # every row's in one product, where any row samples or answers keep the target's distribution
         logits = scores.logits() if writing or self.top else None
         ended: list[int] = []
+        answering: list[int] = []  # rows whose next answer token this pass chose
         for i, row in enumerate(self.rows):
             row.features.append(features[i])
             row.read += len(inputs[i])
@@ -150,9 +151,15 @@ class IdleAnswers:
                 self._write(row, logits[i])
                 continue
             if self.top:
-                keep_top(row.top, logits[i : i + 1])
+                answering.append(i)
             if self._answer(row, choices[i]):
                 ended.append(i)
+        if answering:  # every answering row's distribution in one top-k
+            kept = Recorded()
+            keep_top(kept, logits[answering])
+            for j, i in enumerate(answering):
+                self.rows[i].top.top_ids.append(kept.top_ids[0][j : j + 1])
+                self.rows[i].top.top_logp.append(kept.top_logp[0][j : j + 1])
         if any(len(x) > 1 for x in inputs):  # only a pass that read prompts says what a chunk costs
             took = time.perf_counter() - t0
             if took > self.slice_seconds:
@@ -205,7 +212,7 @@ class IdleAnswers:
                 self.answered_written += 1
             if len(row.tokens) - row.prompt_len >= MIN_ANSWER and (row.shipped is not None or self._written_ok(row)):
                 features = torch.cat(row.features)[: len(row.tokens) - 1]
-                top = answer_top(row.top.top_ids, row.top.top_logp, row.prompt_len, len(row.tokens))
+                top = _top(row)
                 tokens = torch.tensor(row.tokens, dtype=torch.int32)
                 out.append(Answer(tokens, features, row.prompt_len, idle=True, top=top))
         kept = [(i, row) for i, row in enumerate(self.rows) if i not in ended]
@@ -218,3 +225,10 @@ class IdleAnswers:
     def _written_ok(self, row: _Row) -> bool:
         """A written request with some text in it (a turn closed at once teaches only the template)."""
         return row.prompt_len - sum(map(len, self.user_turn)) >= MIN_ANSWER
+
+
+def _top(row: _Row) -> Top | None:
+    """The target's distribution at each of the row's answer positions (from the prompt's last), where kept."""
+    if not row.top.top_ids:
+        return None
+    return Top(torch.cat(row.top.top_ids), torch.cat(row.top.top_logp), row.prompt_len - 1)

@@ -29,9 +29,11 @@ class Recorded:
 
 def keep_top(kept: Recorded, logits: torch.Tensor) -> None:
     """The target's ``TOP_K`` most likely tokens and their log-probabilities at each row of ``logits`` [rows, vocab]."""
-    top = torch.log_softmax(logits.float(), dim=-1).topk(TOP_K, dim=-1)
+    logits = logits.float()
+    top = logits.topk(TOP_K, dim=-1)  # (the log-probabilities' order: no [rows, vocab] log-softmax is written)
     kept.top_ids.append(top.indices.to(device="cpu", dtype=torch.int32))
-    kept.top_logp.append(top.values.to(device="cpu", dtype=torch.float16))
+    logp = top.values - torch.logsumexp(logits, dim=-1, keepdim=True)
+    kept.top_logp.append(logp.to(device="cpu", dtype=torch.float16))
 
 
 class FeatureRecorder:

@@ -93,7 +93,7 @@ class LearnOptions:
     epochs: float = EPOCHS
     lr: float = LR
     prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
-    # keep the target's distribution at each answer position and train on it where kept (else on the token it chose)
+    # answers generated in idle time keep the target's distribution at each answer position, learned where kept
     soft_labels: bool = True
     average: float = AVERAGE  # the running average's decay per optimizer step (0: the candidate is the head itself)
     answer_share: float = ANSWER_SHARE  # of the idle time both could use, answering's (the rest is training's)
@@ -123,7 +123,7 @@ class HeadLearner:
         self.verifier = verifier
         private_dir(folder)  # users' text and the states it produced: the owner's alone
         self.store = TrafficStore(folder / "traffic", disk_budget)
-        self.recorder = TrafficRecorder(self.store, top=options.soft_labels)
+        self.recorder = TrafficRecorder(self.store)
         self.engine = None  # set by ``attach``
         self.device = model.get_input_embeddings().weight.device
         self.rng = random.Random(options.seed)

@@ -3,9 +3,9 @@
 ``TrafficRecorder`` is the engine's observer (``proposers.FeatureObserver``): it holds the layer features of every
 position each running sequence has read, as the passes computed them (the prompt's and the accepted tokens'), and on
 a finished answer hands tokens and features to the ``TrafficStore``. Nothing is computed for it: the features are the
-ones the target returns for the head anyway, and where the target's passes compute every position's logits (not a
-screened output layer: ``model.screened_head``) it also keeps the target's top tokens at each answer position, which
-training learns instead of the one token chosen; elsewhere the labels are the tokens the target chose.
+ones the target returns for the head anyway, and the labels are the tokens the target chose (no logits are taken: a
+top-16 of a position's logits costs a step at one row 1-2%). Answers generated in idle time also keep the target's
+distribution at each answer position (``answers.IdleAnswers``), which training learns instead of the token chosen.
 The features of a sequence under way also seed a new head generation's rows (``SpeculativeEngine.swap_proposer``).
 
 The store is a folder of the deployment's own (mode 0700, each file 0600: users' text and the states it produced),
@@ -31,8 +31,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-from depctl_runtime.training.capture import Recorded, keep_top
 
 HELD_OUT_EVERY = 8  # one prompt in eight measures heads and is never trained on
 HELD_OUT_KEPT = 32  # the most recent held-out answers a comparison reads
@@ -83,50 +81,31 @@ class Answer:
         return zlib.crc32(prompt) % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
 
 
-def answer_top(ids: list[torch.Tensor], logp: list[torch.Tensor], prompt_len: int, n: int) -> Top | None:
-    """The distributions kept from the prompt's last position on, cut to an answer of ``n`` tokens' positions; None
-    where fewer were kept."""
-    if not ids:
-        return None
-    ids_, logp_ = torch.cat(ids), torch.cat(logp)
-    rows = n - prompt_len
-    return Top(ids_[:rows], logp_[:rows], prompt_len - 1) if ids_.shape[0] >= rows else None
-
-
 class TrafficRecorder:
     """The engine's observer: each running sequence's features, kept until it finishes."""
 
     needs_prompt_features = True  # every prompt position's: a deployment that learns reads prompts whole
 
-    def __init__(self, store: TrafficStore, dtype: torch.dtype = torch.bfloat16, top: bool = False):
+    def __init__(self, store: TrafficStore, dtype: torch.dtype = torch.bfloat16):
         self.store = store
         self.dtype = dtype  # half of float32's bytes: an answer's features are [tokens, 3 * hidden]
-        # keep the target's distribution at every answer position too: where a pass computes all its logits anyway
-        # (not where a screened output layer computes them only for the rows that ask)
-        self.top = top
-        self._seqs: dict[int, Recorded] = {}
+        self._seqs: dict[int, list[torch.Tensor]] = {}
 
     def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
-        kept = self._keep(seq, features)
-        if self.top and logits is not None and start + features.shape[0] == seq.prompt_len:  # the prompt's last
-            keep_top(kept, logits())
+        self._keep(seq, features)
 
     def accepted(self, seq, before: int, emitted, drafted, features: torch.Tensor | None, logits=None) -> None:
-        kept = self._keep(seq, features)
-        if self.top and logits is not None and kept.top_ids:  # (unbroken from the prompt's last position on)
-            keep_top(kept, logits())
+        self._keep(seq, features)
 
-    def _keep(self, seq, features: torch.Tensor | None) -> Recorded:
+    def _keep(self, seq, features: torch.Tensor | None) -> None:
         if features is None:
             raise ValueError("a learning head needs the target's layer features: load the target with its layers")
-        kept = self._seqs.setdefault(seq.id, Recorded())
-        kept.features.append(features.to(device="cpu", dtype=self.dtype))
-        return kept
+        self._seqs.setdefault(seq.id, []).append(features.to(device="cpu", dtype=self.dtype))
 
     def features(self, seq) -> torch.Tensor | None:
         """[positions read, F]: every position of ``seq`` the target has read so far (None before any)."""
         kept = self._seqs.get(seq.id)
-        return torch.cat(kept.features) if kept is not None and kept.features else None
+        return torch.cat(kept) if kept else None
 
     def finished(self, seq) -> None:
         kept = self._seqs.pop(seq.id, None)
@@ -135,9 +114,8 @@ class TrafficRecorder:
         n = seq.answered  # a step may have accepted drafts past the stop token: not part of the answer
         if n - seq.prompt_len < MIN_ANSWER:
             return
-        features = torch.cat(kept.features)[: n - 1]
-        top = answer_top(kept.top_ids, kept.top_logp, seq.prompt_len, n)
-        self.store.put(Answer(torch.tensor(seq.tokens[:n], dtype=torch.int32), features, seq.prompt_len, top=top))
+        features = torch.cat(kept)[: n - 1]
+        self.store.put(Answer(torch.tensor(seq.tokens[:n], dtype=torch.int32), features, seq.prompt_len))
 
     def release(self) -> None:
         self._seqs.clear()
