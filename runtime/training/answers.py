@@ -83,7 +83,7 @@ class IdleAnswers:
         self.stop_ids, self.user_turn, self.dtype, self.max_tokens = stop_ids, user_turn, dtype, max_tokens
         self.max_rows, self.slice_seconds, self.max_requests = rows, slice_seconds, max_requests
         self.seed = seed
-        self.top = top  # keep the target's distribution at each answer position (``traffic.TrafficRecorder``'s)
+        self.top = top  # keep the target's distribution at each answer position (``traffic.Top``)
         self.chunk = 2 * MIN_CHUNK  # prompt tokens a row reads in a pass: small at first (the first pass is eager)
         self.started = done  # shipped prompts started: the next is ``prompts[started]``
         self.written = written  # requests the target began to write (each seeds its own sampling)
