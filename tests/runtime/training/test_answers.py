@@ -60,7 +60,7 @@ def test_with_no_traffic_idle_time_answers_the_shipped_prompts_and_a_first_head_
     quick(learner)  # (which leaves the traffic alone to learn from: here, the prompts below)
     batch = [p * 4 for p in prompts(12, offset=5)]  # 48 tokens: a prompt is read in chunks
     expected = greedy(tiny_model_dir, batch)
-    learner.answer(answers_for(loaded, batch))
+    learner.answer(answers_for(loaded, batch, top=True))
     scheduler = Scheduler(loaded.engine, 2, background=learner)
     assert scheduler.has_idle_work()  # no request has been served: there is something to learn from all the same
     assert "answering depctl's prompts" in learner.status()["training"]["state"]
@@ -76,6 +76,9 @@ def test_with_no_traffic_idle_time_answers_the_shipped_prompts_and_a_first_head_
         with torch.no_grad():  # and the layer outputs it computed at every position but the last
             _, reference = layer_outputs(loaded.target.model, answer.tokens[None].long(), learner.config.aux_layers)
         torch.testing.assert_close(answer.features, reference[:-1], atol=1e-4, rtol=1e-4)
+        # the target's distribution at each answer position, written with it (test_then_..., below, checks its values)
+        assert answer.top.first == answer.prompt_len - 1
+        assert answer.top.ids.shape == answer.top.logp.shape == (len(tokens) - answer.prompt_len, 16)
     status = learner.status()
     assert status["training"]["shipped_prompts"] == {"answered": len(batch), "total": len(batch)}
     assert status["generation"] >= 1 and isinstance(loaded.engine.draft_model, EagleProposer)
@@ -220,7 +223,7 @@ def test_a_request_arriving_mid_answer_is_served_as_without_it_and_the_answer_go
     batch = prompts(2, offset=9)
     requests = prompts(3, offset=31)
     plain = greedy(tiny_model_dir, batch + requests)
-    learner.answer(answers_for(loaded, batch))
+    learner.answer(answers_for(loaded, batch, top=True))
     scheduler = Scheduler(loaded.engine, 2, background=learner)
     for _ in range(TOKENS // 2):  # half of the first answer, a pass per piece
         learner.work(seconds=0.0)
