@@ -152,12 +152,11 @@ def main() -> None:
     )
 
 
-TOP_K = 16  # as a learning deployment keeps them
-
-
 @torch.inference_mode()
 def _label(model, files: list[Path]) -> dict:
-    """The target's top tokens at every answer position of each file that kept none (a pass over its tokens)."""
+    """The target's top tokens at every answer position of each file that kept none (a pass over its tokens), as a
+    learning deployment keeps them (``capture.keep_top``)."""
+    from depctl_runtime.training.capture import Recorded, keep_top
     from depctl_runtime.training.traffic import Top, read_answer
 
     out, t0 = {}, time.perf_counter()
@@ -165,9 +164,9 @@ def _label(model, files: list[Path]) -> dict:
         answer = read_answer(path)
         if answer is None or answer.top is not None:
             continue
-        logits = model(input_ids=answer.tokens[None].long()).logits[0, answer.prompt_len - 1 : -1]
-        top = torch.log_softmax(logits.float(), -1).topk(TOP_K, -1)
-        out[path] = Top(top.indices.to(torch.int32), top.values.to(torch.float16), answer.prompt_len - 1)
+        kept = Recorded()
+        keep_top(kept, model(input_ids=answer.tokens[None].long()).logits[0, answer.prompt_len - 1 : -1])
+        out[path] = Top(kept.top_ids[0], kept.top_logp[0], answer.prompt_len - 1)
     print(f"  labelled {len(out)} answers with the target's distribution in {time.perf_counter() - t0:.0f} s")
     return out
 
