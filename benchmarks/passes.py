@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument(
         "--precision",
         default="int8,float32",
-        help="comma-separated: int8 (weights; bf16 activations), float32, bfloat16",
+        help="comma-separated: int8 or int4 (weights; float activations), float32, bfloat16",
     )
     parser.add_argument("--shapes", default="1x1,1x9,8x1,8x5", help="rows x tokens, comma-separated")
     parser.add_argument("--context", type=int, default=40, help="cached positions per row before the pass")
@@ -76,8 +76,8 @@ def main() -> None:
     ]
     kernel_lines: list[str] = []
     for precision in args.precision.split(","):
-        quantization = "int8" if precision == "int8" else "none"
-        dtype = "auto" if precision == "int8" else precision
+        quantization = precision if precision in ("int8", "int4") else "none"
+        dtype = "auto" if quantization != "none" else precision
         spec = DeploymentSpec(
             id="passes",
             model=args.model,

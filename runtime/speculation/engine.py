@@ -369,6 +369,8 @@ class SpeculativeEngine:
         )
         if width and not self.policy.model_drafts:  # the rows with free guesses draft alone: no draft forward
             guesses = [replace(g, available=0) if g.source == DraftSource.MODEL else g for g in guesses]
+        if width and self.policy.row_drafts is not None:  # each row verifies as many guesses as pay for their place
+            guesses = [replace(g, available=min(g.available, d)) for g, d in zip(guesses, self.policy.row_drafts)]
         branches = self.policy.branches if width else 1
         sure = self._draft_threshold(len(batch)) if width and branches == 1 else 0.0  # (a tree drafts whole)
         drafted = self._drafts(batch, guesses, width, branches, sure)

@@ -426,6 +426,9 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
         self.tree_branches = tree_branches  # 0: chain or tree as the costs say; 1: chains; b: b branches where possible
         self.branches = 1  # the step just planned drafts a tree of this many branches (1: a chain)
+        # the step just planned: how many drafts each row verifies, where rows of free guesses in a batch are each
+        # given their own (``_row_drafts``); None: every row verifies up to the width
+        self.row_drafts: list[int] | None = None
         self.model_drafts = True  # the step just planned runs the draft model for its rows (``width``)
         # where the target's first token ranked among the draft's first choices when it was not the draft's first
         # (decayed counts per rank, and the misses they come from): what a tree's other branches would have caught
@@ -516,7 +519,7 @@ class DraftLengthPolicy:
         a plain step). trees: every row drafts from a draft model that can draft a tree; ``branches`` then says
         whether this step's drafts are one (see ``_tree``), and ``model_drafts`` whether the draft model drafts for
         its rows (False: only the rows with free guesses draft, and the draft model does not run)."""
-        self.branches = 1
+        self.branches, self.row_drafts = 1, None
         longest = max((r.available for r in rows), default=0)
         self.model_drafts = any(r.model and r.available for r in rows)
         if longest <= 0:
@@ -528,7 +531,11 @@ class DraftLengthPolicy:
             return longest, self.expected(rows, longest)
         batch = len(rows)
         uses_model = self.model_drafts
-        best_w, gain = self._best(rows, trees)
+        per_row = batch > 1 and not uses_model
+        if per_row:  # free guesses in a batch: each row verifies its own count of drafts
+            best_w, rows = self._row_drafts(rows)
+        else:
+            best_w, gain = self._best(rows, trees)
         # beside free guesses, the draft model's rows are drafted only where they add to the step: priced without
         # them too (no draft forward, none of their tokens in the pass), and left out where they measured a loss
         alone = None
@@ -544,6 +551,8 @@ class DraftLengthPolicy:
                 best_w = alone_w if alone_w and self.guard.allows(batch, FREE) else 0
         if best_w:
             self.plain_steps = 0
+            if per_row:
+                self.row_drafts = [r.available for r in rows]
             return best_w, self.expected(rows, best_w)
         self.plain_steps += 1
         # A probe keeps the estimates alive: a draft model's acceptance (it has no free guess to compare), and for
@@ -596,6 +605,38 @@ class DraftLengthPolicy:
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w, self.branches = 0, 1
         return best_w, (best_rate / base_rate if best_w else 1.0)
+
+    def _row_drafts(self, rows: list[RowPlan]) -> tuple[int, list[RowPlan]]:
+        """A batch of free guesses: each row verifies its own number of drafts, the batch's likeliest first (a row's
+        j-th draft is accepted with a^j, times the realism of free guesses) for as long as they raise the step's
+        expected tokens a second. A row's chances fall along its drafts, so the n likeliest drafts of the batch are
+        always a prefix of each row's, and for every count of pass tokens this is the most tokens that count can
+        bring: it beats any one width for all rows, which at 16 rows of 4-bit weights (a pass costing nearly in
+        proportion to its tokens) made fifteen rows wait on drafts accepted half the time to let one row copy.
+        Returns the widest row's drafts (0 where nothing beats a plain step by ``MIN_GAIN_BATCH``) and the rows,
+        each available as far as it drafts."""
+        batch, realism = len(rows), self.realism(FREE)
+        chances: list[tuple[float, int]] = []  # (a draft's chance, its row), every row's drafts in order
+        for i, r in enumerate(rows):
+            a = _clamped(r)
+            chance = a * realism
+            for _ in range(r.available):
+                chances.append((chance, i))
+                chance *= a
+        chances.sort(key=lambda c: -c[0])  # stable: a row's drafts stay in order where their chances tie
+        base = best_rate = batch / self.verify_cost(batch)
+        taken, extra = 0, 0.0
+        for n, (chance, _) in enumerate(chances, 1):
+            extra += chance
+            rate = (batch + extra) / self.verify_cost(batch + n)
+            if rate > best_rate:
+                taken, best_rate = n, rate
+        if best_rate < MIN_GAIN_BATCH * base:
+            return 0, rows
+        drafts = [0] * batch
+        for _, i in chances[:taken]:
+            drafts[i] += 1
+        return max(drafts), [RowPlan(r.acceptance, d, r.model) for r, d in zip(rows, drafts)]
 
     def drafting_seconds(self, batch: int, w: int) -> float:
         """What a draft model (or head) drafting ``w`` positions for ``batch`` rows costs: the first position's

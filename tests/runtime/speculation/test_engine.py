@@ -291,6 +291,27 @@ def _spy_verify(engine) -> list[list[int]]:
     return widths
 
 
+def test_in_a_batch_each_row_verifies_only_as_many_guesses_as_the_policy_gave_it(target):
+    """Free guesses in a batch: the policy gives each row its own count of drafts (``row_drafts``) and the pass
+    verifies that many of a row's guesses, not the step's width, with the output still plain decoding's."""
+    p = GenerationParams(max_tokens=40, ignore_eos=True)
+    plain = Scheduler(make(target, rows=3), 3).run_all(PROMPTS, p)
+    engine = make(target, NgramProposer(2), 4, rows=3, adaptive=False)
+    width = engine.policy.width
+
+    def first_row_only(plans, **kw):
+        w, predicted = width(plans, **kw)
+        engine.policy.row_drafts = [4] + [0] * (len(plans) - 1) if w else None
+        return w, predicted
+
+    engine.policy.width = first_row_only
+    verified = _spy_verify(engine)
+    assert Scheduler(engine, 3).run_all(PROMPTS, p) == plain
+    batched = [step for step in verified if len(step) == 3]
+    assert batched and all(n == 1 for step in batched for n in step[1:])  # the other rows verified no draft
+    assert any(step[0] > 1 for step in batched)  # while the first row's guesses went into the pass
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_drafts_the_draft_model_is_unsure_of_are_not_verified_and_the_output_stays_the_targets(target, rows):
     near = _near(target)

@@ -96,6 +96,34 @@ def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
     assert policy.width(rows)[0] < width
 
 
+def _proportional(policy, fixed: float = 0.020, per_token: float = 0.001):
+    # a pass that costs nearly in proportion to its tokens past a fixed part (4-bit weights at 16 rows on a CPU)
+    for n in (1, 8, 16, 32, 64, 128, 256):
+        policy.verify_cost.samples[n] = fixed + per_token * n
+
+
+def test_in_a_batch_each_row_verifies_as_many_of_its_guesses_as_pay_for_their_place_in_the_pass():
+    # one row copying (95%) among fifteen whose guesses are accepted 40% of the time, where each token in the pass
+    # costs 1 ms: no one width for every row pays (the fifteen's drafts cost more than they bring), but the copying
+    # row's eight drafts alone do, so it verifies eight and the others none
+    policy = DraftLengthPolicy(max_k=8)
+    _proportional(policy)
+    rows = _rows(policy, [(0.95, 8)] + [(0.4, 8)] * 15)
+    width, predicted = policy.width(rows)
+    assert width == 8 and policy.row_drafts == [8] + [0] * 15
+    assert predicted["free"] == pytest.approx(sum(0.95**j for j in range(1, 9)), rel=1e-3)
+    # the same batch with no row copying drafts nothing, and says no row may
+    rows = _rows(policy, [(0.4, 8)] * 16)
+    assert policy.width(rows)[0] == 0 and policy.row_drafts is None
+    # rows alike take their drafts level by level: the first of every row before anyone's second
+    width, _ = policy.width(_rows(policy, [(0.95, 8)] * 16))
+    assert width > 0 and max(policy.row_drafts) - min(policy.row_drafts) <= 1
+    # and one row alone drafts as the one width for the batch would have it
+    alone = DraftLengthPolicy(max_k=8)
+    _proportional(alone)
+    assert alone.width(_rows(alone, [(0.95, 8)]))[0] == 8 and alone.row_drafts is None
+
+
 def test_rows_without_guesses_do_not_make_the_batch_draft():
     policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
