@@ -437,7 +437,7 @@ class SpeculativeEngine:
                 kind = MODEL if guess.source == DraftSource.MODEL else FREE
                 realised[kind] = realised.get(kind, 0) + len(out.token_ids) - 1
         if realised:
-            self.policy.observe_step(predicted, realised)
+            self.policy.observe_step(predicted, realised, len(batch))
         # what drafting costs, from chain steps that fed the draft its usual one or two tokens: after plain steps it
         # first catches up on every token it missed, a prefill that says nothing of what drafting costs. The first
         # position (catch-up, first forward, the step's planning) and each forward after it are priced apart

@@ -48,7 +48,10 @@ PROBE_EVERY = 8
 # missed since the last one (a prefill of the whole batch), which can cost more than the plain steps between probes
 PROBE_BUDGET = 0.02
 REALISM_DECAY = 0.97  # per drafting step: the realised/predicted ratio follows the last ~30 drafting steps
-REALISM_PRIOR = 4.0  # extra tokens, realised and predicted alike, a kind of row's ratio starts from
+REALISM_PRIOR = 4.0  # extra tokens, realised and predicted alike, added to a kind of row's sums in a band
+# per plain step in a band: the gap between what its drafting steps delivered and what was predicted closes by this
+# factor, or a band whose drafts once fell short would never draft again (drafting nothing, it measures nothing new)
+REALISM_FORGET = 0.998
 MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decoding by at least 3%
 # in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and a batch's wide pass costs
 # several plain steps, so a small predicted gain can be a real loss
@@ -452,11 +455,13 @@ class DraftLengthPolicy:
         self.plain_steps = 0  # consecutive steps without drafts, for probing
         self.probe_debt = 0.0  # seconds the last probes cost beyond a plain step, repaid by PROBE_BUDGET of each step
         self._probing = False  # the width just returned is a probe's
-        # per kind of row (FREE, MODEL), realised / predicted extra tokens of the steps that drafted (decayed sums,
-        # prior 1.0): acceptance rates estimated per row are optimistic when guesses come in bursts, and at batch 8
-        # an optimism of 1.5x turns a predicted gain into a measured loss; what the steps actually returned corrects
-        # the prediction. Kept apart because a head's guesses and an n-gram index's copies err apart
-        self._realism = {FREE: [REALISM_PRIOR] * 2, MODEL: [REALISM_PRIOR] * 2}
+        # per kind of row (FREE, MODEL) and band of batch sizes, realised and predicted extra tokens of the steps that
+        # drafted (decayed sums): acceptance rates estimated per row are optimistic when guesses come in bursts, and at
+        # batch 8 an optimism of 1.5x turns a predicted gain into a measured loss; what the steps actually returned
+        # corrects the prediction. Kept apart by kind because a head's guesses and an n-gram index's copies err apart,
+        # and by band because a wide batch drafts only its likeliest rows, whose rates were read highest, while alone
+        # a row drafts whatever its rate
+        self._realism: dict[tuple[str, int], list[float]] = {}
         self.confidence = DraftConfidence()
 
     # ---- per request ----
@@ -481,19 +486,21 @@ class DraftLengthPolicy:
         if mean_accepted is not None and k > 0:
             self.model_rate = rate_for_mean_accepted(mean_accepted, k)
         self.guard.forget(MODEL)
-        self._realism[MODEL] = [REALISM_PRIOR] * 2
+        for key in [k for k in self._realism if k[0] == MODEL]:
+            del self._realism[key]
         self.confidence = DraftConfidence()
 
-    def realism(self, kind: str = FREE) -> float:
-        """How many of the extra tokens the acceptance estimates predicted this kind of row's drafts delivered."""
-        realised, predicted = self._realism[kind]
-        return min(realised / predicted, 1.0)  # it may only temper the rates' optimism
+    def realism(self, kind: str = FREE, batch: int = 1) -> float:
+        """How many of the extra tokens the acceptance estimates predicted this kind of row's drafts delivered, at
+        this batch size's band."""
+        realised, predicted = self._realism.get((kind, band(batch)), (0.0, 0.0))
+        return min((realised + REALISM_PRIOR) / (predicted + REALISM_PRIOR), 1.0)  # it only tempers optimism
 
-    def observe_step(self, predicted: dict[str, float], realised: dict[str, int]) -> None:
-        """A drafting step: per kind of row, the extra tokens (beyond one per row) ``width`` predicted, and what the
-        step's rows emitted."""
+    def observe_step(self, predicted: dict[str, float], realised: dict[str, int], batch: int = 1) -> None:
+        """A drafting step of ``batch`` rows: per kind of row, the extra tokens (beyond one per row) ``width``
+        predicted, and what the step's rows emitted."""
         for kind, expected in predicted.items():
-            kept = self._realism[kind]
+            kept = self._realism.setdefault((kind, band(batch)), [0.0, 0.0])
             kept[0] = REALISM_DECAY * kept[0] + realised.get(kind, 0)
             kept[1] = REALISM_DECAY * kept[1] + max(expected, 1e-6)
 
@@ -580,7 +587,7 @@ class DraftLengthPolicy:
         # a + ... + a^k (a clamped to [0, 0.999]) and s_i the realism of the row's kind, and tokens[w]: the pass's
         # token count, both built up one width at a time (this runs every step)
         drafting = [(_clamped(r), r.available) for r in rows if r.available > 0]
-        realism = {kind: self.realism(kind) for kind in (FREE, MODEL)}  # this runs every step: once a kind
+        realism = {kind: self.realism(kind, batch) for kind in (FREE, MODEL)}  # this runs every step: once a kind
         scale = [realism[MODEL if r.model else FREE] for r in rows if r.available > 0]
         powers = [a * s for (a, _), s in zip(drafting, scale)]
         extra, tokens = [0.0] * (longest + 1), [batch] * (longest + 1)
@@ -615,7 +622,8 @@ class DraftLengthPolicy:
         proportion to its tokens) made fifteen rows wait on drafts accepted half the time to let one row copy.
         Returns the widest row's drafts (0 where nothing beats a plain step by ``MIN_GAIN_BATCH``) and the rows,
         each available as far as it drafts."""
-        batch, realism = len(rows), self.realism(FREE)
+        batch = len(rows)
+        realism = self.realism(FREE, batch)
         chances: list[tuple[float, int]] = []  # (a draft's chance, its row), every row's drafts in order
         for i, r in enumerate(rows):
             a = _clamped(r)
@@ -668,7 +676,8 @@ class DraftLengthPolicy:
         first draft is then accepted with probability a + (1 - a) c (c: ``caught_by``), and each later one with a,
         as in a chain; the pass verifies ``1 + b w`` tokens a row, and the draft runs once over the rows and
         ``w - 1`` times over b tokens a row."""
-        batch, realism = len(rows), self.realism(MODEL)
+        batch = len(rows)
+        realism = self.realism(MODEL, batch)
         rates = [_clamped(r) for r in rows]
         shortest = min(r.available for r in rows)
         forced = self.tree_branches if self.tree_branches > 1 else 0
@@ -697,6 +706,10 @@ class DraftLengthPolicy:
         draft model or head drafted a row) with plain steps at this batch size."""
         if emitted is not None and self.adaptive:
             self.guard.observe(batch, kind, emitted, seconds)
+            if kind is None:
+                for kept in (self._realism.get((k, band(batch))) for k in (FREE, MODEL)):
+                    if kept is not None:  # the realised sum drifts towards the predicted one
+                        kept[0] = kept[1] - (kept[1] - kept[0]) * REALISM_FORGET
         if self._probing:
             self.probe_debt += max(seconds - self.verify_cost(batch), 0.0)
             self._probing = False
@@ -757,7 +770,10 @@ class DraftLengthPolicy:
             "tree_ms": self.tree_cost.snapshot(),  # token rows in a pass over draft trees -> ms
             "expected_acceptance": round(self.deployment_rate, 3),
             "expected_model_acceptance": round(self.model_rate, 3),  # a draft model's or head's beside free guesses
-            "realised_over_predicted": {kind: round(self.realism(kind), 3) for kind in (FREE, MODEL)},
+            "realised_over_predicted": {
+                kind: {low: round(self.realism(kind, low), 3) for k, low in sorted(self._realism) if k == kind}
+                for kind in (FREE, MODEL)
+            },
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
             # of the first positions a draft model's first choice missed, the share its 2nd, 2nd-3rd, 2nd-4th caught
             "first_choice_misses_caught": [round(self.caught_by(b), 3) for b in range(2, MAX_BRANCHES + 1)],

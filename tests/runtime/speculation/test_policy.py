@@ -91,8 +91,8 @@ def test_steps_that_deliver_less_than_predicted_make_the_policy_draft_less():
     width, predicted = policy.width(rows)
     assert width > 0 and predicted["free"] > 0
     for _ in range(40):
-        policy.observe_step(predicted, {"free": round(predicted["free"] / 3)})
-    assert policy.realism("free") < 0.5
+        policy.observe_step(predicted, {"free": round(predicted["free"] / 3)}, batch=4)
+    assert policy.realism("free", 4) < 0.5
     assert policy.width(rows)[0] < width
 
 
@@ -122,6 +122,26 @@ def test_in_a_batch_each_row_verifies_as_many_of_its_guesses_as_pay_for_their_pl
     alone = DraftLengthPolicy(max_k=8)
     _proportional(alone)
     assert alone.width(_rows(alone, [(0.95, 8)]))[0] == 8 and alone.row_drafts is None
+
+
+def test_what_drafting_delivered_at_one_batch_size_tempers_the_prediction_there_and_fades_over_plain_steps():
+    # at 16 rows the batch's likeliest guesses are the ones whose rates were read highest, and they delivered a third
+    # of what those rates said; alone the same rates held. Only the 16-row steps draft less, and the plain steps that
+    # follow there bring the prediction back, or a band that once over-predicted would never draft again
+    policy = DraftLengthPolicy(max_k=8)
+    _proportional(policy, fixed=0.040)
+    wide = _rows(policy, [(0.9, 8)] * 4 + [(0.3, 8)] * 12)
+    width, predicted = policy.width(wide)
+    assert width > 0
+    for _ in range(40):
+        policy.observe_step(predicted, {"free": round(predicted["free"] / 3)}, batch=16)
+        policy.observe_step({"free": 2.0}, {"free": 2}, batch=1)
+    assert policy.realism("free", 16) < 0.5 and policy.realism("free", 1) == 1.0
+    assert policy.width(wide)[0] == 0
+    assert policy.width(_rows(policy, [(0.9, 8)]))[0] == 8
+    for _ in range(2000):
+        policy.observe_step_time(0.05, 16, 16, None)
+    assert policy.realism("free", 16) > 0.9 and policy.width(wide)[0] > 0
 
 
 def test_rows_without_guesses_do_not_make_the_batch_draft():
@@ -452,8 +472,8 @@ def test_a_draft_models_optimism_does_not_shorten_the_free_guesses():
     head_width, predicted = policy.width(heads)
     assert width > 0 and head_width > 0 and set(predicted) == {"model"}
     for _ in range(40):
-        policy.observe_step(predicted, {"model": round(predicted["model"] / 3)})
-    assert policy.realism("model") < 0.5 and policy.realism("free") == 1.0
+        policy.observe_step(predicted, {"model": round(predicted["model"] / 3)}, batch=4)
+    assert policy.realism("model", 4) < 0.5 and policy.realism("free", 4) == 1.0
     assert policy.width(free)[0] == width
     assert policy.width(heads)[0] < head_width
 
