@@ -8,7 +8,8 @@ then emits on average
     E_i(k) = 1 + a_i + a_i^2 + ... + a_i^k = (1 - a_i^(k+1)) / (1 - a_i)
 
 tokens, k = its own drafts (at most w), a_i its acceptance rate (Leviathan et al. 2023, eq. 1). The policy picks the
-w in ``0..K`` that maximises ``sum_i E_i(k_i) / cost(w)``; ``w = 0`` is a plain decode step for everyone. The cost
+w in ``0..K`` that maximises ``sum_i E_i(k_i) / cost(w)``; ``w = 0`` is a plain decode step for everyone (in a
+batch of free guesses each row gets its own ``k_i`` instead: ``_row_drafts``). The cost
 comes from measurements, not constants: a pass over n tokens (``CostModel``), measured at load and followed on
 every step. On a CPU a pass over 8 tokens costs little more than over 1 while a pass over 72 costs several times
 as much, so the same drafts that pay at batch 1 do not at batch 8: at high load the policy drafts less, or not at
@@ -22,7 +23,8 @@ all.
 - ``a_i`` is estimated per request from its own steps, starting from the deployment's running average, and kept
   separately for right after a fully accepted step and right after a rejection (``RequestAcceptance``); a head's
   drafts beside an n-gram index have a rate and an average of their own. The extra tokens these rates predict are
-  scaled by what drafting steps actually delivered against their prediction (``realism``, per kind of row): per-row
+  scaled by what drafting steps actually delivered against their prediction (``realism``, per kind of row and band
+  of batch sizes): per-row
   rates run optimistic when hits come in bursts, and a batch amplifies the error. A row that
   does not draft still has its free guess compared with the token the target produced, so the estimate keeps
   moving; after ``PROBE_EVERY`` x B plain steps the batch drafts once anyway (one token for a draft model, where
