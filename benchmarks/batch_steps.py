@@ -45,6 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
+    from learning import queue_requests
+
     from depctl import workloads
     from depctl.spec import DeploymentSpec, NgramSpeculation
     from depctl_runtime.backends.loader import load_deployment
@@ -98,12 +100,7 @@ def main() -> None:
             else:
                 policy.__dict__.pop("_row_drafts", None)
             scheduler = Scheduler(engine, max_batch_size=level)
-            got: dict[int, list[int]] = {}
-            number = {}
-            for i in range(max(2 * level, len(prompts))):
-                seq = engine.new_sequence(prompts[i % len(prompts)], params)
-                number[seq.id], got[i] = i, []
-                scheduler.add(seq)
+            got, number = queue_requests(engine, scheduler, prompts, level, params)
             steps.clear()
             t0 = time.perf_counter()
             steady_until = None  # when the last request was admitted: every row busy until then

@@ -262,15 +262,21 @@ def load_pair(model: str, quantization: str, rows: int, k: int):
     return plain, learning
 
 
-def _closed_loop(engine, scheduler, prompts, level: int, params) -> tuple[float, dict[int, list[int]]]:
-    """max(2 x level, len(prompts)) requests over ``prompts``, queued at once: output tokens a second, and each
-    request's tokens."""
+def queue_requests(engine, scheduler, prompts, level: int, params) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """max(2 x level, len(prompts)) requests over ``prompts``, queued at once on ``scheduler`` (of ``level`` rows: a
+    closed loop of that many clients): an empty output per request number, and each sequence's number by its id."""
     outputs: dict[int, list[int]] = {}
     number = {}
     for i in range(max(2 * level, len(prompts))):
         seq = engine.new_sequence(prompts[i % len(prompts)], params)
         number[seq.id], outputs[i] = i, []
         scheduler.add(seq)
+    return outputs, number
+
+
+def _closed_loop(engine, scheduler, prompts, level: int, params) -> tuple[float, dict[int, list[int]]]:
+    """``queue_requests``, run to the end: output tokens a second, and each request's tokens."""
+    outputs, number = queue_requests(engine, scheduler, prompts, level, params)
     start = time.perf_counter()
     while scheduler.has_work():
         for seq, out in scheduler.step():
