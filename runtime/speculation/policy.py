@@ -773,7 +773,7 @@ class DraftLengthPolicy:
             "expected_acceptance": round(self.deployment_rate, 3),
             "expected_model_acceptance": round(self.model_rate, 3),  # a draft model's or head's beside free guesses
             "realised_over_predicted": {
-                kind: {low: round(self.realism(kind, low), 3) for k, low in sorted(self._realism) if k == kind}
+                kind: {low: round(self.realism(kind, low), 3) for k, low in sorted(list(self._realism)) if k == kind}
                 for kind in (FREE, MODEL)
             },
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
