@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
 
-    from learning import queue_requests
+    from learning import chat_ids, queue_requests
 
     from depctl import workloads
     from depctl.spec import DeploymentSpec, NgramSpeculation
@@ -63,13 +63,7 @@ def main() -> None:
     )
     loaded = load_deployment(spec)
     engine, tokenizer = loaded.engine, loaded.tokenizer
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False),
-            add_special_tokens=False,
-        )["input_ids"]
-        for p in workloads.load(args.workload)
-    ]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
     steps: list[dict] = []
     _time_steps(engine, steps)
     print(

@@ -87,12 +87,8 @@ def main() -> None:
     tokenizer, learner, engine = learning.tokenizer, learning.learner, learning.engine
     engine.config.cut_unsure_drafts &= not args.whole_drafts
 
-    def chat_ids(messages) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    traffic = [chat_ids(c) for c in load_conversations(None)]
-    held = [chat_ids([{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
+    traffic = [chat_ids(tokenizer, c) for c in load_conversations(None)]
+    held = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
     scheduler = Scheduler(engine, args.clients, background=learner)
     greedy = GenerationParams(max_tokens=args.max_tokens)
 
@@ -260,6 +256,12 @@ def load_pair(model: str, quantization: str, rows: int, k: int):
         DeploymentSpec(id="learning", speculation=speculation, learn_draft_head=LearnDraftHead(), **common)
     )
     return plain, learning
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's prompt tokens as a chat request reads them: the template, then the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def queue_requests(engine, scheduler, prompts, level: int, params) -> tuple[dict[int, list[int]], dict[int, int]]:

@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["DEPCTL_HOME"] = args.home
 
-    from learning import load_pair
+    from learning import chat_ids, load_pair
 
     from depctl import workloads
     from depctl.spec import default_draft_tokens
@@ -45,13 +45,7 @@ def main() -> None:
         raise SystemExit(f"{args.home}: the learning deployment has no head yet (run benchmarks/learning.py first)")
     tokenizer = learning.tokenizer
 
-    def chat_ids(prompt: str) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    held = [chat_ids(p) for p in workloads.load(args.workload)]
+    held = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
     steps = {"plain": [], "learning": []}
     for name, loaded in (("plain", plain), ("learning", learning)):
         _time_steps(loaded.engine, steps[name])
