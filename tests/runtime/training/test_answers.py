@@ -42,7 +42,9 @@ def greedy(model_dir, batch) -> dict[tuple, list[int]]:
     """Each prompt's greedy answer from a plain deployment of the same weights (a learning one records what it
     serves)."""
     plain = load_deployment(
-        DeploymentSpec(id="plain", model=str(model_dir), device="cpu", compile=False, max_batch_size=2),
+        DeploymentSpec(
+            id="plain", model=str(model_dir), device="cpu", dtype="float32", compile=False, max_batch_size=2
+        ),
         calibrate=False,
     )
     params = GenerationParams(max_tokens=TOKENS, ignore_eos=True, speculate=False)

@@ -14,7 +14,9 @@ from depctl_runtime.training.capture import FeatureRecorder
 def test_recorded_features_are_the_layer_outputs_at_each_position(tiny_model_dir):
     layers = (0, 1, 1)
     loaded = load_deployment(
-        DeploymentSpec(id="t", model=str(tiny_model_dir), device="cpu", compile=False, max_batch_size=2),
+        DeploymentSpec(
+            id="t", model=str(tiny_model_dir), device="cpu", dtype="float32", compile=False, max_batch_size=2
+        ),
         calibrate=False,
         features=layers,
     )

@@ -25,6 +25,7 @@ GREEDY = GenerationParams(max_tokens=40, ignore_eos=True)
 
 
 def spec(model_dir, **kw) -> DeploymentSpec:
+    """float32 unless told: the learning tests compare recorded features and heads with float32 references."""
     return DeploymentSpec(
         id="learns",
         model=str(model_dir),
@@ -34,7 +35,7 @@ def spec(model_dir, **kw) -> DeploymentSpec:
         speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
         learn_draft_head=LearnDraftHead(),
         prefix_cache_bytes=0,
-        **kw,
+        **{"dtype": "float32", **kw},
     )
 
 
@@ -59,7 +60,9 @@ def idle(learner, seconds: float) -> None:
 @pytest.fixture
 def plain_outputs(tiny_model_dir):
     plain = load_deployment(
-        DeploymentSpec(id="plain", model=str(tiny_model_dir), device="cpu", compile=False, max_batch_size=2),
+        DeploymentSpec(
+            id="plain", model=str(tiny_model_dir), device="cpu", dtype="float32", compile=False, max_batch_size=2
+        ),
         calibrate=False,
     )
     cache = {}

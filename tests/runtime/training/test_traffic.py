@@ -22,6 +22,7 @@ def test_served_answers_are_kept_with_the_layer_outputs_of_every_position_read(t
             id="t",
             model=str(tiny_model_dir),
             device="cpu",
+            dtype="float32",
             compile=False,
             max_batch_size=2,
             speculation=NgramSpeculation(ngram_length=2, num_draft_tokens=4),
