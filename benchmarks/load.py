@@ -18,9 +18,11 @@ machine then hits every server alike, where one server after another put minutes
 Each concurrency level runs N clients in a closed loop (a client sends its next request when the previous one
 ends) over the workload's prompts, streaming, greedy, chat template applied by the server. One table per workload:
 aggregate tokens/s, per-request decode tokens/s (median), time to first token (median, p95), acceptance, and the
-ratio to plain decoding at the same concurrency. Before the daemon starts and after it stops, the same engine runs
-the same prompts in this process, one at a time (the "in-process" line, the mean of both runs, since the machine's
-speed drifts): the daemon's single stream should match it.
+ratio to plain decoding at the same concurrency, over the whole cell and over the time every client had a request in
+flight (until the first client found none left to send: the steady state a server with that many users lives in,
+without the drain at the end, where the last requests run in a thinning batch). Before the daemon starts and after
+it stops, the same engine runs the same prompts in this process, one at a time (the "in-process" line, the mean of
+both runs, since the machine's speed drifts): the daemon's single stream should match it.
 """
 
 from __future__ import annotations
@@ -55,10 +57,20 @@ class Cell:
     decode_rates: list = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    # while every client had a request in flight: from the start until the first client found none left to send
+    busy_tokens: float = 0.0
+    busy_seconds: float = 0.0
+    streams: list = field(default_factory=list, repr=False)  # each request's (chunk times, tokens), for the above
 
     @property
     def aggregate(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def busy(self) -> float:
+        """Output tokens a second while every client was busy: the server's steady state, without the drain at the
+        end, where fewer requests than clients are left and a batch thins out."""
+        return self.busy_tokens / self.busy_seconds if self.busy_seconds else 0.0
 
     def merged(self, other: Cell) -> Cell:
         """Two runs of the same cell as one: their tokens over their seconds."""
@@ -70,14 +82,26 @@ class Cell:
             self.decode_rates + other.decode_rates,
             self.drafted + other.drafted,
             self.accepted + other.accepted,
+            self.busy_tokens + other.busy_tokens,
+            self.busy_seconds + other.busy_seconds,
         )
+
+
+def tokens_before(streams: list, end: float) -> float:
+    """The output tokens streamed by ``end``: each request's tokens in the share of its chunks that arrived by then
+    (a chunk may carry several tokens, and only the usage at the end says how many in all)."""
+    total = 0.0
+    for times, tokens in streams:
+        if times:
+            total += tokens * sum(t <= end for t in times) / len(times)
+    return total
 
 
 def one_request(client, prompt: str, max_tokens: int, extra: dict, cell: Cell, lock: threading.Lock) -> None:
     t0 = time.perf_counter()
     first = last = None
     usage = None
-    chunks = 0
+    times = []
     stream = client.chat.completions.create(
         model="bench",
         messages=[{"role": "user", "content": prompt}],
@@ -92,10 +116,10 @@ def one_request(client, prompt: str, max_tokens: int, extra: dict, cell: Cell, l
             now = time.perf_counter()
             first = first or now
             last = now
-            chunks += 1
+            times.append(now)
         if chunk.usage is not None:
             usage = chunk.usage
-    tokens = usage.completion_tokens if usage is not None else chunks  # a server without usage: a chunk a token
+    tokens = usage.completion_tokens if usage is not None else len(times)  # a server without usage: a chunk a token
     spec = (usage.model_extra or {}).get("speculation") or {} if usage is not None else {}
     with lock:
         cell.requests += 1
@@ -106,6 +130,7 @@ def one_request(client, prompt: str, max_tokens: int, extra: dict, cell: Cell, l
                 cell.decode_rates.append((tokens - 1) / (last - first))
         cell.drafted += spec.get("drafted_tokens") or 0
         cell.accepted += spec.get("accepted_tokens") or 0
+        cell.streams.append((times, tokens))
 
 
 def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int, extra: dict) -> Cell:
@@ -113,6 +138,7 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
 
     cell, lock = Cell(), threading.Lock()
     counter = iter(range(requests))
+    done = []  # when each client found no request left
 
     def client_loop(c: int) -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -120,6 +146,7 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
         # prompt i whichever client takes it, so every mode runs the same requests (greedy: the same tokens)
         for i in counter:
             one_request(client, prompts[i % len(prompts)], max_tokens, extra, cell, lock)
+        done.append(time.perf_counter())
 
     threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(concurrency)]
     t0 = time.perf_counter()
@@ -128,6 +155,9 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
     for t in threads:
         t.join()
     cell.seconds = time.perf_counter() - t0
+    end = min(done)
+    cell.busy_tokens, cell.busy_seconds = tokens_before(cell.streams, end), end - t0
+    cell.streams = []
     return cell
 
 
@@ -614,10 +644,10 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
     servers = list(dict.fromkeys(name for name, _, w, _ in results if w == workload))
     print(
         "| server | clients | mode | requests | aggregate tok/s | per-request tok/s (median) | TTFT median s | "
-        "TTFT p95 s | acceptance | vs its plain (same clients) | each run vs its plain | vs depctl plain (same "
-        "clients) |"
+        "TTFT p95 s | acceptance | vs its plain (same clients) | each run vs its plain | every client busy: tok/s | "
+        "every client busy: vs its plain | vs depctl plain (same clients) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     mismatched = []  # greedy speculation is exact: the same requests must give the same tokens
     for c in levels:
         for name in servers:
@@ -638,7 +668,8 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
                 print(
                     f"| {name} | {c} | {mode} | {cell.requests} | {cell.aggregate:.1f} | "
                     f"{median(cell.decode_rates):.1f} | {median(cell.ttft):.2f} | {p95(cell.ttft):.2f} | {acc} | "
-                    f"{_ratio(cell, own)} | {each} | {_ratio(cell, base)} |"
+                    f"{_ratio(cell, own)} | {each} | {cell.busy:.1f} | {_ratio(cell, own, 'busy')} | "
+                    f"{_ratio(cell, base)} |"
                 )
     for line in mismatched:
         print(f"\n**Output differs from plain decoding**: {line}")
@@ -658,8 +689,8 @@ def spec_mode(args) -> str:
     return "draft" if args.draft_model else "n-gram"
 
 
-def _ratio(cell: Cell, base: Cell | None) -> str:
-    return f"{cell.aggregate / base.aggregate:.2f}x" if base is not None and base.aggregate else "-"
+def _ratio(cell: Cell, base: Cell | None, rate: str = "aggregate") -> str:
+    return f"{getattr(cell, rate) / getattr(base, rate):.2f}x" if base is not None and getattr(base, rate) else "-"
 
 
 if __name__ == "__main__":
