@@ -155,7 +155,7 @@ def run_cell(url: str, prompts: list[str], concurrency: int, requests: int, max_
     for t in threads:
         t.join()
     cell.seconds = time.perf_counter() - t0
-    end = min(done)
+    end = min(done, default=t0 + cell.seconds)  # (a client whose request failed ends its thread without a time)
     cell.busy_tokens, cell.busy_seconds = tokens_before(cell.streams, end), end - t0
     cell.streams = []
     return cell
