@@ -73,9 +73,21 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     by default) of ``tokens``, one per row of ``logits`` ([len(tokens), vocab])."""
     logprobs = logits.float().log_softmax(-1)  # [n, vocab]
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
-    if top:
-        values, ids = logprobs.topk(top, dim=-1)
-        alternatives = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        alternatives = [()] * len(tokens)
+    alternatives = _top_first_among_equals(logprobs, top) if top else [()] * len(tokens)
     return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, alternatives)]
+
+
+def _top_first_among_equals(logprobs: torch.Tensor, top: int) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's ``top`` most likely (id, log-probability), equals in id order as greedy breaks ties (topk orders
+    equals arbitrarily, so a greedy token tied in bf16 could be listed second)."""
+    top = min(top, logprobs.shape[-1])
+    values, ids = logprobs.topk(top, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
+    rows = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    # a tie across the cut: which of the equals made the set was topk's choice too
+    for r in ((logprobs >= values[:, -1:]).sum(-1) > top).nonzero().flatten().tolist():
+        order = logprobs[r].sort(descending=True, stable=True)
+        rows[r] = tuple(zip(order.indices[:top].tolist(), order.values[:top].tolist()))
+    return rows
