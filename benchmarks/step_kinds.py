@@ -1,5 +1,5 @@
 """Where one client's time goes in a learning deployment, step by step: plain steps, the index's copies and the head's
-drafts, each with its pass, its drafting and its tokens, beside a plain deployment on the same prompts. Two tables.
+drafts, each with its pass, its drafting and its tokens, beside a plain deployment on the same prompts. Three tables.
 
     .venv/bin/python benchmarks/step_kinds.py --home DIR
     .venv/bin/python benchmarks/step_kinds.py --home DIR --workload chat --repeat 2
@@ -10,7 +10,9 @@ them (n-gram n=3 beside the head, K as the CLI gives it, compiled passes where t
 workload one request at a time, greedy, the modes alternating prompt by prompt. Each step of one row is timed apart:
 its drafting (the index's lookup, the head's catch-up and forwards, the policy), the target's pass, and the rest
 (accepting, bookkeeping); the second table splits the head's steps by how many drafts the confidence cut left to
-verify. The output is checked against plain decoding. Run on a quiet machine.
+verify; the third says why the policy drafted nothing in the learning deployment's plain steps (nothing to draft,
+every draft cut as too unsure, no width expected to pay, or the guard). The output is checked against plain decoding.
+Run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -94,6 +96,19 @@ def main() -> None:
     whole = sum(s["seconds"] for group in head.values() for s in group)
     for drafts in sorted(head):
         print(f"| {drafts} | " + _row(head[drafts], whole))
+    print("\nthe learning deployment's plain steps: why the policy drafted nothing\n")
+    print("| row's proposer | why | steps | share of its plain steps | the row's acceptance estimate | realism |")
+    print("|---|---|---:|---:|---:|---:|")
+    plain_steps = [s for s in steps["learning"] if s["kind"] == "plain"]
+    why = collections.defaultdict(list)
+    for s in plain_steps:
+        why[s["source"], s["why"]].append(s)
+    for (source, reason), kept in sorted(why.items(), key=lambda item: -len(item[1])):
+        rates = [s["rate"] for s in kept if s["rate"] is not None]
+        realism = [s["realism"] for s in kept if s["realism"] is not None]
+        rate = f"{statistics.mean(rates):.2f} ({min(rates):.2f}-{max(rates):.2f})" if rates else "-"
+        real = f"{statistics.mean(realism):.2f}" if realism else "-"
+        print(f"| {source} | {reason} | {len(kept)} | {len(kept) / len(plain_steps):.2f} | {rate} | {real} |")
     learning.release()
     plain.release()
 
@@ -141,12 +156,61 @@ def _time_steps(engine, into: list[dict]) -> None:
                     "pass": step["pass_seconds"],
                     "rest": after - step["pass_seconds"],
                     "seconds": step["seconds"],
+                    "source": step.get("source"),
+                    "why": step.get("why"),
+                    "rate": step.get("rate"),
+                    "realism": step.get("realism"),
                 }
             )
         step.clear()
         record(drafting, after)
 
     policy.verify_cost.observe, policy.observe_step_time, engine.stats.record_step = on_pass, on_step, on_record
+    _explain_widths(policy, step)
+
+
+def _explain_widths(policy, step: dict) -> None:
+    """Record in ``step`` why a one-row step's policy drafted nothing, from what ``width`` saw: the row's proposer,
+    its acceptance estimate and realism, what ``_best`` chose and what the guard allowed."""
+    from depctl_runtime.speculation.policy import FREE, MODEL
+
+    width, best, allows = policy.width, policy._best, policy.guard.allows
+    verdicts = {}
+
+    def on_best(rows, trees):
+        chosen = best(rows, trees)
+        verdicts["best"] = chosen[0]
+        return chosen
+
+    def on_allows(batch, kind):
+        verdicts["allowed"] = allowed = allows(batch, kind)
+        verdicts["off"] = policy.guard.is_off(batch, kind)
+        return allowed
+
+    def on_width(rows, trees=False):
+        verdicts.clear()
+        chosen = width(rows, trees)
+        if len(rows) != 1:
+            return chosen
+        row = rows[0]
+        kind = MODEL if row.model else FREE
+        step.update(source="head" if row.model else "index", realism=policy.realism(kind, 1))
+        step["rate"] = min(max(row.acceptance.rate, 0.0), 0.999) if row.available else None
+        if not row.available:
+            step["why"] = "nothing to draft"
+        elif chosen[0]:
+            step["why"] = "every draft cut as too unsure"  # kept only if the step ends plain
+        elif not verdicts.get("best"):
+            step["why"] = "no width expected to pay"
+        elif verdicts.get("off"):
+            step["why"] = "the guard: measured a loss here"
+        elif verdicts.get("allowed") is False:
+            step["why"] = "the guard's plain step"
+        else:
+            step["why"] = "other"
+        return chosen
+
+    policy.width, policy._best, policy.guard.allows = on_width, on_best, on_allows
 
 
 if __name__ == "__main__":
