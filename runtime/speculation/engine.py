@@ -730,6 +730,8 @@ class SpeculativeEngine:
                 self.stats.record_model(k, n)
         elif guess.tokens:  # a free guess not drafted this step still tells whether it would have been right
             guess.acceptance.observe(int(guess.tokens[0] == token), 1)
+        elif guess.source == DraftSource.MODEL and guess.available:  # nothing to check: the rate ages instead
+            guess.acceptance.unchecked()
         pd = k if guess.source == DraftSource.PREDICTION else 0
         pa = 0
         if seq.prediction is not None:  # not asked this step (speculation off): it follows the output passively

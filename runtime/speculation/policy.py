@@ -132,6 +132,7 @@ class RequestAcceptance:
     def __init__(self, rate: float, weight: float):
         # [accepted, trials] after a full accept, and after a rejection (or at the start)
         self._counts = [[rate * weight, weight], [rate * weight, weight]]
+        self._prior = (rate * weight, weight)
         self._state = 1
 
     @property
@@ -155,6 +156,15 @@ class RequestAcceptance:
         counts[0] = counts[0] * REQUEST_DECAY + accepted
         counts[1] = counts[1] * REQUEST_DECAY + trials
         self._state = 0 if accepted == trials else 1
+
+    def unchecked(self) -> None:
+        """A step the row's proposer could have drafted for and did not, with no guess to check against the target's
+        token (a draft model's or head's row): what the request's steps said ages as the text moves on, towards the
+        rate it started from. Without it a run of misses left a head's row under what drafting needs for good (it
+        drafts nothing, so nothing corrects its rate), while its next drafts were accepted as often as anywhere."""
+        for counts in self._counts:
+            for i, prior in enumerate(self._prior):
+                counts[i] = counts[i] * REQUEST_DECAY + prior * (1 - REQUEST_DECAY)
 
 
 class CostModel:

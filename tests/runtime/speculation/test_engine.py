@@ -237,6 +237,27 @@ def test_a_draft_model_catching_up_after_plain_steps_is_not_priced_as_its_drafti
     assert seen and set(seen) <= set(range(7, 12))
 
 
+def test_a_draft_models_row_that_does_not_draft_returns_towards_the_rate_it_started_from(target, draft):
+    """A draft model's row has no free guess to check while it does not draft: its rate ages towards where the
+    request started, or the misses before would hold it under what drafting needs for the rest of the request."""
+    engine = make(target, DraftModelProposer(ModelRunner(draft)), 3)
+    widths, rates = iter([3] * 4 + [0] * 8), []
+
+    def width(rows, **_):
+        rates.append(rows[0].acceptance.rate)
+        return next(widths), {"model": 1.0}
+
+    engine.policy.width = width
+    gen = generate(engine, PROMPTS[1], GenerationParams(max_tokens=40, ignore_eos=True))
+    next(gen)  # the prefill
+    for _ in range(12):
+        next(gen)
+    gen.close()
+    assert rates[4] < rates[0]  # an unrelated draft: its drafts missed
+    assert all(a < b for a, b in zip(rates[4:], rates[5:]))
+    assert rates[-1] <= rates[0]
+
+
 def test_a_drafts_first_position_and_the_forwards_after_it_are_priced_apart(target, draft):
     """A step's first drafted position costs the draft's catch-up and the drafting around it; each later one costs a
     forward. Each is measured as what it is: a forward made slow here is priced slow, and the start is not."""

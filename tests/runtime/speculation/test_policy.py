@@ -38,6 +38,43 @@ def test_acceptance_is_kept_per_state():
     assert 0.3 < acc.overall < 0.95  # both states, weighted by their (decayed) trials
 
 
+def test_a_rate_not_checked_for_a_while_returns_towards_where_the_request_started():
+    # a draft model's (or head's) row has no free guess to check while it does not draft: a run of misses once left
+    # its rate under what drafting needs for the rest of the request, while its next drafts were accepted as often as
+    # anywhere else (a learned head: 37% after a rejection, its rate read 14%)
+    acc = RequestAcceptance(0.4, 3.0)
+    for _ in range(6):
+        acc.observe(0, 1)
+    low = acc.rate
+    assert low < 0.2
+    acc.unchecked()
+    assert low < acc.rate < 0.4  # one step: part of the way
+    for _ in range(30):
+        acc.unchecked()
+    assert acc.rate == pytest.approx(0.4, abs=0.01)
+    acc.observe(0, 1)  # a miss counts again at once
+    assert acc.rate < 0.4
+
+
+def test_a_draft_heads_row_that_stopped_drafting_after_misses_drafts_again_before_any_probe():
+    policy = DraftLengthPolicy(max_k=4)
+    _cpu_like(policy)
+    policy.draft_cost.observe(1, 0.004)
+    policy.probe_debt = 1.0  # no probe: only the row's own rate may bring it back
+    acc = policy.new_request(prior=0.4)
+    row = [RowPlan(acc, 4, True)]
+    assert policy.width(row)[0] > 0
+    for _ in range(6):
+        acc.observe(0, 1)
+    assert policy.width(row)[0] == 0
+    steps = 0
+    while policy.width(row)[0] == 0:
+        acc.unchecked()  # what the engine does for a row that could have drafted and did not
+        steps += 1
+        assert steps < 20
+    assert steps > 1  # the misses still count for a while
+
+
 def _rows(policy, rates_and_available, model=False):
     rows = []
     for rate, available in rates_and_available:
