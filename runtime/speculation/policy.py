@@ -70,8 +70,9 @@ REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts 
 # tosses (one draft accepted or not), and ten of them read as a loss by chance every few dozen steps
 REGIME_SAMPLES = 64
 REGIME_SURE = 2.0  # standard errors by which a kind's rate must fall under the margin to turn it off
-# a rate decayed by REGIME_DECAY a step: its standard error over one step's standard deviation
-_DECAYED_ERROR = math.sqrt((1 - REGIME_DECAY) / (1 + REGIME_DECAY))
+# drafting steps of a kind in a band (since it started there, or its proposer changed) before it may be turned off:
+# one row's head steps are coin tosses, and a few misses in a row read as a loss with no spread at all
+REGIME_VERDICT = 8
 REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
 MAX_BRANCHES = 4  # the widest draft tree's first position: the draft's best four tokens
 MAX_TREE_TOKENS = 64  # a row's tokens in a pass over a tree, at most: what a cache row holds past its length
@@ -292,6 +293,14 @@ def band(batch: int) -> int:
 FREE, MODEL = "free", "model"  # a drafting step's kind: free guesses only, or the draft model's forwards too
 
 
+def _decayed_error(steps: int) -> float:
+    """The standard error of a rate decayed by ``REGIME_DECAY`` a step over its last ``steps`` steps, over one step's
+    standard deviation: sqrt(sum w^2) / sum w for weights 1, d, d^2, ... (over a few steps, far more than the long run's
+    sqrt((1 - d) / (1 + d)))."""
+    d = REGIME_DECAY
+    return math.sqrt((1 - d ** (2 * steps)) / (1 - d * d)) * (1 - d) / (1 - d**steps)
+
+
 def _deviation(values) -> float:
     """The population standard deviation in floats (``statistics.pstdev`` works in exact fractions: slow per step)."""
     mean = sum(values) / len(values)
@@ -315,7 +324,8 @@ class RegimeGuard:
     only (n-gram, suffix, a prediction, a grammar), so a head whose guesses lose is turned off where it loses while
     the copies an n-gram index finds go on (judged together, the copies' gain hid the head's loss). Where a kind of
     drafting step measured under ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (from
-    the spread of its recent steps: a loss, not a run of bad luck), that kind stops drafting in that band and
+    the spread of its recent steps, and over ``REGIME_VERDICT`` steps at least: a loss, not a run of bad luck), that
+    kind stops drafting in that band and
     probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
     loses while its probes together clearly lose (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31
     rows several plain steps' worth). The kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their
@@ -381,7 +391,10 @@ class RegimeGuard:
         drafting = self.rate(batch, kind)
         if plain is None or drafting is None or drafting >= LOSS_MARGIN * plain:
             return  # (the spread is computed only where the rate alone reads as a loss: this runs every step)
-        if drafting + REGIME_SURE * _DECAYED_ERROR * self._spread(key) < LOSS_MARGIN * plain:
+        steps = self._rates[key][2]
+        if steps >= REGIME_VERDICT and drafting + REGIME_SURE * _decayed_error(steps) * self._spread(key) < (
+            LOSS_MARGIN * plain
+        ):
             self.off[key] = 0
             self._probes[key] = _Probes()
 

@@ -359,6 +359,24 @@ def test_drafting_that_measured_a_loss_at_a_batch_size_turns_off_there_and_probe
     assert not policy.guard.is_off(8, "free") and sum(1 for w in widths[-100:] if w) > 90
 
 
+def test_a_new_heads_first_misses_in_a_row_do_not_turn_it_off():
+    # one row's head steps are coin tosses (one draft, accepted about 40% of the time): three misses in a row read as
+    # a loss with no spread at all, and every new generation of a learning head started with a one-in-five chance of
+    # being turned off for dozens of steps although its steps gained on average
+    guard = RegimeGuard()
+    for _ in range(20):
+        guard.observe(1, None, 1, 1 / 80)  # plain steps: 80 tokens a second
+    for _ in range(6):
+        guard.observe(1, "model", 1, 1 / 72)  # misses: a plain step's token, a little dearer
+    assert not guard.is_off(1, "model")
+    for tokens in [2, 1, 2, 1, 1, 2] * 10:  # they gain on average: 96 tokens a second
+        guard.observe(1, "model", tokens, tokens / 144 if tokens == 2 else 1 / 72)
+    assert not guard.is_off(1, "model")
+    for _ in range(20):  # a head that loses, step after step, is still turned off
+        guard.observe(1, "model", 1, 1 / 50)
+    assert guard.is_off(1, "model")
+
+
 def test_a_band_that_keeps_losing_is_probed_less_and_less_often():
     # a probe drafts the whole batch at the width the cost model picks: at 31 rows on 4-bit weights a pass several
     # times a plain step's, so probing every 64 steps for good cost a band that stays off several percent
