@@ -325,8 +325,7 @@ class RegimeGuard:
     the copies an n-gram index finds go on (judged together, the copies' gain hid the head's loss). Where a kind of
     drafting step measured under ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (from
     the spread of its recent steps, and over ``REGIME_VERDICT`` steps at least: a loss, not a run of bad luck), that
-    kind stops drafting in that band and
-    probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
+    kind stops drafting in that band and probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
     loses while its probes together clearly lose (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31
     rows several plain steps' worth). The kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their
     own, or once its probes together gain by more than their standard error: one lucky step must not undo a measured
