@@ -11,7 +11,9 @@ workload one request at a time, greedy, the modes alternating prompt by prompt. 
 its drafting (the index's lookup, the head's catch-up and forwards, the policy), the target's pass, and the rest
 (accepting, bookkeeping); the second table splits the head's steps by how many drafts the confidence cut left to
 verify; the third says why the policy drafted nothing in the learning deployment's plain steps (nothing to draft,
-every draft cut as too unsure, no width expected to pay, or the guard). The output is checked against plain decoding.
+every draft cut as too unsure, no width expected to pay, or the guard), then how often the head's first draft was
+accepted after a head step that was wholly accepted and after one with a rejection. The output is checked against
+plain decoding.
 Run on a quiet machine.
 """
 
@@ -53,11 +55,14 @@ def main() -> None:
         _time_steps(loaded.engine, steps[name])
     params = GenerationParams(max_tokens=args.max_tokens)
     totals, exact = collections.Counter(), True
+    starts = set()  # where each request's steps begin in the learning deployment's
     for r in range(args.repeat):
         for prompt in held:
             got = {}
             for name in ("plain", "learning") if r % 2 == 0 else ("learning", "plain"):
                 engine = (plain if name == "plain" else learning).engine
+                if name == "learning":
+                    starts.add(len(steps["learning"]))
                 t0 = time.perf_counter()
                 got[name] = [t for out in generate(engine, prompt, params) for t in out.token_ids]
                 totals[name, "seconds"] += time.perf_counter() - t0
@@ -109,8 +114,34 @@ def main() -> None:
         rate = f"{statistics.mean(rates):.2f} ({min(rates):.2f}-{max(rates):.2f})" if rates else "-"
         real = f"{statistics.mean(realism):.2f}" if realism else "-"
         print(f"| {source} | {reason} | {len(kept)} | {len(kept) / len(plain_steps):.2f} | {rate} | {real} |")
+    print("\n" + _first_drafts(steps["learning"], starts))
     learning.release()
     plain.release()
+
+
+def _first_drafts(kept: list[dict], starts: set[int]) -> str:
+    """How often the head's first verified draft was accepted, after a head step of the same request whose drafts
+    were all accepted and after one with a rejection: what a request's acceptance estimate, kept apart by that
+    state, can learn from its own steps."""
+    counts, previous = collections.Counter(), None
+    for i, s in enumerate(kept):
+        if i in starts:
+            previous = None
+        if s["kind"] != "model" or s["pass_tokens"] < 2:
+            continue
+        accepted = s["tokens"] - 1
+        if previous is not None:
+            counts[previous] += 1
+            counts[previous, "first"] += accepted >= 1
+        previous = "full" if accepted == s["pass_tokens"] - 1 else "rejected"
+
+    def share(state: str) -> str:
+        return f"{counts[state, 'first'] / counts[state]:.0%} of {counts[state]}" if counts[state] else "-"
+
+    return (
+        f"the head's first verified draft accepted: {share('full')} steps after a head step whose drafts were all "
+        f"accepted, {share('rejected')} after one with a rejection"
+    )
 
 
 _KINDS = {"plain": "plain", "free": "the index's copies", "model": "the head's drafts"}
