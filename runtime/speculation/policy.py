@@ -317,25 +317,25 @@ class _Probes:
 
 
 class RegimeGuard:
-    """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the
-    tokens a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost
-    taken at another load, host work the cost model does not see, acceptance the rows over-estimate) shows here.
-    Drafting steps are judged by kind: steps that ran the draft model (or head) apart from steps of free guesses
-    only (n-gram, suffix, a prediction, a grammar), so a head whose guesses lose is turned off where it loses while
-    the copies an n-gram index finds go on (judged together, the copies' gain hid the head's loss). Where a kind of
-    drafting step measured under ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (from
-    the spread of its recent steps, and over ``REGIME_VERDICT`` steps at least: a loss, not a run of bad luck), that
-    kind stops drafting in that band and probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
-    loses while its probes together clearly lose (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31
-    rows several plain steps' worth). The kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their
-    own, or once its probes together gain by more than their standard error: one lucky step must not undo a measured
-    loss, and a kind whose steps gain on average although most single ones lose (a weak head's one draft, accepted a
-    third of the time) must not stay off. The policy's own probes of a kind turned off are judged the same way. Where
-    drafting runs, one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in
-    ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds
-    of step come at the same mix of sizes (plain ones are spread over time), so the comparison is fair although the
-    policy drafts only where it expects a gain. Judged size by size, each size needed plain steps of its own before
-    anything was compared, and a loss at a wandering size ran on for most of a load test's cell."""
+    """What drafting delivered in each band of batch sizes (``band``), against plain steps in the same band: the tokens
+    a second of whole steps (proposing, the pass, accepting), so a loss anything else misprices (a pass cost taken at
+    another load, host work the cost model does not see, acceptance the rows over-estimate) shows here. Drafting steps
+    are judged by kind: steps that ran the draft model (or head) apart from steps of free guesses only (n-gram, suffix,
+    a prediction, a grammar), so a head whose guesses lose is turned off where it loses while the copies an n-gram index
+    finds go on (judged together, the copies' gain hid the head's loss). Where a kind of drafting step measured under
+    ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (from the spread of its recent steps, and
+    over ``REGIME_VERDICT`` steps at least: a loss, not a run of bad luck), that kind stops drafting in that band and
+    probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
+    loses while its probes together clearly lose (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows
+    several plain steps' worth). The kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their own, or
+    once its probes together gain by more than their standard error: one lucky step must not undo a measured loss, and a
+    kind whose steps gain on average although most single ones lose (a weak head's one draft, accepted a third of the
+    time) must not stay off. The policy's own probes of a kind turned off are judged the same way. Where drafting runs,
+    one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in ``REGIME_WARMUP`` until it is).
+    Plain steps cost what they cost whatever the text, and within a band both kinds of step come at the same mix of
+    sizes (plain ones are spread over time), so the comparison is fair although the policy drafts only where it expects
+    a gain. Judged size by size, each size needed plain steps of its own before anything was compared, and a loss at a
+    wandering size ran on for most of a load test's cell."""
 
     def __init__(self):
         # (band, kind) -> [tokens, seconds, steps], decayed; kind None for plain steps
