@@ -13,8 +13,7 @@ its drafting (the index's lookup, the head's catch-up and forwards, the policy),
 verify; the third says why the policy drafted nothing in the learning deployment's plain steps (nothing to draft,
 every draft cut as too unsure, no width expected to pay, or the guard), then how often the head's first draft was
 accepted after a head step that was wholly accepted and after one with a rejection. The output is checked against
-plain decoding.
-Run on a quiet machine.
+plain decoding. Run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -203,7 +202,7 @@ def _time_steps(engine, into: list[dict]) -> None:
 def _explain_widths(policy, step: dict) -> None:
     """Record in ``step`` why a one-row step's policy drafted nothing, from what ``width`` saw: the row's proposer,
     its acceptance estimate and realism, what ``_best`` chose and what the guard allowed."""
-    from depctl_runtime.speculation.policy import FREE, MODEL
+    from depctl_runtime.speculation.policy import FREE, MODEL, _clamped
 
     width, best, allows = policy.width, policy._best, policy.guard.allows
     verdicts = {}
@@ -226,7 +225,7 @@ def _explain_widths(policy, step: dict) -> None:
         row = rows[0]
         kind = MODEL if row.model else FREE
         step.update(source="head" if row.model else "index", realism=policy.realism(kind, 1))
-        step["rate"] = min(max(row.acceptance.rate, 0.0), 0.999) if row.available else None
+        step["rate"] = _clamped(row) if row.available else None
         if not row.available:
             step["why"] = "nothing to draft"
         elif chosen[0]:
