@@ -67,12 +67,13 @@ def train(
         192, "--max-tokens", metavar="N", min=8, help="Longest answer generated per prompt."
     ),
     samples: int = typer.Option(
-        3,
+        8,
         "--samples",
         metavar="N",
         min=1,
-        max=16,
-        help="Answers per prompt: one greedy, the rest sampled (more to learn from).",
+        max=32,
+        help="Answers per prompt: one greedy, the rest sampled (more to learn from), as many as 40% of --minutes "
+        "allows.",
     ),
     device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]", help=DEVICE_HELP),
     quantization: Optional[str] = typer.Option(

@@ -173,9 +173,14 @@ class EagleHead(nn.Module):
 
     def draft_ids(self, target_tokens: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids, -1 where the draft vocabulary lacks the token."""
-        lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
-        lookup[self.target_ids] = torch.arange(self.d2t.numel(), device=self.d2t.device)
-        return lookup[target_tokens]
+        # the map is built once per vocabulary: a training step maps two or three sequences, and building it (a
+        # scatter over the target's whole vocabulary) cost more than the lookups
+        key = (self.d2t.data_ptr(), self.d2t._version)
+        if getattr(self, "_lookup_key", None) != key:
+            lookup = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+            lookup[self.target_ids] = torch.arange(self.d2t.numel(), device=self.d2t.device)
+            self._lookup, self._lookup_key = lookup, key
+        return self._lookup[target_tokens]
 
     # ---- the layer ----
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.state import load_rows, load_state, save_rows, save_state
+from depctl_runtime.training.traffic import Top
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
 SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
@@ -53,6 +54,8 @@ COMPILE_WORTH_MINUTES = 20  # a budget this long pays for building compiled pass
 # same minutes (BENCHMARKS.md, "Two chained steps into 4,096 tokens for")
 TRAIN_STEPS = 2
 DRAFT_VOCAB = 4096
+BATCH_ROWS = 512  # positions whose gradients make one optimizer step
+EVALUATE_EVERY = 60.0  # seconds of training between held-out measurements
 
 
 @dataclass
@@ -65,7 +68,9 @@ class TrainOptions:
     steps: int = 4  # the K the head is for: held-out acceptance is measured at it, and the head's config says it
     train_steps: int = TRAIN_STEPS  # chained draft steps trained (at most ``steps``)
     max_tokens: int = 192
-    samples: int = 3  # answers per prompt: one greedy, the rest sampled
+    # answers per prompt: one greedy, the rest sampled; the answers' share of the budget cuts them where the target is
+    # slow. Three answers of the shipped prompts are learned in 15 minutes and the rest overfits them
+    samples: int = 8
     batch: int = 16
     lr: float = 5e-4
     device: str = "auto"
@@ -75,6 +80,28 @@ class TrainOptions:
     compile: bool | None = None
     heldout: float = 0.1
     seed: int = 0
+    train_dtype: str = "auto"  # the products of a training step: "auto" is bf16 where the hardware multiplies it
+
+
+def training_precision(device: torch.device, requested: str = "auto"):
+    """The context a training step's forward runs in: bf16 products (autocast) where the hardware multiplies bf16
+    (AVX-512 BF16 or AMX, a GPU with bf16) or where asked, else float32. The weights, AdamW's moments and the loss
+    stay float32; on a CPU with AMX a step takes about two thirds of its float32 time."""
+    if requested == "auto":
+        from depctl_runtime.backends.precision import cpu_has_bf16
+
+        bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
+    else:
+        bf16 = requested == "bfloat16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def adamw(params: list, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW without weight decay, as one fused kernel over every parameter where PyTorch has one for the device."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, ValueError):  # a device without a fused AdamW
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 def emit(event: str, **fields) -> None:
@@ -114,8 +141,12 @@ def train(opts: TrainOptions) -> dict:
     started = time.monotonic()
     budget = opts.minutes * 60
     config = EagleConfig.for_target(AutoConfig.from_pretrained(source), opts.draft_vocab)
+    rng = random.Random(opts.seed)
+    prompts = list(range(len(conversations)))
+    rng.shuffle(prompts)
+    held = set(prompts[: max(1, int(len(prompts) * opts.heldout))])  # by prompt: no held-out prompt is trained on
     examples = _answers(
-        opts, tokenizer, conversations, config.aux_layers, state_dir, started, budget * GENERATION_SHARE
+        opts, tokenizer, conversations, config.aux_layers, state_dir, started, budget * GENERATION_SHARE, held
     )
     if len(examples) < MIN_EXAMPLES:
         raise DataError(f"only {len(examples)} answers were generated in the time given; raise --minutes")
@@ -130,10 +161,6 @@ def train(opts: TrainOptions) -> dict:
     final_norm = model.model.norm.weight.detach().float()
     del model
 
-    rng = random.Random(opts.seed)
-    prompts = sorted({e["index"] for e in examples})
-    rng.shuffle(prompts)
-    held = set(prompts[: max(1, int(len(prompts) * opts.heldout))])  # by prompt: no held-out prompt is trained on
     heldout = [e for e in examples if e["index"] in held and e["sample"] == 0]  # greedy answers: what K drafts face
     training = [e for e in examples if e["index"] not in held]
     rng.shuffle(training)
@@ -147,7 +174,7 @@ def train(opts: TrainOptions) -> dict:
         head.norm.weight.copy_(final_norm.to(device))
     del output_layer
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-    optimizer = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    optimizer = adamw(params, opts.lr, device)
     trained, history, seen = 0.0, [], 0
     total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too
     saved = load_state(state_dir, device)
@@ -185,6 +212,9 @@ def train(opts: TrainOptions) -> dict:
     warmup = min(30.0, total * 0.05)
     last_eval, running_loss, stopped = time.monotonic(), None, False
     last_said = 0.0
+    steps = min(opts.train_steps, opts.steps)
+    precision = training_precision(device, opts.train_dtype)
+    summed, rows = 0.0, 0  # the loss and positions whose gradients wait for the next optimizer step
     emit("stage", name="training the head (held-out acceptance measured each minute)")
     try:
         head.train()
@@ -192,25 +222,29 @@ def train(opts: TrainOptions) -> dict:
         while trained < total:
             example = training[seen % len(training)]
             seen += 1
-            progress = trained / total
-            ramp = min(1.0, trained / warmup) if warmup else 1.0
-            for group in optimizer.param_groups:
-                group["lr"] = opts.lr * max(ramp, 0.01) * 0.5 * (1 + math.cos(math.pi * progress))
-            loss = _loss(head, example, min(opts.train_steps, opts.steps))
-            if loss is not None:
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+            with precision:
+                loss, counted = _loss(head, example, steps)
+            if counted:
+                (loss / BATCH_ROWS).backward()
+                summed, rows = summed + float(loss.detach()), rows + counted
+            if rows >= BATCH_ROWS:  # one step a batch of positions: a step per answer spent a fifth of it in AdamW
+                progress = trained / total
+                ramp = min(1.0, trained / warmup) if warmup else 1.0
+                for group in optimizer.param_groups:
+                    group["lr"] = opts.lr * max(ramp, 0.01) * 0.5 * (1 + math.cos(math.pi * progress))
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
-                value = float(loss.detach())
-                running_loss = value if running_loss is None else 0.95 * running_loss + 0.05 * value
+                optimizer.zero_grad(set_to_none=True)
+                value = summed / rows
+                running_loss = value if running_loss is None else 0.9 * running_loss + 0.1 * value
+                summed, rows = 0.0, 0
             now = time.monotonic()
             trained += now - clock
             clock = now
             if now - last_said > 5:  # between the minute's measurements: how far, and the loss
                 emit("progress", minutes=round(trained / 60, 2), total_minutes=round(total / 60, 2), loss=running_loss)
                 last_said = now
-            if now - last_eval > 60 or trained >= total:
+            if now - last_eval > EVALUATE_EVERY or trained >= total:
                 history.append(
                     {
                         **_evaluate(head, heldout, opts.steps, trained, running_loss),
@@ -241,7 +275,9 @@ def train(opts: TrainOptions) -> dict:
 # ---- answers -----------------------------------------------------------------------------------------------------
 
 
-def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: float, limit: float) -> list[dict]:
+def _answers(
+    opts, tokenizer, conversations, layers, state_dir: Path, started: float, limit: float, held: set[int]
+) -> list[dict]:
     """The target's answers with its layer features, generated once and cached: for every conversation its greedy
     answer, then ``opts.samples - 1`` answers sampled at ``SAMPLE_TEMPERATURE`` (other paths through the same prompts:
     more of the target's states to learn from). Greedy answers go first, so a short budget cuts samples, not prompts.
@@ -255,7 +291,14 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
                 done[(row["index"], row["sample"])] = row
         except Exception:  # noqa: BLE001 - a shard cut short by an interrupt: its answers are generated again
             shard.unlink(missing_ok=True)
-    todo = [(i, s) for s in range(opts.samples) for i in range(len(conversations)) if (i, s) not in done]
+    # a held-out prompt's greedy answer is all acceptance is measured on: its samples would never be read
+    todo = [
+        (i, s)
+        for s in range(opts.samples)
+        for i in range(len(conversations))
+        if (i, s) not in done and not (s and i in held)
+    ]
+    wanted = len(done) + len(todo)
     if todo and (time.monotonic() - started < limit or len(done) < MIN_EXAMPLES):
         from depctl.spec import DeploymentSpec, NoSpeculation
         from depctl_runtime.backends.loader import load_deployment
@@ -345,7 +388,7 @@ def _answers(opts, tokenizer, conversations, layers, state_dir: Path, started: f
                     fresh.append(done[(i, s)])
                     if len(fresh) >= 32:
                         flush()
-                    emit("answers", done=len(done), total=len(conversations) * opts.samples, tokens=tokens)
+                    emit("answers", done=len(done), total=wanted, tokens=tokens)
         finally:
             flush()
             loaded.release()
@@ -421,34 +464,65 @@ def _first(example: dict) -> int:
     return max(0, example["start"] - 2)
 
 
-def _loss(head: EagleHead, example: dict, steps: int) -> torch.Tensor | None:
-    """Cross-entropy of each draft step against the target's own distribution at that position (its ``TOP_K``
-    tokens within the draft vocabulary, renormalised) over the answer, step j weighted ``STEP_WEIGHT ** j``: the
-    distribution each token was drawn from teaches more than the one token drawn."""
+def window_loss(
+    head: EagleHead,
+    tokens,
+    features,
+    first: int,
+    steps: int,
+    labelled_from: int,
+    context=None,
+    keys_out=None,
+    top: Top | None = None,
+):
+    """The summed cross-entropy of the chained draft steps for the indices from ``first`` over ``tokens`` [T]
+    (a window's end: the rows past it are the next window's), step j weighted ``STEP_WEIGHT ** j``; and the
+    positions step 0 counted. Index i's step j is labelled with the token the target chose (``tokens[i + 2 + j]``,
+    counted where it is at or past ``labelled_from`` and in the draft vocabulary), or, at a position ``top`` holds,
+    with the target's distribution there (its top tokens within the draft vocabulary, renormalised; not counted where
+    they carry under ``SOFT_MASS`` of it: the target's likely tokens are not drafted at all). context, keys_out: as
+    ``ttt_logits`` takes them."""
+    logits = head.ttt_logits(tokens, features, steps, first=first, context=context, keys_out=keys_out)
+    ids = head.draft_ids(tokens)
+    soft = None
+    if top is not None:  # the distributions' tokens as draft ids (-1 outside), their probabilities and mass
+        top_ids = head.draft_ids(top.ids.to(ids.device).long())
+        top_p = top.logp.to(ids.device).float().exp() * (top_ids >= 0)
+        soft = (top_ids, top_p, top_p.sum(-1))
+    total, counted = None, 0
+    for j, step_logits in enumerate(logits):
+        rows = step_logits.shape[0]
+        target = ids[first + 2 + j : first + 2 + j + rows]
+        where = torch.arange(first + 2 + j, first + 2 + j + rows, device=target.device)
+        keep = (target >= 0) & (where >= labelled_from)
+        logq = torch.log_softmax(step_logits.float(), dim=-1)
+        loss = -logq.gather(-1, target.clamp(min=0)[:, None])[:, 0]
+        if soft is not None:
+            at = where - 1 - top.first  # the position whose distribution labels the row
+            has = (at >= 0) & (at < soft[0].shape[0])
+            if has.any():
+                at = at.clamp(0, soft[0].shape[0] - 1)
+                p, mass = soft[1][at], soft[2][at]
+                spread = -(p / mass.clamp(min=1e-9)[:, None] * logq.gather(-1, soft[0][at].clamp(min=0))).sum(-1)
+                loss = torch.where(has, spread, loss)
+                keep = torch.where(has, (mass > SOFT_MASS) & (where >= labelled_from), keep)
+        if not keep.any():
+            continue
+        ce = loss[keep].sum() * STEP_WEIGHT**j
+        total = ce if total is None else total + ce
+        if j == 0:
+            counted = int(keep.sum())
+    return total, counted
+
+
+def _loss(head: EagleHead, example: dict, steps: int) -> tuple[torch.Tensor | None, int]:
+    """``window_loss`` over one answer (its answer positions, labelled by the target's distribution kept there)."""
     device = head.d2t.device
     first = _first(example)
-    tokens = example["tokens"].to(device)
-    logits = head.ttt_logits(tokens, example["features"].to(device).float(), steps, first=first)
-    top_ids = head.draft_ids(example["top_ids"].to(device).long())  # [answer + 1, K], -1 outside the draft vocabulary
-    top_p = example["top_logp"].to(device).float().exp() * (top_ids >= 0)
-    base = example["start"] - 1  # the position of top_ids' first row
-    total, weight = None, 0.0
-    for j, step_logits in enumerate(logits):
-        # row r (index i = first + r) predicts the token after position i + 1 + j: top row i + 1 + j - base
-        at = first + 1 + j - base
-        rows = min(step_logits.shape[0], top_ids.shape[0] - at)
-        if rows <= 0:
-            break
-        ids, p = top_ids[at : at + rows], top_p[at : at + rows]
-        mass = p.sum(-1, keepdim=True)
-        counted = mass[:, 0] > SOFT_MASS  # the target's likely tokens are drafted at all
-        if not counted.any():
-            continue
-        logq = torch.log_softmax(step_logits[:rows][counted], dim=-1).gather(-1, ids[counted].clamp(min=0))
-        ce = -((p[counted] / mass[counted]) * logq).sum(-1).mean()
-        total = ce * STEP_WEIGHT**j if total is None else total + ce * STEP_WEIGHT**j
-        weight += STEP_WEIGHT**j
-    return None if total is None else total / weight
+    top = Top(example["top_ids"], example["top_logp"], example["start"] - 1)  # from the prompt's last position
+    tokens = example["tokens"].to(device).long()
+    features = example["features"].to(device).float()
+    return window_loss(head, tokens, features, first, steps, example["start"], top=top)
 
 
 @torch.inference_mode()
@@ -525,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", dest="compile", action="store_true", default=None)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = parser.parse_args(argv)
     opts = TrainOptions(**vars(args))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the log is a file: the stages say how far it is

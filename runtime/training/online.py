@@ -42,11 +42,19 @@ from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.answers import IdleAnswers
-from depctl_runtime.training.eagle import SOFT_MASS, STEP_WEIGHT, TRAIN_STEPS, TokenCounts, acceptance, reach
+from depctl_runtime.training.eagle import (
+    BATCH_ROWS,
+    TRAIN_STEPS,
+    TokenCounts,
+    acceptance,
+    adamw,
+    reach,
+    training_precision,
+    window_loss,
+)
 from depctl_runtime.training.state import load_state, save_state
 from depctl_runtime.training.traffic import (
     Answer,
-    Top,
     TrafficRecorder,
     TrafficStore,
     private_dir,
@@ -57,7 +65,6 @@ from depctl_runtime.training.traffic import (
 log = logging.getLogger("depctl.learning")
 
 SLICE = 0.25  # seconds of training between looks at the inbox: what a request arriving in idle time may wait
-BATCH_ROWS = 512  # positions whose gradients make one optimizer step
 MIN_ANSWERS = 16  # recorded answers before training starts
 FIRST_COMPARISON = 30.0  # seconds of training before the first comparison: a first head serves early
 COMPARE_EVERY = 120.0  # seconds of training between later comparisons
@@ -491,7 +498,8 @@ class _Trainer:
         if vocabulary is not None:
             self._start(vocabulary, final_norm)
         self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-        self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=0.0)
+        self.optimizer = adamw(self.params, options.lr, head.d2t.device)
+        self.precision = training_precision(head.d2t.device)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
         self.average = _averaged(head) if options.average else None
         self._average_params = (
@@ -587,17 +595,18 @@ class _Trainer:
         keys: list = []
         # the window's indices attend to every earlier one: their keys are the last window's, not computed again
         context = None if self._context is None else tuple(t[:, :start] for t in self._context)
-        loss, counted = _window_loss(
-            self.head,
-            answer.tokens[:end].long().to(device),
-            answer.features[: end - 1].to(device).float(),
-            start,
-            min(self.options.train_steps, self.options.steps),
-            2 if self.options.prompt_positions else answer.prompt_len,
-            context,
-            keys,
-            answer.top if self.options.soft_labels else None,
-        )
+        with self.precision:
+            loss, counted = window_loss(
+                self.head,
+                answer.tokens[:end].long().to(device),
+                answer.features[: end - 1].to(device).float(),
+                start,
+                min(self.options.train_steps, self.options.steps),
+                2 if self.options.prompt_positions else answer.prompt_len,
+                context,
+                keys,
+                answer.top if self.options.soft_labels else None,
+            )
         self._context = keys[0]
         if counted:
             (loss / self.options.batch_rows).backward()
@@ -636,57 +645,6 @@ def _averaged(head: EagleHead) -> EagleHead:
     """A copy of ``head`` to hold the running average of its weights, sharing its frozen embeddings."""
     average = copy.deepcopy(head, {id(head.embed_tokens): head.embed_tokens})
     return average.requires_grad_(False).eval()
-
-
-def _window_loss(
-    head: EagleHead,
-    tokens,
-    features,
-    first: int,
-    steps: int,
-    labelled_from: int,
-    context=None,
-    keys_out=None,
-    top: Top | None = None,
-):
-    """The summed cross-entropy of the chained draft steps for the indices from ``first`` over ``tokens`` [T]
-    (a window's end: the rows past it are the next window's), step j weighted ``STEP_WEIGHT ** j``; and the
-    positions step 0 counted. Index i's step j is labelled with the token the target chose (``tokens[i + 2 + j]``,
-    counted where it is at or past ``labelled_from`` and in the draft vocabulary), or, at a position ``top`` holds,
-    with the target's distribution there (its top tokens within the draft vocabulary, renormalised; not counted where
-    they carry under ``SOFT_MASS`` of it: the target's likely tokens are not drafted at all). context, keys_out: as
-    ``ttt_logits`` takes them."""
-    logits = head.ttt_logits(tokens, features, steps, first=first, context=context, keys_out=keys_out)
-    ids = head.draft_ids(tokens)
-    soft = None
-    if top is not None:  # the distributions' tokens as draft ids (-1 outside), their probabilities and mass
-        top_ids = head.draft_ids(top.ids.to(ids.device).long())
-        top_p = top.logp.to(ids.device).float().exp() * (top_ids >= 0)
-        soft = (top_ids, top_p, top_p.sum(-1))
-    total, counted = None, 0
-    for j, step_logits in enumerate(logits):
-        rows = step_logits.shape[0]
-        target = ids[first + 2 + j : first + 2 + j + rows]
-        where = torch.arange(first + 2 + j, first + 2 + j + rows, device=target.device)
-        keep = (target >= 0) & (where >= labelled_from)
-        logq = torch.log_softmax(step_logits.float(), dim=-1)
-        loss = -logq.gather(-1, target.clamp(min=0)[:, None])[:, 0]
-        if soft is not None:
-            at = where - 1 - top.first  # the position whose distribution labels the row
-            has = (at >= 0) & (at < soft[0].shape[0])
-            if has.any():
-                at = at.clamp(0, soft[0].shape[0] - 1)
-                p, mass = soft[1][at], soft[2][at]
-                spread = -(p / mass.clamp(min=1e-9)[:, None] * logq.gather(-1, soft[0][at].clamp(min=0))).sum(-1)
-                loss = torch.where(has, spread, loss)
-                keep = torch.where(has, (mass > SOFT_MASS) & (where >= labelled_from), keep)
-        if not keep.any():
-            continue
-        ce = loss[keep].sum() * STEP_WEIGHT**j
-        total = ce if total is None else total + ce
-        if j == 0:
-            counted = int(keep.sum())
-    return total, counted
 
 
 def _moved(rows: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from depctl_runtime.model.eagle import default_aux_layers
@@ -44,6 +46,22 @@ def test_the_vocabulary_map_follows_speculators_convention():
     assert head.d2t.tolist() == [0, 2, 5, 9, 36]
     assert head.t2d.nonzero().flatten().tolist() == [0, 3, 7, 12, 40]
     assert head.draft_ids(torch.tensor([7, 8, 40])).tolist() == [2, -1, 4]
+
+
+def test_the_map_back_to_draft_ids_follows_every_change_of_vocabulary():
+    head = tiny_head(vocab=50, draft_vocab=5)
+    head.set_vocabulary(torch.tensor([40, 3, 7, 0, 12]))
+    assert head.draft_ids(torch.tensor([7, 8])).tolist() == [2, -1]
+    head.set_vocabulary(torch.tensor([1, 3, 8, 0, 12]))  # a new vocabulary
+    assert head.draft_ids(torch.tensor([7, 8])).tolist() == [-1, 3]
+    other = tiny_head(vocab=50, draft_vocab=5)
+    other.set_vocabulary(torch.tensor([7, 9, 10, 11, 13]))
+    head.load_state_dict(other.state_dict())  # a saved head's
+    assert head.draft_ids(torch.tensor([7, 8])).tolist() == [0, -1]
+    copied = copy.deepcopy(head)
+    copied.set_vocabulary(torch.tensor([8, 9, 10, 11, 13]))  # a copy's change is its own
+    assert copied.draft_ids(torch.tensor([7, 8])).tolist() == [-1, 0]
+    assert head.draft_ids(torch.tensor([7, 8])).tolist() == [0, -1]
 
 
 def test_aux_layers_are_low_middle_and_high():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -47,19 +48,24 @@ def test_training_lowers_the_loss_and_raises_acceptance():
     head.set_vocabulary(torch.arange(40))
     head.train()
     train, heldout = patterned_examples(24), patterned_examples(4)
+
+    def mean_loss(example):
+        loss, counted = _loss(head, example, 3)
+        return loss / counted
+
     with torch.no_grad():
-        before_loss = sum(float(_loss(head, e, 3)) for e in heldout)
+        before_loss = sum(float(mean_loss(e)) for e in heldout)
     before = evaluate(head, heldout, 3)
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     optimizer = torch.optim.Adam(params, lr=3e-3)
     for epoch in range(6):
         for example in train:
-            loss = _loss(head, example, 3)
+            loss = mean_loss(example)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     with torch.no_grad():
-        after_loss = sum(float(_loss(head, e, 3)) for e in heldout)
+        after_loss = sum(float(mean_loss(e)) for e in heldout)
     after = evaluate(head, heldout, 3)
     assert after_loss < 0.5 * before_loss, (before_loss, after_loss)
     assert after["mean_accepted"] > before["mean_accepted"] + 0.5, (before, after)
@@ -136,12 +142,15 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"question {i}: what comes next?"}) + "\n" for i in range(12)))
     out = tmp_path / "head"
-    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4")
+    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4", "--samples", "3")
     assert code == 0, events
     kinds = [e["event"] for e in events]
     assert "answers" in kinds and kinds[-1] == "done"
     shards = [row for shard in sorted((out / ".train").glob("answers-*.safetensors")) for row in load_rows(shard)]
-    assert len(shards) == 12 * 3  # a greedy and two sampled answers a prompt, each with the features it was read with
+    # a greedy and two sampled answers a prompt, each with the features it was read with; the held-out prompt (a
+    # tenth of 12) only its greedy one, the answer acceptance is measured on
+    assert len(shards) == 12 + 11 * 2
+    assert sorted(Counter(row["index"] for row in shards).values()) == [1] + [3] * 11
     assert all(row["features"].shape == (len(row["tokens"]) - 1, 3 * 64) for row in shards)
     assert all(row["top_ids"].shape == (len(row["tokens"]) - row["start"], 16) for row in shards)
     done = events[-1]
@@ -156,7 +165,7 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     marker = tmp_path / "ran"
     plant(out / ".train" / "state.pt", marker)
     plant(out / ".train" / "answers-99.pt", marker)
-    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4")
+    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4", "--samples", "3")
     assert code == 0 and "answers" not in [e["event"] for e in events]
     assert any(e["event"] == "resumed" for e in events)
     assert not marker.exists()
@@ -222,5 +231,5 @@ def test_a_load_slower_than_the_answering_budget_still_answers_enough_to_train_o
     opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, max_tokens=8, compile=False, device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # the budget was spent before the first answer starts (started an hour ago, a minute's limit)
-    examples = _answers(opts, tokenizer, conversations, (0, 1, 1), tmp_path, time.monotonic() - 3600, 60.0)
+    examples = _answers(opts, tokenizer, conversations, (0, 1, 1), tmp_path, time.monotonic() - 3600, 60.0, set())
     assert MIN_EXAMPLES <= len(examples) < 12 * opts.samples

@@ -15,8 +15,8 @@ from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.speculation import GenerationParams, NgramProposer, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.policy import rate_for_mean_accepted
-from depctl_runtime.training.eagle import acceptance, reach
-from depctl_runtime.training.online import LearnOptions, _Trainer, _window_loss
+from depctl_runtime.training.eagle import acceptance, reach, window_loss
+from depctl_runtime.training.online import LearnOptions, _Trainer
 from depctl_runtime.training.traffic import Answer, Top, read_answer
 from tests.driving import drive
 from tests.tiny import tiny_head
@@ -303,7 +303,7 @@ def test_answer_positions_learn_the_targets_distribution_where_it_was_kept_and_p
         return Top(ids.to(torch.int32), logp.to(torch.float16), prompt_len - 1)
 
     def loss(kept: Top | None):
-        return _window_loss(head, tokens.long(), features, 0, 2, 2, top=kept)
+        return window_loss(head, tokens.long(), features, 0, 2, 2, top=kept)
 
     hard, counted = loss(None)
     assert counted == 28  # every index whose next-but-one token exists
@@ -317,7 +317,7 @@ def test_answer_positions_learn_the_targets_distribution_where_it_was_kept_and_p
     changed, _ = loss(spread)
     assert abs(float(changed.detach()) - float(hard.detach())) > 1e-3
     prompt = tokens[:prompt_len].long(), features[: prompt_len - 1], 0, 2, 2  # labels up to the prompt's last token
-    torch.testing.assert_close(_window_loss(head, *prompt, top=spread)[0], _window_loss(head, *prompt)[0])
+    torch.testing.assert_close(window_loss(head, *prompt, top=spread)[0], window_loss(head, *prompt)[0])
     # a distribution whose likely tokens are never drafted (ids 40..49) teaches nothing at its position
     outside = top(torch.full((n, 2), 45), torch.tensor([0.0, -30.0]).expand(n, 2))
     _, counted_outside = loss(outside)
