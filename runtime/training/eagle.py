@@ -235,7 +235,7 @@ def train(opts: TrainOptions) -> dict:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                value = summed / rows
+                value = summed / rows / sum(STEP_WEIGHT**j for j in range(steps))  # a step's cross-entropy
                 running_loss = value if running_loss is None else 0.9 * running_loss + 0.1 * value
                 summed, rows = 0.0, 0
             now = time.monotonic()
