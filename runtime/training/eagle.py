@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from depctl.spec import Quantization
 from depctl_runtime.model import eagle_format
@@ -55,6 +56,9 @@ COMPILE_WORTH_MINUTES = 20  # a budget this long pays for building compiled pass
 TRAIN_STEPS = 2
 DRAFT_VOCAB = 4096
 BATCH_ROWS = 512  # positions whose gradients make one optimizer step
+# in bf16 on a CPU an answer's positions are padded to a multiple of this: oneDNN builds its bf16 products for each
+# shape, and at every answer's own length a step took 1.3x its float32 time, padded 0.7x (benchmarks/train_step.py)
+SHAPE_BUCKET = 32
 EVALUATE_EVERY = 60.0  # seconds of training between held-out measurements
 
 
@@ -83,17 +87,15 @@ class TrainOptions:
     train_dtype: str = "auto"  # the products of a training step: "auto" is bf16 where the hardware multiplies it
 
 
-def training_precision(device: torch.device, requested: str = "auto"):
-    """The context a training step's forward runs in: bf16 products (autocast) where the hardware multiplies bf16
-    (AVX-512 BF16 or AMX, a GPU with bf16) or where asked, else float32. The weights, AdamW's moments and the loss
-    stay float32; on a CPU with AMX a step takes about two thirds of its float32 time."""
+def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
+    """The dtype of a training step's products: bf16 where the hardware multiplies it (AVX-512 BF16 or AMX, a GPU
+    with bf16) or where asked, else float32. The weights, AdamW's moments and the loss stay float32 either way."""
     if requested == "auto":
         from depctl_runtime.backends.precision import cpu_has_bf16
 
         bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
-    else:
-        bf16 = requested == "bfloat16"
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        return torch.bfloat16 if bf16 else torch.float32
+    return torch.bfloat16 if requested == "bfloat16" else torch.float32
 
 
 def adamw(params: list, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -213,7 +215,9 @@ def train(opts: TrainOptions) -> dict:
     last_eval, running_loss, stopped = time.monotonic(), None, False
     last_said = 0.0
     steps = min(opts.train_steps, opts.steps)
-    precision = training_precision(device, opts.train_dtype)
+    dtype = training_dtype(device, opts.train_dtype)
+    precision = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    bucket = SHAPE_BUCKET if dtype == torch.bfloat16 and device.type == "cpu" else 0
     summed, rows = 0.0, 0  # the loss and positions whose gradients wait for the next optimizer step
     emit("stage", name="training the head (held-out acceptance measured each minute)")
     try:
@@ -223,7 +227,7 @@ def train(opts: TrainOptions) -> dict:
             example = training[seen % len(training)]
             seen += 1
             with precision:
-                loss, counted = _loss(head, example, steps)
+                loss, counted = _loss(head, example, steps, bucket)
             if counted:
                 (loss / BATCH_ROWS).backward()
                 summed, rows = summed + float(loss.detach()), rows + counted
@@ -474,11 +478,13 @@ def window_loss(
     context=None,
     keys_out=None,
     top: Top | None = None,
+    labelled_until: int | None = None,
 ):
     """The summed cross-entropy of the chained draft steps for the indices from ``first`` over ``tokens`` [T]
     (a window's end: the rows past it are the next window's), step j weighted ``STEP_WEIGHT ** j``; and the
     positions step 0 counted. Index i's step j is labelled with the token the target chose (``tokens[i + 2 + j]``,
-    counted where it is at or past ``labelled_from`` and in the draft vocabulary), or, at a position ``top`` holds,
+    counted where it is at or past ``labelled_from``, before ``labelled_until`` (padding: the sequence's end if not
+    given) and in the draft vocabulary), or, at a position ``top`` holds,
     with the target's distribution there (its top tokens within the draft vocabulary, renormalised; not counted where
     they carry under ``SOFT_MASS`` of it: the target's likely tokens are not drafted at all). context, keys_out: as
     ``ttt_logits`` takes them."""
@@ -494,7 +500,8 @@ def window_loss(
         rows = step_logits.shape[0]
         target = ids[first + 2 + j : first + 2 + j + rows]
         where = torch.arange(first + 2 + j, first + 2 + j + rows, device=target.device)
-        keep = (target >= 0) & (where >= labelled_from)
+        labelled = (where >= labelled_from) & (where < (labelled_until or len(tokens)))
+        keep = (target >= 0) & labelled
         logq = torch.log_softmax(step_logits.float(), dim=-1)
         loss = -logq.gather(-1, target.clamp(min=0)[:, None])[:, 0]
         if soft is not None:
@@ -505,7 +512,7 @@ def window_loss(
                 p, mass = soft[1][at], soft[2][at]
                 spread = -(p / mass.clamp(min=1e-9)[:, None] * logq.gather(-1, soft[0][at].clamp(min=0))).sum(-1)
                 loss = torch.where(has, spread, loss)
-                keep = torch.where(has, (mass > SOFT_MASS) & (where >= labelled_from), keep)
+                keep = torch.where(has, (mass > SOFT_MASS) & labelled, keep)
         if not keep.any():
             continue
         ce = loss[keep].sum() * STEP_WEIGHT**j
@@ -515,14 +522,21 @@ def window_loss(
     return total, counted
 
 
-def _loss(head: EagleHead, example: dict, steps: int) -> tuple[torch.Tensor | None, int]:
-    """``window_loss`` over one answer (its answer positions, labelled by the target's distribution kept there)."""
+def _loss(head: EagleHead, example: dict, steps: int, bucket: int = 0) -> tuple[torch.Tensor | None, int]:
+    """``window_loss`` over one answer (its answer positions, labelled by the target's distribution kept there);
+    with a ``bucket``, over the answer padded to a multiple of it, from an index that is one: the padding is computed,
+    never counted, and the chained steps of the prompt's last indices whose drafts land in the answer are trained."""
     device = head.d2t.device
     first = _first(example)
     top = Top(example["top_ids"], example["top_logp"], example["start"] - 1)  # from the prompt's last position
     tokens = example["tokens"].to(device).long()
     features = example["features"].to(device).float()
-    return window_loss(head, tokens, features, first, steps, example["start"], top=top)
+    length = tokens.shape[0]
+    if bucket:
+        first = first // bucket * bucket
+        tokens = F.pad(tokens, (0, -length % bucket))
+        features = F.pad(features, (0, 0, 0, tokens.shape[0] - 1 - features.shape[0]))
+    return window_loss(head, tokens, features, first, steps, example["start"], top=top, labelled_until=length)
 
 
 @torch.inference_mode()

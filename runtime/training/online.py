@@ -49,7 +49,6 @@ from depctl_runtime.training.eagle import (
     acceptance,
     adamw,
     reach,
-    training_precision,
     window_loss,
 )
 from depctl_runtime.training.state import load_state, save_state
@@ -499,7 +498,6 @@ class _Trainer:
             self._start(vocabulary, final_norm)
         self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
         self.optimizer = adamw(self.params, options.lr, head.d2t.device)
-        self.precision = training_precision(head.d2t.device)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
         self.average = _averaged(head) if options.average else None
         self._average_params = (
@@ -595,18 +593,17 @@ class _Trainer:
         keys: list = []
         # the window's indices attend to every earlier one: their keys are the last window's, not computed again
         context = None if self._context is None else tuple(t[:, :start] for t in self._context)
-        with self.precision:
-            loss, counted = window_loss(
-                self.head,
-                answer.tokens[:end].long().to(device),
-                answer.features[: end - 1].to(device).float(),
-                start,
-                min(self.options.train_steps, self.options.steps),
-                2 if self.options.prompt_positions else answer.prompt_len,
-                context,
-                keys,
-                answer.top if self.options.soft_labels else None,
-            )
+        loss, counted = window_loss(
+            self.head,
+            answer.tokens[:end].long().to(device),
+            answer.features[: end - 1].to(device).float(),
+            start,
+            min(self.options.train_steps, self.options.steps),
+            2 if self.options.prompt_positions else answer.prompt_len,
+            context,
+            keys,
+            answer.top if self.options.soft_labels else None,
+        )
         self._context = keys[0]
         if counted:
             (loss / self.options.batch_rows).backward()

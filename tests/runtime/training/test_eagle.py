@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections import Counter
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,8 +14,9 @@ import torch
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.training.data import DataError, load_conversations
-from depctl_runtime.training.eagle import _loss, evaluate
+from depctl_runtime.training.eagle import _loss, evaluate, window_loss
 from depctl_runtime.training.state import load_rows
+from depctl_runtime.training.traffic import Top
 from tests.pickles import plant
 from tests.tiny import tiny_head
 
@@ -70,6 +71,24 @@ def test_training_lowers_the_loss_and_raises_acceptance():
     assert after_loss < 0.5 * before_loss, (before_loss, after_loss)
     assert after["mean_accepted"] > before["mean_accepted"] + 0.5, (before, after)
     assert after["acceptance"] == sorted(after["acceptance"], reverse=True)  # a later step needs every earlier one
+
+
+def test_an_answer_padded_to_a_bucket_counts_no_padding():
+    """Padding (bf16 on a CPU) computes rows past the answer's end and counts none of them; starting at a multiple of
+    the bucket also trains the chained steps of the prompt's last indices whose drafts land in the answer."""
+    head = tiny_head(vocab=50, draft_vocab=40)
+    head.set_vocabulary(torch.arange(40))
+    for example in patterned_examples(3, length=37):
+        example["start"] = 21  # the answer's first index is not a multiple of the bucket
+        example["top_ids"], example["top_logp"] = example["top_ids"][17:], example["top_logp"][17:]
+        top = Top(example["top_ids"], example["top_logp"], 20)
+        _, counted = _loss(head, example, 3)
+        for bucket in (8, 32):
+            padded, counted_padded = _loss(head, example, 3, bucket)
+            assert counted_padded == counted  # the first drafts counted: the answer's
+            first = 19 // bucket * bucket
+            unpadded, _ = window_loss(head, example["tokens"], example["features"], first, 3, 21, top=top)
+            torch.testing.assert_close(padded, unpadded)
 
 
 def test_a_head_round_trips_through_the_speculators_format(tmp_path):
