@@ -57,7 +57,7 @@ TRAIN_STEPS = 2
 DRAFT_VOCAB = 4096
 BATCH_ROWS = 512  # positions whose gradients make one optimizer step
 # in bf16 on a CPU an answer's positions are padded to a multiple of this: oneDNN builds its bf16 products for each
-# shape, and at every answer's own length a step took 1.3x its float32 time, padded 0.7x (benchmarks/train_step.py)
+# shape, and at every answer's own length a step took 2.1x its float32 time, padded 0.83x (benchmarks/train_step.py)
 SHAPE_BUCKET = 32
 EVALUATE_EVERY = 60.0  # seconds of training between held-out measurements
 
@@ -73,7 +73,8 @@ class TrainOptions:
     train_steps: int = TRAIN_STEPS  # chained draft steps trained (at most ``steps``)
     max_tokens: int = 192
     # answers per prompt: one greedy, the rest sampled; the answers' share of the budget cuts them where the target is
-    # slow. Three answers of the shipped prompts are learned in 15 minutes and the rest overfits them
+    # slow. Three of the shipped prompts' were learned by minute 15 and the rest overfitted them
+    # (BENCHMARKS.md, "Eight answers a prompt, a step per 512 positions")
     samples: int = 8
     batch: int = 16
     lr: float = 5e-4
