@@ -78,8 +78,7 @@ def run(recipe: tuple, examples: list[dict], warmup: int) -> float:
     dtype, fused, batch, bucket = recipe
     head = head_for_smollm2()
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-    cpu = torch.device("cpu")
-    optimizer = adamw(params, 5e-4, cpu) if fused else torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
+    optimizer = adamw(params, 5e-4) if fused else torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0)
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
     pending = 0
     started = None

@@ -99,7 +99,7 @@ def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype
     return torch.bfloat16 if requested == "bfloat16" else torch.float32
 
 
-def adamw(params: list, lr: float, device: torch.device) -> torch.optim.AdamW:
+def adamw(params: list, lr: float) -> torch.optim.AdamW:
     """AdamW without weight decay, as one fused kernel over every parameter where PyTorch has one for the device."""
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
@@ -177,7 +177,7 @@ def train(opts: TrainOptions) -> dict:
         head.norm.weight.copy_(final_norm.to(device))
     del output_layer
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-    optimizer = adamw(params, opts.lr, device)
+    optimizer = adamw(params, opts.lr)
     trained, history, seen = 0.0, [], 0
     total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too
     saved = load_state(state_dir, device)

@@ -497,7 +497,7 @@ class _Trainer:
         if vocabulary is not None:
             self._start(vocabulary, final_norm)
         self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
-        self.optimizer = adamw(self.params, options.lr, head.d2t.device)
+        self.optimizer = adamw(self.params, options.lr)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
         self.average = _averaged(head) if options.average else None
         self._average_params = (
