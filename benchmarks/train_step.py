@@ -9,7 +9,9 @@ makes bf16 slow unpadded) after prompts of ``--prompt`` on average, with the tar
 answer position, as ``depctl draft train`` trains on them. Each recipe runs ``--repeat`` answers after a warm-up;
 the recipes alternate, twice through, each run in a fresh process, and the table keeps each one's faster run. No
 model is loaded: the numbers are the head's products and the optimizer's, the part of a training minute that a
-recipe changes.
+recipe changes. The last two rows are a learning deployment's trainer (``training.online._Trainer``: windows of
+about a slice, the prompt's positions trained too, a running average of the weights), so they compare with each
+other, not with the rows above.
 """
 
 from __future__ import annotations
@@ -31,13 +33,17 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.random_model import SHAPES  # noqa: E402
 
-# label -> (products' dtype, fused AdamW, positions a step (0: a step an answer), answers padded to a multiple of)
+# label -> (products' dtype, fused AdamW, positions a step (0: a step an answer), answers padded to a multiple of), or
+# the products' dtype of a learning deployment's trainer
 RECIPES = {
     "float32, a step an answer, AdamW": ("float32", False, 0, 0),
     "float32, a step an answer, fused AdamW": ("float32", True, 0, 0),
     "float32, a step per 512 positions": ("float32", True, BATCH_ROWS, 0),
     "bf16 products, a step per 512 positions": ("bfloat16", True, BATCH_ROWS, 0),
     f"bf16, 512 positions, padded to {SHAPE_BUCKET}": ("bfloat16", True, BATCH_ROWS, SHAPE_BUCKET),
+    # a learning deployment's trainer (``training.online``): windows of an answer, its prompt's positions too
+    "learning head's windows, float32": "float32",
+    f"learning head's windows, bf16, padded to {SHAPE_BUCKET}": "bfloat16",
 }
 
 
@@ -97,8 +103,34 @@ def run(recipe: tuple, examples: list[dict], warmup: int) -> float:
     return (time.perf_counter() - started) / (len(examples) - warmup)
 
 
-def timed(recipe: tuple, prompt: int, answer: int, n: int, warmup: int) -> float:
-    return run(recipe, answers(n, prompt, answer, 49152), warmup)
+def run_learning(dtype: str, examples: list[dict], warmup: int) -> float:
+    """Seconds an answer for a learning deployment's trainer: windows of about a slice each, prompts included."""
+    from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer
+    from depctl_runtime.training.traffic import Answer, Top
+
+    trainer = _Trainer(head_for_smollm2(), LearnOptions(steps=4, train_dtype=dtype))
+    queue = [
+        Answer(e["tokens"], e["features"], e["start"], top=Top(e["top_ids"], e["top_logp"], e["start"] - 1))
+        for e in examples
+    ]
+    fed = 0
+
+    def next_answer() -> Answer:
+        nonlocal fed
+        fed += 1
+        return queue[fed - 1]
+
+    while fed <= warmup:
+        trainer.train_window(next_answer, SLICE)
+    started, first = time.perf_counter(), fed
+    while fed < len(queue):
+        trainer.train_window(next_answer, SLICE)
+    return (time.perf_counter() - started) / (fed - first)
+
+
+def timed(recipe: tuple | str, prompt: int, answer: int, n: int, warmup: int) -> float:
+    examples = answers(n, prompt, answer, 49152)
+    return run_learning(recipe, examples, warmup) if isinstance(recipe, str) else run(recipe, examples, warmup)
 
 
 def main() -> None:

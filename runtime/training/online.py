@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.nn import functional as F
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
@@ -44,11 +45,13 @@ from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.eagle import (
     BATCH_ROWS,
+    SHAPE_BUCKET,
     TRAIN_STEPS,
     TokenCounts,
     acceptance,
     adamw,
     reach,
+    training_dtype,
     window_loss,
 )
 from depctl_runtime.training.state import load_state, save_state
@@ -103,6 +106,7 @@ class LearnOptions:
     soft_labels: bool = True
     average: float = AVERAGE  # the running average's decay per optimizer step (0: the candidate is the head itself)
     answer_share: float = ANSWER_SHARE  # of the idle time both could use, answering's (the rest is training's)
+    train_dtype: str = "auto"  # a training step's products: bf16 where the hardware multiplies it, as draft train
     seed: int = 0
 
 
@@ -510,6 +514,11 @@ class _Trainer:
         self.pending_rows = 0  # positions whose gradients are summed, not yet stepped
         self.queue: list[Path] = []  # this pass's answers still to train on
         self.window = 64  # positions a window: adapted so that one takes about a slice
+        device, dtype = head.d2t.device, training_dtype(head.d2t.device, options.train_dtype)
+        self.precision = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+        # bf16 on a CPU: windows start at a multiple of this and span multiples of it, the answer's last one padded
+        # (oneDNN builds bf16 products per shape, as ``draft train``'s answers are padded)
+        self.bucket = SHAPE_BUCKET if dtype == torch.bfloat16 and device.type == "cpu" else 0
         self._answer: Answer | None = None
         self._at = 0  # the next window's first position in ``_answer``
         self._context = None  # step 0's keys and values of ``_answer``'s indices before ``_at`` (no gradient)
@@ -585,6 +594,7 @@ class _Trainer:
         if self._answer is None or self._at >= len(self._answer.tokens) - 2:
             self._answer, self._context = next_answer(), None
             self._at = 0 if self.options.prompt_positions else max(0, self._answer.prompt_len - 2)
+            self._at = self._at // self.bucket * self.bucket if self.bucket else self._at
         answer, start = self._answer, self._at
         end = min(len(answer.tokens), start + self.window + 2)
         self._at = end - 2
@@ -593,17 +603,23 @@ class _Trainer:
         keys: list = []
         # the window's indices attend to every earlier one: their keys are the last window's, not computed again
         context = None if self._context is None else tuple(t[:, :start] for t in self._context)
-        loss, counted = window_loss(
-            self.head,
-            answer.tokens[:end].long().to(device),
-            answer.features[: end - 1].to(device).float(),
-            start,
-            min(self.options.train_steps, self.options.steps),
-            2 if self.options.prompt_positions else answer.prompt_len,
-            context,
-            keys,
-            answer.top if self.options.soft_labels else None,
-        )
+        tokens, features = answer.tokens[:end].long().to(device), answer.features[: end - 1].to(device).float()
+        if self.bucket:  # the answer's last window, padded: computed, never counted
+            tokens = F.pad(tokens, (0, -(end - 2 - start) % self.bucket))
+            features = F.pad(features, (0, 0, 0, tokens.shape[0] - 1 - features.shape[0]))
+        with self.precision:
+            loss, counted = window_loss(
+                self.head,
+                tokens,
+                features,
+                start,
+                min(self.options.train_steps, self.options.steps),
+                2 if self.options.prompt_positions else answer.prompt_len,
+                context,
+                keys,
+                answer.top if self.options.soft_labels else None,
+                labelled_until=end,
+            )
         self._context = keys[0]
         if counted:
             (loss / self.options.batch_rows).backward()
@@ -613,7 +629,7 @@ class _Trainer:
             self.flush()
         took = time.perf_counter() - t0
         self.seconds += took
-        if took > 1.5 * seconds and self.window > 16:
+        if took > 1.5 * seconds and self.window > max(16, self.bucket):
             self.window //= 2
         elif took < seconds / 2 and self.window < 512:
             self.window *= 2

@@ -328,3 +328,38 @@ def test_answer_positions_learn_the_targets_distribution_where_it_was_kept_and_p
     trainer = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, soft_labels=False))
     trainer.train_window(lambda: Answer(tokens, features, prompt_len, top=outside), 1.0)
     assert trainer.rows == counted  # ... unless told to learn the tokens alone
+
+
+@pytest.mark.parametrize("prompt_positions", [True, False])
+def test_bf16_windows_start_at_a_bucket_and_the_last_is_padded_counting_the_same_positions(
+    monkeypatch, prompt_positions
+):
+    """In bf16 on a CPU every window's shapes come from a few dozen (oneDNN builds its bf16 products once a shape): a
+    window starts at a multiple of ``SHAPE_BUCKET`` and spans a multiple of it, the answer's last one padded; the
+    padding is never counted, so float32 and bf16 train on the same positions."""
+    from depctl_runtime.training import online
+    from depctl_runtime.training.eagle import SHAPE_BUCKET
+
+    answer = Answer(torch.randint(0, 50, (75,)), torch.randn(74, 3 * 32), prompt_len=10)
+    seen = {}
+    for dtype in ("float32", "bfloat16"):
+        calls = seen[dtype] = []
+
+        def spy(head, tokens, features, first, *args, **kw):
+            calls.append((first, len(tokens), features.shape[0], kw.get("labelled_until")))
+            return window_loss(head, tokens, features, first, *args, **kw)
+
+        monkeypatch.setattr(online, "window_loss", spy)
+        options = LearnOptions(steps=4, batch_rows=1 << 20, prompt_positions=prompt_positions, train_dtype=dtype)
+        trainer = _Trainer(tiny_head(vocab=50, draft_vocab=40), options)
+        fed = []
+        while len(fed) < 2:  # the whole answer, then the first window of the next
+            trainer.train_window(lambda: fed.append(answer) or answer, 1.0)
+        calls.pop()
+        seen[dtype] = (calls, trainer.rows)
+    calls, rows = seen["bfloat16"]
+    assert all(first % SHAPE_BUCKET == 0 and (length - 2 - first) % SHAPE_BUCKET == 0 for first, length, _, _ in calls)
+    assert all(features == length - 1 for _, length, features, _ in calls)
+    assert calls[-1][1] > 75 and calls[-1][3] == 75  # the last window padded; its labels end with the answer
+    assert rows == seen["float32"][1]
+    assert seen["float32"][0][-1][1] == 75  # float32 windows are not padded
