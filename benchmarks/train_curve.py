@@ -20,7 +20,7 @@ from pathlib import Path
 
 def read(log: Path) -> dict:
     """A run's measurements, answers and the time it took to start training."""
-    history, answers, tokens = [], 0, 0
+    history, answers, written, tokens = [], 0, 0, 0
     for line in log.read_text().splitlines():
         try:
             event = json.loads(line)
@@ -29,12 +29,14 @@ def read(log: Path) -> dict:
         if event.get("event") == "train":
             history.append(event)
         elif event.get("event") == "answers":
-            answers, tokens = event["done"], event["tokens"]
+            written, tokens = event.get("written", 0), event["tokens"]
+            answers = event["done"] + written
         elif event.get("event") == "done":
             answers = event.get("examples", answers)
     if not history:
         raise SystemExit(f"{log}: no held-out measurement in it (is it the output of a training run?)")
-    return {"history": history, "answers": answers, "tokens": tokens, "total": history[-1].get("total_minutes")}
+    total = history[-1].get("total_minutes")
+    return {"history": history, "answers": answers, "written": written, "tokens": tokens, "total": total}
 
 
 def cell(entry: dict | None) -> str:
@@ -70,7 +72,9 @@ def main() -> None:
     print()
     for label, run in runs.items():
         trained = run["history"][-1]["minutes"]
-        print(f"- {label}: {run['answers']} answers ({run['tokens']} tokens generated), {trained:.1f} minutes trained")
+        own = f", {run['written']} of them to requests the target wrote" if run["written"] else ""
+        generated = f"({run['tokens']} tokens generated), {trained:.1f} minutes trained"
+        print(f"- {label}: {run['answers']} answers{own} {generated}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,12 @@ def train(
         help="Answers per prompt: one greedy, the rest sampled (more to learn from), as many as 40% of --minutes "
         "allows.",
     ),
+    written_requests: bool = typer.Option(
+        True,
+        "--written-requests/--no-written-requests",
+        help="Once every prompt's answers are under way, spend the rest of the answering share on requests the "
+        "target writes itself in its chat template's user turn (more kinds of requests to learn from).",
+    ),
     device: str = typer.Option("auto", "--device", metavar="[auto|cpu|cuda]", help=DEVICE_HELP),
     quantization: Optional[str] = typer.Option(
         None,
@@ -123,6 +129,7 @@ def train(
     cmd += ["--samples", str(samples), "--quantization", quantization]
     cmd += ["--device", device] + {None: [], True: ["--compile"], False: ["--no-compile"]}[compile_passes]
     cmd += ["--data", str(data)] if data is not None else []
+    cmd += [] if written_requests else ["--no-written-requests"]
     try:
         (out / ".train").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -183,9 +190,10 @@ class _Run:
         if kind == "stage":
             update(description=event["name"], total=None)
         elif kind == "answers":
-            self.answers = event["done"]
+            self.answers = event["done"] + event.get("written", 0)
+            own = f", {event['written']} requests it wrote" if event.get("written") else ""
             update(
-                description=f"the target answers the prompts ({event['tokens']} tokens)",
+                description=f"the target answers the prompts ({event['tokens']} tokens{own})",
                 completed=event["done"],
                 total=event["total"],
             )

@@ -14,7 +14,7 @@ from depctl_runtime.model.eagle import EagleConfig
 from depctl_runtime.model.runner import FastPass, ModelRunner
 from depctl_runtime.model.screened_head import ScreenedHead
 from depctl_runtime.speculation.eagle import EagleProposer
-from depctl_runtime.training.answers import IdleAnswers
+from depctl_runtime.training.answers import IdleAnswers, user_turn
 from depctl_runtime.training.data import load_conversations
 from depctl_runtime.training.eagle import DRAFT_VOCAB
 from depctl_runtime.training.online import HeadLearner, LearnOptions
@@ -88,16 +88,3 @@ def idle_answers(
         slice_seconds=learner.options.slice_seconds,  # a pass stays within the learner's slice of idle time
         top=learner.options.soft_labels,
     )
-
-
-def user_turn(tokenizer, tokens: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:
-    """The chat template's text before a user's request and after it (to the assistant's answer), as tokens; None
-    where the template does not put the request's text in as given."""
-    mark = "\u2063depctl-request\u2063"  # invisible separators: no template rewrites them
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False
-    )
-    if text.count(mark) != 1:
-        return None
-    opening, closing = text.split(mark)
-    return tokens(opening), tokens(closing)

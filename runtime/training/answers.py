@@ -232,3 +232,16 @@ def _top(row: _Row) -> Top | None:
     if not row.top.top_ids:
         return None
     return Top(torch.cat(row.top.top_ids), torch.cat(row.top.top_logp), row.prompt_len - 1)
+
+
+def user_turn(tokenizer, tokens: Callable[[str], list[int]]) -> tuple[list[int], list[int]] | None:
+    """The chat template's text before a user's request and after it (to the assistant's answer), as tokens; None
+    where the template does not put the request's text in as given."""
+    mark = "\u2063depctl-request\u2063"  # invisible separators: no template rewrites them
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": mark}], add_generation_prompt=True, tokenize=False
+    )
+    if text.count(mark) != 1:
+        return None
+    opening, closing = text.split(mark)
+    return tokens(opening), tokens(closing)

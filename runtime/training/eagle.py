@@ -3,7 +3,8 @@
 EAGLE-3's recipe (Li et al. 2025, arXiv 2503.01840), sized for a laptop:
 
 1. **Answers and hidden states**: the target answers every prompt through depctl's own engine (batched, speculation
-   off): one greedy answer, then sampled ones, so the head learns what this target says. The outputs of three layers
+   off): one greedy answer, then sampled ones, so the head learns what this target says; time left in the answering
+   share answers requests the target writes itself (``WrittenRequests``). The outputs of three layers
    (low, middle, high) at every position are kept as the engine computes them, the same features a deployment will
    hand the head. Cached in ``OUT/.train/answers-N.safetensors``.
 2. **Vocabulary**: the head predicts over the ``--draft-vocab`` tokens the answers use most (``d2t`` maps them back).
@@ -37,9 +38,10 @@ from torch.nn import functional as F
 from depctl.spec import Quantization
 from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
+from depctl_runtime.training.answers import MAX_WRITTEN, WRITE_TEMPERATURE, user_turn
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.state import load_rows, load_state, save_rows, save_state
-from depctl_runtime.training.traffic import Top
+from depctl_runtime.training.traffic import MIN_ANSWER, Top
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay: later draft steps matter less (they are reached less often)
 SAMPLE_TEMPERATURE = 0.8  # sampled answers: other likely paths, still the target's own
@@ -86,6 +88,10 @@ class TrainOptions:
     heldout: float = 0.1
     seed: int = 0
     train_dtype: str = "auto"  # the products of a training step: "auto" is bf16 where the hardware multiplies it
+    # once the given prompts' answers are under way, the answering share's time left answers requests the target
+    # writes itself (``WrittenRequests``)
+    written: bool = True
+    prompt_positions: bool = False  # the prompts' tokens are labels too (their features are kept anyway)
 
 
 def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
@@ -219,6 +225,10 @@ def train(opts: TrainOptions) -> dict:
     dtype = training_dtype(device, opts.train_dtype)
     precision = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     bucket = SHAPE_BUCKET if dtype == torch.bfloat16 and device.type == "cpu" else 0
+    # a prompt's own tokens are learned once (from its greedy answer's example), from where prompts differ: the
+    # template's opening of the user turn is the same in every one
+    turn = user_turn(tokenizer, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt_from = len(turn[0]) if turn else 2
     summed, rows = 0.0, 0  # the loss and positions whose gradients wait for the next optimizer step
     emit("stage", name="training the head (held-out acceptance measured each minute)")
     try:
@@ -228,7 +238,8 @@ def train(opts: TrainOptions) -> dict:
             example = training[seen % len(training)]
             seen += 1
             with precision:
-                loss, counted = _loss(head, example, steps, bucket)
+                labelled = prompt_from if opts.prompt_positions and example["sample"] == 0 else None
+                loss, counted = _loss(head, example, steps, bucket, labelled)
             if counted:
                 (loss / BATCH_ROWS).backward()
                 summed, rows = summed + float(loss.detach()), rows + counted
@@ -303,7 +314,8 @@ def _answers(
         for i in range(len(conversations))
         if (i, s) not in done and not (s and i in held)
     ]
-    wanted = len(done) + len(todo)
+    given = sum(i < len(conversations) for i, _ in done)  # answers to the given prompts, then to written requests
+    wanted, answered_written = given + len(todo), len(done) - given
     if todo and (time.monotonic() - started < limit or len(done) < MIN_EXAMPLES):
         from depctl.spec import DeploymentSpec, NoSpeculation
         from depctl_runtime.backends.loader import load_deployment
@@ -347,9 +359,7 @@ def _answers(
                 number += 1
                 fresh.clear()
 
-        for i, s in todo:
-            text = tokenizer.apply_chat_template(conversations[i], add_generation_prompt=True, tokenize=False)
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        def queue(i: int, s: int, prompt: list[int]) -> None:
             sampling = SamplingParams(temperature=SAMPLE_TEMPERATURE, seed=opts.seed * 1000 + s) if s else None
             params = GenerationParams(
                 max_tokens=opts.max_tokens, speculate=False, **({"sampling": sampling} if sampling else {})
@@ -357,16 +367,38 @@ def _answers(
             seq = engine.new_sequence(prompt, params)
             pending[seq.id] = (i, s, prompt, [])
             scheduler.add(seq)
+
+        for i, s in todo:
+            text = tokenizer.apply_chat_template(conversations[i], add_generation_prompt=True, tokenize=False)
+            queue(i, s, tokenizer(text, add_special_tokens=False)["input_ids"])
+        turn = user_turn(tokenizer, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+        requests = WrittenRequests(turn, opts.seed) if opts.written and turn is not None else None
+        writing: dict[int, list[int]] = {}  # requests being written: their tokens so far
+        written = max([len(conversations) - 1, *(i for i, _ in done)]) + 1  # their answers' indices follow
         tokens = 0
         try:
-            while scheduler.has_work():
+            while scheduler.has_work() or (requests and time.monotonic() - started < limit):
                 # out of time: finish what runs, start nothing new; but not before enough answers to train on are
                 # done or under way, or a slow load would leave none at all
                 enough = len(done) + scheduler.num_running >= MIN_EXAMPLES
                 if time.monotonic() - started > limit and enough:
                     for seq in list(scheduler.waiting):
                         scheduler.cancel(seq)
+                # the given prompts all under way and time left: the target writes requests of its own
+                elif requests and not scheduler.num_waiting and len(writing) < max(1, opts.batch // 2):
+                    seq = engine.new_sequence(*requests.start())
+                    writing[seq.id] = []
+                    scheduler.add(seq)
                 for seq, out in scheduler.step():
+                    if seq.id in writing:
+                        writing[seq.id].extend(out.token_ids)
+                        if out.finish_reason:
+                            recorder.drop(seq.id)
+                            prompt = requests.prompt(writing.pop(seq.id))
+                            if prompt is not None and time.monotonic() - started < limit:
+                                queue(written, 0, prompt)
+                                written += 1
+                        continue
                     entry = pending.get(seq.id)
                     if entry is None:
                         continue
@@ -393,11 +425,39 @@ def _answers(
                     fresh.append(done[(i, s)])
                     if len(fresh) >= 32:
                         flush()
-                    emit("answers", done=len(done), total=wanted, tokens=tokens)
+                    if i < len(conversations):
+                        given += 1
+                    else:
+                        answered_written += 1
+                    emit("answers", done=given, total=wanted, written=answered_written, tokens=tokens)
         finally:
             flush()
             loaded.release()
     return [done[key] for key in sorted(done)]
+
+
+class WrittenRequests:
+    """Requests the target writes itself once the given prompts are all under way (Magpie, Xu et al. 2024): its chat
+    template's opening of a user turn and nothing else, continued by sampling, as the learning head's idle answers
+    write theirs (``answers.IdleAnswers``). Held-out prompts stay the given ones, so acceptance measures the same."""
+
+    def __init__(self, turn: tuple[list[int], list[int]], seed: int):
+        self.opening, self.closing = turn
+        self.seed, self.started = seed, 0
+
+    def start(self) -> tuple[list[int], typing.Any]:
+        """The next request's prompt (the turn's opening) and sampling, seeded by its number."""
+        from depctl_runtime.speculation import GenerationParams, SamplingParams
+
+        self.started += 1
+        sampling = SamplingParams(temperature=WRITE_TEMPERATURE, seed=self.seed * 1_000_003 + self.started)
+        return list(self.opening), GenerationParams(max_tokens=MAX_WRITTEN, speculate=False, sampling=sampling)
+
+    def prompt(self, written: list[int]) -> list[int] | None:
+        """The answer's prompt: the request closed by the template; None for one too short to ask anything."""
+        if len(written) < MIN_ANSWER:
+            return None
+        return self.opening + written + self.closing
 
 
 def _reference_model(source: str):
@@ -523,12 +583,16 @@ def window_loss(
     return total, counted
 
 
-def _loss(head: EagleHead, example: dict, steps: int, bucket: int = 0) -> tuple[torch.Tensor | None, int]:
-    """``window_loss`` over one answer (its answer positions, labelled by the target's distribution kept there);
-    with a ``bucket``, over the answer padded to a multiple of it, from an index that is one: the padding is computed,
-    never counted, and the chained steps of the prompt's last indices whose drafts land in the answer are trained."""
+def _loss(
+    head: EagleHead, example: dict, steps: int, bucket: int = 0, labelled_from: int | None = None
+) -> tuple[torch.Tensor | None, int]:
+    """``window_loss`` over one answer (its answer positions, labelled by the target's distribution kept there, and
+    from ``labelled_from`` on where it is given, the prompt's tokens as they are); with a ``bucket``, over the answer
+    padded to a multiple of it, from an index that is one: the padding is computed, never counted, and the chained
+    steps of the prompt's last indices whose drafts land in the answer are trained."""
     device = head.d2t.device
-    first = _first(example)
+    labelled_from = example["start"] if labelled_from is None else labelled_from
+    first = max(0, labelled_from - 2)
     top = Top(example["top_ids"], example["top_logp"], example["start"] - 1)  # from the prompt's last position
     tokens = example["tokens"].to(device).long()
     features = example["features"].to(device).float()
@@ -537,7 +601,7 @@ def _loss(head: EagleHead, example: dict, steps: int, bucket: int = 0) -> tuple[
         first = first // bucket * bucket
         tokens = F.pad(tokens, (0, -length % bucket))
         features = F.pad(features, (0, 0, 0, tokens.shape[0] - 1 - features.shape[0]))
-    return window_loss(head, tokens, features, first, steps, example["start"], top=top, labelled_until=length)
+    return window_loss(head, tokens, features, first, steps, labelled_from, top=top, labelled_until=length)
 
 
 @torch.inference_mode()
@@ -615,6 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument(
+        "--no-written-requests", dest="written", action="store_false", help="answer the given prompts only"
+    )
+    parser.add_argument("--prompt-positions", action="store_true", help="train on the prompts' tokens too")
     args = parser.parse_args(argv)
     opts = TrainOptions(**vars(args))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the log is a file: the stages say how far it is

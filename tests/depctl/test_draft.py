@@ -38,6 +38,19 @@ def test_train_writes_a_head_and_says_how_to_serve_it(tiny_model_dir, tmp_path):
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
 
 
+def test_no_written_requests_answers_the_given_prompts_only(tiny_model_dir, tmp_path):
+    from depctl_runtime.training.state import load_rows
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"tell me about {i}"}) + "\n" for i in range(12)))
+    out = tmp_path / "head"
+    args = ["draft", "train", str(tiny_model_dir), "--out", str(out), "--data", str(data), "--minutes", "0.25"]
+    result = run(*args, "--max-tokens", "8", "--samples", "1", "--no-written-requests", "--no-compile")
+    assert result.exit_code == 0, result.output
+    rows = [row for shard in (out / ".train").glob("answers-*.safetensors") for row in load_rows(shard)]
+    assert sorted(row["index"] for row in rows) == list(range(12))
+
+
 def test_more_train_steps_than_steps_is_refused_before_anything_runs(tmp_path):
     out = tmp_path / "h"
     result = run("draft", "train", "smollm2-135m-instruct", "--out", str(out), "--steps", "2", "--train-steps", "3")
@@ -149,6 +162,8 @@ def test_ctrl_c_says_whether_anything_was_trained(tmp_path):
     assert run.stopped_message(tmp_path).startswith("Stopped before any training step: nothing was trained.")
     run.hear('{"event": "answers", "done": 40, "total": 600, "tokens": 9000}')
     assert "the 40 answers generated so far are kept" in run.stopped_message(tmp_path)
+    run.hear('{"event": "answers", "done": 600, "total": 600, "written": 25, "tokens": 99000}')
+    assert "the 625 answers generated so far are kept" in run.stopped_message(tmp_path)  # written requests' too
     run.hear('{"event": "progress", "minutes": 0.4, "total_minutes": 2.0, "loss": 5.1}')
     assert run.stopped_message(tmp_path).startswith("Stopped after 0.4 min of training")
     run.hear('{"event": "train", "minutes": 1.5, "total_minutes": 2.0, "acceptance": [0.1], "mean_accepted": 1.1}')

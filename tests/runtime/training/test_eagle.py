@@ -91,6 +91,23 @@ def test_an_answer_padded_to_a_bucket_counts_no_padding():
             torch.testing.assert_close(padded, unpadded)
 
 
+def test_prompt_positions_are_labelled_by_the_prompts_own_tokens_from_where_asked():
+    """With ``labelled_from`` the prompt's tokens from there on count too, hard-labelled (the target's distribution is
+    kept from the prompt's last position only); the answer's positions are labelled as before."""
+    head = tiny_head(vocab=50, draft_vocab=40)
+    head.set_vocabulary(torch.arange(40))
+    example = patterned_examples(1, length=37)[0]
+    example["start"] = 21
+    example["top_ids"], example["top_logp"] = example["top_ids"][17:], example["top_logp"][17:]
+    top = Top(example["top_ids"], example["top_logp"], 20)
+    answer_loss, answer_rows = _loss(head, example, 3)
+    loss, rows = _loss(head, example, 3, labelled_from=6)
+    assert rows == answer_rows + (21 - 6)  # step 0's rows: one a labelled token
+    expected, _ = window_loss(head, example["tokens"], example["features"], 4, 3, 6, top=top)
+    torch.testing.assert_close(loss, expected)
+    assert float(loss) > float(answer_loss)
+
+
 def test_a_head_round_trips_through_the_speculators_format(tmp_path):
     head = tiny_head()
     verifier = {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"], "fingerprint": "abc"}
@@ -167,9 +184,10 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     assert "answers" in kinds and kinds[-1] == "done"
     shards = [row for shard in sorted((out / ".train").glob("answers-*.safetensors")) for row in load_rows(shard)]
     # a greedy and two sampled answers a prompt, each with the features it was read with; the held-out prompt (a
-    # tenth of 12) only its greedy one, the answer acceptance is measured on
-    assert len(shards) == 12 + 11 * 2
-    assert sorted(Counter(row["index"] for row in shards).values()) == [1] + [3] * 11
+    # tenth of 12) only its greedy one, the answer acceptance is measured on; then requests the target wrote
+    given = [row for row in shards if row["index"] < 12]
+    assert len(given) == 12 + 11 * 2
+    assert sorted(Counter(row["index"] for row in given).values()) == [1] + [3] * 11
     assert all(row["features"].shape == (len(row["tokens"]) - 1, 3 * 64) for row in shards)
     assert all(row["top_ids"].shape == (len(row["tokens"]) - row["start"], 16) for row in shards)
     done = events[-1]
@@ -252,3 +270,34 @@ def test_a_load_slower_than_the_answering_budget_still_answers_enough_to_train_o
     # the budget was spent before the first answer starts (started an hour ago, a minute's limit)
     examples = _answers(opts, tokenizer, conversations, (0, 1, 1), tmp_path, time.monotonic() - 3600, 60.0, set())
     assert MIN_EXAMPLES <= len(examples) < 12 * opts.samples
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_time_left_after_the_given_prompts_answers_requests_the_target_writes(tiny_model_dir, tmp_path, written):
+    """Once every given prompt's answers are under way, the answering share's time left goes to requests the target
+    writes in its template's user turn, each answered greedily; they are never held out, and ``--no-written`` stops
+    them."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from depctl_runtime.training.answers import user_turn
+    from depctl_runtime.training.eagle import TrainOptions, _answers
+
+    conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(12)]
+    opts = TrainOptions(
+        target=str(tiny_model_dir), out=tmp_path, max_tokens=8, samples=2, compile=False, device="cpu", written=written
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    opening, closing = user_turn(tokenizer, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    examples = _answers(opts, tokenizer, conversations, (0, 1, 1), tmp_path, time.monotonic(), 4.0, {0})
+    given = [e for e in examples if e["index"] < 12]
+    assert sorted(Counter(e["index"] for e in given).values()) == [1] + [2] * 11  # held-out prompt 0: greedy only
+    own = [e for e in examples if e["index"] >= 12]
+    assert bool(own) == written
+    assert len({e["index"] for e in own}) == len(own) and all(e["sample"] == 0 for e in own)
+    for e in own:
+        prompt = e["tokens"][: e["start"]].tolist()
+        assert prompt[: len(opening)] == opening and prompt[-len(closing) :] == closing
+        assert len(prompt) - len(opening) - len(closing) >= 8  # a request with text in it
+        assert e["features"].shape[0] == len(e["tokens"]) - 1
