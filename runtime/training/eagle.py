@@ -374,7 +374,7 @@ def _answers(
         turn = user_turn(tokenizer, lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
         requests = WrittenRequests(turn, opts.seed) if opts.written and turn is not None else None
         writing: dict[int, list[int]] = {}  # requests being written: their tokens so far
-        written = max([len(conversations) - 1, *(i for i, _ in done)]) + 1  # their answers' indices follow
+        next_index = max([len(conversations) - 1, *(i for i, _ in done)]) + 1  # after the given prompts' indices
         tokens = 0
         try:
             while scheduler.has_work() or (requests and time.monotonic() - started < limit):
@@ -396,8 +396,8 @@ def _answers(
                             recorder.drop(seq.id)
                             prompt = requests.prompt(writing.pop(seq.id))
                             if prompt is not None and time.monotonic() - started < limit:
-                                queue(written, 0, prompt)
-                                written += 1
+                                queue(next_index, 0, prompt)
+                                next_index += 1
                         continue
                     entry = pending.get(seq.id)
                     if entry is None:
