@@ -4,12 +4,15 @@
     .venv/bin/python benchmarks/passes.py --precision float32 --shapes 1x1,1x9 --context 200
     .venv/bin/python benchmarks/passes.py --precision bfloat16 --bf16-kernels   # AMX against vdpbf16ps, where AMX is
     .venv/bin/python benchmarks/passes.py --device cuda --precision bfloat16 --model qwen2.5-coder-1.5b-instruct
+    .venv/bin/python benchmarks/passes.py --precision bfloat16,float32 --weight-prefetch   # prefetch on against off
 
 A pass is ``rows x tokens``: 1x1 a plain step of one request, 1x9 a verify pass of 8 drafts, 8x1 a plain step of a
 batch of 8, 8x5 that batch verifying 4 drafts a row. Each precision loads the deployment as the daemon would (the
 loader's surgery, fused forward, its compile where it compiles), then times every shape with the compiled library
 attached and detached, the two interleaved run by run so a slow minute on a shared machine hits both; the table
-shows medians. The eager column is what a deployment with ``--no-compile`` runs. On CUDA the compiled column is
+shows medians. The eager column is what a deployment with ``--no-compile`` runs. ``--weight-prefetch`` adds the
+compiled passes with the vector loops' software prefetch of the weights on and off, interleaved the same way (the
+products choose it by CPU vendor: ``blocked_weight_prefetch``). On CUDA the compiled column is
 the CUDA graphs' pass (``depctl_runtime.model.graphs``), whose one shape is the widest rows x tokens asked for.
 """
 
@@ -58,6 +61,11 @@ def main() -> None:
         help="bfloat16 on a CPU with AMX: time the compiled passes with the AMX product and with the "
         "vdpbf16ps loops, interleaved (a second table)",
     )
+    parser.add_argument(
+        "--weight-prefetch",
+        action="store_true",
+        help="time the compiled passes with the vector loops' weight prefetch on and off, interleaved (a table)",
+    )
     args = parser.parse_args()
 
     from depctl_runtime.backends.loader import load_deployment
@@ -75,6 +83,13 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     kernel_lines: list[str] = []
+    prefetch_lines: list[str] = []
+    if args.weight_prefetch:
+        from depctl_runtime.kernels import native
+
+        native.load()
+    ops = torch.ops.depctl_native
+    chosen_prefetch = ops.blocked_weight_prefetch(-1) if args.weight_prefetch else None
     for precision in args.precision.split(","):
         quantization = precision if precision in ("int8", "int4") else "none"
         dtype = "auto" if quantization != "none" else precision
@@ -93,9 +108,10 @@ def main() -> None:
         print(f"# {precision}: compiled {loaded.compiled}", file=sys.stderr)
         for r in range(rows):  # every row holds ``context`` positions; each pass is then rolled back to them
             runner.forward(r, [[(r * 13 + j) % 1000 + 1 for j in range(args.context)]], last_only=True, prefill=True)
-        modes = {"eager": (runner.with_pass(None), False)}  # mode -> (runner, AMX refused)
+        # mode -> (runner, AMX refused, weight prefetch: None as chosen)
+        modes = {"eager": (runner.with_pass(None), False, chosen_prefetch)}
         if fast is not None:
-            modes["compiled"] = (runner, False)
+            modes["compiled"] = (runner, False, chosen_prefetch)
         kernels = (
             args.bf16_kernels
             and precision == "bfloat16"
@@ -103,13 +119,18 @@ def main() -> None:
             and torch.ops.depctl_native.blocked_kernel(torch.bfloat16) == "amx-bf16"
         )
         if kernels:  # the same library; the op takes the vdpbf16ps loops while AMX is refused
-            modes["vdpbf16ps"] = (runner, True)
+            modes["vdpbf16ps"] = (runner, True, chosen_prefetch)
+        if args.weight_prefetch and fast is not None:
+            modes["prefetch on"] = (runner, False, True)
+            modes["prefetch off"] = (runner, False, False)
         for r, t in shapes:
             times: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.runs + 2):
-                for mode, (mode_runner, refuse_amx) in modes.items():
+                for mode, (mode_runner, refuse_amx, prefetch) in modes.items():
                     if kernels:
-                        torch.ops.depctl_native.blocked_refuse_amx(refuse_amx)
+                        ops.blocked_refuse_amx(refuse_amx)
+                    if prefetch is not None:
+                        ops.blocked_weight_prefetch(int(prefetch))
                     seconds = time_pass(mode_runner, r, t, args.context)
                     if i >= 2:  # two warm-up runs of a new shape
                         times[mode].append(seconds)
@@ -123,8 +144,13 @@ def main() -> None:
             if kernels:
                 dot = med["vdpbf16ps"]
                 kernel_lines.append(f"| {r} x {t} | {comp:.2f} | {dot:.2f} | {dot / comp:.2f}x |")
+            if "prefetch on" in med:
+                on, off = med["prefetch on"], med["prefetch off"]
+                prefetch_lines.append(f"| {precision} | {r} x {t} | {on:.2f} | {off:.2f} | {on / off:.2f}x |")
         if kernels:
-            torch.ops.depctl_native.blocked_refuse_amx(False)
+            ops.blocked_refuse_amx(False)
+        if args.weight_prefetch:
+            ops.blocked_weight_prefetch(int(chosen_prefetch))
         for r in range(rows):
             runner.set_length(r, 0)
         del loaded, runner, fast, modes
@@ -136,6 +162,16 @@ def main() -> None:
             "| pass (rows x tokens) | AMX tiles | vdpbf16ps loops | vdpbf16ps / AMX |",
             "|---|---|---|---|",
             *kernel_lines,
+        ]
+    if prefetch_lines:
+        lines += [
+            "",
+            f"Compiled passes with the vector loops' weight prefetch on and off (this CPU's choice: "
+            f"{'on' if chosen_prefetch else 'off'}):",
+            "",
+            "| precision | pass (rows x tokens) | prefetch on | prefetch off | on / off |",
+            "|---|---|---|---|---|",
+            *prefetch_lines,
         ]
     print("\n".join(lines))
 

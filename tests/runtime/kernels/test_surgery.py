@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -194,6 +196,30 @@ def test_blocked_linear_spreads_a_product_over_torchs_threads_with_the_same_bits
         assert torch.equal(fast(x), one)  # a thread takes whole blocks of outputs: no sum is split between threads
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype, name", KERNELS[:2])
+def test_the_weight_prefetch_changes_no_bit_and_is_chosen_by_vendor(kernel, dtype, name):
+    from depctl_runtime.kernels.surgery import BlockedLinear
+
+    kernel(dtype, name)
+    ops = torch.ops.depctl_native
+    chosen = ops.blocked_weight_prefetch(-1)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():  # on by default, off where the CPU is an AMD one (its tiles of 2+ rows ran slower with it)
+        assert chosen == ("AuthenticAMD" not in cpuinfo.read_text(errors="replace"))
+    torch.manual_seed(0)
+    fast = BlockedLinear(nn.Linear(576, 200, bias=False).to(dtype))
+    x = torch.randn(13, 576).to(dtype)
+    try:
+        for m in range(1, 14):  # every tile height and remainder
+            assert ops.blocked_weight_prefetch(1)
+            on = fast(x[:m])
+            assert not ops.blocked_weight_prefetch(0)
+            assert torch.equal(fast(x[:m]), on), m
+    finally:
+        ops.blocked_weight_prefetch(int(chosen))
+    assert ops.blocked_weight_prefetch(-1) == chosen
 
 
 def test_blocked_linear_refuses_a_weight_it_did_not_pack(native_ops):
