@@ -26,7 +26,8 @@ each loaded as the daemon loads it (compiled passes where they pay). A round:
 
 After the last round, the learned deployment under load (``--load``, 8 and 16 clients): the held-out workload's
 prompts queued at once, each level ``--repeat`` times with the modes alternating, against the plain deployment
-(not recorded either).
+(not recorded either, but the learning deployment still keeps their features as it would to record them), and the
+learning deployment's requests once more asking for no drafts: what it costs apart from its speculation.
 
 Round 0 measures before any traffic (the n-gram index alone). Run on a quiet machine: both deployments share the
 process's threads, and nothing else should run. With ``--home`` of an earlier run, the deployment resumes what it
@@ -216,25 +217,33 @@ def main() -> None:
             f"\nunder load: the held-out workload's prompts, {args.repeat} runs a level, the modes alternating; each "
             "run queues max(2 x clients, prompts) requests at once, so the batch stays full until the queue drains"
         )
-        print("\n| clients | plain tok/s | learning tok/s | vs plain | each run | head steps | exact |")
-        print("|---:|---:|---:|---:|---|---:|---|")
+        print(
+            "\n| clients | plain tok/s | learning tok/s | vs plain | each run | head steps | exact "
+            "| learning, no drafts: vs plain |"
+        )
+        print("|---:|---:|---:|---:|---|---:|---|---:|")
+        # the learning deployment's requests asking for no drafts too: what the deployment costs apart from its
+        # speculation (recording its traffic, reading prompts whole)
+        undrafted = GenerationParams(max_tokens=args.max_tokens, speculate=False)
         observer, engine.observer = engine.observer, TrafficRecorder(_Answers(), torch.float32)  # not trained on
         for level in levels:
-            rates, exact = {"plain": [], "learning": []}, True
+            rates, exact = {"plain": [], "learning": [], "no drafts": []}, True
             drafts_before = engine.stats.num_model_drafts
             for r in range(args.repeat):
                 runs = {}
-                for name in ("plain", "learning") if r % 2 == 0 else ("learning", "plain"):
+                for name in ("plain", "learning", "no drafts") if r % 2 == 0 else ("no drafts", "learning", "plain"):
                     eng = plain.engine if name == "plain" else engine
-                    rate, runs[name] = _closed_loop(eng, Scheduler(eng, level), held, level, greedy)
+                    params = undrafted if name == "no drafts" else greedy
+                    rate, runs[name] = _closed_loop(eng, Scheduler(eng, level), held, level, params)
                     rates[name].append(rate)
-                exact &= runs["plain"] == runs["learning"]
+                exact &= runs["plain"] == runs["learning"] == runs["no drafts"]
             ratios = [a / b for a, b in zip(rates["learning"], rates["plain"])]
             print(
                 f"| {level} | {statistics.mean(rates['plain']):.1f} | {statistics.mean(rates['learning']):.1f}"
                 f" | {statistics.mean(rates['learning']) / statistics.mean(rates['plain']):.2f}x"
                 f" | {min(ratios):.2f}-{max(ratios):.2f} | {engine.stats.num_model_drafts - drafts_before}"
-                f" | {'yes' if exact else 'NO'} |",
+                f" | {'yes' if exact else 'NO'}"
+                f" | {statistics.mean(rates['no drafts']) / statistics.mean(rates['plain']):.2f}x |",
                 flush=True,
             )
         engine.observer = observer
