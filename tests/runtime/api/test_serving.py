@@ -93,7 +93,9 @@ def test_requests_waiting_for_a_load_hold_no_thread_that_others_need(depctl_home
 
     store = SpecStore()
     for dep_id, keep_alive in (("nap", 1.0), ("other", None)):
-        store.create(DeploymentSpec(id=dep_id, model=str(tiny_model_dir), device="cpu", keep_alive=keep_alive))
+        # no compiled passes: the test is about threads, and a compile per load was most of its time
+        spec = DeploymentSpec(id=dep_id, model=str(tiny_model_dir), device="cpu", keep_alive=keep_alive, compile=False)
+        store.create(spec)
     manager = DeploymentManager(store, loader=loader)
     app = create_app(manager=manager, settings=Settings())
     manager.start()
