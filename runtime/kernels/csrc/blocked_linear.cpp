@@ -54,6 +54,7 @@ inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 // lets a benchmark set it. It changes no result: the same instructions sum every output.
 int default_prefetch() {
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  __builtin_cpu_init();  // a static initializer may run before the one that fills in what __builtin_cpu_is reads
   return __builtin_cpu_is("amd") ? 0 : 1;
 #else
   return 1;
