@@ -62,6 +62,16 @@ int default_prefetch() {
 }
 std::atomic<int> weight_prefetch{default_prefetch()};
 
+// run(std::true_type or std::false_type): this process's prefetch choice, as a constant for the tile templates
+template <typename Run>
+void with_prefetch(const Run& run) {
+  if (weight_prefetch.load(std::memory_order_relaxed)) {
+    run(std::true_type{});
+  } else {
+    run(std::false_type{});
+  }
+}
+
 // MB rows (x, `x_stride` apart) by NB blocks (starting at `w`, K * L floats apart) into y (`y_stride` apart); the
 // last of the NB blocks holds `last` valid outputs (L for a full one).
 template <int MB, int NB, bool PF>
@@ -141,14 +151,10 @@ void blocks(const float* x, int64_t M, const float* w, int64_t K, float* y, int6
       return;
     }
   }
-  const bool pf = weight_prefetch.load(std::memory_order_relaxed) != 0;
-  over_rows(M, [&](auto rows, int64_t m) {
-    constexpr int MB = decltype(rows)::value;
-    if (pf) {
-      tile<MB, NB, true>(x + m * K, K, w, K, y + m * N, N, last);
-    } else {
-      tile<MB, NB, false>(x + m * K, K, w, K, y + m * N, N, last);
-    }
+  with_prefetch([&](auto pf) {
+    over_rows(M, [&](auto rows, int64_t m) {
+      tile<decltype(rows)::value, NB, decltype(pf)::value>(x + m * K, K, w, K, y + m * N, N, last);
+    });
   });
 }
 
@@ -207,14 +213,11 @@ DEPCTL_BF16_TARGET void tile_bf16(const uint16_t* x, int64_t x_stride, const uin
 template <int NB>
 void blocks_bf16(const uint16_t* x, int64_t x_stride, int64_t M, const uint16_t* w, int64_t pairs, int64_t stride,
                  uint16_t* y, int64_t N, int64_t last) {
-  const bool pf = weight_prefetch.load(std::memory_order_relaxed) != 0;
-  over_rows(M, [&](auto rows, int64_t m) {
-    constexpr int MB = decltype(rows)::value;
-    if (pf) {
-      tile_bf16<MB, NB, true>(x + m * x_stride, x_stride, w, pairs, stride, y + m * N, N, last);
-    } else {
-      tile_bf16<MB, NB, false>(x + m * x_stride, x_stride, w, pairs, stride, y + m * N, N, last);
-    }
+  with_prefetch([&](auto pf) {
+    over_rows(M, [&](auto rows, int64_t m) {
+      tile_bf16<decltype(rows)::value, NB, decltype(pf)::value>(x + m * x_stride, x_stride, w, pairs, stride,
+                                                                  y + m * N, N, last);
+    });
   });
 }
 
