@@ -27,7 +27,8 @@ each loaded as the daemon loads it (compiled passes where they pay). A round:
 After the last round, the learned deployment under load (``--load``, 8 and 16 clients): the held-out workload's
 prompts queued at once, each level ``--repeat`` times with the modes alternating, against the plain deployment
 (not recorded either, but the learning deployment still keeps their features as it would to record them), and the
-learning deployment's requests once more asking for no drafts: what it costs apart from its speculation.
+learning deployment's requests once more asking for no drafts: what it costs apart from its speculation. After
+the table, the guard's view of each level: per band of batch sizes, each kind of drafting step against plain ones.
 
 Round 0 measures before any traffic (the n-gram index alone). Run on a quiet machine: both deployments share the
 process's threads, and nothing else should run. With ``--home`` of an earlier run, the deployment resumes what it
@@ -226,6 +227,7 @@ def main() -> None:
         # speculation (recording its traffic, reading prompts whole)
         undrafted = GenerationParams(max_tokens=args.max_tokens, speculate=False)
         observer, engine.observer = engine.observer, TrafficRecorder(_Answers(), torch.float32)  # not trained on
+        guards = []
         for level in levels:
             rates, exact = {"plain": [], "learning": [], "no drafts": []}, True
             drafts_before = engine.stats.num_model_drafts
@@ -246,7 +248,16 @@ def main() -> None:
                 f" | {statistics.mean(rates['no drafts']) / statistics.mean(rates['plain']):.2f}x |",
                 flush=True,
             )
+            guards.append((level, engine.policy.snapshot()["drafting_over_plain"]))
         engine.observer = observer
+        for level, guard in guards:  # where each kind of drafting step gained or lost, and whether it is off there
+            bands = ", ".join(
+                f"{g['sizes']}: {kind} {k['ratio']:.2f}{' off' if k['off'] else ''}"
+                for g in guard.values()
+                for kind, k in g.items()
+                if kind in ("free", "model")
+            )
+            print(f"\nafter {level} clients, drafting over plain steps by batch size: {bands or '-'}")
     learning.release()
     plain.release()
 

@@ -176,8 +176,19 @@ class CostModel:
         self.samples: dict[int, float] = {}  # the estimate per token count (calibration writes it directly)
         self._recent: dict[int, deque] = {}
         self._counts: list[int] = []  # sorted(samples), kept while no count is added (counts are never removed)
+        # what calibration (or a restored snapshot) said of each count it wrote, and the counts since confirmed by
+        # passes of their own: a count only calibrated follows the drift the live counts under it measured
+        self._calibrated: dict[int, float] = {}
+        self._observed: set[int] = set()
+        self._live: set[int] = set()
+        self._synced = 0  # len(samples) when the calibrated entries were last taken
 
     def observe(self, n: int, seconds: float) -> None:
+        if self._synced != len(self.samples):  # entries written directly since: calibration's
+            for m, value in self.samples.items():
+                if m not in self._observed:
+                    self._calibrated.setdefault(m, value)
+        self._observed.add(n)
         # A pass over m > n tokens could run as ceil(m / n) passes over n, so a pass that took ``seconds`` bounds
         # every wider count's cost. A slow sample may be contention, a fast one is not: costs that contention left
         # on counts the policy then never picked (too dear to draft, so never re-measured) fall at the first quiet
@@ -191,6 +202,16 @@ class CostModel:
         value = self.samples[n] = _estimate(recent, self.samples.get(n), seconds)
         if len(recent) < CONFIRMED:
             return  # one or two passes (a count's first, say) may be an outlier: they never reprice other counts
+        self._live.add(n)
+        # Calibration reads passes at a short context; serving's are longer, and a wide count the policy rarely
+        # picks keeps its calibrated cost while the counts it does pick grow dearer (drafting passes at 4-16 rows
+        # ran 5-15% over their price). Wider counts not yet measured live take the drift this one measured.
+        calibrated = self._calibrated.get(n)
+        if calibrated:
+            drift = max(value / calibrated, 1.0)  # only upwards: the bound above already lowers what runs faster
+            for m, old in self._calibrated.items():
+                if m > n and m not in self._live:
+                    self.samples[m] = min(old * drift, seconds * -(-m // n))
         # More tokens never cost less. An entry that says otherwise is older than this one (a calibration at a short
         # context, a count the policy has not picked since): the fresh estimate corrects it, upwards for larger
         # counts and downwards for smaller ones. Without this, a stale 16-token entry under a measured 15 made
@@ -199,6 +220,7 @@ class CostModel:
             if (m > n and old < value) or (m < n and old > value):
                 self.samples[m] = value
                 self._recent.pop(m, None)
+        self._synced = len(self.samples)
 
     def __call__(self, n: int) -> float:
         known = self.samples

@@ -329,6 +329,29 @@ def test_a_quiet_pass_bounds_the_costs_contention_left_on_wider_passes():
     assert costs(8) <= 2 * 0.034
 
 
+def test_a_wide_count_only_calibrated_follows_the_drift_live_counts_measured():
+    # calibration reads passes at a context of 64; serving's grow longer and dearer, and the wide counts a batch
+    # drafts at are picked too rarely to be re-measured: float32 at 8-16 rows drafted 22-token passes priced at 44 ms
+    # that took 50, while the 10-row plain passes beside them ran 5-8% over their calibration
+    costs = CostModel()
+    costs.samples.update({1: 0.010, 8: 0.020, 16: 0.030, 32: 0.050})  # a calibration
+    for _ in range(3):
+        costs.observe(8, 0.024)  # 20% dearer than calibrated, confirmed
+    assert costs(8) == pytest.approx(0.024)
+    assert costs(16) == pytest.approx(0.036) and costs(32) == pytest.approx(0.060)  # the same drift
+    assert costs(24) == pytest.approx(0.048)  # and what lies between them
+    assert costs(1) == 0.010  # narrower counts are not moved by it
+    for _ in range(3):
+        costs.observe(32, 0.052)  # a wide count measured itself: its own passes price it from now on
+    for _ in range(3):
+        costs.observe(8, 0.030)
+    assert costs(32) == pytest.approx(0.052)
+    assert costs(16) == pytest.approx(0.045)  # still only calibrated: 50% dearer now, as 8 is
+    for _ in range(5):
+        costs.observe(8, 0.016)  # faster than calibrated: the bound on wider counts lowers them, the drift never does
+    assert costs(16) <= 2 * 0.016 + 1e-12
+
+
 def _steps(policy, batch: int, plain_rate: float, drafting_rate: float, n: int) -> list[int]:
     """``n`` steps of a batch whose rows would draft: each runs as the policy says, and the step takes 1/rate seconds
     a token at the rate of its kind. The widths it chose."""
