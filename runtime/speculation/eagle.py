@@ -73,6 +73,10 @@ class EagleProposer:
             held = self.waiting[row] = _Held(start, features.new_empty(max(64, features.shape[0]), features.shape[1]))
         held.put(start - held.first, features)  # a position read again replaces what was held for it
 
+    def behind(self, seq) -> int:
+        """The entries its next draft makes before drafting: one per index it has features for and not yet read."""
+        return max(len(seq.tokens) - 1 - self.lengths[seq.row], 0)
+
     def set_length(self, row: int, length: int) -> None:
         """The row's tokens were cut to ``length``: its entries past index length - 2 and features past position
         length - 1 no longer hold."""
@@ -200,9 +204,10 @@ class EagleProposer:
 
     # ---- load time ----
     @torch.inference_mode()
-    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2) -> None:
+    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2, catch_up=None) -> None:
         """A draft step's cost over 1 and ``rows`` rows into ``cost`` (a ``policy.CostModel``), over ``len(prompt)``
-        entries a row; leaves every row empty."""
+        entries a row; leaves every row empty. (A catch-up is one layer's products over a few rows of entries: priced
+        from serving's steps alone, ``catch_up`` is left as it is.)"""
         head, n = self.head, len(prompt)
         self._reserve(n + 1)
         for b in sorted({1, rows}):

@@ -363,10 +363,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         # propose: free guesses first, then one draft width for the batch (policy), then the draft model
         guesses = [self._guess(seq) for seq in batch]  # a row whose guess failed is faulted, with no drafts
-        width, predicted = self.policy.width(
-            [RowPlan(g.acceptance, g.available, g.source == DraftSource.MODEL) for g in guesses],
-            trees=self._trees_possible(batch, guesses),
-        )
+        plans = [self._plan(seq, g) for seq, g in zip(batch, guesses)]
+        width, predicted = self.policy.width(plans, trees=self._trees_possible(batch, guesses))
         if width and not self.policy.model_drafts:  # the rows with free guesses draft alone: no draft forward
             guesses = [replace(g, available=0) if g.source == DraftSource.MODEL else g for g in guesses]
         if width and self.policy.row_drafts is not None:  # each row verifies as many guesses as pay for their place
@@ -445,6 +443,9 @@ class SpeculativeEngine:
             if drafted.forwards:
                 self.policy.draft_cost.observe(len(batch), drafted.forward_seconds / drafted.forwards)
             self.policy.draft_start_cost.observe(len(batch), (t1 - t0) - drafted.forward_seconds)
+        elif drafted_model and branches == 1:  # the draft read what it missed first: a catch-up, priced by its tokens
+            fed = sum(p.behind for p, g in zip(plans, guesses) if g.source == DraftSource.MODEL and g.available)
+            self.policy.catch_up_cost.observe(max(fed, 1), (t1 - t0) - drafted.forward_seconds)
         t3 = time.perf_counter()
         # the guard judges each kind apart; a step whose draft model ran is its kind's even where no row kept a draft
         kind = MODEL if MODEL in realised or drafted_model else FREE if realised else None
@@ -547,6 +548,14 @@ class SpeculativeEngine:
                 rejoin_guess, seq.prediction_acceptance, DraftSource.PREDICTION, len(rejoin_guess), rejoin_start
             )
         return Guess(tokens, seq.acceptance, DraftSource.FREE, len(tokens), start)
+
+    def _plan(self, seq: Sequence, guess: Guess) -> RowPlan:
+        """What the row offers the policy this step; a draft model's row also what its catch-up reads first and
+        what its output may still gain."""
+        if guess.source != DraftSource.MODEL or not guess.available:
+            return RowPlan(guess.acceptance, guess.available, guess.source == DraftSource.MODEL)
+        behind = self.draft_model.behind(seq)
+        return RowPlan(guess.acceptance, guess.available, True, behind, seq.limit - seq.produced)
 
     @property
     def drafts_trees(self) -> bool:
@@ -808,7 +817,9 @@ class SpeculativeEngine:
             # kept costs may predate the draft (a learning deployment's head that came later): unmeasured, its forward
             # would be priced at a second and never draft
             if measure or not self.policy.draft_cost.samples:
-                self.draft_model.calibrate(self.policy.draft_cost, rows, prompt, draft_repeats)
+                self.draft_model.calibrate(
+                    self.policy.draft_cost, rows, prompt, draft_repeats, catch_up=self.policy.catch_up_cost
+                )
             else:
                 self.draft_model.calibrate(CostModel(), rows, prompt, 0)
         for r in range(rows):

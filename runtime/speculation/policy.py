@@ -304,6 +304,8 @@ class RowPlan:
     acceptance: RequestAcceptance
     available: int  # a free guess's length, or the row's room for a draft model's tokens
     model: bool  # drafts would come from the draft model (cost per token)
+    behind: int = 0  # tokens the draft model must read for this row before it drafts (its catch-up)
+    remaining: int = 0  # output tokens the row may still produce: what drafting from here on can speed up
 
 
 def band(batch: int) -> int:
@@ -490,6 +492,11 @@ class DraftLengthPolicy:
         # a row, and for a head its fused features), its first forward and the drafting around it. Priced as one
         # more forward, it made every position as dear as the first and deeper drafts look worse than they are
         self.draft_start_cost = CostModel()
+        # a step's first drafted position where the draft first reads what it missed, by the tokens it reads (over
+        # all rows): a row's prompt and answer so far, where the batch had decoded plainly since it joined. Priced
+        # apart, and paid only where the rows' remaining tokens repay it: a lone request's first drafting step in
+        # a 4-client cell's drain read ~200 tokens through a 0.5B draft, at 0.04x a plain step's rate
+        self.catch_up_cost = CostModel()
         # a target pass over n token rows that verifies draft trees: attended apart from chains (compiled passes
         # and CUDA graphs attend chains only), so priced apart; unmeasured, trees are not drafted
         self.tree_cost = CostModel()
@@ -657,7 +664,21 @@ class DraftLengthPolicy:
             best_w, best_rate = self._tree(rows, self.drafting_seconds(batch, 1), best_w, best_rate)
         if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
             best_w, self.branches = 0, 1
+        if best_w and drafts and not self._catch_up_repaid(rows, base_rate, best_rate):
+            best_w, self.branches = 0, 1
         return best_w, (best_rate / base_rate if best_w else 1.0)
+
+    def _catch_up_repaid(self, rows: list[RowPlan], base_rate: float, best_rate: float) -> bool:
+        """Whether drafting from here on, at ``best_rate`` tokens a second against ``base_rate`` plainly, saves more
+        over the rows' remaining tokens than the draft's catch-up costs beyond a steady step's start (free where it
+        was never measured: a head's catch-up is a few rows of one layer's products)."""
+        fed = sum(r.behind for r in rows if r.model and r.available)
+        if not self.catch_up_cost.samples or fed <= 2 * len(rows):
+            return True
+        start = self.draft_start_cost(len(rows)) if self.draft_start_cost.samples else 0.0
+        extra = self.catch_up_cost(fed) - start
+        remaining = sum(r.remaining for r in rows)
+        return remaining * (1 / base_rate - 1 / best_rate) >= extra
 
     def _row_drafts(self, rows: list[RowPlan]) -> tuple[int, list[RowPlan]]:
         """A batch of free guesses: each row verifies its own number of drafts, the batch's likeliest first (a row's
@@ -802,6 +823,7 @@ class DraftLengthPolicy:
             (self.draft_cost, "draft_ms"),
             (self.draft_start_cost, "draft_start_ms"),
             (self.tree_cost, "tree_ms"),
+            (self.catch_up_cost, "catch_up_ms"),
         )
         for cost, name in kept_costs:
             cost.samples.update({int(n): ms / 1000 for n, ms in kept.get(name, {}).items()})
@@ -814,6 +836,7 @@ class DraftLengthPolicy:
             "draft_ms": self.draft_cost.snapshot(),  # rows in a draft forward -> ms
             "draft_start_ms": self.draft_start_cost.snapshot(),  # rows -> ms, a step's first drafted position
             "tree_ms": self.tree_cost.snapshot(),  # token rows in a pass over draft trees -> ms
+            "catch_up_ms": self.catch_up_cost.snapshot(),  # tokens a draft reads before drafting -> its start, ms
             "expected_acceptance": round(self.deployment_rate, 3),
             "expected_model_acceptance": round(self.model_rate, 3),  # a draft model's or head's beside free guesses
             "realised_over_predicted": {

@@ -276,7 +276,9 @@ class ModelProposer(Protocol):
 
     def move_row(self, src: int, dst: int) -> None: ...
 
-    def calibrate(self, cost, rows: int, prompt: list[int]) -> None: ...
+    def behind(self, seq) -> int: ...  # tokens of ``seq`` its next draft reads before drafting (its catch-up)
+
+    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2, catch_up=None) -> None: ...
 
     def release(self) -> None: ...
 
@@ -434,6 +436,9 @@ class DraftModelProposer:
     def move_row(self, src: int, dst: int) -> None:
         self.runner.move_row(src, dst)
 
+    def behind(self, seq) -> int:
+        return len(seq.tokens) - self.runner.length(seq.row)
+
     def prefilled(self, seq, start: int, features: torch.Tensor | None, logits=None) -> None:
         pass  # a row's prompt is read when it first drafts
 
@@ -519,9 +524,18 @@ class DraftModelProposer:
         return ModelDrafts(tokens, [None] * len(batch), caught_up, trees, first[:, :TOP_CHOICES].tolist())
 
     @torch.inference_mode()
-    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2) -> None:
-        """A forward's cost over 1 and ``rows`` rows into ``cost`` (a ``policy.CostModel``); leaves every row empty."""
+    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2, catch_up=None) -> None:
+        """A forward's cost over 1 and ``rows`` rows into ``cost`` (a ``policy.CostModel``), and into ``catch_up`` what
+        reading ``prompt`` into one row costs (a drafting step's start after a gap); leaves every row empty."""
         runner = self.runner
+        if catch_up is not None:
+            best = float("inf")
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                greedy(runner.forward(0, [prompt], last_only=True)).tolist()
+                best = min(best, time.perf_counter() - t0)
+                runner.set_length(0, 0)
+            catch_up.samples[len(prompt)] = best
         runner.forward(0, [prompt] * rows, last_only=True)
         for b in sorted({1, rows}):
             best = float("inf")

@@ -83,7 +83,10 @@ class FeatureRecorder:
     def move_row(self, src: int, dst: int) -> None:
         pass
 
-    def calibrate(self, cost, rows: int, prompt: list[int]) -> None:
+    def behind(self, seq) -> int:
+        return 0
+
+    def calibrate(self, cost, rows: int, prompt: list[int], repeats: int = 2, catch_up=None) -> None:
         pass
 
     def release(self) -> None:

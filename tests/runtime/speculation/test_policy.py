@@ -476,6 +476,26 @@ def test_the_policy_drafts_a_tree_where_the_other_branches_pay_for_themselves():
     assert policy.width([row], trees=True)[0] == 0 and policy.branches == 1
 
 
+def test_a_draft_that_must_first_read_a_long_gap_drafts_only_where_the_rest_of_the_answer_repays_it():
+    # Qwen2.5-Coder-1.5B with the 0.5B drafting, 4 clients: the batch decoded plainly, and when the last request of
+    # the cell's drain decoded alone its first drafting step read its whole prompt and answer through the draft, a
+    # step the guard then measured at 0.04x a plain one
+    policy = DraftLengthPolicy(max_k=4)
+    policy.verify_cost.samples.update({1: 0.040, 2: 0.041, 3: 0.042, 4: 0.043, 5: 0.044})
+    policy.draft_cost.samples[1] = 0.010
+    policy.draft_start_cost.samples[1] = 0.012
+
+    def width(behind: int, remaining: int) -> int:
+        return policy.width([RowPlan(policy.new_request(prior=0.8, model=True), 4, True, behind, remaining)])[0]
+
+    assert width(behind=300, remaining=20) > 0  # a catch-up never measured is not priced (a head's is cheap)
+    policy.catch_up_cost.samples.update({64: 0.150})  # calibration: a 64-token prompt read into one row
+    assert width(behind=1, remaining=20) > 0  # a steady step: nothing to catch up on
+    assert width(behind=300, remaining=20) == 0  # 20 tokens at 1.5x cannot repay reading 300
+    assert width(behind=300, remaining=2000) > 0  # 2,000 can
+    assert policy.snapshot()["catch_up_ms"] == {64: 150.0}
+
+
 def test_a_tree_never_outgrows_what_a_cache_row_holds_past_its_length():
     policy = DraftLengthPolicy(max_k=32, adaptive=False, tree_branches=4)
     wide = [RowPlan(policy.new_request(prior=0.9), 32, True)]
