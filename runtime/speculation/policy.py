@@ -204,8 +204,8 @@ class CostModel:
             return  # one or two passes (a count's first, say) may be an outlier: they never reprice other counts
         self._live.add(n)
         # Calibration reads passes at a short context; serving's are longer, and a wide count the policy rarely
-        # picks keeps its calibrated cost while the counts it does pick grow dearer (drafting passes at 4-16 rows
-        # ran 5-15% over their price). Wider counts not yet measured live take the drift this one measured.
+        # picks would keep its calibrated cost while the counts it does pick grow dearer. Wider counts not yet
+        # measured live take the drift this one measured.
         calibrated = self._calibrated.get(n)
         if calibrated:
             drift = max(value / calibrated, 1.0)  # only upwards: the bound above already lowers what runs faster
@@ -494,8 +494,8 @@ class DraftLengthPolicy:
         self.draft_start_cost = CostModel()
         # a step's first drafted position where the draft first reads what it missed, by the tokens it reads (over
         # all rows): a row's prompt and answer so far, where the batch had decoded plainly since it joined. Priced
-        # apart, and paid only where the rows' remaining tokens repay it: a lone request's first drafting step in
-        # a 4-client cell's drain read ~200 tokens through a 0.5B draft, at 0.04x a plain step's rate
+        # apart, and paid only where the rows' remaining tokens repay it: a lone request left at the end of a busy
+        # spell otherwise reads its whole context through a draft model for one step's gain
         self.catch_up_cost = CostModel()
         # a target pass over n token rows that verifies draft trees: attended apart from chains (compiled passes
         # and CUDA graphs attend chains only), so priced apart; unmeasured, trees are not drafted
