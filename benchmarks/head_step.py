@@ -35,6 +35,7 @@ def main() -> None:
 
     from depctl import workloads
     from depctl.spec import DeploymentSpec, DraftModelSpeculation
+    from depctl_runtime.backends import eagle
     from depctl_runtime.backends.loader import load_deployment
     from depctl_runtime.speculation import GenerationParams, Scheduler
     from depctl_runtime.speculation.eagle import EagleProposer
@@ -51,7 +52,8 @@ def main() -> None:
     compiled = engine.draft_model
     if compiled.compiled is None:
         raise SystemExit(f"the head's step did not compile here: {loaded.compiled}")
-    eager = EagleProposer(compiled.head, max(levels), compiled.vocabulary.size)
+    vocab = compiled.vocabulary.size
+    modes = {"eager": EagleProposer(compiled.head, max(levels), vocab), "compiled": compiled}
     policy = engine.policy
     engine._draft_threshold = lambda batch: 1e-9  # every position drafted is verified: none is cut
     prompts = []
@@ -64,6 +66,8 @@ def main() -> None:
 
     def run(proposer, rows: int, width: int) -> dict:
         engine.proposer = engine.draft_model = proposer
+        for row in range(max(levels)):  # the engine cut the rows of whichever proposer was serving: not this one's
+            proposer.set_length(row, 0)
         policy.width = lambda plans, trees=False: (width, policy.expected(plans, width))
         drafted = {"steps": 0, "seconds": 0.0, "forwards": 0, "forward_seconds": 0.0}
         propose = proposer.propose
@@ -93,7 +97,7 @@ def main() -> None:
     print(
         f"{args.model}, head {args.head}: {args.workload!r} workload, greedy, {args.max_tokens} tokens, "
         f"2 x rows requests a cell, {args.repeat} runs a mode; torch threads {torch.get_num_threads()}; "
-        f"{loaded.compiled}\n"
+        f"{loaded.compiled}; the head's products at {eagle.HEAD_BITS} bits\n"
     )
     print(
         "| rows | width | step | drafting a step (ms) | first position (ms) | each later forward (ms) | tok/s "
@@ -104,10 +108,10 @@ def main() -> None:
         for width in widths:
             totals = {
                 name: {"steps": 0, "seconds": 0.0, "forwards": 0, "forward_seconds": 0.0, "elapsed": 0.0, "tokens": 0}
-                for name in ("eager", "compiled")
+                for name in modes
             }
             for _ in range(args.repeat):
-                for name, proposer in (("eager", eager), ("compiled", compiled)):
+                for name, proposer in modes.items():
                     for key, value in run(proposer, rows, width).items():
                         totals[name][key] += value
             rates = {name: t["tokens"] / t["elapsed"] for name, t in totals.items()}
@@ -115,7 +119,7 @@ def main() -> None:
                 per_step = 1000 * t["seconds"] / max(t["steps"], 1)
                 later = 1000 * t["forward_seconds"] / t["forwards"] if t["forwards"] else None
                 first = per_step - 1000 * t["forward_seconds"] / max(t["steps"], 1)
-                ratio = f"{rates['compiled'] / rates['eager']:.2f}x" if name == "compiled" else ""
+                ratio = f"{rates[name] / rates['eager']:.2f}x" if name != "eager" else ""
                 print(
                     f"| {rows} | {width} | {name} | {per_step:.2f} | {first:.2f} | "
                     f"{'-' if later is None else f'{later:.2f}'} | {rates[name]:.1f} | {ratio} |"

@@ -16,12 +16,20 @@ from depctl.errors import first_line
 from depctl_runtime.backends.base import Stage
 from depctl_runtime.backends.weights import Report
 from depctl_runtime.kernels import native
-from depctl_runtime.kernels.quantized import quantized_linears
+from depctl_runtime.kernels.quantized import QuantizedLinear, quantized_linears
 from depctl_runtime.model import compiled_head, decoder, eagle_format
 from depctl_runtime.model.eagle import EagleHead
 from depctl_runtime.speculation.eagle import EagleProposer
 
 log = logging.getLogger("depctl.loader")
+
+
+# a draft step reads the head's weights cold, right after a target pass has streamed through the caches: its layer's
+# linears in 4-bit groups read a sixth of float32's bytes; its output layer, whose best token is the draft, keeps 8
+# bits (at 4 it cost the mean accepted length up to 4%). Drafts only propose, so this never changes the output
+# (BENCHMARKS.md, "A head's products at 4 bits")
+HEAD_BITS = 4
+OUTPUT_BITS = 8
 
 
 class HeadLoadError(Exception):
@@ -42,8 +50,9 @@ def measured(source: str) -> tuple[float, int] | None:
     return eagle_format.measured(eagle_format.read_config(Path(source)))
 
 
-def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: str) -> EagleHead:
-    """The head in ``source`` over ``model``'s embeddings, on its device, after checking it was trained for it."""
+def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: str, bits: int = HEAD_BITS) -> EagleHead:
+    """The head in ``source`` over ``model``'s embeddings, on its device, after checking it was trained for it, ready
+    to serve (``for_serving``)."""
     try:
         config = eagle_format.read_config(Path(source))
     except eagle_format.HeadError as exc:
@@ -75,12 +84,14 @@ def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: s
         head, _ = eagle_format.load(Path(source), embeddings.detach())
     except eagle_format.HeadError as exc:
         raise HeadLoadError(f"--draft-model {draft_ref!r} was trained for {trained_for}: {exc}; {retrain}") from None
-    return for_serving(head, model)
+    return for_serving(head, model, bits)
 
 
-def for_serving(head: EagleHead, model: torch.nn.Module) -> EagleHead:
-    """``head`` made ready to draft for ``model``: on its device, over its own embedding module, frozen, its linears
-    in int8 on a CPU. The head given is changed in place."""
+def for_serving(head: EagleHead, model: torch.nn.Module, bits: int = HEAD_BITS) -> EagleHead:
+    """``head`` made ready to draft for ``model``: on its device, over its own embedding module, frozen, on a CPU its
+    linears in ``bits`` (its output layer in ``OUTPUT_BITS`` at least). The head given is changed in place."""
+    if head.embed_tokens is model.get_input_embeddings():  # its own table is dropped below: here, the target's
+        raise ValueError("this head is already ready to serve its target")
     embeddings = model.get_input_embeddings().weight
     dtype = torch.float32 if embeddings.device.type == "cpu" else embeddings.dtype
     head.embed_tokens.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
@@ -92,10 +103,14 @@ def for_serving(head: EagleHead, model: torch.nn.Module) -> EagleHead:
     # weights new storage (a copy of tables mapped from a file), and the head then reads that one too
     head.embed_tokens = model.get_input_embeddings()
     if embeddings.device.type == "cpu" and native.available():
-        # a draft step reads the head's weights as a decode step reads the target's: int8 in groups reads a quarter
-        # of float32's bytes; drafts only propose, so this never changes the output
-        quantized_linears(head, 8)
+        quantize_products(head, bits)
     return head
+
+
+def quantize_products(head: EagleHead, bits: int = HEAD_BITS) -> None:
+    """The head's linears in ``bits``, its output layer in ``OUTPUT_BITS`` at least, as it drafts on a CPU."""
+    head.lm_head = QuantizedLinear(head.lm_head, max(bits, OUTPUT_BITS))
+    quantized_linears(head, bits)
 
 
 class HeadSteps:

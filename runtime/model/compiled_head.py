@@ -76,6 +76,7 @@ def package_paths(head: eagle.EagleHead, root: Path) -> dict[str, Path]:
         "dtype": str(head.norm.weight.dtype),
         "embeddings": list(head.embed_tokens.weight.shape),
         "modules": sorted({type(m).__name__ for m in head.modules()}),
+        "bits": {name: m.bits for name, m in head.named_modules() if isinstance(m, quantized.QuantizedLinear)},
         "sources": sources.hexdigest(),
     }
     digest = compiled.library_key(fields)

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from depctl.spec import DeploymentSpec, DraftModelSpeculation
+from depctl_runtime.backends.eagle import for_serving
 from depctl_runtime.backends.loader import load_deployment
 from depctl_runtime.backends.weights import LoadError
+from depctl_runtime.kernels.quantized import QuantizedLinear
 from depctl_runtime.model.runner import held_bytes
 from depctl_runtime.speculation import GenerationParams, Scheduler
 from depctl_runtime.speculation.eagle import EagleProposer
@@ -29,6 +31,25 @@ def spec_with(model_dir, head, **kw):
 
 PROMPTS = [[5, 17, 42, 99, 3, 17, 42, 99, 3, 8], list(range(30, 60)), [77, 78]]
 PARAMS = GenerationParams(max_tokens=24, ignore_eos=True)
+
+
+def test_a_serving_heads_layer_reads_4_bit_weights_and_its_output_layer_8_bit_on_a_cpu(tiny_model_dir, head_dir):
+    loaded = load_deployment(spec_with(tiny_model_dir, head_dir, compile=False), calibrate=False)
+    head = loaded.engine.draft_model.head
+    bits = {name: m.bits for name, m in head.named_modules() if isinstance(m, QuantizedLinear)}
+    assert bits.pop("lm_head") == 8
+    assert bits and set(bits.values()) == {4}
+    loaded.release()
+
+
+def test_a_head_made_ready_twice_is_refused_and_the_targets_embeddings_stay(tiny_model_dir, head_dir):
+    loaded = load_deployment(spec_with(tiny_model_dir, head_dir, compile=False), calibrate=False)
+    head, model = loaded.engine.draft_model.head, loaded.target.model
+    table = model.get_input_embeddings().weight.clone()
+    with pytest.raises(ValueError, match="already ready"):
+        for_serving(head, model)
+    assert torch.equal(model.get_input_embeddings().weight, table)
+    loaded.release()
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -7,6 +7,7 @@ import torch
 
 from depctl_runtime.backends.eagle import for_serving
 from depctl_runtime.kernels import native
+from depctl_runtime.kernels.quantized import QuantizedLinear, quantized_linears
 from depctl_runtime.model import compiled_head
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import ModelRunner
@@ -15,11 +16,8 @@ from depctl_runtime.speculation.eagle import EagleProposer
 from tests.driving import BATCH_PROMPTS as PROMPTS
 from tests.driving import GREEDY
 
-pytestmark = pytest.mark.slow  # AOTInductor builds: tens of seconds
 
-
-def serving_head(model) -> EagleHead:
-    """A random head for ``model`` made ready to serve, as the loader makes one (int8 products on a CPU)."""
+def random_head(model) -> EagleHead:
     head = EagleHead(EagleConfig.for_target(model.config, 96))
     torch.manual_seed(0)
     with torch.no_grad():
@@ -27,7 +25,12 @@ def serving_head(model) -> EagleHead:
             if name != "embed_tokens.weight":
                 p.normal_(0, 0.3)
     head.set_vocabulary(torch.arange(0, 192, 2))
-    return for_serving(head.eval(), model)
+    return head.eval()
+
+
+def serving_head(model) -> EagleHead:
+    """A random head for ``model`` made ready to serve, as the loader makes one (4- and 8-bit products on a CPU)."""
+    return for_serving(random_head(model), model)
 
 
 def engine(model, proposer: EagleProposer) -> SpeculativeEngine:
@@ -35,8 +38,22 @@ def engine(model, proposer: EagleProposer) -> SpeculativeEngine:
     return SpeculativeEngine(runner, proposer, EngineConfig(num_draft_tokens=4, max_context=512, adaptive=False))
 
 
+def test_heads_whose_products_read_other_bits_take_other_libraries(fused_target, tmp_path):
+    # a library bakes in its products' bits and packed shapes: another width must never borrow it, nor the same
+    # widths on other linears
+    paths = []
+    for output, layer in ((4, 4), (8, 8), (8, 4), (4, 8)):
+        head = random_head(fused_target)
+        head.lm_head = QuantizedLinear(head.lm_head, output)
+        quantized_linears(head, layer)
+        paths.append(compiled_head.package_paths(head, tmp_path))
+    for part in ("keys", "attend"):
+        assert len({p[part] for p in paths}) == len(paths)
+
+
+@pytest.mark.slow  # AOTInductor builds: tens of seconds
 def test_a_compiled_head_step_drafts_what_the_eager_step_drafts(fused_target, tmp_path):
-    assert native.available()  # a head's products are depctl's int8 ones, and its attention depctl's op
+    assert native.available()  # a head's products are depctl's 4- and 8-bit ones, and its attention depctl's op
     head = serving_head(fused_target)
     compiled_head.build(head, tmp_path)
     step = compiled_head.CompiledHead(compiled_head.package_paths(head, tmp_path), head)
