@@ -16,6 +16,7 @@ Calibration times passes at a context of 64 tokens; serving's are longer.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -55,6 +56,9 @@ def main() -> None:
     )
     deployment = load_deployment(spec)
     engine = deployment.engine
+    # as the daemon does after a load: a full collection over a loaded model's objects stalls whichever pass it hits
+    gc.collect()
+    gc.freeze()
     calibrated = dict(engine.policy.verify_cost.samples)
     prompts = [chat_ids(deployment.tokenizer, [{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
 

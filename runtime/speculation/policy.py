@@ -54,6 +54,11 @@ REALISM_PRIOR = 4.0  # extra tokens, realised and predicted alike, added to a ki
 # per plain step in a band: the gap between what its drafting steps delivered and what was predicted closes by this
 # factor, or a band whose drafts once fell short would never draft again (drafting nothing, it measures nothing new)
 REALISM_FORGET = 0.998
+# per band of batch sizes and kind of drafting step: whole steps' gain over plain steps there against the gain the
+# policy expected of them when it chose them (decayed sums; ``delivery``). In a batch a pass ran a few percent dearer
+# than priced, host work unpriced and acceptance a little high, each within the margin and together past it
+DELIVERY_DECAY = 0.97  # per drafting step: follows the last ~30
+DELIVERY_PRIOR = 4.0  # steps that gained as expected, added to each band's sums
 MIN_GAIN = 1.03  # alone: speculate only when it is expected to beat plain decoding by at least 3%
 # in a batch: 10%. A wide pass's cost and the rows' acceptance are both estimates, and a batch's wide pass costs
 # several plain steps, so a small predicted gain can be a real loss
@@ -515,6 +520,8 @@ class DraftLengthPolicy:
         # and by band because a wide batch drafts only its likeliest rows, whose rates were read highest, while alone
         # a row drafts whatever its rate
         self._realism: dict[tuple[str, int], list[float]] = {}
+        self._delivery: dict[tuple[str, int], list[float]] = {}  # (kind, band) -> [gained, expected], decayed
+        self.expected_gain: float | None = None  # of the step just planned over a plain one (None: plain, a probe)
         self.confidence = DraftConfidence()
 
     # ---- per request ----
@@ -539,8 +546,9 @@ class DraftLengthPolicy:
         if mean_accepted is not None and k > 0:
             self.model_rate = rate_for_mean_accepted(mean_accepted, k)
         self.guard.forget(MODEL)
-        for key in [k for k in self._realism if k[0] == MODEL]:
-            del self._realism[key]
+        for kept in (self._realism, self._delivery):
+            for key in [k for k in kept if k[0] == MODEL]:
+                del kept[key]
         self.confidence = DraftConfidence()
 
     def realism(self, kind: str = FREE, batch: int = 1) -> float:
@@ -548,6 +556,16 @@ class DraftLengthPolicy:
         this batch size's band."""
         realised, predicted = self._realism.get((kind, band(batch)), (0.0, 0.0))
         return min((realised + REALISM_PRIOR) / (predicted + REALISM_PRIOR), 1.0)  # it only tempers optimism
+
+    def delivery(self, kind: str = FREE, batch: int = 1) -> float:
+        """What this kind of drafting step gained over plain steps at this batch size's band, against the gain expected
+        of it: a chosen step's expected gain is read through it before it is held against the margin."""
+        gained, expected = self._delivery.get((kind, band(batch)), (0.0, 0.0))
+        return min((gained + DELIVERY_PRIOR) / (expected + DELIVERY_PRIOR), 1.0)  # it only tempers optimism
+
+    def _delivered(self, gain: float, margin: float, kind: str, batch: int) -> bool:
+        """Whether ``gain`` over a plain step, as this kind's steps in this band delivered, still beats ``margin``."""
+        return gain * self.delivery(kind, batch) >= margin
 
     def observe_step(self, predicted: dict[str, float], realised: dict[str, int], batch: int = 1) -> None:
         """A drafting step of ``batch`` rows: per kind of row, the extra tokens (beyond one per row) ``width``
@@ -579,7 +597,7 @@ class DraftLengthPolicy:
         a plain step). trees: every row drafts from a draft model that can draft a tree; ``branches`` then says
         whether this step's drafts are one (see ``_tree``), and ``model_drafts`` whether the draft model drafts for
         its rows (False: only the rows with free guesses draft, and the draft model does not run)."""
-        self.branches, self.row_drafts = 1, None
+        self.branches, self.row_drafts, self.expected_gain = 1, None, None
         longest = max((r.available for r in rows), default=0)
         self.model_drafts = any(r.model and r.available for r in rows)
         if longest <= 0:
@@ -593,7 +611,7 @@ class DraftLengthPolicy:
         uses_model = self.model_drafts
         per_row = batch > 1 and not uses_model
         if per_row:  # free guesses in a batch: each row verifies its own count of drafts
-            best_w, rows = self._row_drafts(rows)
+            best_w, rows, gain = self._row_drafts(rows)
         else:
             best_w, gain = self._best(rows, trees)
         # beside free guesses, the draft model's rows are drafted only where they add to the step: priced without
@@ -603,14 +621,14 @@ class DraftLengthPolicy:
             alone = [r if not r.model else RowPlan(r.acceptance, 0, True) for r in rows]
             alone_w, alone_gain = self._best(alone, False)
             if alone_w and alone_gain >= gain:
-                rows, best_w, self.model_drafts = alone, alone_w, False
+                rows, best_w, gain, self.model_drafts = alone, alone_w, alone_gain, False
         if best_w and not self.guard.allows(batch, MODEL if self.model_drafts else FREE):
             best_w, self.branches = 0, 1
             if self.model_drafts and alone is not None:
-                rows, self.model_drafts = alone, False
+                rows, gain, self.model_drafts = alone, alone_gain, False
                 best_w = alone_w if alone_w and self.guard.allows(batch, FREE) else 0
         if best_w:
-            self.plain_steps = 0
+            self.plain_steps, self.expected_gain = 0, gain
             if per_row:
                 self.row_drafts = [r.available for r in rows]
             return best_w, self.expected(rows, best_w)
@@ -662,7 +680,8 @@ class DraftLengthPolicy:
                 best_w, best_rate = w, rate
         if trees and self.tree_branches != 1 and self.tree_cost.samples and all(r.available >= 1 for r in rows):
             best_w, best_rate = self._tree(rows, self.drafting_seconds(batch, 1), best_w, best_rate)
-        if best_w and best_rate < (MIN_GAIN if batch == 1 else MIN_GAIN_BATCH) * base_rate:
+        margin = MIN_GAIN if batch == 1 else MIN_GAIN_BATCH
+        if best_w and not self._delivered(best_rate / base_rate, margin, MODEL if drafts else FREE, batch):
             best_w, self.branches = 0, 1
         if best_w and drafts and not self._catch_up_repaid(rows, base_rate, best_rate):
             best_w, self.branches = 0, 1
@@ -680,15 +699,15 @@ class DraftLengthPolicy:
         remaining = sum(r.remaining for r in rows)
         return remaining * (1 / base_rate - 1 / best_rate) >= extra
 
-    def _row_drafts(self, rows: list[RowPlan]) -> tuple[int, list[RowPlan]]:
+    def _row_drafts(self, rows: list[RowPlan]) -> tuple[int, list[RowPlan], float]:
         """A batch of free guesses: each row verifies its own number of drafts, the batch's likeliest first (a row's
         j-th draft is accepted with a^j, times the realism of free guesses) for as long as they raise the step's
         expected tokens a second. A row's chances fall along its drafts, so the n likeliest drafts of the batch are
         always a prefix of each row's, and for every count of pass tokens this is the most tokens that count can
         bring: it beats any one width for all rows, which at 16 rows of 4-bit weights (a pass costing nearly in
         proportion to its tokens) made fifteen rows wait on drafts accepted half the time to let one row copy.
-        Returns the widest row's drafts (0 where nothing beats a plain step by ``MIN_GAIN_BATCH``) and the rows,
-        each available as far as it drafts."""
+        Returns the widest row's drafts (0 where nothing beats a plain step by ``MIN_GAIN_BATCH``), the rows, each
+        available as far as it drafts, and the expected gain over a plain step."""
         batch = len(rows)
         realism = self.realism(FREE, batch)
         chances: list[tuple[float, int]] = []  # (a draft's chance, its row), every row's drafts in order
@@ -706,12 +725,12 @@ class DraftLengthPolicy:
             rate = (batch + extra) / self.verify_cost(batch + n)
             if rate > best_rate:
                 taken, best_rate = n, rate
-        if best_rate < MIN_GAIN_BATCH * base:
-            return 0, rows
+        if not self._delivered(best_rate / base, MIN_GAIN_BATCH, FREE, batch):
+            return 0, rows, 1.0
         drafts = [0] * batch
         for _, i in chances[:taken]:
             drafts[i] += 1
-        return max(drafts), [RowPlan(r.acceptance, d, r.model) for r, d in zip(rows, drafts)]
+        return max(drafts), [RowPlan(r.acceptance, d, r.model) for r, d in zip(rows, drafts)], best_rate / base
 
     def drafting_seconds(self, batch: int, w: int) -> float:
         """What a draft model (or head) drafting ``w`` positions for ``batch`` rows costs: the first position's
@@ -773,10 +792,17 @@ class DraftLengthPolicy:
         draft model or head drafted a row) with plain steps at this batch size."""
         if emitted is not None and self.adaptive:
             self.guard.observe(batch, kind, emitted, seconds)
+            plain = self.guard.rate(batch, None)
+            if kind is not None and self.expected_gain is not None and plain and seconds > 0:
+                kept = self._delivery.setdefault((kind, band(batch)), [0.0, 0.0])
+                kept[0] = DELIVERY_DECAY * kept[0] + emitted / seconds / plain
+                kept[1] = DELIVERY_DECAY * kept[1] + self.expected_gain
             if kind is None:
-                for kept in (self._realism.get((k, band(batch))) for k in (FREE, MODEL)):
-                    if kept is not None:  # the realised sum drifts towards the predicted one
+                low = band(batch)
+                for kept in (sums.get((k, low)) for sums in (self._realism, self._delivery) for k in (FREE, MODEL)):
+                    if kept is not None:  # what was delivered drifts towards what was expected
                         kept[0] = kept[1] - (kept[1] - kept[0]) * REALISM_FORGET
+        self.expected_gain = None
         if self._probing:
             self.probe_debt += max(seconds - self.verify_cost(batch), 0.0)
             self._probing = False
@@ -841,6 +867,10 @@ class DraftLengthPolicy:
             "expected_model_acceptance": round(self.model_rate, 3),  # a draft model's or head's beside free guesses
             "realised_over_predicted": {
                 kind: {low: round(self.realism(kind, low), 3) for k, low in sorted(list(self._realism)) if k == kind}
+                for kind in (FREE, MODEL)
+            },
+            "gained_over_expected": {
+                kind: {low: round(self.delivery(kind, low), 3) for k, low in sorted(list(self._delivery)) if k == kind}
                 for kind in (FREE, MODEL)
             },
             "drafting_over_plain": self.guard.snapshot(),  # per batch size, whole steps' tokens a second
