@@ -559,7 +559,8 @@ class DraftLengthPolicy:
 
     def delivery(self, kind: str = FREE, batch: int = 1) -> float:
         """What this kind of drafting step gained over plain steps at this batch size's band, against the gain expected
-        of it: a chosen step's expected gain is read through it before it is held against the margin."""
+        of it: in a batch, a chosen step's expected gain is read through it before it is held against the margin.
+        Alone, read so, a head's steps that gained over plain ones stopped: there the guard alone judges."""
         gained, expected = self._delivery.get((kind, band(batch)), (0.0, 0.0))
         return min((gained + DELIVERY_PRIOR) / (expected + DELIVERY_PRIOR), 1.0)  # it only tempers optimism
 
@@ -793,7 +794,7 @@ class DraftLengthPolicy:
         if emitted is not None and self.adaptive:
             self.guard.observe(batch, kind, emitted, seconds)
             plain = self.guard.rate(batch, None)
-            if kind is not None and self.expected_gain is not None and plain and seconds > 0:
+            if kind is not None and self.expected_gain is not None and batch > 1 and plain and seconds > 0:
                 kept = self._delivery.setdefault((kind, band(batch)), [0.0, 0.0])
                 kept[0] = DELIVERY_DECAY * kept[0] + emitted / seconds / plain
                 kept[1] = DELIVERY_DECAY * kept[1] + self.expected_gain

@@ -379,6 +379,13 @@ def test_steps_that_gain_less_than_expected_raise_the_gain_a_step_must_be_expect
     assert sum(1 for w in widths[-50:] if w) <= 6
     assert policy.width(_rows(policy, [(0.95, 8)] * 16))[0] > 0
     assert policy.delivery("free", 1) == 1.0 and policy.width(_rows(policy, [(0.55, 8)]))[0] > 0
+    # alone a head's steps that gain, if less than expected, go on: the guard judges them there
+    for _ in range(5):
+        policy.observe_step_time(1 / 20, 1, 1, None)
+    for _ in range(40):
+        policy.expected_gain = 1.5
+        policy.observe_step_time(2 / (1.1 * 20), 1, 2, "model")
+    assert policy.delivery("model", 1) == 1.0
     # plain steps there bring the expectation back, or a band that once fell short would never draft again
     for _ in range(3000):
         policy.observe_step_time(16 / plain, 16, 16, None)
