@@ -793,8 +793,8 @@ class DraftLengthPolicy:
         draft model or head drafted a row) with plain steps at this batch size."""
         if emitted is not None and self.adaptive:
             self.guard.observe(batch, kind, emitted, seconds)
-            plain = self.guard.rate(batch, None)
-            if kind is not None and self.expected_gain is not None and batch > 1 and plain and seconds > 0:
+            plain = self.guard.rate(batch, None) if kind and batch > 1 and self.expected_gain else None
+            if plain and seconds > 0:
                 kept = self._delivery.setdefault((kind, band(batch)), [0.0, 0.0])
                 kept[0] = DELIVERY_DECAY * kept[0] + emitted / seconds / plain
                 kept[1] = DELIVERY_DECAY * kept[1] + self.expected_gain
