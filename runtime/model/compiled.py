@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from depctl_runtime.kernels import native, quantized, surgery
 from depctl_runtime.kernels.surgery import plain_stand_ins
@@ -69,6 +70,9 @@ class _Pass(nn.Module):
 # reloads a deployment reuses them rather than growing by one copy a reload.
 _SPARE: dict[tuple[str, int], list] = {}
 _SPARE_LOCK = threading.Lock()
+# Every tensor a library has borrowed: a library reads the data pointers it was lent at load, so such a tensor never
+# gets new storage (another library's borrow of it included), or the first reads freed memory.
+_LENT = WeakTensorKeyDictionary()
 
 
 class Library:
@@ -91,10 +95,16 @@ class Library:
         named.update(module.named_buffers(remove_duplicate=False))
         names = self.runner.constant_names()
         borrowed = [named[fqn.removeprefix(prefix)] for fqn in names]
-        for tensor in borrowed:  # mapped from the weights file: a copy of our own, which ``release_weights`` can free
-            # oneDNN's reordered weights (opaque, no storage to ask about) are already copies of our own
-            if not tensor.is_mkldnn and not tensor.untyped_storage().resizable():
-                tensor.data = tensor.data.clone()
+        with _SPARE_LOCK:
+            for tensor in borrowed:
+                # oneDNN's reordered weights (opaque, no storage to ask about) are already copies of our own
+                if tensor.is_mkldnn:
+                    continue
+                # mapped from the weights file: a copy of our own, which ``ModelRunner.release`` can free; unless a
+                # library reads it already
+                if not tensor.untyped_storage().resizable() and tensor not in _LENT:
+                    tensor.data = tensor.data.clone()
+                _LENT[tensor] = True
         self.runner.borrow_constants(names, borrowed)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:

@@ -156,7 +156,9 @@ def fingerprint(model: torch.nn.Module) -> str:
 
     table = model.get_input_embeddings().weight
     sample = table[:: max(1, table.shape[0] // 64)].detach()  # rounded to bf16: float32 and bf16 loads agree
-    digest = hashlib.sha256(sample.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    # a copy: numpy's view of the table itself would leave its storage unresizable (``compiled.Library``)
+    sample = sample.to(torch.bfloat16).view(torch.int16).cpu().clone()
+    digest = hashlib.sha256(sample.numpy().tobytes())
     digest.update(str(tuple(table.shape)).encode())
     return digest.hexdigest()[:16]
 

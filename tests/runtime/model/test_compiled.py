@@ -123,6 +123,24 @@ def test_it_borrows_the_models_weights_and_the_package_holds_none(package):
     assert package[0].stat().st_size < 2_000_000  # code only: the weights are not in it
 
 
+def test_a_weight_one_library_borrowed_keeps_its_storage_when_another_borrows_it(package):
+    # a library reads the data pointers it was lent at load: a borrowed weight given new storage afterwards (as the
+    # next library gave one that had turned unresizable) left the first reading freed memory
+    model = package[1]()
+    runner = compiled_runner(package, model=model)
+    runner.forward(0, [[1, 2, 3]], prefill=True)
+    before = runner.forward(0, [[4]])
+    weights = [t for t in model.parameters() if not t.is_mkldnn and t.is_contiguous()]
+    pointers = [t.data_ptr() for t in weights]
+    for tensor in weights:  # a numpy view of a tensor makes its storage unresizable
+        tensor.detach().view(-1).view(torch.uint8).numpy()
+    another = compiled.CompiledPass(package[0], model)
+    assert [t.data_ptr() for t in weights] == pointers
+    runner.set_length(0, 3)
+    assert torch.equal(runner.forward(0, [[4]]), before)
+    another.release()
+
+
 def test_a_verify_pass_is_bit_identical_to_one_token_steps_alone_batched_and_ragged(package):
     runner = compiled_runner(package)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
