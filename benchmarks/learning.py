@@ -42,6 +42,7 @@ head's steps and the index's against plain steps, in tokens a second ("off": tha
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -86,6 +87,10 @@ def main() -> None:
     k = args.k or default_draft_tokens("--ngram-speculation-length")
     levels = [int(c) for c in args.load.split(",") if c.strip()]
     plain, learning = load_pair(args.model, args.quantization, max([args.clients, *levels]), k)
+    # as the daemon does after a load: a full collection over the loaded models' objects stalls whichever pass it
+    # hits, and the deployment that allocates more (the learning one) triggers more of them
+    gc.collect()
+    gc.freeze()
     tokenizer, learner, engine = learning.tokenizer, learning.learner, learning.engine
     engine.config.cut_unsure_drafts &= not args.whole_drafts
 
