@@ -52,7 +52,10 @@ def test_a_head_made_ready_twice_is_refused_and_the_targets_embeddings_stay(tiny
     loaded.release()
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize(
+    "compile",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # compiled: builds two head libraries
+)
 def test_a_head_drafts_for_its_target_and_the_output_is_the_targets(tiny_model_dir, head_dir, compile):
     loaded = load_deployment(spec_with(tiny_model_dir, head_dir, compile=compile, max_batch_size=3), calibrate=False)
     engine = loaded.engine

@@ -37,6 +37,7 @@ def test_int8_draft_loads_quantized(tiny_model_dir, tiny_draft_dir):
     assert not any("quantized" in type(m).__module__ for m in loaded.target.model.modules())
 
 
+@pytest.mark.slow  # two full loads (a 4-bit one is also loaded by tests/runtime/backends/test_local.py)
 @pytest.mark.parametrize("quantization, bits", [("int8", 8), ("int4", 4)])
 def test_a_quantized_target_loads_depctls_grouped_linears(tiny_model_dir, quantization, bits):
     from depctl_runtime.kernels.quantized import QuantizedLinear

@@ -76,6 +76,7 @@ def plain_outputs(tiny_model_dir):
     return outputs
 
 
+@pytest.mark.slow  # a whole learning deployment: half a minute (engine-level swaps: tests/runtime/speculation)
 def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_stays_exact(
     tiny_model_dir, plain_outputs
 ):
