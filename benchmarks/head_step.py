@@ -15,6 +15,7 @@ that drafted; the output is the target's whichever drafts.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 
@@ -48,6 +49,9 @@ def main() -> None:
         speculation=DraftModelSpeculation(draft_model=args.head, num_draft_tokens=max(widths)),
     )
     loaded = load_deployment(spec, calibrate=False)
+    # as the daemon does after a load: a full collection over a loaded model's objects stalls whichever pass it hits
+    gc.collect()
+    gc.freeze()
     tokenizer, engine = loaded.tokenizer, loaded.engine
     compiled = engine.draft_model
     if compiled.compiled is None:

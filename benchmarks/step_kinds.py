@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import statistics
 import time
@@ -44,6 +45,9 @@ def main() -> None:
 
     k = default_draft_tokens("--ngram-speculation-length")
     plain, learning = load_pair(args.model, "none", 16, k)  # as benchmarks/learning.py loads them
+    # as the daemon does after a load: a full collection over a loaded model's objects stalls whichever pass it hits
+    gc.collect()
+    gc.freeze()
     if learning.learner.serving is None:
         raise SystemExit(f"{args.home}: the learning deployment has no head yet (run benchmarks/learning.py first)")
     tokenizer = learning.tokenizer
