@@ -66,17 +66,21 @@ MIN_GAIN_BATCH = 1.10
 # the guard (``RegimeGuard``): drafting steps at a batch size that deliver under this share of plain steps' tokens a
 # second there turn drafting off at that size
 LOSS_MARGIN = 0.97
-REGIME_DECAY = 0.9  # per step of its kind: a regime's rates follow its last ~10 drafting and ~10 plain steps
+# per step of its kind: plain steps' rate in a band follows their last ~10 (one step in ``REGIME_PROBE`` while drafting
+# runs); drafting steps' their last ~100, since a kind's steps spread wide (n-gram steps on code copy four tokens a row
+# or none: 200 or 57 tokens a second), and over ten of them neither a 10% loss nor a 10% gain stood out of the noise:
+# losses drafted whole cells, and gains were turned off after a run of misses
+REGIME_DECAY_PLAIN, REGIME_DECAY_DRAFTING = 0.9, 0.99
 REGIME_MIN_STEPS = 3  # steps of each kind at a batch size before its rates are compared
 REGIME_PROBE = 64  # steps between a regime's probes: one drafting step where drafting is off, one plain step where on
 REGIME_PROBE_MAX = 512  # a band that keeps losing is probed half as often after each losing probe, down to this
 REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts again
-# a kind's last step rates in a band, whose spread says how sure a verdict on its rate is: a weak head's steps are coin
-# tosses (one draft accepted or not), and ten of them read as a loss by chance every few dozen steps
-REGIME_SAMPLES = 64
 REGIME_SURE = 2.0  # standard errors by which a kind's rate must fall under the margin to turn it off
-# drafting steps of a kind in a band (since it started there, or its proposer changed) before it may be turned off:
-# one row's head steps are coin tosses, and a few misses in a row read as a loss with no spread at all
+# the spread of a drafting step's rate, over its rate, that a verdict assumes before it measured one, worth
+# ``REGIME_VERDICT`` steps: a few misses in a row (one row's head steps are coin tosses) have no spread at all, and
+# read as a sure loss
+REGIME_SPREAD = 0.25
+# drafting steps of a kind in a band (since it started there, or its proposer changed) before it may be turned off
 REGIME_VERDICT = 8
 REGIME_WARMUP = 16  # drafting steps between plain ones at a batch size whose plain rate is not yet measured
 MAX_BRANCHES = 4  # the widest draft tree's first position: the draft's best four tokens
@@ -322,18 +326,37 @@ def band(batch: int) -> int:
 FREE, MODEL = "free", "model"  # a drafting step's kind: free guesses only, or the draft model's forwards too
 
 
-def _decayed_error(steps: int) -> float:
-    """The standard error of a rate decayed by ``REGIME_DECAY`` a step over its last ``steps`` steps, over one step's
-    standard deviation: sqrt(sum w^2) / sum w for weights 1, d, d^2, ... (over a few steps, far more than the long run's
-    sqrt((1 - d) / (1 + d)))."""
-    d = REGIME_DECAY
-    return math.sqrt((1 - d ** (2 * steps)) / (1 - d * d)) * (1 - d) / (1 - d**steps)
+class _Rate:
+    """Tokens a second of one kind of step, as decayed sums of its steps' tokens and seconds (a ratio of sums: a long
+    step weighs by its length), with what its standard error needs: the sums of squares decayed at the square of the
+    rate's decay, so the error is that of the decayed ratio, sqrt(sum w^2 (t - R s)^2) / sum w s, at no cost a step."""
 
+    __slots__ = ("decay", "prior", "steps", "tokens", "seconds", "tt", "ts", "ss")
 
-def _deviation(values) -> float:
-    """The population standard deviation in floats (``statistics.pstdev`` works in exact fractions: slow per step)."""
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    def __init__(self, decay: float, prior: float = 0.0):
+        self.decay, self.prior = decay, prior  # prior: the spread over the rate assumed, worth REGIME_VERDICT steps
+        self.steps = 0
+        self.tokens = self.seconds = self.tt = self.ts = self.ss = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        d, d2 = self.decay, self.decay * self.decay
+        self.steps += 1
+        self.tokens = self.tokens * d + tokens
+        self.seconds = self.seconds * d + seconds
+        self.tt = self.tt * d2 + tokens * tokens
+        self.ts = self.ts * d2 + tokens * seconds
+        self.ss = self.ss * d2 + seconds * seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def error(self) -> float:
+        r = self.rate
+        n = self.seconds**2 / self.ss  # the steps the decayed sums are worth
+        spread = max(self.tt - 2 * r * self.ts + r * r * self.ss, 0.0) / self.ss  # a step's, squared
+        spread = (n * spread + REGIME_VERDICT * (self.prior * r) ** 2) / (n + REGIME_VERDICT)
+        return math.sqrt(spread / n)
 
 
 @dataclass
@@ -342,7 +365,7 @@ class _Probes:
 
     every: int = REGIME_PROBE  # refusals between probes
     gains: int = 0
-    steps: deque = field(default_factory=lambda: deque(maxlen=REGIME_SAMPLES))
+    steps: deque = field(default_factory=lambda: deque(maxlen=64))
 
 
 class RegimeGuard:
@@ -352,8 +375,9 @@ class RegimeGuard:
     are judged by kind: steps that ran the draft model (or head) apart from steps of free guesses only (n-gram, suffix,
     a prediction, a grammar), so a head whose guesses lose is turned off where it loses while the copies an n-gram index
     finds go on (judged together, the copies' gain hid the head's loss). Where a kind of drafting step measured under
-    ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (from the spread of its recent steps, and
-    over ``REGIME_VERDICT`` steps at least: a loss, not a run of bad luck), that kind stops drafting in that band and
+    ``LOSS_MARGIN`` of plain ones by more than ``REGIME_SURE`` standard errors (the error of both rates, each a ratio of
+    decayed sums: drafting over its last ~100 steps, plain over its last ~10; and over ``REGIME_VERDICT`` steps at
+    least: a loss, not a run of bad luck), that kind stops drafting in that band and
     probes: one drafting step after ``REGIME_PROBE`` steps it was refused, then twice as many after each probe that
     loses while its probes together clearly lose (up to ``REGIME_PROBE_MAX``: a probe drafts the whole batch, at 31 rows
     several plain steps' worth). The kind comes back after ``REGIME_CONFIRM`` probes in a row each gain on their own, or
@@ -367,9 +391,7 @@ class RegimeGuard:
     wandering size ran on for most of a load test's cell."""
 
     def __init__(self):
-        # (band, kind) -> [tokens, seconds, steps], decayed; kind None for plain steps
-        self._rates: dict[tuple[int, str | None], list[float]] = {}
-        self._recent: dict[tuple[int, str], deque] = {}  # (band, kind) -> its last step rates: their spread
+        self._rates: dict[tuple[int, str | None], _Rate] = {}  # (band, kind) -> its rate; kind None for plain steps
         self.off: dict[tuple[int, str], int] = {}  # (band, kind) that measured a loss -> refusals since its last probe
         self._probes: dict[tuple[int, str], _Probes] = {}  # the probes of each kind turned off
         self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per band
@@ -377,9 +399,9 @@ class RegimeGuard:
     def rate(self, batch: int, kind: str | None) -> float | None:
         """Tokens a second of this kind of step in this batch size's band (None: too few steps yet)."""
         kept = self._rates.get((band(batch), kind))
-        if kept is None or kept[2] < REGIME_MIN_STEPS or kept[1] <= 0:
+        if kept is None or kept.steps < REGIME_MIN_STEPS or kept.seconds <= 0:
             return None
-        return kept[0] / kept[1]
+        return kept.rate
 
     def is_off(self, batch: int, kind: str) -> bool:
         return (band(batch), kind) in self.off
@@ -400,15 +422,15 @@ class RegimeGuard:
 
     def observe(self, batch: int, kind: str | None, tokens: int, seconds: float) -> None:
         batch = band(batch)
-        kept = self._rates.setdefault((batch, kind), [0.0, 0.0, 0])
-        kept[0] = kept[0] * REGIME_DECAY + tokens
-        kept[1] = kept[1] * REGIME_DECAY + seconds
-        kept[2] += 1
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if kind else 0
-        if kind is None or seconds <= 0:
+        if seconds <= 0:
             return
         key = (batch, kind)
-        self._recent.setdefault(key, deque(maxlen=REGIME_SAMPLES)).append(tokens / seconds)
+        if key not in self._rates:
+            self._rates[key] = _Rate(REGIME_DECAY_DRAFTING, REGIME_SPREAD) if kind else _Rate(REGIME_DECAY_PLAIN)
+        self._rates[key].add(tokens, seconds)
+        if kind is None:
+            return
         plain = self.rate(batch, None)
         if key in self.off:
             # a kind turned off drafts only in probes, the guard's or the policy's own (a single request whose guesses
@@ -416,25 +438,18 @@ class RegimeGuard:
             # whole cell where the policy's probes measured 2.25x plain
             self._judge_probe(key, tokens, seconds, plain)
             return
-        drafting = self.rate(batch, kind)
-        if plain is None or drafting is None or drafting >= LOSS_MARGIN * plain:
-            return  # (the spread is computed only where the rate alone reads as a loss: this runs every step)
-        steps = self._rates[key][2]
-        if steps >= REGIME_VERDICT and drafting + REGIME_SURE * _decayed_error(steps) * self._spread(key) < (
-            LOSS_MARGIN * plain
-        ):
+        drafting = self._rates[key]
+        if plain is None or drafting.steps < REGIME_VERDICT or drafting.rate >= LOSS_MARGIN * plain:
+            return
+        # both rates are estimates: the plain one's error counts as well as the drafting one's
+        error = math.hypot(drafting.error(), LOSS_MARGIN * self._rates[(batch, None)].error())
+        if drafting.rate + REGIME_SURE * error < LOSS_MARGIN * plain:
             self.off[key] = 0
             self._probes[key] = _Probes()
 
-    def _spread(self, key: tuple[int, str], more: list[float] | None = None) -> float:
-        """The standard deviation of this kind's recent step rates in the band (and of ``more``, where that is
-        larger); 0 with fewer than two."""
-        spreads = [_deviation(r) for r in (self._recent.get(key), more) if r is not None and len(r) >= 2]
-        return max(spreads, default=0.0)
-
     def forget(self, kind: str) -> None:
         """What this kind of drafting step measured in every band: its proposer changed."""
-        for kept in (self._rates, self._recent, self.off, self._probes):
+        for kept in (self._rates, self.off, self._probes):
             for key in [k for k in kept if k[1] == kind]:
                 del kept[key]
 
@@ -449,9 +464,10 @@ class RegimeGuard:
         probes.steps.append((tokens, seconds))
         together, error = None, 0.0
         if len(probes.steps) >= REGIME_MIN_STEPS:
-            together = sum(t for t, _ in probes.steps) / sum(s for _, s in probes.steps)
-            rates = [t / s for t, s in probes.steps]
-            error = self._spread(key, rates) / math.sqrt(len(rates))
+            measured = _Rate(1.0, REGIME_SPREAD)
+            for t, s in probes.steps:
+                measured.add(t, s)
+            together, error = measured.rate, measured.error()
         if probes.gains >= REGIME_CONFIRM or (together is not None and plain and together - error >= plain):
             del self.off[key], self._probes[key]
             self._rates.pop(key, None)

@@ -435,7 +435,9 @@ def test_a_new_heads_first_misses_in_a_row_do_not_turn_it_off():
     for tokens in [2, 1, 2, 1, 1, 2] * 10:  # they gain on average: 96 tokens a second
         guard.observe(1, "model", tokens, tokens / 144 if tokens == 2 else 1 / 72)
     assert not guard.is_off(1, "model")
-    for _ in range(20):  # a head that loses, step after step, is still turned off
+    # a head that then loses, step after step, is still turned off, within a few dozen steps: drafting steps' rate
+    # follows their last ~100, and the gains before weigh in for a while
+    for _ in range(60):
         guard.observe(1, "model", 1, 1 / 50)
     assert guard.is_off(1, "model")
 
@@ -766,3 +768,37 @@ def test_an_unmeasured_first_position_is_priced_as_a_forward():
     policy.draft_cost.samples.update({1: 0.002})
     assert policy.drafting_seconds(1, 2) == pytest.approx(0.004)
     assert policy.drafting_seconds(1, 0) == 0.0
+
+
+def _wide_steps(copy_share: float, miss_seconds: float, n: int, seed: int = 0) -> tuple[RegimeGuard, list[bool]]:
+    """``n`` steps of an 8-row batch whose policy would draft every step, as the guard allows: n-gram steps on code,
+    whose spread is wide. A plain step delivers 8 tokens in about 80 ms (100 a second, give or take the batch's mix);
+    a drafting step copies (32 tokens in 160 ms) with probability ``copy_share``, else it misses: 8 tokens in
+    ``miss_seconds``. The guard, and which steps drafted."""
+    guard, rng, drafted = RegimeGuard(), random.Random(seed), []
+    for _ in range(n):
+        d = guard.allows(8, "free")
+        if not d:
+            guard.observe(8, None, 8, 0.08 * rng.uniform(0.85, 1.15))
+        elif rng.random() < copy_share:
+            guard.observe(8, "free", 32, 0.16)
+        else:
+            guard.observe(8, "free", 8, miss_seconds)
+        drafted.append(d)
+    return guard, drafted
+
+
+def test_a_loss_hidden_in_a_wide_spread_is_found_over_a_longer_memory():
+    # code at 8 clients: a fifth of the steps copy 4 tokens a row, the rest miss and cost 75% more than a plain step;
+    # 0.89x plain on the whole. Each step's rate is 200 or 57 tokens a second: judged on its last ~10 steps alone,
+    # the loss was never more than two standard errors under the margin, and a band at 0.79x drafted a whole cell
+    for seed in range(3):
+        guard, drafted = _wide_steps(0.2, 0.14, 3000, seed)
+        assert guard.is_off(8, "free") and sum(drafted[1500:]) < 0.1 * 1500, seed
+
+
+def test_a_gain_with_a_wide_spread_keeps_drafting():
+    # the same spread at 1.08x plain: the longer memory must not read it as a loss
+    for seed in range(3):
+        _, drafted = _wide_steps(0.2, 0.108, 3000, seed)
+        assert sum(drafted[500:]) > 0.9 * 2500, seed
