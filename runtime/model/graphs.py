@@ -60,14 +60,19 @@ class FixedShapePass:
         # per width: [4, rows * width] ids, positions, cache rows, and the last position each token sees
         self.set_widths(widths)
         self._recorded_for = None  # the cache tensors the graphs were recorded over
-        self._pool = None
         self.recordings = 0  # graphs recorded so far (a test asserts steady state records none)
 
     def set_widths(self, widths: tuple[int, ...]) -> None:
         """New grid widths (``deployment update --draft-token-count`` in place): recorded again at their first use."""
         self.widths = tuple(sorted(set(widths)))
         self.inputs = {w: self._padding(w) for w in self.widths}
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget every recorded graph, and their memory pool with them: PyTorch's allocator refuses a capture into a
+        pool whose graphs are all gone while it still caches their blocks, so the next recording opens a new pool."""
         self.graphs.clear()
+        self._pool = None
 
     returns_hidden = False
 
@@ -144,7 +149,7 @@ class FixedShapePass:
     def _replay(self, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         recorded_for = tuple(layer.keys.data_ptr() for layer in self.cache.layers)
         if recorded_for != self._recorded_for:  # the cache grew: its tensors are new
-            self.graphs.clear()
+            self._drop_graphs()
             self._recorded_for = recorded_for
         if width not in self.graphs:
             self.graphs[width] = self._record(width)

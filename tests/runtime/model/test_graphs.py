@@ -198,6 +198,34 @@ def test_graphs_are_recorded_again_when_the_cache_grows():
     assert grow_the_cache("cuda", torch.bfloat16, capture=True).fast_pass.recordings == 2
 
 
+def decode_past_two_growths(device: str, dtype, capture: bool) -> ModelRunner:
+    """Five-token steps across 256 and 512 positions, where the cache doubles (256 -> 512 -> 1024), a prompt's worth
+    of positions between: each step's logits those of the same pass never recorded, bit for bit."""
+    model = tiny_llama(0, max_positions=1024).to(device, dtype)
+    fuse_projections(model)
+    fixed, reference = runner(model, capture=capture), runner(model, capture=False)
+    for filled in (250, 245):  # to 250, then from 260 to 505
+        for r in (fixed, reference):
+            r.forward(0, [[i % 200 for i in range(filled)]], prefill=True)
+        for _ in range(2):
+            step = [[7, 8, 9, 10, 11]]
+            assert torch.equal(fixed.forward(0, step), reference.forward(0, step))
+    assert fixed.cache.capacity == reference.cache.capacity == 1024
+    return fixed
+
+
+def test_a_fixed_shape_pass_follows_the_cache_as_it_grows_while_decoding():
+    decode_past_two_growths("cpu", torch.float32, capture=False)
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphs_are_recorded_again_each_time_the_cache_grows_while_decoding():
+    # the third recording went into the pool of graphs already dropped, which PyTorch's allocator refuses while the
+    # pool still caches their blocks (an INTERNAL ASSERT in create_or_incref_pool)
+    assert decode_past_two_growths("cuda", torch.bfloat16, capture=True).fast_pass.recordings == 3
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("method", ["ngram", "draft"])
