@@ -71,9 +71,10 @@ def main() -> None:
         f"{args.max_tokens} tokens, {args.repeat} runs a mode\n"
     )
     print(
-        "| clients | mode | band | kind | steps | rows a step | tokens a step | ms a step | tok/s | share of the time |"
+        "| clients | mode | band | kind | steps | rows a step | tokens a step | ms a step | ms proposing | tok/s "
+        "| share of the time |"
     )
-    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     modes = ["plain", "speculating"] + (["one width"] if args.one_width else [])
     policy = engine.policy
 
@@ -131,7 +132,7 @@ def main() -> None:
             stepped = sum(st["seconds"] for st in mode_steps)
             for key in sorted(groups, key=lambda k: (k[0] == "prompt", k)):
                 print(f"| {level} | {mode} | {key[0]} | {key[1]} | " + _row(groups[key], wall[mode]))
-            print(f"| {level} | {mode} | all | rest | | | | | | {1 - stepped / wall[mode]:.3f} |")
+            print(f"| {level} | {mode} | all | rest | | | | | | | {1 - stepped / wall[mode]:.3f} |")
     print()
     print("\n".join(summary))
     loaded.release()
@@ -145,17 +146,23 @@ def _row(kept: list[dict], whole: float) -> str:
     seconds = sum(s["seconds"] for s in kept)
     tokens = sum(s["tokens"] for s in kept)
     rows = sum(s["batch"] for s in kept)
+    proposing = sum(s.get("proposing", 0.0) for s in kept)
     rate = f"{tokens / seconds:.1f}" if tokens else ""
     return (
         f"{len(kept)} | {rows / len(kept):.2f} | {tokens / len(kept):.2f} | {1000 * seconds / len(kept):.2f}"
-        f" | {rate} | {seconds / whole:.3f} |"
+        f" | {1000 * proposing / len(kept):.2f} | {rate} | {seconds / whole:.3f} |"
     )
 
 
 def _time_steps(engine, into: list[dict]) -> None:
     """Append each step as the engine reports it to its guard (``observe_step_time``: seconds, batch size, tokens,
-    kind), and each prompt chunk the scheduler reads (``prefill``), to ``into``."""
-    observe, prefill = engine.policy.observe_step_time, engine.prefill
+    kind) with the part of it spent proposing (guesses, planning, the draft model: ``stats.record_step``), and each
+    prompt chunk the scheduler reads (``prefill``), to ``into``."""
+    observe, prefill, record = engine.policy.observe_step_time, engine.prefill, engine.stats.record_step
+
+    def on_record(draft_s: float, verify_s: float) -> None:  # right after the step's observe_step_time
+        into[-1]["proposing"] = draft_s
+        record(draft_s, verify_s)
 
     def on_step(seconds: float, batch: int, emitted=None, kind=None) -> None:
         into.append({"seconds": seconds, "batch": batch, "tokens": emitted or 0, "kind": kind or "plain"})
@@ -167,7 +174,7 @@ def _time_steps(engine, into: list[dict]) -> None:
         into.append({"seconds": time.perf_counter() - t0, "batch": 1, "tokens": 0, "kind": "prompt"})
         return out
 
-    engine.policy.observe_step_time, engine.prefill = on_step, on_prefill
+    engine.policy.observe_step_time, engine.prefill, engine.stats.record_step = on_step, on_prefill, on_record
 
 
 if __name__ == "__main__":
