@@ -183,6 +183,8 @@ class NgramIndex:
         ends = self.ends.get(tuple(tokens[length - n :]))
         if not ends:
             return []
+        if len(ends) == 1:  # a lone occurrence wins whatever its agreement (and it agrees in n tokens at least)
+            return list(tokens[ends[0] + 1 : ends[0] + 1 + k])
         arr = np.asarray(tokens, dtype=np.int64)
         agree = _agreement(arr, np.asarray(ends), arr, min(CONTEXT_LOOKBACK, length - 1))
         end = ends[int(np.flatnonzero(agree == agree.max())[-1])]
