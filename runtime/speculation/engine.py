@@ -362,7 +362,7 @@ class SpeculativeEngine:
         """One speculative step for rows 0..B-1 (``batch[b].row == b``), each emitting at least one token."""
         t0 = time.perf_counter()
         # propose: free guesses first, then one draft width for the batch (policy), then the draft model
-        guesses = [self._guess(seq) for seq in batch]  # a row whose guess failed is faulted, with no drafts
+        guesses = self._guesses(batch)
         plans = [self._plan(seq, g) for seq, g in zip(batch, guesses)]
         width, predicted = self.policy.width(plans, trees=self._trees_possible(batch, guesses))
         if width and not self.policy.model_drafts:  # the rows with free guesses draft alone: no draft forward
@@ -488,6 +488,20 @@ class SpeculativeEngine:
         seq.finish_reason = "error"
         self.stats.num_row_faults += 1
         return StepOutput([], "error", error=seq.fault)
+
+    def _guesses(self, batch: list[Sequence]) -> list[Guess]:
+        """Each row's guess (a row whose guess failed is faulted, with no drafts); none at all in a batch whose band
+        has free guesses turned off until its next probe (``RegimeGuard.proposes``): the lookups would be refused.
+        Not for a lone row, whose copies the policy probes itself, nor beside a draft model or a predicted output,
+        which follow their rows step by step."""
+        if (
+            len(batch) > 1
+            and self.draft_model is None
+            and all(seq.prediction is None for seq in batch)
+            and not self.policy.guard.proposes(len(batch), FREE)
+        ):
+            return [Guess([], seq.acceptance, None) for seq in batch]
+        return [self._guess(seq) for seq in batch]
 
     def _guess(self, seq: Sequence) -> Guess:
         part = "proposer"

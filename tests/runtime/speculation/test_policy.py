@@ -10,6 +10,7 @@ from depctl_runtime.speculation.policy import (
     PROBE_BUDGET,
     REGIME_PROBE,
     REGIME_PROBE_MAX,
+    REGIME_VERDICT,
     CostModel,
     DraftLengthPolicy,
     RegimeGuard,
@@ -440,6 +441,26 @@ def test_a_new_heads_first_misses_in_a_row_do_not_turn_it_off():
     for _ in range(60):
         guard.observe(1, "model", 1, 1 / 50)
     assert guard.is_off(1, "model")
+
+
+def turn_off(guard: RegimeGuard, batch: int, kind: str = "free") -> None:
+    """Plain steps at 100 tokens a second in ``batch``'s band, then drafting steps at 60 until the kind is off."""
+    for _ in range(20):
+        guard.observe(batch, None, batch, batch / 100)
+    for _ in range(REGIME_VERDICT):
+        guard.observe(batch, kind, batch, batch / 60)
+    assert guard.is_off(batch, kind)
+
+
+def test_an_off_band_looks_for_drafts_only_when_its_probe_is_due():
+    # looking costs every row a lookup that the band would refuse; the steps that do not look count towards the
+    # next probe as refusals do, so probes keep their pace
+    guard = RegimeGuard()
+    turn_off(guard, 8)
+    assert [guard.proposes(8, "free") for _ in range(REGIME_PROBE)] == [False] * (REGIME_PROBE - 1) + [True]
+    assert guard.allows(8, "free")  # the probe
+    assert not guard.proposes(8, "free")
+    assert guard.proposes(2, "free") and guard.proposes(8, "model")  # other bands and kinds look as before
 
 
 def test_a_band_that_keeps_losing_is_probed_less_and_less_often():
