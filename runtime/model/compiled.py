@@ -70,7 +70,7 @@ class _Pass(nn.Module):
 # reloads a deployment reuses them rather than growing by one copy a reload.
 _SPARE: dict[tuple[str, int], list] = {}
 _SPARE_LOCK = threading.Lock()
-# Every tensor a library has borrowed: a library reads the data pointers it was lent at load, so such a tensor never
+# Every tensor a library has borrowed: a library reads the data pointers it was given at load, so such a tensor never
 # gets new storage (another library's borrow of it included), or the first reads freed memory.
 _LENT = WeakTensorKeyDictionary()
 

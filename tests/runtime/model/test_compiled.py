@@ -124,7 +124,7 @@ def test_it_borrows_the_models_weights_and_the_package_holds_none(package):
 
 
 def test_a_weight_one_library_borrowed_keeps_its_storage_when_another_borrows_it(package):
-    # a library reads the data pointers it was lent at load: a borrowed weight given new storage afterwards (as the
+    # a library reads the data pointers it was given at load: a borrowed weight given new storage afterwards (as the
     # next library gave one that had turned unresizable) left the first reading freed memory
     model = package[1]()
     runner = compiled_runner(package, model=model)
