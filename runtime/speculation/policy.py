@@ -75,6 +75,7 @@ REGIME_MIN_STEPS = 3  # steps of each kind at a batch size before its rates are 
 REGIME_PROBE = 64  # steps between a regime's probes: one drafting step where drafting is off, one plain step where on
 REGIME_PROBE_MAX = 512  # a band that keeps losing is probed half as often after each losing probe, down to this
 REGIME_CONFIRM = 2  # probes in a row that gain before a band turned off drafts again
+REGIME_PROBES_KEPT = 64  # a band's last probes, judged together to bring a kind back
 REGIME_SURE = 2.0  # standard errors by which a kind's rate must fall under the margin to turn it off
 # the spread of a drafting step's rate, over its rate, that a verdict assumes before it measured one, worth
 # ``REGIME_VERDICT`` steps: a few misses in a row (one row's head steps are coin tosses) have no spread at all, and
@@ -361,11 +362,12 @@ class _Rate:
 
 @dataclass
 class _Probes:
-    """A kind turned off in a band: its probes' spacing, the gains in a row, and every probe's (tokens, seconds)."""
+    """A kind turned off in a band: its probes' spacing, the gains in a row, and its last ``REGIME_PROBES_KEPT``
+    probes' (tokens, seconds)."""
 
     every: int = REGIME_PROBE  # refusals between probes
     gains: int = 0
-    steps: deque = field(default_factory=lambda: deque(maxlen=64))
+    steps: deque = field(default_factory=lambda: deque(maxlen=REGIME_PROBES_KEPT))
 
 
 class RegimeGuard:
