@@ -3,6 +3,7 @@ on, through one deployment (a request can ask to decode plainly, so both modes u
 
     .venv/bin/python benchmarks/load.py                                    # SmolLM2, chat + grounded, 1..16 clients
     .venv/bin/python benchmarks/load.py --workload chat --concurrency 1,8 --max-tokens 64
+    .venv/bin/python benchmarks/load.py --workload code --concurrency 8,32 --repeat 4 --control   # the noise floor
     .venv/bin/python benchmarks/load.py --concurrency 1,8 --quantization int8 \
         --llama-server $LLAMA/build/bin/llama-server --gguf F32=smol-f32.gguf --gguf Q8_0=smol-q8_0.gguf
     .venv/bin/python benchmarks/load.py --model qwen2.5-coder-1.5b-instruct --device cuda --workload code \
@@ -347,6 +348,12 @@ def main() -> int:
         help="run each cell this many times, the modes alternating, and report them together (a cell of a few "
         "seconds moves by 10%% from run to run on a shared machine)",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="a third mode on our deployments: plain decoding again, run between the two, so each cell's "
+        "'plain again' row reads plain against plain: the machine's noise in that cell, beside speculation's ratio",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--k", type=int, default=8)
@@ -477,9 +484,7 @@ def main() -> int:
 
         for name, spec in ({} if args.no_depctl else specs).items():
             # one deployment serves both modes: a request may ask to decode plainly
-            out.append(
-                ours_(name, spec, {"plain": {"speculate": False}, spec_mode(args): {"speculate": True}}, "depctl-load-")
-            )
+            out.append(ours_(name, spec, depctl_modes(args), "depctl-load-"))
         if args.depctl_vllm:  # vLLM behind our daemon: its speculation is a start-up flag, so a deployment per mode
             dtype = "float32" if args.dtype == "float32" else "bfloat16"
             for mode, speculation in (
@@ -651,7 +656,7 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
     mismatched = []  # greedy speculation is exact: the same requests must give the same tokens
     for c in levels:
         for name in servers:
-            for mode in ("plain", spec_mode(args)):
+            for mode in ("plain", CONTROL, spec_mode(args)):
                 cell = results.get((name, mode, workload, c))
                 if cell is None:
                     continue
@@ -687,6 +692,20 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
 
 def spec_mode(args) -> str:
     return "draft" if args.draft_model else "n-gram"
+
+
+CONTROL = "plain again"
+
+
+def depctl_modes(args) -> dict[str, dict]:
+    """The modes one of our deployments serves, each a request's extra fields, in the order a round runs them (or its
+    reverse, round by round): plain, with ``--control`` plain again, then speculating. Over two rounds every mode's
+    runs sit at the same mean time, so a steady drift in the machine's speed moves neither ratio."""
+    modes = {"plain": {"speculate": False}}
+    if args.control:
+        modes[CONTROL] = {"speculate": False}
+    modes[spec_mode(args)] = {"speculate": True}
+    return modes
 
 
 def _ratio(cell: Cell, base: Cell | None, rate: str = "aggregate") -> str:

@@ -386,8 +386,8 @@ class RegimeGuard:
     once its probes together gain by more than their standard error: one lucky step must not undo a measured loss, and a
     kind whose steps gain on average although most single ones lose (a weak head's one draft, accepted a third of the
     time) must not stay off. The policy's own probes of a kind turned off are judged the same way. Where drafting runs,
-    one step in ``REGIME_PROBE`` runs plainly to keep the plain rate measured (one in ``REGIME_WARMUP`` until it is).
-    Plain steps cost what they cost whatever the text, and within a band both kinds of step come at the same mix of
+    one step in ``REGIME_PROBE`` runs plainly, looking for no drafts, to keep the plain rate measured (one in
+    ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds of step come at the same mix of
     sizes (plain ones are spread over time), so the comparison is fair although the policy drafts only where it expects
     a gain. Judged size by size, each size needed plain steps of its own before anything was compared, and a loss at a
     wandering size ran on for most of a load test's cell."""
@@ -419,15 +419,22 @@ class RegimeGuard:
                 return False
             self.off[key] = 0
             return True
-        since = self._since_plain.get(key[0], 0)
-        return since < (REGIME_WARMUP if self.rate(batch, None) is None else REGIME_PROBE)
+        return not self._plain_due(batch)
+
+    def _plain_due(self, batch: int) -> bool:
+        """Whether this band's next step is the plain one that keeps its plain rate measured."""
+        since = self._since_plain.get(band(batch), 0)
+        return since >= (REGIME_WARMUP if self.rate(batch, None) is None else REGIME_PROBE)
 
     def proposes(self, batch: int, kind: str) -> bool:
         """Whether a step at this batch size looks for drafts of this kind at all: not where the kind is off and its
-        next probe is not yet due. Looking costs every row a lookup (2-4% of a 4-bit step at 8 rows) that the band
-        would refuse; a step that does not look counts as one of ``allows``'s refusals, so probes keep their pace."""
+        next probe is not yet due (a step that does not look counts as one of ``allows``'s refusals, so probes keep
+        their pace), nor for the plain step that keeps the plain rate measured, which is then a plain request's step.
+        Looking costs every row a lookup, and the batch the planning of its drafts, that the step would refuse."""
         key = (band(batch), kind)
-        if key not in self.off or self.off[key] + 1 >= self._probes[key].every:
+        if key not in self.off:
+            return not self._plain_due(batch)
+        if self.off[key] + 1 >= self._probes[key].every:
             return True
         self.off[key] += 1
         return False

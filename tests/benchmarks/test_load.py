@@ -1,9 +1,10 @@
-"""The load benchmark's measure of the time every client was busy: the tokens streamed by then."""
+"""The load benchmark: its measure of the time every client was busy, and the modes a deployment runs."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -28,3 +29,16 @@ def test_runs_merge_their_busy_tokens_over_their_busy_seconds():
     b = Cell(tokens=100, seconds=10.0, busy_tokens=30.0, busy_seconds=5.0)
     assert a.merged(b).busy == pytest.approx(9.0) and a.merged(b).aggregate == pytest.approx(10.0)
     assert Cell().busy == 0.0
+
+
+def test_a_control_run_decodes_plainly_between_plain_and_speculating():
+    from load import CONTROL, depctl_modes
+
+    args = SimpleNamespace(control=True, draft_model=None)
+    assert depctl_modes(args) == {
+        "plain": {"speculate": False},
+        CONTROL: {"speculate": False},
+        "n-gram": {"speculate": True},
+    }
+    args.control = False
+    assert list(depctl_modes(args)) == ["plain", "n-gram"]

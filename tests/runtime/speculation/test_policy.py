@@ -463,6 +463,20 @@ def test_an_off_band_looks_for_drafts_only_when_its_probe_is_due():
     assert guard.proposes(2, "free") and guard.proposes(8, "model")  # other bands and kinds look as before
 
 
+def test_the_guards_own_plain_step_looks_for_no_drafts():
+    # the plain steps the guard keeps in a drafting band are its measure of plain decoding: a step that looked for
+    # drafts it would refuse paid every row's lookup, which a plain request does not
+    guard = RegimeGuard()
+    for _ in range(20):
+        guard.observe(8, None, 8, 8 / 100)
+    for _ in range(REGIME_PROBE):
+        assert guard.proposes(8, "free")
+        guard.observe(8, "free", 16, 16 / 120)
+    assert not guard.proposes(8, "free") and not guard.allows(8, "free")  # the plain step is due
+    guard.observe(8, None, 8, 8 / 100)
+    assert guard.proposes(8, "free") and guard.allows(8, "free")
+
+
 def test_a_band_that_keeps_losing_is_probed_less_and_less_often():
     # a probe drafts the whole batch at the width the cost model picks: at 31 rows on 4-bit weights a pass several
     # times a plain step's, so probing every 64 steps for good cost a band that stays off several percent
