@@ -530,10 +530,11 @@ def main() -> int:
                 n = args.requests or m * -(-2 * c // m)  # every prompt as often as the others, >= 2 x concurrency
                 order = group[i % len(group) :] + group[: i % len(group)]
                 for name, modes, url, _ in order:
-                    settle(group)  # the server before may still be working (our daemon's idle-time work)
                     # with --repeat, the modes alternate A B B A ...: a drift in the machine's speed hits both alike
                     for r in range(args.repeat):
                         for mode in list(modes) if (i + r) % 2 == 0 else list(reversed(modes)):
+                            # the run before may still be working (our daemon's idle-time work), on any server
+                            settle(group)
                             cell = run_cell(url, prompts[w], c, n, args.max_tokens, modes[mode])
                             key = (name, mode, w, c)
                             results[key] = results[key].merged(cell) if key in results else cell
