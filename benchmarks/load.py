@@ -530,6 +530,7 @@ def main() -> int:
                 n = args.requests or m * -(-2 * c // m)  # every prompt as often as the others, >= 2 x concurrency
                 order = group[i % len(group) :] + group[: i % len(group)]
                 for name, modes, url, _ in order:
+                    before = guard_state(url) if name.startswith("depctl ") else {}
                     # with --repeat, the modes alternate A B B A ...: a drift in the machine's speed hits both alike
                     for r in range(args.repeat):
                         for mode in list(modes) if (i + r) % 2 == 0 else list(reversed(modes)):
@@ -541,7 +542,7 @@ def main() -> int:
                             runs.setdefault(key, []).append(cell)
                             print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
                     if name.startswith("depctl "):
-                        guards[(name, w, c)] = guard_state(url)
+                        guards[(name, w, c)] = (before, guard_state(url))
 
     def stop(group: list) -> None:
         for *_, proc in group:
@@ -628,6 +629,14 @@ def guard_state(url: str) -> dict:
     return (status.get("policy") or {}).get("drafting_over_plain") or {}
 
 
+def drafted(before: dict | None, after: dict) -> str:
+    """The steps a band ran during a cell (both modes' runs) and how many of them drafted: the guard's counts after
+    the cell less those before it."""
+    counts = {k: n - ((before or {}).get("steps") or {}).get(k, 0) for k, n in (after.get("steps") or {}).items()}
+    total = sum(counts.values())
+    return f" ({total - counts.get('plain', 0)} of {total} steps drafted)" if total else ""
+
+
 def spread(runs: list, own: list | None) -> str:
     """Each run's ratio to the plain run beside it (--repeat alternates the modes), lowest to highest."""
     if not own or len(runs) < 2 or len(own) != len(runs):
@@ -679,10 +688,10 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
                 )
     for line in mismatched:
         print(f"\n**Output differs from plain decoding**: {line}")
-    for (name, w, c), guard in guards.items():
+    for (name, w, c), (before, guard) in guards.items():
         if w == workload and guard:
             cells = ", ".join(
-                f"{g.get('sizes', b)}: {kind} {k['ratio']:.2f}{' off' if k['off'] else ''}"
+                f"{g.get('sizes', b)}: {kind} {k['ratio']:.2f}{' off' if k['off'] else ''}{drafted(before.get(b), g)}"
                 for b, g in guard.items()
                 for kind, k in g.items()
                 if kind in ("free", "model")

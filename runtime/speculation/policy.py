@@ -387,16 +387,17 @@ class RegimeGuard:
     kind whose steps gain on average although most single ones lose (a weak head's one draft, accepted a third of the
     time) must not stay off. The policy's own probes of a kind turned off are judged the same way. Where drafting runs,
     one step in ``REGIME_PROBE`` runs plainly, looking for no drafts, to keep the plain rate measured (one in
-    ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds of step come at the same mix of
-    sizes (plain ones are spread over time), so the comparison is fair although the policy drafts only where it expects
-    a gain. Judged size by size, each size needed plain steps of its own before anything was compared, and a loss at a
-    wandering size ran on for most of a load test's cell."""
+    ``REGIME_WARMUP`` until it is). Plain steps cost what they cost whatever the text, and within a band both kinds of
+    step come at the same mix of sizes (plain ones are spread over time), so the comparison is fair although the policy
+    drafts only where it expects a gain. Judged size by size, each size needed plain steps of its own before anything
+    was compared, and a loss at a wandering size ran on for most of a load test's cell."""
 
     def __init__(self):
         self._rates: dict[tuple[int, str | None], _Rate] = {}  # (band, kind) -> its rate; kind None for plain steps
         self.off: dict[tuple[int, str], int] = {}  # (band, kind) that measured a loss -> refusals since its last probe
         self._probes: dict[tuple[int, str], _Probes] = {}  # the probes of each kind turned off
         self._since_plain: dict[int, int] = {}  # drafting steps since the last plain one, per band
+        self.steps: dict[tuple[int, str | None], int] = {}  # (band, kind) -> steps seen, for a reader to diff
 
     def rate(self, batch: int, kind: str | None) -> float | None:
         """Tokens a second of this kind of step in this batch size's band (None: too few steps yet)."""
@@ -442,6 +443,7 @@ class RegimeGuard:
     def observe(self, batch: int, kind: str | None, tokens: int, seconds: float) -> None:
         batch = band(batch)
         self._since_plain[batch] = self._since_plain.get(batch, 0) + 1 if kind else 0
+        self.steps[(batch, kind)] = self.steps.get((batch, kind), 0) + 1
         if seconds <= 0:
             return
         key = (batch, kind)
@@ -496,9 +498,11 @@ class RegimeGuard:
             probes.every = min(2 * probes.every, REGIME_PROBE_MAX)
 
     def snapshot(self) -> dict:
-        """Per band measured: its sizes and, per kind of drafting step, its tokens a second over plain steps' and
-        whether it is off there."""
+        """Per band measured: its sizes, the steps of each kind it has seen (plain, free, model: counts since the
+        load, which a reader diffs to see what one stretch of load drafted) and, per kind of drafting step, its tokens
+        a second over plain steps' and whether it is off there."""
         out = {}
+        steps = dict(self.steps)  # a copy: read off-thread
         for low in sorted({b for b, _ in list(self._rates)}):
             plain = self.rate(low, None)
             kinds = {}
@@ -507,7 +511,8 @@ class RegimeGuard:
                 if plain and drafting:
                     kinds[kind] = {"ratio": round(drafting / plain, 3), "off": (low, kind) in self.off}
             if kinds:
-                out[low] = {"sizes": str(low) if low == 1 else f"{low}-{2 * low - 1}", **kinds}
+                counts = {k or "plain": n for (b, k), n in steps.items() if b == low}
+                out[low] = {"sizes": str(low) if low == 1 else f"{low}-{2 * low - 1}", "steps": counts, **kinds}
         return out
 
 

@@ -518,7 +518,9 @@ def test_a_batch_whose_size_wanders_is_judged_as_one_regime():
         batch = 9 + (i // 3) % 7
         widths += _steps(policy, batch, plain_rate=100.0, drafting_rate=80.0, n=1)
     assert sum(1 for w in widths[120:] if w) <= 120 // 40
-    assert policy.snapshot()["drafting_over_plain"][8] == {"sizes": "8-15", "free": {"ratio": 0.8, "off": True}}
+    band = policy.snapshot()["drafting_over_plain"][8]
+    assert band["sizes"] == "8-15" and band["free"] == {"ratio": 0.8, "off": True}
+    assert sum(band["steps"].values()) == 240 and band["steps"]["free"] == sum(1 for w in widths if w)
 
 
 def test_where_drafting_gains_one_step_in_many_runs_plainly_to_keep_the_comparison_measured():
