@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import resource
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,11 @@ def main() -> None:
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=4, help="runs per mode and level, the modes alternating")
+    parser.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the loaded model in the garbage collector's reach (the daemon freezes its heap after a load)",
+    )
     parser.add_argument(
         "--one-width",
         action="store_true",
@@ -66,15 +73,19 @@ def main() -> None:
     prompts = [chat_ids(tokenizer, [{"role": "user", "content": p}]) for p in workloads.load(args.workload)]
     steps: list[dict] = []
     _time_steps(engine, steps)
+    if not args.no_freeze:  # as the daemon does: a full collection would walk every object of the loaded model
+        gc.collect()
+        gc.freeze()
+    collecting = _time_collections()
     print(
         f"{args.model} {args.quantization}, workload {args.workload!r}, n-gram n={args.ngram} K={args.k}, "
         f"{args.max_tokens} tokens, {args.repeat} runs a mode\n"
     )
     print(
-        "| clients | mode | band | kind | steps | rows a step | tokens a step | ms a step | ms proposing | tok/s "
-        "| share of the time |"
+        "| clients | mode | band | kind | steps | rows a step | tokens a step | ms a step | ms proposing "
+        "| ms in the pass | tok/s | share of the time |"
     )
-    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     modes = ["plain", "speculating"] + (["one width"] if args.one_width else [])
     policy = engine.policy
 
@@ -84,7 +95,8 @@ def main() -> None:
     summary = []
     for level in levels:
         kept = {mode: [] for mode in modes}
-        wall, tokens = collections.Counter(), collections.Counter()
+        wall, tokens, collected = collections.Counter(), collections.Counter(), collections.Counter()
+        faults = collections.Counter()  # pages the process touched for the first time: memory the allocator got anew
         steady, steady_tokens = collections.Counter(), collections.Counter()
         outputs = {}
         for r in range(-1, len(modes) * args.repeat):  # run -1 warms the prefix cache and the passes: not counted
@@ -97,7 +109,7 @@ def main() -> None:
             scheduler = Scheduler(engine, max_batch_size=level)
             got, number = queue_requests(engine, scheduler, prompts, level, params)
             steps.clear()
-            t0 = time.perf_counter()
+            t0, gc0, faults0 = time.perf_counter(), collecting[0], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             steady_until = None  # when the last request was admitted: every row busy until then
             while scheduler.has_work():
                 for seq, out in scheduler.step():
@@ -107,6 +119,8 @@ def main() -> None:
             if r < 0:
                 continue
             wall[mode] += time.perf_counter() - t0
+            collected[mode] += collecting[0] - gc0
+            faults[mode] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
             tokens[mode] += sum(map(len, got.values()))
             steady[mode] += steady_until[0] - t0
             steady_tokens[mode] += steady_until[1]
@@ -121,7 +135,10 @@ def main() -> None:
                 f"{level} clients, {mode}: {rate[mode]:.1f} tok/s against plain {rate['plain']:.1f}, "
                 f"{rate[mode] / rate['plain']:.3f}x; until the last request was admitted (every row busy) "
                 f"{busy[mode]:.1f} against {busy['plain']:.1f}, {busy[mode] / busy['plain']:.3f}x; after it "
-                f"{after[mode]:.0%} of the time against {after['plain']:.0%}; "
+                f"{after[mode]:.0%} of the time against {after['plain']:.0%}; the garbage collector "
+                f"{collected[mode] / wall[mode]:.1%} of the time against {collected['plain'] / wall['plain']:.1%}; "
+                f"{faults[mode] / tokens[mode]:.1f} page faults a token against "
+                f"{faults['plain'] / tokens['plain']:.1f}; "
                 f"{'identical output' if outputs['plain'] == outputs[mode] else 'OUTPUT DIFFERS'}"
             )
         for mode, mode_steps in kept.items():
@@ -132,7 +149,7 @@ def main() -> None:
             stepped = sum(st["seconds"] for st in mode_steps)
             for key in sorted(groups, key=lambda k: (k[0] == "prompt", k)):
                 print(f"| {level} | {mode} | {key[0]} | {key[1]} | " + _row(groups[key], wall[mode]))
-            print(f"| {level} | {mode} | all | rest | | | | | | | {1 - stepped / wall[mode]:.3f} |")
+            print(f"| {level} | {mode} | all | rest | | | | | | | | {1 - stepped / wall[mode]:.3f} |")
     print()
     print("\n".join(summary))
     loaded.release()
@@ -147,21 +164,43 @@ def _row(kept: list[dict], whole: float) -> str:
     tokens = sum(s["tokens"] for s in kept)
     rows = sum(s["batch"] for s in kept)
     proposing = sum(s.get("proposing", 0.0) for s in kept)
+    in_pass = sum(s.get("pass", 0.0) for s in kept)
     rate = f"{tokens / seconds:.1f}" if tokens else ""
     return (
         f"{len(kept)} | {rows / len(kept):.2f} | {tokens / len(kept):.2f} | {1000 * seconds / len(kept):.2f}"
-        f" | {1000 * proposing / len(kept):.2f} | {rate} | {seconds / whole:.3f} |"
+        f" | {1000 * proposing / len(kept):.2f} | {1000 * in_pass / len(kept):.2f} | {rate} | {seconds / whole:.3f} |"
     )
+
+
+def _time_collections() -> list[float]:
+    """A one-item list that the garbage collector's time accumulates into, in seconds."""
+    total, started = [0.0], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(on_gc)
+    return total
 
 
 def _time_steps(engine, into: list[dict]) -> None:
     """Append each step as the engine reports it to its guard (``observe_step_time``: seconds, batch size, tokens,
-    kind) with the part of it spent proposing (guesses, planning, the draft model: ``stats.record_step``), and each
-    prompt chunk the scheduler reads (``prefill``), to ``into``."""
+    kind) with the parts of it spent proposing (guesses, planning, the draft model: ``stats.record_step``) and in the
+    target's pass (what it reports to its cost model), and each prompt chunk the scheduler reads (``prefill``), to
+    ``into``."""
     observe, prefill, record = engine.policy.observe_step_time, engine.prefill, engine.stats.record_step
+    passes = engine.policy.verify_cost.observe
+    in_pass = [0.0]
+
+    def on_pass(n: int, seconds: float) -> None:  # the step's target pass, before its observe_step_time
+        in_pass[0] = seconds
+        passes(n, seconds)
 
     def on_record(draft_s: float, verify_s: float) -> None:  # right after the step's observe_step_time
-        into[-1]["proposing"] = draft_s
+        into[-1]["proposing"], into[-1]["pass"] = draft_s, in_pass[0]
         record(draft_s, verify_s)
 
     def on_step(seconds: float, batch: int, emitted=None, kind=None) -> None:
@@ -171,10 +210,12 @@ def _time_steps(engine, into: list[dict]) -> None:
     def on_prefill(*args, **kwargs):
         t0 = time.perf_counter()
         out = prefill(*args, **kwargs)
-        into.append({"seconds": time.perf_counter() - t0, "batch": 1, "tokens": 0, "kind": "prompt"})
+        seconds = time.perf_counter() - t0
+        into.append({"seconds": seconds, "pass": seconds, "batch": 1, "tokens": 0, "kind": "prompt"})
         return out
 
     engine.policy.observe_step_time, engine.prefill, engine.stats.record_step = on_step, on_prefill, on_record
+    engine.policy.verify_cost.observe = on_pass
 
 
 if __name__ == "__main__":

@@ -530,7 +530,8 @@ def main() -> int:
                 n = args.requests or m * -(-2 * c // m)  # every prompt as often as the others, >= 2 x concurrency
                 order = group[i % len(group) :] + group[: i % len(group)]
                 for name, modes, url, _ in order:
-                    before = guard_state(url) if name.startswith("depctl ") else {}
+                    ours = name.startswith("depctl ")
+                    first = last = guard_state(url) if ours else {}
                     # with --repeat, the modes alternate A B B A ...: a drift in the machine's speed hits both alike
                     for r in range(args.repeat):
                         for mode in list(modes) if (i + r) % 2 == 0 else list(reversed(modes)):
@@ -540,9 +541,15 @@ def main() -> int:
                             key = (name, mode, w, c)
                             results[key] = results[key].merged(cell) if key in results else cell
                             runs.setdefault(key, []).append(cell)
-                            print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s", file=sys.stderr)
-                    if name.startswith("depctl "):
-                        guards[(name, w, c)] = (before, guard_state(url))
+                            steps = ""
+                            if ours:  # what this run drafted, band by band
+                                now = guard_state(url)
+                                bands = {g["sizes"]: drafted(last.get(b), g) for b, g in now.items()}
+                                steps = "".join(f", {sizes}{d[:-15]})" for sizes, d in bands.items() if d)
+                                last = now
+                            print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s{steps}", file=sys.stderr)
+                    if ours:
+                        guards[(name, w, c)] = (first, last)
 
     def stop(group: list) -> None:
         for *_, proc in group:
