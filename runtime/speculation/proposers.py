@@ -30,6 +30,10 @@ from depctl_runtime.speculation.suffix import SuffixIndex
 from depctl_runtime.speculation.verify import DraftTree
 
 CONTEXT_LOOKBACK = 64  # how far back a candidate match's agreement with the current suffix is measured
+# candidates up to this many are scored by comparing slices of the token list; more (an indent that recurs all through
+# a file of code) in one array pass, whose fixed cost (the list converted whole, a [candidates, lookback] gather) is
+# 50-120 us a call against a few us a candidate for the slices
+SLICED_CANDIDATES = 16
 
 
 def _agreement(ref: np.ndarray, ends: np.ndarray, context: np.ndarray, lookback: int) -> np.ndarray:
@@ -185,10 +189,35 @@ class NgramIndex:
             return []
         if len(ends) == 1:  # a lone occurrence wins whatever its agreement (and it agrees in n tokens at least)
             return list(tokens[ends[0] + 1 : ends[0] + 1 + k])
-        arr = np.asarray(tokens, dtype=np.int64)
-        agree = _agreement(arr, np.asarray(ends), arr, min(CONTEXT_LOOKBACK, length - 1))
-        end = ends[int(np.flatnonzero(agree == agree.max())[-1])]
+        lookback = min(CONTEXT_LOOKBACK, length - 1)
+        if len(ends) <= SLICED_CANDIDATES:
+            tokens = tokens if isinstance(tokens, list) else list(tokens)
+            agree = [_sliced_agreement(tokens, e, n, lookback) for e in ends]
+            best = max(agree)
+            end = ends[len(agree) - 1 - agree[::-1].index(best)]  # the most recent of the longest
+        else:
+            arr = np.asarray(tokens, dtype=np.int64)
+            agree = _agreement(arr, np.asarray(ends), arr, lookback)
+            end = ends[int(np.flatnonzero(agree == agree.max())[-1])]
         return list(tokens[end + 1 : end + 1 + k])
+
+
+def _sliced_agreement(tokens: list[int], end: int, n: int, lookback: int) -> int:
+    """``_agreement`` of one candidate ``end`` whose last ``n`` tokens equal the list's: the longest m (up to
+    ``lookback``, and ``end + 1``) with ``tokens[end - m + 1 : end + 1]`` equal to the last m tokens, found by
+    halving (slices that agree in m tokens agree in every fewer), each test one list comparison."""
+    hi = min(lookback, end + 1)
+    length = len(tokens)
+    if tokens[end - hi + 1 : end + 1] == tokens[length - hi :]:
+        return hi
+    lo = n  # the n-gram itself agrees (and hi, which does not, is longer)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tokens[end - mid + 1 : end + 1] == tokens[length - mid :]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class NgramProposer:

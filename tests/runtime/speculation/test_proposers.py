@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from depctl_runtime.speculation import proposers
 from depctl_runtime.speculation.params import GenerationParams, SamplingParams, Tenant
 from depctl_runtime.speculation.proposers import (
     CONTEXT_LOOKBACK,
@@ -85,11 +86,13 @@ def scan_propose(tokens, n: int, k: int) -> list[int]:
     return list(tokens[best + 1 : best + 1 + k])
 
 
+@pytest.mark.parametrize("sliced", [0, 1_000_000], ids=["array pass", "slices"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_ngram_index_proposes_what_a_scan_proposes(n):
+def test_ngram_index_proposes_what_a_scan_proposes(n, sliced, monkeypatch):
     """The engine's per-request index, kept up to date step after step, guesses exactly what a brute-force scan of the
     tokens finds, as they grow by a step's worth at a time (few distinct tokens: many candidates, ties, long
-    agreements)."""
+    agreements), whichever way it scores its candidates."""
+    monkeypatch.setattr(proposers, "SLICED_CANDIDATES", sliced)
     rng = random.Random(n)
     for trial in range(20):
         vocab = rng.choice([3, 5, 12])
