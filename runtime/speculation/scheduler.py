@@ -4,10 +4,11 @@
 - The head of the queue is prefilled into the next free row in chunks of ``prefill_chunk`` tokens, before the
   running batch's step. A prompt is cut in the same places whatever the load: the cache a chunk leaves depends on
   where it was cut (the chunks' products round differently), so a request's output cannot depend on when it arrived.
-  With nothing running, every chunk is read in the same iteration. While streams run, an iteration gives the prompt
+  With nothing running, every chunk is read in the same iteration. While streams run, an iteration gives prompts
   about ``prefill_share`` times the batch step's own time: a chunk's pass runs a few parts of layers (an attention,
   an MLP), stops between two, and goes on in the next iteration (``engine.prefill`` with ``more``), so a running
-  stream's gap between tokens grows by that share, not by a whole chunk (a 128-token chunk of a long prompt is tens
+  stream's gap between tokens grows by that share, not by a whole chunk; what one prompt leaves of the share goes to
+  the next waiting one (a 128-token chunk of a long prompt is tens
   of decode steps' time on a CPU). Stopping between parts changes no bits; cutting the chunk smaller would. A
   separate pass rather than the chunk mixed into the batch's stream: a batch whose rows are equally wide (every plain
   step) runs attention as one batched call, a ragged one as a call per row (``model.attention``), and a chunk would
@@ -96,32 +97,28 @@ class Scheduler:
         self._cancelled.add(seq.id)
 
     def step(self) -> list[tuple[Sequence, StepOutput]]:
-        """One iteration: drop cancelled requests, admit the head of the queue and prefill a chunk of its prompt
-        (every chunk when nothing else runs; a prompt read to its end joins the batch), then step the running batch.
+        """One iteration: drop cancelled requests, admit the head of the queue and read its prompt (every chunk when
+        nothing else runs, else for the iteration's share, prompt after prompt; a prompt read to its end joins the
+        batch), then step the running batch.
         Returns each sequence's new output (a sequence whose output carries a finish_reason has left)."""
         out: list[tuple[Sequence, StepOutput]] = []
         if self._cancelled:
             self._drop_cancelled(out)
-        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
-            self.prefilling = self.waiting.popleft()
-            self.prefilling.row = len(self.running)
-        if self.prefilling is not None:  # before the step: a short prompt's first token does not wait a step
-            seq = self.prefilling
-            if self.running:  # a share of a step's time, stopping between parts of layers
-                more = _Share(self.prefill_share * self.step_seconds)
-                o = self.engine.prefill(seq, self.width, more=more)
-                self._narrow(more)
-            else:
-                o = self.engine.prefill(seq, self.prefill_chunk)
-            while o is None and not self.running:  # idle: every chunk now, cut where a busy deployment cuts
-                o = self.engine.prefill(seq, self.prefill_chunk)
-            if o is not None:
-                self.prefilling = None
-                out.append((seq, o))
-                if o.finish_reason:
-                    self._release(seq)
-                else:
-                    self.running.append(seq)
+        # before the step, so a short prompt's first token does not wait a step
+        if self.running:  # a share of a step's time, stopping between parts of layers
+            more = _Share(self.prefill_share * self.step_seconds)
+            # the share is the iteration's: a prompt read before it is spent (a short one, or one whose blocks came
+            # from the prefix cache) leaves the rest to its next chunk or the next prompt. One prompt an iteration
+            # capped admissions below the rate at which short answers left a busy batch: at 32 clients its rows sat
+            # at 16-31, the other clients waiting in the queue
+            while self._admit() and (more.parts == 0 or more.fits()):
+                self._joined(self.engine.prefill(self.prefilling, self.width, more=more), out)
+            self._narrow(more)
+        elif self._admit():  # idle: every chunk now, cut where a busy deployment cuts
+            o = None
+            while o is None:
+                o = self.engine.prefill(self.prefilling, self.prefill_chunk)
+            self._joined(o, out)
         if self.running:
             t0 = time.perf_counter()
             outputs = self.engine.step(self.running)
@@ -131,6 +128,25 @@ class Scheduler:
                 if o.finish_reason:
                     self._leave(seq)
         return out
+
+    def _admit(self) -> bool:
+        """Whether a prompt is being read: the one half read, else the head of the queue, given the next row."""
+        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size:
+            self.prefilling = self.waiting.popleft()
+            self.prefilling.row = len(self.running)
+        return self.prefilling is not None
+
+    def _joined(self, o: StepOutput | None, out: list) -> None:
+        """A prefill call's outcome: once the prompt is read (``o``, its first token), the sequence joins the batch,
+        or leaves at once where that token ended it."""
+        if o is None:
+            return
+        seq, self.prefilling = self.prefilling, None
+        out.append((seq, o))
+        if o.finish_reason:
+            self._release(seq)
+        else:
+            self.running.append(seq)
 
     def has_idle_work(self) -> bool:
         return bool(self.answers) or (self.background is not None and self.background.has_work())
@@ -258,3 +274,8 @@ class _Share:
         self._last = now
         spent = now - self._start
         return spent + spent / self.parts <= self.seconds
+
+    def fits(self) -> bool:
+        """Whether one more part still fits, after the parts run so far (called between two prompt chunks)."""
+        spent = time.perf_counter() - self._start
+        return self.parts > 0 and spent + spent / self.parts <= self.seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -271,3 +272,35 @@ def test_a_prompt_read_in_narrower_chunks_beside_running_streams_is_exact(draft,
         assert got[i] == solo(target, prompt, params), i
     chunks = [(start, n) for _, start, n in calls]
     assert 16 in {n for _, n in chunks} and all(start // 128 == (start + n - 1) // 128 for start, n in chunks)
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram"])
+def test_prompts_waiting_beside_streams_are_read_while_the_iterations_share_lasts(target, method):
+    # a short prompt takes a sliver of a step's time: one prompt an iteration left the share unused and capped how
+    # fast a busy batch refilled, so at 32 clients with short answers the queue held a third of the clients
+    engine = engine_for(target, method, 4)
+    step = engine.step
+
+    def slow_step(batch):  # a step of a large model: the share it gives prompts dwarfs a tiny prompt's pass
+        time.sleep(0.1)
+        return step(batch)
+
+    engine.step = slow_step
+    scheduler = Scheduler(engine, 4, prefill_share=1.0)
+    running = []
+    iterate = scheduler.step
+
+    def counted():
+        out = iterate()
+        running.append(len(scheduler.running))
+        return out
+
+    scheduler.step = counted
+    params = GenerationParams(max_tokens=8, ignore_eos=True)
+    arrivals = [(0, PROMPTS[0], GenerationParams(max_tokens=20, ignore_eos=True))] + [
+        (2, prompt, params) for prompt in PROMPTS[1:4]
+    ]
+    got, _ = drive(scheduler, arrivals)
+    assert running[:3] == [1, 1, 4]  # all three read in the iteration they arrived in
+    for i, (_, prompt, p) in enumerate(arrivals):
+        assert got[i] == solo(target, prompt, p), i
