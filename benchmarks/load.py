@@ -544,8 +544,8 @@ def main() -> int:
                             steps = ""
                             if ours:  # what this run drafted, band by band
                                 now = guard_state(url)
-                                bands = {g["sizes"]: drafted(last.get(b), g) for b, g in now.items()}
-                                steps = "".join(f", {sizes}{d[:-15]})" for sizes, d in bands.items() if d)
+                                counts = {g["sizes"]: drafted(last.get(b), g) for b, g in now.items()}
+                                steps = "".join(f", {sizes} ({d} of {n})" for sizes, (d, n) in counts.items() if n)
                                 last = now
                             print(f"  [{name} {w} c={c} {mode}] {cell.aggregate:.1f} tok/s{steps}", file=sys.stderr)
                     if ours:
@@ -636,12 +636,17 @@ def guard_state(url: str) -> dict:
     return (status.get("policy") or {}).get("drafting_over_plain") or {}
 
 
-def drafted(before: dict | None, after: dict) -> str:
-    """The steps a band ran during a cell (both modes' runs) and how many of them drafted: the guard's counts after
-    the cell less those before it."""
+def drafted(before: dict | None, after: dict) -> tuple[int, int]:
+    """Of the steps a band of the guard's ran between two readings of it (every mode's runs), how many drafted, and how
+    many there were: its counts in ``after`` less those in ``before``."""
     counts = {k: n - ((before or {}).get("steps") or {}).get(k, 0) for k, n in (after.get("steps") or {}).items()}
     total = sum(counts.values())
-    return f" ({total - counts.get('plain', 0)} of {total} steps drafted)" if total else ""
+    return total - counts.get("plain", 0), total
+
+
+def _drafted(before: dict | None, after: dict) -> str:
+    d, n = drafted(before, after)
+    return f" ({d} of {n} steps drafted)" if n else ""
 
 
 def spread(runs: list, own: list | None) -> str:
@@ -698,7 +703,7 @@ def print_table(workload, levels, results, runs, guards, reference, args, ours) 
     for (name, w, c), (before, guard) in guards.items():
         if w == workload and guard:
             cells = ", ".join(
-                f"{g.get('sizes', b)}: {kind} {k['ratio']:.2f}{' off' if k['off'] else ''}{drafted(before.get(b), g)}"
+                f"{g.get('sizes', b)}: {kind} {k['ratio']:.2f}{' off' if k['off'] else ''}{_drafted(before.get(b), g)}"
                 for b, g in guard.items()
                 for kind, k in g.items()
                 if kind in ("free", "model")

@@ -7,13 +7,12 @@
   With nothing running, every chunk is read in the same iteration. While streams run, an iteration gives prompts
   about ``prefill_share`` times the batch step's own time: a chunk's pass runs a few parts of layers (an attention,
   an MLP), stops between two, and goes on in the next iteration (``engine.prefill`` with ``more``), so a running
-  stream's gap between tokens grows by that share, not by a whole chunk; what one prompt leaves of the share goes to
-  the next waiting one (a 128-token chunk of a long prompt is tens
-  of decode steps' time on a CPU). Stopping between parts changes no bits; cutting the chunk smaller would. A
-  separate pass rather than the chunk mixed into the batch's stream: a batch whose rows are equally wide (every plain
-  step) runs attention as one batched call, a ragged one as a call per row (``model.attention``), and a chunk would
-  make every step ragged. The last chunk's logits give the request its first token, and the request joins the batch
-  in the same iteration's step.
+  stream's gap between tokens grows by that share, not by a whole chunk (a 128-token chunk of a long prompt is tens
+  of decode steps' time on a CPU); what one prompt leaves of the share goes to the next waiting one. Stopping between
+  parts changes no bits; cutting the chunk smaller would. A separate pass rather than the chunk mixed into the batch's
+  stream: a batch whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a
+  call per row (``model.attention``), and a chunk would make every step ragged. The last chunk's logits give the
+  request its first token, and the request joins the batch in the same iteration's step.
 - With the prefix cache on, idle time reads the last few finished requests' answers into it (``idle``), as a later
   prompt's chunks would read them: a conversation's next turn then reads only what follows the answer. A request that
   arrives takes the row back at once.

@@ -49,6 +49,6 @@ def test_a_cell_reports_the_steps_each_band_drafted_during_it():
 
     before = {"sizes": "8-15", "steps": {"plain": 100, "free": 40}}
     after = {"sizes": "8-15", "steps": {"plain": 160, "free": 45}}
-    assert drafted(before, after) == " (5 of 65 steps drafted)"
-    assert drafted(None, after) == " (45 of 205 steps drafted)"  # a band first measured in this cell
-    assert drafted(after, after) == ""
+    assert drafted(before, after) == (5, 65)
+    assert drafted(None, after) == (45, 205)  # a band first measured in this cell
+    assert drafted(after, after) == (0, 0)
