@@ -491,7 +491,8 @@ class SpeculativeEngine:
 
     def _guesses(self, batch: list[Sequence]) -> list[Guess]:
         """Each row's guess (a row whose guess failed is faulted, with no drafts); none at all in a batch whose band
-        has free guesses turned off until its next probe (``RegimeGuard.proposes``): the lookups would be refused.
+        has free guesses turned off until its next probe, or whose step is the guard's own plain one
+        (``RegimeGuard.proposes``): the lookups would be refused.
         Not for a lone row, whose copies the policy probes itself, nor beside a draft model or a predicted output,
         which follow their rows step by step."""
         if (

@@ -110,7 +110,7 @@ class Scheduler:
             # from the prefix cache) leaves the rest to its next chunk or the next prompt. One prompt an iteration
             # capped admissions below the rate at which short answers left a busy batch: at 32 clients its rows sat
             # at 16-31, the other clients waiting in the queue
-            while self._admit() and (more.parts == 0 or more.fits()):
+            while self._admit() and more.fits():
                 self._joined(self.engine.prefill(self.prefilling, self.width, more=more), out)
             self._narrow(more)
         elif self._admit():  # idle: every chunk now, cut where a busy deployment cuts
@@ -271,10 +271,9 @@ class _Share:
         self.parts += 1
         self.longest = max(self.longest, now - self._last)
         self._last = now
-        spent = now - self._start
-        return spent + spent / self.parts <= self.seconds
+        return self.fits()
 
     def fits(self) -> bool:
-        """Whether one more part still fits, after the parts run so far (called between two prompt chunks)."""
+        """Whether one more part still fits, at the mean time of the parts run so far (the first always does)."""
         spent = time.perf_counter() - self._start
-        return self.parts > 0 and spent + spent / self.parts <= self.seconds
+        return self.parts == 0 or spent + spent / self.parts <= self.seconds
