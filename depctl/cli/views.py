@@ -214,6 +214,8 @@ def _guard_cell(d: _Detail) -> str | None:
     parts = []
     for band in bands.values():
         kinds = [(k, band[k]) for k in _STEP_KINDS if k in band]
+        if not kinds:  # plain steps only so far: nothing to compare
+            continue
         named = len(kinds) > 1
         cells = [
             f"{_STEP_KINDS[k] + ' ' if named else ''}{g['ratio']:.2f}x{' (off)' if g['off'] else ''}" for k, g in kinds

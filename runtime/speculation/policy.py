@@ -498,21 +498,21 @@ class RegimeGuard:
             probes.every = min(2 * probes.every, REGIME_PROBE_MAX)
 
     def snapshot(self) -> dict:
-        """Per band measured: its sizes, the steps of each kind it has seen (plain, free, model: counts since the
-        load, which a reader diffs to see what one stretch of load drafted) and, per kind of drafting step, its tokens
-        a second over plain steps' and whether it is off there."""
+        """Per band that ran a step: its sizes, the steps of each kind it has seen (plain, free, model: counts since
+        the load, which a reader diffs to see what one stretch of load drafted, so a band is listed from its first step)
+        and, per kind of drafting step measured against plain ones there, its tokens a second over plain steps' and
+        whether it is off there."""
         out = {}
         steps = dict(self.steps)  # a copy: read off-thread
-        for low in sorted({b for b, _ in list(self._rates)}):
+        for low in sorted({b for b, _ in steps}):
             plain = self.rate(low, None)
             kinds = {}
             for kind in (FREE, MODEL):
                 drafting = self.rate(low, kind)
                 if plain and drafting:
                     kinds[kind] = {"ratio": round(drafting / plain, 3), "off": (low, kind) in self.off}
-            if kinds:
-                counts = {k or "plain": n for (b, k), n in steps.items() if b == low}
-                out[low] = {"sizes": str(low) if low == 1 else f"{low}-{2 * low - 1}", "steps": counts, **kinds}
+            counts = {k or "plain": n for (b, k), n in steps.items() if b == low}
+            out[low] = {"sizes": str(low) if low == 1 else f"{low}-{2 * low - 1}", "steps": counts, **kinds}
         return out
 
 

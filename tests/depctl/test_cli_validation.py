@@ -982,12 +982,14 @@ def test_get_shows_where_each_kind_of_drafting_step_gains_or_was_turned_off():
         "drafting_over_plain": {  # as JSON carries it: the bands' keys are strings
             "1": {"sizes": "1", "free": {"ratio": 1.42, "off": False}, "model": {"ratio": 0.81, "off": True}},
             "8": {"sizes": "8-15", "free": {"ratio": 1.1, "off": False}},
+            "16": {"sizes": "16-31", "steps": {"plain": 40}},  # plain steps only: nothing to compare there
         },
     }
     console = Console(width=300, record=True)
     console.print(detail_table({"id": "dep", "model": "m", "status": {"state": "READY", "policy": policy}}))
     text = " ".join(console.export_text().split())
     assert "Drafting steps vs plain 1 row: free guesses 1.42x, draft model 0.81x (off); 8-15 rows: 1.10x" in text
+    assert "16-31" not in text
     console = Console(width=300, record=True)
     console.print(
         detail_table(

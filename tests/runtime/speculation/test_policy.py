@@ -523,6 +523,20 @@ def test_a_batch_whose_size_wanders_is_judged_as_one_regime():
     assert sum(band["steps"].values()) == 240 and band["steps"]["free"] == sum(1 for w in widths if w)
 
 
+def test_a_band_that_ran_only_plain_steps_reports_its_counts_so_a_reader_diffing_two_readings_sees_them():
+    # a reader diffs two readings to see what one stretch of load drafted: a band missing from the first reading (no
+    # drafting measured there yet) counted every step since the load as that stretch's
+    policy = DraftLengthPolicy(max_k=8)
+    _cpu_like(policy)
+    for _ in range(30):
+        policy.observe_step_time(0.01, 2, 2, None)
+    before = policy.snapshot()["drafting_over_plain"]
+    assert before[2] == {"sizes": "2-3", "steps": {"plain": 30}}
+    _steps(policy, 2, plain_rate=100.0, drafting_rate=300.0, n=40)
+    after = policy.snapshot()["drafting_over_plain"][2]
+    assert sum(after["steps"].values()) - sum(before[2]["steps"].values()) == 40 and "free" in after
+
+
 def test_where_drafting_gains_one_step_in_many_runs_plainly_to_keep_the_comparison_measured():
     policy = DraftLengthPolicy(max_k=8)
     _cpu_like(policy)
