@@ -8,11 +8,12 @@
   about ``prefill_share`` times the batch step's own time: a chunk's pass runs a few parts of layers (an attention,
   an MLP), stops between two, and goes on in the next iteration (``engine.prefill`` with ``more``), so a running
   stream's gap between tokens grows by that share, not by a whole chunk (a 128-token chunk of a long prompt is tens
-  of decode steps' time on a CPU); what one prompt leaves of the share goes to the next waiting one. Stopping between
-  parts changes no bits; cutting the chunk smaller would. A separate pass rather than the chunk mixed into the batch's
-  stream: a batch whose rows are equally wide (every plain step) runs attention as one batched call, a ragged one as a
-  call per row (``model.attention``), and a chunk would make every step ragged. The last chunk's logits give the
-  request its first token, and the request joins the batch in the same iteration's step.
+  of decode steps' time on a CPU); what one prompt leaves of the share goes to the next waiting one. While more
+  requests wait than run (a burst at an idle deployment), the share is at least ``prefill_floor`` seconds. Stopping
+  between parts changes no bits; cutting the chunk smaller would. A separate pass rather than the chunk mixed into the
+  batch's stream: a batch whose rows are equally wide (every plain step) runs attention as one batched call, a ragged
+  one as a call per row (``model.attention``), and a chunk would make every step ragged. The last chunk's logits give
+  the request its first token, and the request joins the batch in the same iteration's step.
 - With the prefix cache on, idle time reads the last few finished requests' answers into it (``idle``), as a later
   prompt's chunks would read them: a conversation's next turn then reads only what follows the answer. A request that
   arrives takes the row back at once.
@@ -38,6 +39,10 @@ PREFILL_CHUNK = 128  # tokens per prefill pass: where prompts are cut, and the p
 ANSWERS_KEPT = 8  # finished requests whose answers idle time reads into the prefix cache, the latest first
 IDLE_SLICE = 0.05  # seconds of idle work between looks at the inbox: what a new request may wait for it
 PREFILL_SHARE = 1.0  # prompt work per iteration while streams run, in batch steps' time: their token gaps at most ~2x
+# prompt work per iteration, in seconds, while more requests wait than run: a burst at an idle deployment otherwise
+# reads its prompts beside a batch of a row or two, whose steps' share is a few milliseconds, and most of the burst
+# waits for its first token while the rest of the time goes to those few rows' steps
+PREFILL_FLOOR = 0.05
 NARROWEST_CHUNK = 16  # a prompt read beside streams narrows its chunks down to this while one part outlasts a step
 
 
@@ -57,6 +62,7 @@ class Scheduler:
         max_batch_size: int,
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_share: float = PREFILL_SHARE,
+        prefill_floor: float = PREFILL_FLOOR,
         narrowest_chunk: int = NARROWEST_CHUNK,
         background: Background | None = None,
     ):
@@ -66,6 +72,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.prefill_chunk = prefill_chunk
         self.prefill_share = prefill_share
+        self.prefill_floor = prefill_floor
         # the chunk a prompt read beside running streams is cut into: narrower while a part of a layer (at a long
         # context, one layer's attention) takes longer than the iteration's share, where the engine's cuts are exact
         self.width, self.narrowest_chunk = prefill_chunk, narrowest_chunk
@@ -105,7 +112,7 @@ class Scheduler:
             self._drop_cancelled(out)
         # before the step, so a short prompt's first token does not wait a step
         if self.running:  # a share of a step's time, stopping between parts of layers
-            more = _Share(self.prefill_share * self.step_seconds)
+            more = _Share(self._prompt_seconds())
             # the share is the iteration's: a prompt read before it is spent (a short one, or one whose blocks came
             # from the prefix cache) leaves the rest to its next chunk or the next prompt. One prompt an iteration
             # capped admissions below the rate at which short answers left a busy batch: at 32 clients its rows sat
@@ -127,6 +134,14 @@ class Scheduler:
                 if o.finish_reason:
                     self._leave(seq)
         return out
+
+    def _prompt_seconds(self) -> float:
+        """The iteration's time for prompts beside running streams: a share of the batch's step, and at least
+        ``prefill_floor`` while more requests wait than run (the streams' gaps then grow by that much at most)."""
+        share = self.prefill_share * self.step_seconds
+        if len(self.waiting) + (self.prefilling is not None) > len(self.running):
+            share = max(share, self.prefill_floor)
+        return share
 
     def _admit(self) -> bool:
         """Whether a prompt is being read: the one half read, else the head of the queue, given the next row."""

@@ -217,10 +217,11 @@ def test_half_precision_long_prompts_are_the_same_alone_and_arriving_under_load(
 
 @pytest.mark.parametrize("method", ["plain", "ngram", "draft"])
 def test_a_prompt_read_a_layer_at_a_time_beside_running_streams_is_exact(fused_target, draft, method):
-    # prefill_share=0: every iteration runs half a layer of the prompt's chunk, then the batch's step; streams leave
-    # (their rows move, the half-read one with them) and one is cancelled while a chunk is half-way through
+    # prefill_share=0 and no floor: every iteration runs half a layer of the prompt's chunk, then the batch's step;
+    # streams leave (their rows move, the half-read one with them) and one is cancelled while a chunk is half-way
+    # through
     engine = engine_for(fused_target, method, 3, draft)
-    scheduler = Scheduler(engine, 3, prefill_chunk=16, prefill_share=0.0)
+    scheduler = Scheduler(engine, 3, prefill_chunk=16, prefill_share=0.0, prefill_floor=0.0)
     long_prompts = [list(range(30, 100)), list(range(140, 180))]
     arrivals = [
         (0, PROMPTS[0], GenerationParams(max_tokens=6, ignore_eos=True)),
@@ -244,7 +245,7 @@ def test_a_prompt_read_a_layer_at_a_time_beside_running_streams_is_exact(fused_t
         assert got[i] == solo(fused_target, prompt, params), i
     assert sum(half_read) >= 2 * len(fused_target.model.layers)  # chunks did stop within layers
     cancelled = engine_for(fused_target, method, 3, draft)
-    scheduler = Scheduler(cancelled, 3, prefill_chunk=16, prefill_share=0.0)
+    scheduler = Scheduler(cancelled, 3, prefill_chunk=16, prefill_share=0.0, prefill_floor=0.0)
     got, finish = drive(scheduler, arrivals[:3] + arrivals[4:], cancel_at={2: 3})
     assert finish[2] == "cancelled" and cancelled._reading is None
     assert got[3] == solo(fused_target, long_prompts[1], arrivals[4][2])
@@ -260,7 +261,7 @@ def test_a_prompt_read_in_narrower_chunks_beside_running_streams_is_exact(draft,
     engine = engine_for(target, method, 3, draft)
     assert engine.cuts_exact
     calls = _prefill_chunks(engine)
-    scheduler = Scheduler(engine, 3, prefill_share=0.0)
+    scheduler = Scheduler(engine, 3, prefill_share=0.0, prefill_floor=0.0)
     long_prompt = [(7 * i) % 200 + 20 for i in range(300)]
     arrivals = [
         (0, PROMPTS[0], GenerationParams(max_tokens=200, ignore_eos=True)),
@@ -304,3 +305,47 @@ def test_prompts_waiting_beside_streams_are_read_while_the_iterations_share_last
     assert running[:3] == [1, 1, 4]  # all three read in the iteration they arrived in
     for i, (_, prompt, p) in enumerate(arrivals):
         assert got[i] == solo(target, prompt, p), i
+
+
+def test_a_burst_of_prompts_beside_a_short_step_gets_a_floor_of_prompt_time():
+    # a burst at an idle deployment: the first prompt joins and its one-row step takes a sliver of time, so a share of
+    # that step alone read the rest a part of a layer an iteration, the queue waiting dozens of steps of one row
+    # a prompt's pass stops between parts of layers; row-invariant products: a row's bits whatever joins the batch
+    target = surgery_for(tiny_llama(3, layers=2), "float32", exact=True)
+
+    def iterations_to_join_all(floor: float) -> tuple[int, list]:
+        engine = engine_for(target, "ngram", len(PROMPTS))
+        prefill = engine.prefill
+
+        def slow_parts(seq, budget, more=None):  # each part of a layer of a large model's prompt pass: 10 ms
+            if more is None:
+                return prefill(seq, budget)
+
+            def slowly():
+                time.sleep(0.01)
+                return more()
+
+            return prefill(seq, budget, more=slowly)
+
+        engine.prefill = slow_parts
+        scheduler = Scheduler(engine, len(PROMPTS), prefill_floor=floor)
+        seqs = [engine.new_sequence(p, GenerationParams(max_tokens=64, ignore_eos=True)) for p in PROMPTS]
+        for seq in seqs:
+            scheduler.add(seq)
+        got = {s.id: [] for s in seqs}
+        iterations = 0
+        while not all(got.values()):  # until every request has its first token
+            for s, o in scheduler.step():
+                got[s.id] += o.token_ids
+            iterations += 1
+        while scheduler.has_work():
+            for s, o in scheduler.step():
+                got[s.id] += o.token_ids
+        return iterations, [got[s.id] for s in seqs]
+
+    without, out_without = iterations_to_join_all(0.0)
+    floored, out_floored = iterations_to_join_all(0.1)
+    # steps between the burst's arrival and its last first token: the floor holds while the queue outnumbers the rows
+    assert floored <= 0.75 * without, (floored, without)
+    params = GenerationParams(max_tokens=64, ignore_eos=True)
+    assert out_floored == out_without == [solo(target, p, params) for p in PROMPTS]
