@@ -92,6 +92,8 @@ class TrainOptions:
     # writes itself (``WrittenRequests``)
     written: bool = True
     prompt_positions: bool = False  # the prompts' tokens are labels too (their features are kept anyway)
+    freeze_output: bool = False  # the output layer and final norm stay the target's own
+    answer_share: float = GENERATION_SHARE  # of the budget, answering's at most (the rest trains)
 
 
 def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
@@ -103,6 +105,16 @@ def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype
         bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()
         return torch.bfloat16 if bf16 else torch.float32
     return torch.bfloat16 if requested == "bfloat16" else torch.float32
+
+
+def trainable(head: EagleHead, freeze_output: bool = False) -> list[torch.nn.Parameter]:
+    """The head's parameters a training step updates: all but the target's input embeddings, and with
+    ``freeze_output`` all but the output layer and final norm too (they stay the target's own rows, as EAGLE-1 and -2
+    kept the target's head)."""
+    if freeze_output:
+        head.lm_head.weight.requires_grad_(False)
+        head.norm.weight.requires_grad_(False)
+    return [p for n, p in head.named_parameters() if not n.startswith("embed_tokens") and p.requires_grad]
 
 
 def adamw(params: list, lr: float) -> torch.optim.AdamW:
@@ -151,11 +163,9 @@ def train(opts: TrainOptions) -> dict:
     budget = opts.minutes * 60
     config = EagleConfig.for_target(AutoConfig.from_pretrained(source), opts.draft_vocab)
     rng = random.Random(opts.seed)
-    prompts = list(range(len(conversations)))
-    rng.shuffle(prompts)
-    held = set(prompts[: max(1, int(len(prompts) * opts.heldout))])  # by prompt: no held-out prompt is trained on
+    held = heldout_prompts(len(conversations), opts.heldout, rng)
     examples = _answers(
-        opts, tokenizer, conversations, config.aux_layers, state_dir, started, budget * GENERATION_SHARE, held
+        opts, tokenizer, conversations, config.aux_layers, state_dir, started, budget * opts.answer_share, held
     )
     if len(examples) < MIN_EXAMPLES:
         raise DataError(f"only {len(examples)} answers were generated in the time given; raise --minutes")
@@ -182,7 +192,7 @@ def train(opts: TrainOptions) -> dict:
         head.lm_head.weight.copy_(output_layer[head.target_ids.cpu()].to(device))
         head.norm.weight.copy_(final_norm.to(device))
     del output_layer
-    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    params = trainable(head, opts.freeze_output)
     optimizer = adamw(params, opts.lr)
     trained, history, seen = 0.0, [], 0
     total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too
@@ -460,6 +470,14 @@ class WrittenRequests:
         return self.opening + written + self.closing
 
 
+def heldout_prompts(count: int, fraction: float, rng: random.Random) -> set[int]:
+    """The indices of the prompts held out (by prompt: none of a held-out prompt's answers is trained on), drawn
+    from ``rng`` (the trainer's, seeded by ``--seed``; it goes on to shuffle the training answers)."""
+    prompts = list(range(count))
+    rng.shuffle(prompts)
+    return set(prompts[: max(1, int(count * fraction))])
+
+
 def _reference_model(source: str):
     """The target's weights as stored: its fingerprint, and the embeddings, output rows and final norm a head
     starts from (no pass runs through it)."""
@@ -673,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         parser.add_argument(f"--{name}", type=kind, default=getattr(TrainOptions, name.replace("-", "_")))
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
+    parser.add_argument("--answer-share", type=float, default=TrainOptions.answer_share)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantization", default="none", choices=typing.get_args(Quantization))
     parser.add_argument("--compile", dest="compile", action="store_true", default=None)
@@ -683,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-written-requests", dest="written", action="store_false", help="answer the given prompts only"
     )
     parser.add_argument("--prompt-positions", action="store_true", help="train on the prompts' tokens too")
+    parser.add_argument("--freeze-output", action="store_true", help="keep the target's output layer and final norm")
     args = parser.parse_args(argv)
     opts = TrainOptions(**vars(args))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the log is a file: the stages say how far it is

@@ -14,7 +14,7 @@ import torch
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.training.data import DataError, load_conversations
-from depctl_runtime.training.eagle import _loss, evaluate, window_loss
+from depctl_runtime.training.eagle import _loss, evaluate, trainable, window_loss
 from depctl_runtime.training.state import load_rows
 from depctl_runtime.training.traffic import Top
 from tests.pickles import plant
@@ -71,6 +71,23 @@ def test_training_lowers_the_loss_and_raises_acceptance():
     assert after_loss < 0.5 * before_loss, (before_loss, after_loss)
     assert after["mean_accepted"] > before["mean_accepted"] + 0.5, (before, after)
     assert after["acceptance"] == sorted(after["acceptance"], reverse=True)  # a later step needs every earlier one
+
+
+@pytest.mark.parametrize("freeze_output", [False, True])
+def test_a_frozen_output_layer_and_norm_stay_the_targets_while_the_rest_trains(freeze_output):
+    head = tiny_head(vocab=50, draft_vocab=40)
+    head.set_vocabulary(torch.arange(40))
+    head.train()
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    optimizer = torch.optim.Adam(trainable(head, freeze_output), lr=1e-2)
+    for example in patterned_examples(4):
+        loss, counted = _loss(head, example, 2)
+        optimizer.zero_grad()
+        (loss / counted).backward()
+        optimizer.step()
+    moved = {n for n, p in head.named_parameters() if not torch.equal(p, before[n])}
+    kept = {"embed_tokens.weight"} | ({"lm_head.weight", "norm.weight"} if freeze_output else set())
+    assert moved == set(before) - kept
 
 
 def test_an_answer_padded_to_a_bucket_counts_no_padding():
