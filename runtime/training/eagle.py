@@ -20,6 +20,7 @@ until ``--minutes`` of training in total.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -94,6 +95,7 @@ class TrainOptions:
     prompt_positions: bool = False  # the prompts' tokens are labels too (their features are kept anyway)
     freeze_output: bool = False  # the output layer and final norm stay the target's own
     answer_share: float = GENERATION_SHARE  # of the budget, answering's at most (the rest trains)
+    average: float = 0.0  # a running average of the weights, per optimizer step, is measured and saved (0: none)
 
 
 def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
@@ -115,6 +117,22 @@ def trainable(head: EagleHead, freeze_output: bool = False) -> list[torch.nn.Par
         head.lm_head.weight.requires_grad_(False)
         head.norm.weight.requires_grad_(False)
     return [p for n, p in head.named_parameters() if not n.startswith("embed_tokens") and p.requires_grad]
+
+
+def averaged(head: EagleHead) -> EagleHead:
+    """A copy of ``head`` to hold the running average of its weights (Polyak averaging), sharing its frozen
+    embeddings."""
+    average = copy.deepcopy(head, {id(head.embed_tokens): head.embed_tokens})
+    return average.requires_grad_(False).eval()
+
+
+@torch.no_grad()
+def average_step(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float, steps: int) -> None:
+    """After optimizer step number ``steps``: each (average, weight) pair moves towards the weight. The first
+    steps' weights are far from where training goes: a shorter memory until about ``1 / (1 - decay)`` steps."""
+    decay = min(decay, (1 + steps) / (10 + steps))
+    for kept, param in pairs:
+        kept.lerp_(param, 1 - decay)
 
 
 def adamw(params: list, lr: float) -> torch.optim.AdamW:
@@ -194,15 +212,23 @@ def train(opts: TrainOptions) -> dict:
     del output_layer
     params = trainable(head, opts.freeze_output)
     optimizer = adamw(params, opts.lr)
-    trained, history, seen = 0.0, [], 0
+    average = averaged(head) if opts.average else None
+    both = zip(average.parameters(), head.parameters()) if average is not None else ()
+    pairs = [(kept, param) for kept, param in both if param.requires_grad]  # the same modules in the same order
+    served = head if average is None else average  # what is measured and saved
+    trained, history, seen, optimizer_steps = 0.0, [], 0, 0
     total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too
     saved = load_state(state_dir, device)
     if saved is not None:  # resume: the same head, optimizer and clock
         head_state, optimizer_state, state = saved
         if state.get("fingerprint") == verifier["fingerprint"] and state.get("config") == config.to_dict():
-            head.load_state_dict(head_state)
+            head.load_state_dict({k: v for k, v in head_state.items() if not k.startswith("average.")})
+            if average is not None:  # (a state kept without one starts it from the weights)
+                kept = {k.removeprefix("average."): v for k, v in head_state.items() if k.startswith("average.")}
+                average.load_state_dict(kept or head.state_dict(), strict=False)
             optimizer.load_state_dict(optimizer_state)
             trained, history, seen = state["trained_seconds"], state["history"], state["seen"]
+            optimizer_steps = state.get("optimizer_steps", 0)
             total = state["train_seconds"] + (opts.minutes - state["minutes"]) * 60  # a larger --minutes: longer
             emit("resumed", minutes=round(trained / 60, 2))
     if trained >= total:
@@ -216,8 +242,9 @@ def train(opts: TrainOptions) -> dict:
             "examples": len(examples),
             "target_quantization": opts.quantization,
         }
-        eagle_format.save(head, opts.out, verifier, opts.steps, extra)
+        eagle_format.save(served, opts.out, verifier, opts.steps, extra)
         info = {
+            "optimizer_steps": optimizer_steps,
             "trained_seconds": trained,
             "train_seconds": total,
             "minutes": opts.minutes,
@@ -226,7 +253,10 @@ def train(opts: TrainOptions) -> dict:
             "fingerprint": verifier["fingerprint"],
             "config": config.to_dict(),
         }
-        save_state(state_dir, head.state_dict(), optimizer.state_dict(), info)
+        tensors = head.state_dict()
+        if average is not None:
+            tensors |= {f"average.{k}": v for k, v in average.state_dict().items() if k != "embed_tokens.weight"}
+        save_state(state_dir, tensors, optimizer.state_dict(), info)
 
     warmup = min(30.0, total * 0.05)
     last_eval, running_loss, stopped = time.monotonic(), None, False
@@ -261,6 +291,9 @@ def train(opts: TrainOptions) -> dict:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                optimizer_steps += 1
+                if average is not None:
+                    average_step(pairs, opts.average, optimizer_steps)
                 value = summed / rows / sum(STEP_WEIGHT**j for j in range(steps))  # a step's cross-entropy
                 running_loss = value if running_loss is None else 0.9 * running_loss + 0.1 * value
                 summed, rows = 0.0, 0
@@ -273,7 +306,7 @@ def train(opts: TrainOptions) -> dict:
             if now - last_eval > EVALUATE_EVERY or trained >= total:
                 history.append(
                     {
-                        **_evaluate(head, heldout, opts.steps, trained, running_loss),
+                        **_evaluate(served, heldout, opts.steps, trained, running_loss),
                         "epochs": round(seen / len(training), 2),
                     }
                 )
@@ -285,13 +318,13 @@ def train(opts: TrainOptions) -> dict:
         if trained > 0:
             history.append(
                 {
-                    **_evaluate(head, heldout, opts.steps, trained, running_loss),
+                    **_evaluate(served, heldout, opts.steps, trained, running_loss),
                     "epochs": round(seen / len(training), 2),
                 }
             )
             save()
     if not history:
-        history.append(_evaluate(head, heldout, opts.steps, trained, None))
+        history.append(_evaluate(served, heldout, opts.steps, trained, None))
         save()
     result = {"out": str(opts.out), "stopped": stopped, **history[-1], "examples": len(examples)}
     emit("done", **result)
@@ -692,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=kind, default=getattr(TrainOptions, name.replace("-", "_")))
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
     parser.add_argument("--answer-share", type=float, default=TrainOptions.answer_share)
+    parser.add_argument("--average", type=float, default=TrainOptions.average, help="running average decay a step")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantization", default="none", choices=typing.get_args(Quantization))
     parser.add_argument("--compile", dest="compile", action="store_true", default=None)

@@ -50,6 +50,8 @@ from depctl_runtime.training.eagle import (
     TokenCounts,
     acceptance,
     adamw,
+    average_step,
+    averaged,
     reach,
     training_dtype,
     window_loss,
@@ -503,7 +505,7 @@ class _Trainer:
         self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
         self.optimizer = adamw(self.params, options.lr)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
-        self.average = _averaged(head) if options.average else None
+        self.average = averaged(head) if options.average else None
         self._average_params = (
             [p for n, p in self.average.named_parameters() if not n.startswith("embed_tokens")] if self.average else []
         )
@@ -647,17 +649,7 @@ class _Trainer:
         self.pending_rows = 0
         self.steps += 1
         if self.average is not None:
-            # the first steps' weights are far from where training goes: a shorter memory until ~1/(1 - average)
-            decay = min(self.options.average, (1 + self.steps) / (10 + self.steps))
-            with torch.no_grad():
-                for kept, param in zip(self._average_params, self.params):
-                    kept.lerp_(param, 1 - decay)
-
-
-def _averaged(head: EagleHead) -> EagleHead:
-    """A copy of ``head`` to hold the running average of its weights, sharing its frozen embeddings."""
-    average = copy.deepcopy(head, {id(head.embed_tokens): head.embed_tokens})
-    return average.requires_grad_(False).eval()
+            average_step(list(zip(self._average_params, self.params)), self.options.average, self.steps)
 
 
 def _moved(rows: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:

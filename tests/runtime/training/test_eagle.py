@@ -14,7 +14,7 @@ import torch
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.training.data import DataError, load_conversations
-from depctl_runtime.training.eagle import _loss, evaluate, trainable, window_loss
+from depctl_runtime.training.eagle import _loss, average_step, averaged, evaluate, trainable, window_loss
 from depctl_runtime.training.state import load_rows
 from depctl_runtime.training.traffic import Top
 from tests.pickles import plant
@@ -88,6 +88,23 @@ def test_a_frozen_output_layer_and_norm_stay_the_targets_while_the_rest_trains(f
     moved = {n for n, p in head.named_parameters() if not torch.equal(p, before[n])}
     kept = {"embed_tokens.weight"} | ({"lm_head.weight", "norm.weight"} if freeze_output else set())
     assert moved == set(before) - kept
+
+
+def test_the_running_average_follows_the_weights_with_a_short_memory_at_first():
+    head = tiny_head(vocab=50, draft_vocab=40)
+    average = averaged(head)
+    assert average.embed_tokens is head.embed_tokens and not any(p.requires_grad for p in average.parameters())
+    kept, weight = average.fc.weight, head.fc.weight
+    start = kept.detach().clone()
+    with torch.no_grad():
+        weight.add_(1.0)
+    average_step([(kept, weight)], 0.998, steps=1)  # the first step: decay (1 + 1) / (10 + 1)
+    assert torch.allclose(kept, start + 9 / 11, atol=1e-5)
+    later = kept.detach().clone()
+    with torch.no_grad():
+        weight.add_(1.0)
+    average_step([(kept, weight)], 0.998, steps=10_000)  # (weight is later + 2 - 9/11) now: 0.2% of the way there
+    assert torch.allclose(kept, later + 0.002 * (2 - 9 / 11), atol=1e-5)
 
 
 def test_an_answer_padded_to_a_bucket_counts_no_padding():
@@ -223,6 +240,30 @@ def test_train_runs_end_to_end_then_resumes(tiny_model_dir, tmp_path):
     assert code == 0 and "answers" not in [e["event"] for e in events]
     assert any(e["event"] == "resumed" for e in events)
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_with_a_running_average_the_average_is_measured_saved_and_resumed(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from depctl_runtime.training.state import load_state
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}: what comes next?"}) + "\n" for i in range(12)))
+    out = tmp_path / "head"
+    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.3", "--samples", "2", "--average", "0.9")
+    assert code == 0, events
+    tensors, _, info = load_state(out / ".train", "cpu")
+    assert info["optimizer_steps"] > 0
+    served = load_file(str(out / "model.safetensors"))
+    for name in ("fc.weight", "midlayer.mlp.down_proj.weight", "lm_head.weight"):
+        assert torch.equal(served[name], tensors[f"average.{name}"])  # the head written is the average
+        assert not torch.equal(tensors[name], tensors[f"average.{name}"])  # which is not the weights as trained
+    code, events = _train(tiny_model_dir, out, data, "--minutes", "0.4", "--samples", "2", "--average", "0.9")
+    assert code == 0 and any(e["event"] == "resumed" for e in events)
+    resumed, _, again = load_state(out / ".train", "cpu")
+    assert again["optimizer_steps"] > info["optimizer_steps"]
+    assert not torch.equal(resumed["average.fc.weight"], tensors["average.fc.weight"])
 
 
 @pytest.mark.slow
