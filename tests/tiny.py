@@ -231,3 +231,20 @@ def tiny_head(seed: int = 0, vocab: int = 50, draft_vocab: int = 20):
             p.normal_(0, 0.3)
     head.set_vocabulary(torch.arange(0, vocab, vocab // draft_vocab)[:draft_vocab])
     return head.eval()
+
+
+def train_tiny_head(model_dir, folder, *extra: str, prompts: int = 12) -> str:
+    """``python -m depctl_runtime.training`` for a tiny model, briefly, on ``prompts`` prompts written in ``folder``
+    (the head in ``folder/head``); its stdout, the JSON lines it printed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(folder) / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(prompts)))
+    train = [sys.executable, "-m", "depctl_runtime.training", str(model_dir), "--out", str(Path(folder) / "head")]
+    train += ["--data", str(data), "--minutes", "0.2", "--max-tokens", "8", "--draft-vocab", "64", "--no-compile"]
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(train + list(extra), cwd=root, capture_output=True, text=True, check=True, timeout=600)
+    return run.stdout

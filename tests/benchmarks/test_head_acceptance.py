@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.tiny import train_tiny_head
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # trains a head for the tiny model first: a process of its own
 def test_two_heads_on_the_same_answers(tiny_model_dir, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(12)))
+    train_tiny_head(tiny_model_dir, tmp_path)
     head = tmp_path / "head"
-    train = [sys.executable, "-m", "depctl_runtime.training", str(tiny_model_dir), "--out", str(head)]
-    train += ["--data", str(data), "--minutes", "0.2", "--max-tokens", "8", "--draft-vocab", "64", "--no-compile"]
-    subprocess.run(train, cwd=ROOT, capture_output=True, check=True, timeout=600)
     run = subprocess.run(
         [sys.executable, "benchmarks/head_acceptance.py", str(tiny_model_dir), f"a={head}", f"b={head}"]
         + ["--workload", "chat,code", "--max-tokens", "8"],

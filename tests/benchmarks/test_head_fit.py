@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from head_fit import groups  # noqa: E402
 
+from tests.tiny import train_tiny_head  # noqa: E402
+
 
 def test_answers_are_grouped_by_what_the_head_saw_of_them():
     rows = [{"index": i, "sample": s} for i in range(4) for s in range(2) if not (i == 1 and s)]
@@ -28,14 +30,9 @@ def test_answers_are_grouped_by_what_the_head_saw_of_them():
 
 @pytest.mark.slow  # trains a head for the tiny model first: a process of its own
 def test_the_held_out_answers_are_the_ones_the_trainer_measured(tiny_model_dir, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(12)))
-    head = tmp_path / "head"
-    train = [sys.executable, "-m", "depctl_runtime.training", str(tiny_model_dir), "--out", str(head)]
-    train += ["--data", str(data), "--minutes", "0.2", "--max-tokens", "8", "--draft-vocab", "64", "--no-compile"]
-    train += ["--samples", "2", "--steps", "3"]
-    trained = subprocess.run(train, cwd=ROOT, capture_output=True, text=True, check=True, timeout=600)
-    done = json.loads(trained.stdout.strip().splitlines()[-1])
+    printed = train_tiny_head(tiny_model_dir, tmp_path, "--samples", "2", "--steps", "3")
+    done = json.loads(printed.strip().splitlines()[-1])
+    head, data = tmp_path / "head", tmp_path / "prompts.jsonl"
     assert done["event"] == "done"
     run = subprocess.run(
         [sys.executable, "benchmarks/head_fit.py", str(tiny_model_dir), str(head), "--data", str(data), "--steps", "3"],
