@@ -126,6 +126,16 @@ def averaged(head: EagleHead) -> EagleHead:
     return average.requires_grad_(False).eval()
 
 
+def average_pairs(average: EagleHead, head: EagleHead) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(average, weight) for every weight of ``head`` a training step updates (``trainable``'s)."""
+    weights = dict(head.named_parameters())
+    return [
+        (kept, weights[name])
+        for name, kept in average.named_parameters()
+        if not name.startswith("embed_tokens") and weights[name].requires_grad
+    ]
+
+
 @torch.no_grad()
 def average_step(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float, steps: int) -> None:
     """After optimizer step number ``steps``: each (average, weight) pair moves towards the weight. The first
@@ -213,8 +223,7 @@ def train(opts: TrainOptions) -> dict:
     params = trainable(head, opts.freeze_output)
     optimizer = adamw(params, opts.lr)
     average = averaged(head) if opts.average else None
-    both = zip(average.parameters(), head.parameters()) if average is not None else ()
-    pairs = [(kept, param) for kept, param in both if param.requires_grad]  # the same modules in the same order
+    pairs = average_pairs(average, head) if average is not None else []
     served = head if average is None else average  # what is measured and saved
     trained, history, seen, optimizer_steps = 0.0, [], 0, 0
     total = max(0.0, opts.minutes * 60 - (time.monotonic() - started))  # answers and hidden states count too

@@ -50,9 +50,11 @@ from depctl_runtime.training.eagle import (
     TokenCounts,
     acceptance,
     adamw,
+    average_pairs,
     average_step,
     averaged,
     reach,
+    trainable,
     training_dtype,
     window_loss,
 )
@@ -502,13 +504,11 @@ class _Trainer:
         self.head, self.options = head, options
         if vocabulary is not None:
             self._start(vocabulary, final_norm)
-        self.params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+        self.params = trainable(head)
         self.optimizer = adamw(self.params, options.lr)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
         self.average = averaged(head) if options.average else None
-        self._average_params = (
-            [p for n, p in self.average.named_parameters() if not n.startswith("embed_tokens")] if self.average else []
-        )
+        self._average_pairs = average_pairs(self.average, head) if self.average is not None else []
         self.seconds = 0.0  # training time, comparisons excluded
         self.rows = 0  # positions trained on
         self.vocabulary_answers = 0  # the answers the draft vocabulary was chosen from
@@ -649,7 +649,7 @@ class _Trainer:
         self.pending_rows = 0
         self.steps += 1
         if self.average is not None:
-            average_step(list(zip(self._average_params, self.params)), self.options.average, self.steps)
+            average_step(self._average_pairs, self.options.average, self.steps)
 
 
 def _moved(rows: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
