@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from random import Random
 
 import pytest
 
@@ -14,6 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from head_fit import groups  # noqa: E402
 
+from depctl_runtime.training.eagle import heldout_prompts  # noqa: E402
+from depctl_runtime.training.state import load_rows  # noqa: E402
 from tests.tiny import train_tiny_head  # noqa: E402
 
 
@@ -30,8 +33,10 @@ def test_answers_are_grouped_by_what_the_head_saw_of_them():
 
 @pytest.mark.slow  # trains a head for the tiny model first: a process of its own
 def test_the_held_out_answers_are_the_ones_the_trainer_measured(tiny_model_dir, tmp_path):
-    printed = train_tiny_head(tiny_model_dir, tmp_path, "--samples", "2", "--steps", "3")
-    done = json.loads(printed.strip().splitlines()[-1])
+    # the answering budget is a share of wall time: on a slow machine it may cut prompts, so the counts expected are
+    # those of the answers the trainer saved, and most of the short budget goes to answering
+    extra = ("--samples", "2", "--steps", "3", "--answer-share", "0.9")
+    done = json.loads(train_tiny_head(tiny_model_dir, tmp_path, *extra).strip().splitlines()[-1])
     head, data = tmp_path / "head", tmp_path / "prompts.jsonl"
     assert done["event"] == "done"
     run = subprocess.run(
@@ -46,4 +51,10 @@ def test_the_held_out_answers_are_the_ones_the_trainer_measured(tiny_model_dir, 
     held = table["held-out prompts, greedy"]
     assert held[1] == "1"  # a tenth of 12 prompts
     assert float(held[3]) == pytest.approx(done["mean_accepted"], abs=1e-3)  # the split the trainer measured
-    assert table["training prompts, greedy"][1] == "11" and table["training prompts, sampled"][1] == "11"
+    saved = [row for shard in (head / ".train").glob("answers-*.safetensors") for row in load_rows(shard)]
+    trained = [row for row in saved if row["index"] < 12 and row["index"] not in heldout_prompts(12, 0.1, Random(0))]
+    greedy = sum(row["sample"] == 0 for row in trained)
+    assert greedy >= 9  # the trainer answers at least ten prompts, however slow the machine
+    assert table["training prompts, greedy"][1] == str(greedy)
+    sampled = len(trained) - greedy
+    assert table.get("training prompts, sampled", ["", "0"])[1] == str(sampled)
