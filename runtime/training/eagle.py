@@ -96,6 +96,8 @@ class TrainOptions:
     freeze_output: bool = False  # the output layer and final norm stay the target's own
     answer_share: float = GENERATION_SHARE  # of the budget, answering's at most (the rest trains)
     average: float = 0.0  # a running average of the weights, per optimizer step, is measured and saved (0: none)
+    feature_noise: float = 0.0  # training's features get Gaussian noise of this size relative to theirs (``noisy``)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
 
 
 def training_dtype(device: torch.device, requested: str = "auto") -> torch.dtype:
@@ -145,12 +147,22 @@ def average_step(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float, s
         kept.lerp_(param, 1 - decay)
 
 
-def adamw(params: list, lr: float) -> torch.optim.AdamW:
-    """AdamW without weight decay, as one fused kernel over every parameter where PyTorch has one for the device."""
+def adamw(params: list, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """AdamW (by default without weight decay), as one fused kernel over every parameter where PyTorch has one for
+    the device."""
     try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, ValueError):  # a device without a fused AdamW
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def noisy(features: torch.Tensor, scale: float, layers: int) -> torch.Tensor:
+    """``features`` [T, layers * hidden] with Gaussian noise added, ``scale`` times each position's root mean square
+    in each layer's part (the layers' states differ in size): EAGLE's augmentation against a head learning its
+    answers' states by heart."""
+    parts = features.unflatten(-1, (layers, -1))
+    size = parts.pow(2).mean(-1, keepdim=True).sqrt()
+    return (parts + scale * size * torch.randn_like(parts)).flatten(-2)
 
 
 def emit(event: str, **fields) -> None:
@@ -221,7 +233,7 @@ def train(opts: TrainOptions) -> dict:
         head.norm.weight.copy_(final_norm.to(device))
     del output_layer
     params = trainable(head, opts.freeze_output)
-    optimizer = adamw(params, opts.lr)
+    optimizer = adamw(params, opts.lr, opts.weight_decay)
     average = averaged(head) if opts.average else None
     pairs = average_pairs(average, head) if average is not None else []
     served = head if average is None else average  # what is measured and saved
@@ -288,7 +300,7 @@ def train(opts: TrainOptions) -> dict:
             seen += 1
             with precision:
                 labelled = prompt_from if opts.prompt_positions and example["sample"] == 0 else None
-                loss, counted = _loss(head, example, steps, bucket, labelled)
+                loss, counted = _loss(head, example, steps, bucket, labelled, opts.feature_noise)
             if counted:
                 (loss / BATCH_ROWS).backward()
                 summed, rows = summed + float(loss.detach()), rows + counted
@@ -644,18 +656,26 @@ def window_loss(
 
 
 def _loss(
-    head: EagleHead, example: dict, steps: int, bucket: int = 0, labelled_from: int | None = None
+    head: EagleHead,
+    example: dict,
+    steps: int,
+    bucket: int = 0,
+    labelled_from: int | None = None,
+    noise: float = 0.0,
 ) -> tuple[torch.Tensor | None, int]:
     """``window_loss`` over one answer (its answer positions, labelled by the target's distribution kept there, and
     from ``labelled_from`` on where it is given, the prompt's tokens as they are); with a ``bucket``, over the answer
     padded to a multiple of it, from an index that is one: the padding is computed, never counted, and the chained
-    steps of the prompt's last indices whose drafts land in the answer are trained."""
+    steps of the prompt's last indices whose drafts land in the answer are trained; with ``noise``, over ``noisy``
+    features."""
     device = head.d2t.device
     labelled_from = example["start"] if labelled_from is None else labelled_from
     first = max(0, labelled_from - 2)
     top = Top(example["top_ids"], example["top_logp"], example["start"] - 1)  # from the prompt's last position
     tokens = example["tokens"].to(device).long()
     features = example["features"].to(device).float()
+    if noise:
+        features = noisy(features, noise, len(head.config.aux_layers))
     length = tokens.shape[0]
     if bucket:
         first = first // bucket * bucket
@@ -735,6 +755,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=TrainOptions.lr)
     parser.add_argument("--answer-share", type=float, default=TrainOptions.answer_share)
     parser.add_argument("--average", type=float, default=TrainOptions.average, help="running average decay a step")
+    parser.add_argument(
+        "--feature-noise", type=float, default=TrainOptions.feature_noise, help="noise on the features, relative"
+    )
+    parser.add_argument("--weight-decay", type=float, default=TrainOptions.weight_decay, help="AdamW's weight decay")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--quantization", default="none", choices=typing.get_args(Quantization))
     parser.add_argument("--compile", dest="compile", action="store_true", default=None)

@@ -14,7 +14,15 @@ import torch
 
 from depctl_runtime.model import eagle_format
 from depctl_runtime.training.data import DataError, load_conversations
-from depctl_runtime.training.eagle import _loss, average_step, averaged, evaluate, trainable, window_loss
+from depctl_runtime.training.eagle import (
+    _loss,
+    average_step,
+    averaged,
+    evaluate,
+    noisy,
+    trainable,
+    window_loss,
+)
 from depctl_runtime.training.state import load_rows
 from depctl_runtime.training.traffic import Top
 from tests.pickles import plant
@@ -105,6 +113,22 @@ def test_the_running_average_follows_the_weights_with_a_short_memory_at_first():
         weight.add_(1.0)
     average_step([(kept, weight)], 0.998, steps=10_000)  # (weight is later + 2 - 9/11) now: 0.2% of the way there
     assert torch.allclose(kept, later + 0.002 * (2 - 9 / 11), atol=1e-5)
+
+
+def test_feature_noise_is_sized_by_each_layers_states_and_reaches_the_loss():
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([1.0, 100.0, 0.01])  # the aux layers' states differ by orders of magnitude
+    features = (torch.randn(4000, 3, 32, generator=gen) * sizes[:, None]).flatten(-2)
+    torch.manual_seed(0)
+    added = (noisy(features, 0.1, 3) - features).unflatten(-1, (3, 32))
+    spread = added.pow(2).mean((0, 2)).sqrt()
+    torch.testing.assert_close(spread, 0.1 * sizes, rtol=0.05, atol=0)
+    head = tiny_head(vocab=50, draft_vocab=40)
+    head.set_vocabulary(torch.arange(40))
+    example = patterned_examples(1)[0]
+    plain, _ = _loss(head, example, 2)
+    assert torch.equal(plain, _loss(head, example, 2)[0])  # no noise asked: none added
+    assert not torch.equal(plain, _loss(head, example, 2, noise=0.1)[0])
 
 
 def test_an_answer_padded_to_a_bucket_counts_no_padding():
