@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--load", default="8,16", help="clients of the load test after the last round ('' for none)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each load level, the modes alternating")
     parser.add_argument(
+        "--start-from", default=None, metavar="DIR", help="a trained head to learn on from (--learn-draft-head-from)"
+    )
+    parser.add_argument(
         "--whole-drafts", action="store_true", help="verify every draft the policy asks for, however unsure the head"
     )
     args = parser.parse_args()
@@ -86,7 +89,8 @@ def main() -> None:
 
     k = args.k or default_draft_tokens("--ngram-speculation-length")
     levels = [int(c) for c in args.load.split(",") if c.strip()]
-    plain, learning = load_pair(args.model, args.quantization, max([args.clients, *levels]), k)
+    start = os.path.abspath(args.start_from) if args.start_from else None
+    plain, learning = load_pair(args.model, args.quantization, max([args.clients, *levels]), k, start)
     # as the daemon does after a load: a full collection over the loaded models' objects stalls whichever pass it
     # hits, and the deployment that allocates more (the learning one) triggers more of them
     gc.collect()
@@ -267,10 +271,11 @@ def main() -> None:
     plain.release()
 
 
-def load_pair(model: str, quantization: str, rows: int, k: int):
-    """A plain deployment and a learning one (``--learn-draft-head`` beside n-gram speculation, n=3, K=k) of
-    ``model``, each loaded as the daemon loads it. No prefix cache on either: held-out prompts come back every round,
-    and a learning deployment reads prompts whole (its head needs every position's features)."""
+def load_pair(model: str, quantization: str, rows: int, k: int, start: str | None = None):
+    """A plain deployment and a learning one (``--learn-draft-head`` beside n-gram speculation, n=3, K=k; from the
+    head in ``start`` where given) of ``model``, each loaded as the daemon loads it. No prefix cache on either:
+    held-out prompts come back every round, and a learning deployment reads prompts whole (its head needs every
+    position's features)."""
     from depctl.spec import DeploymentSpec, LearnDraftHead, NgramSpeculation
     from depctl_runtime.backends.loader import load_deployment
 
@@ -278,7 +283,9 @@ def load_pair(model: str, quantization: str, rows: int, k: int):
     plain = load_deployment(DeploymentSpec(id="plain", **common))
     speculation = NgramSpeculation(ngram_length=3, num_draft_tokens=k)
     learning = load_deployment(
-        DeploymentSpec(id="learning", speculation=speculation, learn_draft_head=LearnDraftHead(), **common)
+        DeploymentSpec(
+            id="learning", speculation=speculation, learn_draft_head=LearnDraftHead(start_from=start), **common
+        )
     )
     return plain, learning
 

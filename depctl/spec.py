@@ -124,6 +124,9 @@ class LearnDraftHead(_Strict):
 
     # the recorded answers' bytes on disk (the deployment's own folder); the oldest are deleted beyond it
     disk_bytes: int = Field(DEFAULT_LEARN_DISK_BYTES, ge=MIN_LEARN_DISK_BYTES)
+    # a trained head to start from (a folder ``depctl draft train`` wrote): it drafts from the first request, and
+    # training goes on from it; a deployment that has learned generations keeps them. None: learning starts bare
+    start_from: str | None = Field(None, min_length=1)
 
 
 def _now() -> datetime:
@@ -506,19 +509,24 @@ def parse_size(text: str, flag: str = "--prefix-cache-size") -> int | None:
     return int(size)
 
 
-def learn_from_flags(on: bool | None, size: str | None, current: "LearnDraftHead | None" = None):
-    """``--learn-draft-head/--no-learn-draft-head`` and ``--learn-disk-size`` as the spec's ``learn_draft_head``
-    (on update, ``current`` is the deployment's); ``...`` where neither flag was given."""
-    if on is None and size is None:
+def learn_from_flags(
+    on: bool | None, size: str | None, start: str | None = None, current: "LearnDraftHead | None" = None
+):
+    """``--learn-draft-head/--no-learn-draft-head``, ``--learn-disk-size`` and ``--learn-draft-head-from`` (``start``,
+    resolved; "" clears it) as the spec's ``learn_draft_head`` (on update, ``current`` is the deployment's); ``...``
+    where none was given. ``--learn-draft-head-from`` turns learning on."""
+    if on is None and size is None and start is None:
         return ...
     if on is False:
-        if size is not None:
-            raise UsageError("--learn-disk-size cannot go with --no-learn-draft-head", "drop one of them")
+        for flag, value in (("--learn-disk-size", size), ("--learn-draft-head-from", start)):
+            if value is not None:
+                raise UsageError(f"{flag} cannot go with --no-learn-draft-head", "drop one of them")
         return None
-    if on is None and current is None:
+    if on is None and current is None and not start:
+        flag = "--learn-disk-size" if size is not None else "--learn-draft-head-from"
         raise UsageError(
-            "--learn-disk-size needs --learn-draft-head (this deployment does not learn a head)",
-            "add --learn-draft-head, or drop --learn-disk-size",
+            f"{flag} needs --learn-draft-head (this deployment does not learn a head)",
+            f"add --learn-draft-head, or drop {flag}",
         )
     fields = dict(current.model_dump()) if current is not None else {}
     if size is not None:
@@ -529,6 +537,8 @@ def learn_from_flags(on: bool | None, size: str | None, current: "LearnDraftHead
                 "give a size such as 512MiB or 2GiB, or turn learning off with --no-learn-draft-head",
             )
         fields["disk_bytes"] = bytes_
+    if start is not None:
+        fields["start_from"] = start or None
     return LearnDraftHead(**fields)
 
 

@@ -134,7 +134,8 @@ def save_tiny_head(
         for name, p in head.named_parameters():
             if name != "embed_tokens.weight":
                 p.normal_(0, 0.3)
-    head.set_vocabulary(torch.arange(0, 2 * draft_vocab, 2))
+    size = head.config.draft_vocab_size
+    head.set_vocabulary(torch.arange(0, 2 * size, 2) if 2 * size <= head.config.vocab_size else torch.arange(size))
     fingerprint = eagle_format.fingerprint(target)
     eagle_format.save(
         head,

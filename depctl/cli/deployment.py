@@ -204,6 +204,15 @@ LEARN_DISK = typer.Option(
     metavar="SIZE",
     help="Disk for a learning head's recorded answers (default 1GiB; the oldest are deleted beyond it).",
 )
+LEARN_FROM = typer.Option(
+    None,
+    "--learn-draft-head-from",
+    metavar="DIR",
+    help="Learn a draft head starting from this one (a folder `depctl draft train` wrote for MODEL, with its default "
+    "--draft-vocab): it drafts beside the n-gram or suffix index from the first request, and training goes on from "
+    "it on this deployment's traffic. Implies --learn-draft-head; a deployment that has learned generations keeps "
+    'them. "" on update: learn from nothing.',
+)
 _DEFAULT_FOR = "for requests that leave it out (a request's own value wins); applies without a reload"
 TEMPERATURE = typer.Option(
     None, "--temperature", min=0.0, max=2.0, metavar="T", help=f"Sampling temperature {_DEFAULT_FOR}. Default 1.0."
@@ -213,19 +222,37 @@ TOP_K = typer.Option(None, "--top-k", min=0, metavar="K", help=f"top_k {_DEFAULT
 WAIT_TIMEOUT = typer.Option(900.0, "--wait-timeout", metavar="SECONDS", min=1.0, help="Seconds to wait with --wait.")
 
 
+def _check_head_target(target: models.ResolvedModel, head: models.ResolvedModel, verifier: str, flag: str) -> None:
+    """An EAGLE head reads its target's layers, so it must have been trained on them."""
+    try:
+        trained_for = models.resolve(verifier, "verifier") if verifier else None
+    except models.ModelResolutionError:
+        trained_for = None  # a path since moved, say: the daemon compares the weights' fingerprint at load
+    if trained_for is not None and trained_for != target:
+        raise UsageError(
+            f"{flag} {head.ref} is an EAGLE head trained for {trained_for.ref}, not for {target.ref}",
+            f"train one for this target: depctl draft train {target.ref} --out DIR",
+        )
+
+
+def _check_head_start(target: models.ResolvedModel, ref: str) -> str:
+    """``--learn-draft-head-from``'s folder, resolved: an EAGLE head trained for ``target``."""
+    head = models.resolve(ref, "--learn-draft-head-from")
+    verifier = models.head_verifier(head)
+    if verifier is None:
+        raise UsageError(
+            f"--learn-draft-head-from {ref} is not an EAGLE head (its config.json is no speculators eagle3 config)",
+            f"give a folder depctl draft train wrote: depctl draft train {target.ref} --out DIR",
+        )
+    _check_head_target(target, head, verifier, "--learn-draft-head-from")
+    return head.ref
+
+
 def _check_draft(target: models.ResolvedModel, draft_ref: str) -> models.ResolvedModel:
     draft = models.resolve(draft_ref, "--draft-model")
     verifier = models.head_verifier(draft)
-    if verifier is not None:  # an EAGLE head: it reads this target's layers, so it must have been trained on them
-        try:
-            trained_for = models.resolve(verifier, "verifier") if verifier else None
-        except models.ModelResolutionError:
-            trained_for = None  # a path since moved, say: the daemon compares the weights' fingerprint at load
-        if trained_for is not None and trained_for != target:
-            raise UsageError(
-                f"--draft-model {draft.ref} is an EAGLE head trained for {trained_for.ref}, not for {target.ref}",
-                f"train one for this target: depctl draft train {target.ref} --out DIR",
-            )
+    if verifier is not None:
+        _check_head_target(target, draft, verifier, "--draft-model")
         return draft
     if draft == target:
         raise UsageError(
@@ -386,6 +413,7 @@ def create(
     record_prompts: bool = typer.Option(False, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     learn_draft_head: bool = typer.Option(False, "--learn-draft-head/--no-learn-draft-head", help=LEARN_HELP),
     learn_disk_size: Optional[str] = LEARN_DISK,
+    learn_draft_head_from: Optional[str] = LEARN_FROM,
     temperature: Optional[float] = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
@@ -408,8 +436,9 @@ def create(
             suffix_scope=suffix_scope and suffix_scope.value,
         )
     )
-    learning = learn_from_flags(learn_draft_head or None, learn_disk_size)
     target = models.resolve(model, "MODEL")
+    start = _check_head_start(target, learn_draft_head_from) if learn_draft_head_from else None
+    learning = learn_from_flags(learn_draft_head or None, learn_disk_size, start)
     if isinstance(speculation, DraftModelSpeculation):
         draft = _check_draft(target, speculation.draft_model)
         speculation = speculation.model_copy(update={"draft_model": draft.ref})
@@ -520,6 +549,7 @@ def update(
     record_prompts: Optional[bool] = typer.Option(None, "--record-prompts/--no-record-prompts", help=RECORD_HELP),
     learn_draft_head: Optional[bool] = typer.Option(None, "--learn-draft-head/--no-learn-draft-head", help=LEARN_HELP),
     learn_disk_size: Optional[str] = LEARN_DISK,
+    learn_draft_head_from: Optional[str] = LEARN_FROM,
     temperature: Optional[float] = TEMPERATURE,
     top_p: Optional[float] = TOP_P,
     top_k: Optional[int] = TOP_K,
@@ -562,7 +592,10 @@ def update(
         others["keep_alive"] = parse_duration(keep_alive)  # None: forever
     if prefix_cache_size is not None:
         others["prefix_cache_bytes"] = parse_size(prefix_cache_size)  # None: auto
-    learning = learn_from_flags(learn_draft_head, learn_disk_size, current.learn_draft_head)
+    start = learn_draft_head_from
+    if start:
+        start = _check_head_start(models.resolve(current.model, "MODEL"), start)
+    learning = learn_from_flags(learn_draft_head, learn_disk_size, start, current.learn_draft_head)
     if learning is not ...:
         others["learn_draft_head"] = learning
     if "ray_address" in others and not others["ray_address"]:
@@ -577,6 +610,7 @@ def update(
             "--compile/--no-compile, --engine, --max-context-length, --tensor-parallel-size, "
             "--pipeline-parallel-size, --ray-address, --keep-alive, --prefix-cache-size, --prefix-cache-scope, "
             "--record-prompts/--no-record-prompts, --learn-draft-head/--no-learn-draft-head, --learn-disk-size, "
+            "--learn-draft-head-from, "
             "--temperature, --top-p or --top-k",
         )
     if sampling:

@@ -160,9 +160,12 @@ def _learned_head_cell(d: _Detail) -> str | None:
         return "none yet: drafting with the n-gram or suffix index until a head drafts better"
     live = learning.get("live") or {}
     now = f", {fmt_num(live['mean_accepted'])} accepted a step it drafted serving" if live.get("mean_accepted") else ""
+    start = f" (learning from the head in {learning['started_from']})" if learning.get("started_from") else ""
+    if learning["held_out_mean_accepted"] is None:  # the head it started from, not yet measured on this traffic
+        return f"generation {learning['generation']}{start}: not yet compared on this deployment's answers{now}"
     return (
-        f"generation {learning['generation']}: {fmt_num(learning['held_out_mean_accepted'])} mean accepted length on "
-        f"held-out recent answers{now}"
+        f"generation {learning['generation']}{start}: {fmt_num(learning['held_out_mean_accepted'])} mean accepted "
+        f"length on held-out recent answers{now}"
     )
 
 

@@ -53,38 +53,42 @@ def measured(source: str) -> tuple[float, int] | None:
 def load_head(source: str, model: torch.nn.Module, target_ref: str, draft_ref: str, bits: int = HEAD_BITS) -> EagleHead:
     """The head in ``source`` over ``model``'s embeddings, on its device, after checking it was trained for it, ready
     to serve (``for_serving``)."""
+    return for_serving(read_head(source, model, target_ref, f"--draft-model {draft_ref!r}"), model, bits)
+
+
+def read_head(source: str, model: torch.nn.Module, target_ref: str, given: str) -> EagleHead:
+    """The head in ``source`` in float32 over a copy of ``model``'s embeddings, after checking it was trained for
+    ``model``; ``given`` names where it came from in errors (``--draft-model './head'``)."""
     try:
         config = eagle_format.read_config(Path(source))
     except eagle_format.HeadError as exc:
-        raise HeadLoadError(f"--draft-model {draft_ref!r}: {exc}") from None
+        raise HeadLoadError(f"{given}: {exc}") from None
     verifier = (config.get("speculators_config") or {}).get("verifier") or {}
     trained_for = verifier.get("name_or_path") or "an unnamed model"
     expected = verifier.get("fingerprint")
     retrain = f"train one for this target: depctl draft train {target_ref} --out DIR"
     if expected is not None and expected != eagle_format.fingerprint(model):
         raise HeadLoadError(
-            f"--draft-model {draft_ref!r} is an EAGLE head trained for {trained_for}, and MODEL {target_ref!r} is "
-            f"another model (its weights differ from the ones the head was trained on); {retrain}"
+            f"{given} is an EAGLE head trained for {trained_for}, and MODEL {target_ref!r} is another model (its "
+            f"weights differ from the ones the head was trained on); {retrain}"
         )
     if not decoder.is_fused(model):
         raise HeadLoadError(
-            f"--draft-model {draft_ref!r} is an EAGLE head, which drafts from the layer outputs of depctl's own "
-            f"decoder; MODEL {target_ref!r} ({model.config.model_type}) runs through transformers' forward "
-            f"(heads serve {', '.join(decoder.ARCHITECTURES)} without sliding windows); use --ngram-speculation-length"
-            " or a draft model"
+            f"{given} is an EAGLE head, which drafts from the layer outputs of depctl's own decoder; MODEL "
+            f"{target_ref!r} ({model.config.model_type}) runs through transformers' forward (heads serve "
+            f"{', '.join(decoder.ARCHITECTURES)} without sliding windows); use --ngram-speculation-length or a draft "
+            "model"
         )
     layers = len(model.model.layers)
     aux = config.get("eagle_aux_hidden_state_layer_ids") or []
     if any(not 0 <= i < layers for i in aux):
-        raise HeadLoadError(
-            f"--draft-model {draft_ref!r} reads layers {aux} and MODEL {target_ref!r} has {layers}; {retrain}"
-        )
+        raise HeadLoadError(f"{given} reads layers {aux} and MODEL {target_ref!r} has {layers}; {retrain}")
     embeddings = model.get_input_embeddings().weight
     try:
         head, _ = eagle_format.load(Path(source), embeddings.detach())
     except eagle_format.HeadError as exc:
-        raise HeadLoadError(f"--draft-model {draft_ref!r} was trained for {trained_for}: {exc}; {retrain}") from None
-    return for_serving(head, model, bits)
+        raise HeadLoadError(f"{given} was trained for {trained_for}: {exc}; {retrain}") from None
+    return head
 
 
 def for_serving(head: EagleHead, model: torch.nn.Module, bits: int = HEAD_BITS) -> EagleHead:

@@ -3,6 +3,7 @@ becomes the proposer that drafts (``depctl_runtime.training.online``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from depctl import learning
@@ -10,14 +11,14 @@ from depctl.spec import DeploymentSpec
 from depctl_runtime.backends import eagle
 from depctl_runtime.backends.weights import LoadError
 from depctl_runtime.model import decoder, eagle_format
-from depctl_runtime.model.eagle import EagleConfig
+from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import FastPass, ModelRunner
 from depctl_runtime.model.screened_head import ScreenedHead
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.training.answers import IdleAnswers, user_turn
 from depctl_runtime.training.data import load_conversations
 from depctl_runtime.training.eagle import DRAFT_VOCAB
-from depctl_runtime.training.online import HeadLearner, LearnOptions
+from depctl_runtime.training.online import HeadLearner, HeadStart, LearnOptions
 
 MAX_MEASURED_STEPS = 5  # draft steps heads are compared at: later ones are reached rarely, and each costs a pass
 
@@ -44,15 +45,27 @@ def learner(spec: DeploymentSpec, model, rows: int, vocab: int, head_steps: eagl
     def make_proposer(head) -> EagleProposer:
         return head_steps.proposer(eagle.for_serving(head, model), rows, vocab)
 
-    return HeadLearner(
-        learning.path(spec.id),
-        model,
-        config,
-        LearnOptions(steps=steps, soft_labels=soft_labels),
-        spec.learn_draft_head.disk_bytes,
-        make_proposer,
-        verifier,
-    )
+    source = spec.learn_draft_head.start_from
+    given = f"--learn-draft-head-from {source!r}"
+
+    def read() -> tuple[EagleHead, dict]:
+        return eagle.read_head(source, model, spec.model, given), eagle_format.read_config(Path(source))
+
+    try:
+        return HeadLearner(
+            learning.path(spec.id),
+            model,
+            config,
+            LearnOptions(steps=steps, soft_labels=soft_labels),
+            spec.learn_draft_head.disk_bytes,
+            make_proposer,
+            verifier,
+            HeadStart(source, read) if source is not None else None,
+        )
+    except eagle.HeadLoadError as exc:
+        raise LoadError(str(exc)) from None
+    except eagle_format.HeadError as exc:
+        raise LoadError(f"{given}: {exc}") from None
 
 
 def idle_answers(

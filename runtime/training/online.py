@@ -1,6 +1,8 @@
 """A draft head that learns from the deployment's own traffic while it serves (``--learn-draft-head``).
 
-The deployment starts drafting with its n-gram or suffix index (or the head it learned before a restart). While it
+The deployment starts drafting with its n-gram or suffix index, or a head it is given to start from
+(``--learn-draft-head-from``: one ``depctl draft train`` wrote, which drafts beside the index from the first request
+and which training goes on from), or the head it learned before a restart. While it
 answers, ``traffic.TrafficRecorder`` keeps what the target computed (the layer features an EAGLE-3 head reads, and
 the tokens the target chose); when no deployment of the daemon has a request, the engine thread spends its idle
 time here, a slice of about ``SLICE`` seconds at a time, so a request that arrives waits for one slice at most:
@@ -42,6 +44,7 @@ from torch.nn import functional as F
 from depctl_runtime.model import eagle_format
 from depctl_runtime.model.eagle import EagleConfig, EagleHead
 from depctl_runtime.model.runner import held_bytes
+from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from depctl_runtime.training.answers import IdleAnswers
 from depctl_runtime.training.eagle import (
     BATCH_ROWS,
@@ -114,6 +117,15 @@ class LearnOptions:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class HeadStart:
+    """A trained head a learning deployment starts from: where it was given, and how to read it (in float32, checked
+    against the target; read only where the deployment has learned nothing yet)."""
+
+    source: str
+    read: Callable[[], tuple[EagleHead, dict]]  # the head, and its config.json
+
+
 class HeadLearner:
     """A learning deployment's head: the traffic capture (the engine's observer), the training, the generations.
 
@@ -128,6 +140,7 @@ class HeadLearner:
         disk_budget: int,
         make_proposer: Callable[[EagleHead], object],
         verifier: dict,
+        start: HeadStart | None = None,
     ):
         self.folder = folder
         self.model = model
@@ -158,10 +171,12 @@ class HeadLearner:
         self._since_comparison = 0.0
         self._live_from = (0, 0, 0)  # the engine's draft counters when the serving generation began
         self._served_score: float | None = None  # the serving generation's held-out score as saved with it
-        self._resume()
+        self._vocabulary_answers = 0  # the answers the serving head's draft vocabulary was chosen from, where known
+        self.started_from: str | None = None  # the head learning started from (``start``), where it did
+        self._resume(start)
 
     # ---- load time ----
-    def _resume(self) -> None:
+    def _resume(self, start: HeadStart | None) -> None:
         head_dir = self.folder / "head"
         if eagle_format.is_head(head_dir):
             try:
@@ -170,10 +185,15 @@ class HeadLearner:
                     raise eagle_format.HeadError("it was trained for other weights")
                 head, config = eagle_format.load(head_dir, self._embeddings())
                 self.serving = head.to(self.device)
-                self.generation = int((config.get("depctl") or {}).get("generation", 1))
+                extra = config.get("depctl") or {}
+                self.generation = int(extra.get("generation", 1))
                 self._served_score = (eagle_format.measured(config) or (None,))[0]
+                self._vocabulary_answers = int(extra.get("vocabulary_answers", 0))
+                self.started_from = extra.get("started_from")
             except eagle_format.HeadError as exc:
                 log.warning("the learned head in %s cannot be read (%s): learning starts over", head_dir, exc)
+        if self.serving is None and start is not None:
+            self._start_from(start.source, *start.read())
         saved = load_state(self._state_dir(), self.device) if self._state_dir().exists() else None
         fits = saved is not None and saved[2].get("config") == self.config.to_dict()
         if not (fits and saved[2].get("fingerprint") == self.verifier["fingerprint"]):
@@ -187,17 +207,52 @@ class HeadLearner:
         self._shipped_done = info.get("shipped_answered", 0)
         self._written = info.get("requests_written", 0)
 
+    def _start_from(self, source: str, head: EagleHead, config: dict) -> None:
+        """``head`` (given as ``source``, with its ``config``) serves as generation 1 from the first request, saved in
+        the deployment's folder as a learned generation is; training goes on from its weights and draft vocabulary."""
+        if head.config.to_dict() != self.config.to_dict():
+            ours, theirs = self.config, head.config
+            raise eagle_format.HeadError(
+                f"it drafts within {theirs.draft_vocab_size} tokens from layers {list(theirs.aux_layers)}, and a "
+                f"learning head within {ours.draft_vocab_size} from layers {list(ours.aux_layers)}: train it with "
+                f"depctl draft train's defaults (--draft-vocab {ours.draft_vocab_size})"
+            )
+        head.embed_tokens.weight = torch.nn.Parameter(self._embeddings(), requires_grad=False)
+        self.serving = head.to(self.device).eval().requires_grad_(False)
+        self.generation = 1
+        extra = config.get("depctl") or {}
+        found = eagle_format.measured(config)
+        if found is not None:  # the policy's first rate: the score at the draft steps learning measures at
+            rate = rate_for_mean_accepted(*found)
+            self._served_score = round((1 - rate ** (self.options.steps + 1)) / (1 - rate), 3)
+        self._vocabulary_answers = int(extra.get("examples", 0))
+        self.started_from = source
+        kept = {
+            "generation": 1,
+            "started_from": self.started_from,
+            "held_out_mean_accepted": self._served_score,
+            "vocabulary_answers": self._vocabulary_answers,
+        }
+        eagle_format.save(head, self.folder / "head", self.verifier, self.options.steps, kept)
+        _private_files(self.folder / "head")
+
     def initial_head(self) -> EagleHead | None:
         """The generation that served last, ready to serve again (a copy): None before any."""
         return copy.deepcopy(self.serving) if self.serving is not None else None
 
     def serving_mean_accepted(self) -> float | None:
         """The serving generation's mean accepted length at ``options.steps`` on the latest held-out answers it was
-        measured on: what the engine's policy starts its drafts from after a restart."""
+        measured on (for a head it started from and has not compared yet, the score it came with): what the engine's
+        policy starts its drafts from after a restart."""
+        measured = self._measured_here()
+        return measured if measured is not None else self._served_score
+
+    def _measured_here(self) -> float | None:
+        """The serving generation's score in the latest comparison that measured it on this deployment's answers."""
         for h in reversed(self.history):
             if h["generation"] == self.generation and (h["promoted"] or h["serving"] is not None):
                 return h["candidate"] if h["promoted"] else h["serving"]
-        return self._served_score
+        return None
 
     def answer(self, answers: IdleAnswers) -> None:
         """Spend idle time on ``answers`` too (from where a restart left off): all of what training cannot use, and
@@ -269,7 +324,10 @@ class HeadLearner:
             return True
         if not due:
             return False
-        if self.trainer is None:
+        if self.trainer is None and self.serving is not None:  # training goes on from the head that serves
+            self.trainer = _Trainer(self._trainable_copy(self.serving), self.options)
+            self.trainer.vocabulary_answers = self._vocabulary_answers
+        elif self.trainer is None:
             counts = _count(self.store.training_files())
             vocabulary = counts.vocabulary(self.config.draft_vocab_size, self.config.vocab_size)
             self.trainer = _Trainer(self._new_head(), self.options, vocabulary, self._final_norm())
@@ -424,12 +482,12 @@ class HeadLearner:
 
     def status(self) -> dict:
         trainer = self.trainer
-        last = next((h for h in reversed(self.history) if h.get("promoted")), None)
         drafted, accepted, steps = (a - b for a, b in zip(_draft_counters(self.engine), self._live_from))
         out = {
             "generation": self.generation,
             "drafting": "head" if self.generation else "fallback",
-            "held_out_mean_accepted": last["candidate"] if last else None,
+            "started_from": self.started_from,
+            "held_out_mean_accepted": self._measured_here(),
             "live": {
                 "drafted": drafted,
                 "accepted": accepted,
@@ -489,6 +547,13 @@ class HeadLearner:
         norm = getattr(getattr(self.model, "model", None), "norm", None)
         weight = getattr(norm, "weight", None)
         return weight.detach().float() if isinstance(weight, torch.Tensor) else None
+
+    def _trainable_copy(self, head: EagleHead) -> EagleHead:
+        """A copy of ``head`` to train, sharing its frozen embeddings."""
+        table = head.embed_tokens.weight
+        copied = copy.deepcopy(head, {id(table): table}).requires_grad_(True).train()
+        copied.embed_tokens.weight.requires_grad_(False)
+        return copied
 
     def _new_head(self) -> EagleHead:
         head = EagleHead(self.config)

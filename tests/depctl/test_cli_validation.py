@@ -896,6 +896,53 @@ def test_learning_is_kept_in_the_spec_and_turned_on_off_and_resized_by_update(de
     assert "learn_draft_head" in result.stderr and SpecStore().get("dep").learn_draft_head is None
 
 
+def _head_folder(path, trained_for: str):
+    """A folder with an EAGLE-3 head's config (as ``depctl draft train`` writes), trained for ``trained_for``."""
+    path.mkdir()
+    config = {"speculators_model_type": "eagle3", "speculators_config": {"verifier": {"name_or_path": trained_for}}}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_learning_starts_from_a_trained_head_for_its_model_and_update_changes_or_clears_it(
+    depctl_home, monkeypatch, tmp_path
+):
+    from depctl.cli import _common
+    from depctl.errors import DaemonError
+
+    def no_daemon():
+        raise DaemonError("not started in this test")
+
+    monkeypatch.setattr(_common, "start_daemon", no_daemon)
+    head = _head_folder(tmp_path / "head", "smollm2-135m-instruct")
+    not_a_head = tmp_path / "plain"
+    not_a_head.mkdir()
+    (not_a_head / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    other = _head_folder(tmp_path / "qwen-head", "qwen2.5-coder-0.5b-instruct")
+    create = ("deployment", "create", "smollm2-135m-instruct", "--deployment-id", "dep", "--no-wait")
+    for folder, needle in (
+        (not_a_head, f"--learn-draft-head-from {not_a_head} is not an EAGLE head"),
+        (other, "is an EAGLE head trained for qwen2.5-coder-0.5b-instruct, not for smollm2-135m-instruct"),
+        (tmp_path / "missing", "--learn-draft-head-from"),
+    ):
+        refused = run(*create, "--suffix-speculation", "--learn-draft-head-from", str(folder))
+        assert refused.exit_code != 0 and needle in " ".join(refused.stderr.split()), refused.stderr
+        assert spec_files(depctl_home) == []
+    # the flag turns learning on: no --learn-draft-head needed
+    result = run(*create, "--suffix-speculation", "--learn-draft-head-from", str(head))
+    assert "Created deployment" in result.stderr, result.stderr
+    assert SpecStore().get("dep").learn_draft_head.start_from == str(head.resolve())
+    refused = run("deployment", "update", "dep", "--no-wait", "--no-learn-draft-head", "--learn-draft-head-from", "")
+    assert "--learn-draft-head-from cannot go with --no-learn-draft-head" in " ".join(refused.stderr.split())
+    run("deployment", "update", "dep", "--no-wait", "--learn-draft-head-from", "")
+    assert SpecStore().get("dep").learn_draft_head.start_from is None
+    run("deployment", "update", "dep", "--no-wait", "--learn-disk-size", "256MiB", "--learn-draft-head-from", str(head))
+    assert SpecStore().get("dep").learn_draft_head.model_dump() == {
+        "disk_bytes": 256 << 20,
+        "start_from": str(head.resolve()),
+    }
+
+
 def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons():
     from rich.console import Console
 
@@ -937,6 +984,11 @@ def test_get_and_top_show_the_learned_heads_generation_training_and_comparisons(
         "tokens of 96 answers" in text
     )
     assert "17:01 1.90 -> generation 1; 17:03 1.91 vs 1.90 (kept); 17:05 2.41 vs 1.90 -> generation 3" in text
+    given = {**learning, "generation": 1, "started_from": "/heads/smol", "held_out_mean_accepted": None, "history": []}
+    console = Console(width=400, record=True)
+    console.print(detail_table({**spec, "status": {"state": "READY", "learning": given}}))
+    text = " ".join(console.export_text().split())
+    assert "generation 1 (learning from the head in /heads/smol): not yet compared on this deployment's answers" in text
 
     class FakeClient:
         def deployments(self):

@@ -33,9 +33,8 @@ def spec(model_dir, **kw) -> DeploymentSpec:
         compile=False,
         max_batch_size=2,
         speculation=NgramSpeculation(ngram_length=3, num_draft_tokens=4),
-        learn_draft_head=LearnDraftHead(),
         prefix_cache_bytes=0,
-        **{"dtype": "float32", **kw},
+        **{"dtype": "float32", "learn_draft_head": LearnDraftHead(), **kw},
     )
 
 
@@ -148,6 +147,76 @@ def test_a_learning_deployment_trains_in_idle_time_swaps_in_a_better_head_and_st
     got, _ = drive(Scheduler(again.engine, 2), [(0, p, GREEDY) for p in later])
     assert got == plain_outputs(later)
     again.release()
+
+
+def test_a_learning_deployment_started_from_a_trained_head_serves_it_at_once_and_trains_on_from_it(
+    tiny_model_dir, plain_outputs, tmp_path
+):
+    from depctl_runtime.model import eagle_format
+    from depctl_runtime.training.eagle import DRAFT_VOCAB
+    from tests.tiny import save_tiny_head
+
+    seed = save_tiny_head(tmp_path / "seed", tiny_model_dir, draft_vocab=DRAFT_VOCAB, extra={"examples": 500})
+    eagle_format.save(*_with_score(seed, 1.6))
+    loaded = load_deployment(spec(tiny_model_dir, learn_draft_head=LearnDraftHead(start_from=str(seed))), False)
+    learner, engine = loaded.learner, loaded.engine
+    # it drafts from the first request, beside the index, from the rate its recorded score gives
+    assert isinstance(engine.draft_model, EagleProposer) and isinstance(engine.free, NgramProposer)
+    status = learner.status()
+    assert status["generation"] == 1 and status["drafting"] == "head" and status["started_from"] == str(seed)
+    assert engine.policy.model_rate == pytest.approx(rate_for_mean_accepted(1.6, 4))
+    given, _ = eagle_format.load(seed, learner._embeddings())
+    assert torch.equal(learner.serving.fc.weight, given.fc.weight)
+    quick(learner)
+    scheduler = Scheduler(engine, 2, background=learner)
+    engine.policy.adaptive = False  # the head drafts every step: its drafts never change the output
+    batch = prompts(24)
+    got, _ = drive(scheduler, [(i // 2, p, GREEDY) for i, p in enumerate(batch)])
+    assert got == plain_outputs(batch)
+    assert learner.status()["live"]["drafted"] > 0
+    while learner.trainer is None:  # training goes on from the head it was given: its weights and vocabulary
+        assert learner._unit()
+    assert torch.equal(learner.trainer.head.fc.weight, given.fc.weight)
+    assert torch.equal(learner.trainer.head.target_ids, given.target_ids)
+    assert learner.trainer.vocabulary_answers == 500  # chosen from its own answers: not chosen again for a while
+    idle(learner, 20)
+    assert learner.history and learner.history[0]["serving"] is not None  # a candidate must beat the given head
+    loaded.release()
+    # a restart serves what it has, the given head or a generation learned from it, whether or not the folder stays
+    for path in seed.iterdir():
+        path.unlink()
+    again = load_deployment(spec(tiny_model_dir, learn_draft_head=LearnDraftHead(start_from=str(seed))), False)
+    assert again.learner.generation == learner.generation and again.learner.started_from == str(seed)
+    assert isinstance(again.engine.draft_model, EagleProposer)
+    again.release()
+
+
+def _with_score(folder, mean_accepted: float):
+    """``eagle_format.save``'s arguments to write the head in ``folder`` again with a held-out score recorded."""
+    from depctl_runtime.model import eagle_format
+
+    config = eagle_format.read_config(folder)
+    head, _ = eagle_format.load(folder, torch.zeros(config["transformer_layer_config"]["vocab_size"], 64))
+    extra = {**config["depctl"], "history": [{"mean_accepted": mean_accepted}]}
+    return head, folder, config["speculators_config"]["verifier"], 4, extra
+
+
+@pytest.mark.parametrize(
+    "draft_vocab,other_target,error",
+    [(4096, True, "trained for.*another model"), (96, False, "drafts within 96 tokens.*--draft-vocab 260")],
+)
+def test_a_head_to_start_from_that_does_not_fit_is_refused_naming_the_flag(
+    tiny_model_dir, tiny_draft_dir, tmp_path, draft_vocab, other_target, error
+):
+    from depctl_runtime.backends.weights import LoadError
+    from tests.tiny import save_tiny_head
+
+    target = tiny_draft_dir if other_target else tiny_model_dir
+    seed = save_tiny_head(tmp_path / "seed", target, draft_vocab=draft_vocab)
+    learn = LearnDraftHead(start_from=str(seed))
+    with pytest.raises(LoadError, match=f"--learn-draft-head-from '{seed}'.*{error}"):
+        load_deployment(spec(tiny_model_dir, learn_draft_head=learn), calibrate=False)
+    assert not (learning.path("learns") / "head").exists()
 
 
 def test_training_waits_for_idle_time_and_a_failure_stops_learning_not_serving(tiny_model_dir, plain_outputs):
