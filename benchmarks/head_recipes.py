@@ -3,6 +3,7 @@ recorded traffic. One table.
 
     .venv/bin/python benchmarks/head_recipes.py --traffic $DEPCTL_HOME/learning/<deployment>/traffic --minutes 8
     .venv/bin/python benchmarks/head_recipes.py --traffic DIR --recipes current,2-steps --minutes 20 --every 4
+    .venv/bin/python benchmarks/head_recipes.py --traffic DIR --start-from HEAD --recipes deployment,lr-1e-4
 
 The traffic is what a deployment with ``--learn-draft-head`` recorded (its answers and idle answers: the target's
 layer features and tokens). Each recipe trains a new head from it as the deployment trains one in idle time
@@ -10,7 +11,9 @@ layer features and tokens). Each recipe trains a new head from it as the deploym
 steps), for ``--minutes`` of training time; every ``--every`` minutes the head drafts greedily over every held-out
 answer at K (the mean accepted length, and the share of first drafts accepted), which is not counted as training;
 where the recipe keeps a running average of the weights (``LearnOptions.average``), the average is measured too,
-beside the weights as trained (the same run: averaging never changes the training).
+beside the weights as trained (the same run: averaging never changes the training). With ``--start-from``, every
+recipe goes on from a trained head (``--learn-draft-head-from``: its weights and draft vocabulary) instead of a new
+one, and minute 0 measures that head.
 Recipes run one after another in this process: run on a quiet machine.
 """
 
@@ -38,6 +41,8 @@ RECIPES = {
     # the vocabulary chosen from the first answers recorded, as a deployment chose it once, when training started
     "first-16-vocabulary": {"vocabulary_answers": 16},
     "hard-labels": {"soft_labels": False},  # every position labelled with the token the target chose
+    "lr-1e-4": {"lr": 1e-4},  # slower: a head trained already, going on from where its annealing left it
+    "lr-2e-5": {"lr": 2e-5},
 }
 
 
@@ -49,6 +54,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=8.0, help="training time a recipe")
     parser.add_argument("--every", type=float, default=2.0, help="minutes of training between measurements")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--start-from", type=Path, default=None, help="a trained head every recipe goes on from")
     parser.add_argument(
         "--label",
         action="store_true",
@@ -59,6 +65,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from depctl_runtime.backends.weights import resolve_source
+    from depctl_runtime.model import eagle_format
     from depctl_runtime.model.eagle import EagleConfig, EagleHead
     from depctl_runtime.training.eagle import DRAFT_VOCAB, _vocabulary, evaluate
     from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer
@@ -97,9 +104,14 @@ def main() -> None:
         chosen_from = examples[: recipe.pop("vocabulary_answers", len(examples))]
         options = LearnOptions(steps=args.k, **recipe)
         config = EagleConfig.for_target(model.config, size)
-        head = EagleHead(config)
-        head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
-        trainer = _Trainer(head, options, _vocabulary(chosen_from, size, config.vocab_size), final_norm)
+        if args.start_from is not None:  # its weights and vocabulary, as a learning deployment goes on from it
+            head, _ = eagle_format.load(args.start_from, embeddings)
+            head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
+            trainer = _Trainer(head.train(), options)
+        else:
+            head = EagleHead(config)
+            head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
+            trainer = _Trainer(head, options, _vocabulary(chosen_from, size, config.vocab_size), final_norm)
         rng, queue = random.Random(0), []
 
         def next_answer():

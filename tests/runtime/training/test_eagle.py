@@ -16,6 +16,7 @@ from depctl_runtime.model import eagle_format
 from depctl_runtime.training.data import DataError, load_conversations
 from depctl_runtime.training.eagle import (
     _loss,
+    adamw,
     average_step,
     averaged,
     evaluate,
@@ -129,6 +130,17 @@ def test_feature_noise_is_sized_by_each_layers_states_and_reaches_the_loss():
     plain, _ = _loss(head, example, 2)
     assert torch.equal(plain, _loss(head, example, 2)[0])  # no noise asked: none added
     assert not torch.equal(plain, _loss(head, example, 2, noise=0.1)[0])
+
+
+def test_weight_decay_shrinks_weights_a_step_whatever_their_gradient():
+    weight = torch.nn.Parameter(torch.ones(4))
+    weight.grad = torch.zeros(4)
+    adamw([weight], lr=0.1, weight_decay=0.5).step()  # decoupled: each weight times 1 - lr * decay
+    torch.testing.assert_close(weight.detach(), torch.full((4,), 0.95))
+    still = torch.nn.Parameter(torch.ones(4))
+    still.grad = torch.zeros(4)
+    adamw([still], lr=0.1).step()  # none by default
+    assert torch.equal(still.detach(), torch.ones(4))
 
 
 def test_an_answer_padded_to_a_bucket_counts_no_padding():
