@@ -3,7 +3,8 @@ recorded traffic. One table.
 
     .venv/bin/python benchmarks/head_recipes.py --traffic $DEPCTL_HOME/learning/<deployment>/traffic --minutes 8
     .venv/bin/python benchmarks/head_recipes.py --traffic DIR --recipes current,2-steps --minutes 20 --every 4
-    .venv/bin/python benchmarks/head_recipes.py --traffic DIR --start-from HEAD --recipes deployment,lr-1e-4
+    .venv/bin/python benchmarks/head_recipes.py --traffic DIR --start-from HEAD --recipes deployment,continued-lr-1e-4 \
+        --workload chat
 
 The traffic is what a deployment with ``--learn-draft-head`` recorded (its answers and idle answers: the target's
 layer features and tokens). Each recipe trains a new head from it as the deployment trains one in idle time
@@ -13,7 +14,9 @@ answer at K (the mean accepted length, and the share of first drafts accepted), 
 where the recipe keeps a running average of the weights (``LearnOptions.average``), the average is measured too,
 beside the weights as trained (the same run: averaging never changes the training). With ``--start-from``, every
 recipe goes on from a trained head (``--learn-draft-head-from``: its weights and draft vocabulary) instead of a new
-one, and minute 0 measures that head.
+one, and minute 0 measures that head. With ``--workload``, every measurement is made on the target's greedy answers
+to that prompt set too: a head given to a deployment may have trained on the prompts its traffic answered, and only
+prompts none of them saw tell what it learned.
 Recipes run one after another in this process: run on a quiet machine.
 """
 
@@ -41,8 +44,12 @@ RECIPES = {
     # the vocabulary chosen from the first answers recorded, as a deployment chose it once, when training started
     "first-16-vocabulary": {"vocabulary_answers": 16},
     "hard-labels": {"soft_labels": False},  # every position labelled with the token the target chose
-    "lr-1e-4": {"lr": 1e-4},  # slower: a head trained already, going on from where its annealing left it
-    "lr-2e-5": {"lr": 2e-5},
+    # with --start-from: a head trained already, going on from where its annealing left it, more slowly, and its
+    # running average's memory full from the first step
+    "continued-lr-1e-4": {"continued_lr": 1e-4},
+    "continued-lr-1e-4-full-memory": {"continued_lr": 1e-4, "continued_full_memory": True},
+    "continued-lr-2e-5-full-memory": {"continued_lr": 2e-5, "continued_full_memory": True},
+    "continued-full-memory": {"continued_full_memory": True},
 }
 
 
@@ -55,6 +62,13 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=2.0, help="minutes of training between measurements")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--start-from", type=Path, default=None, help="a trained head every recipe goes on from")
+    parser.add_argument(
+        "--workload",
+        default=None,
+        help="also measure on the target's greedy answers to this prompt set of depctl/data/prompts (chat, code, ...): "
+        "prompts unlike the shipped ones the traffic may have answered",
+    )
+    parser.add_argument("--max-tokens", type=int, default=192, help="of each --workload answer")
     parser.add_argument(
         "--label",
         action="store_true",
@@ -87,6 +101,12 @@ def main() -> None:
         f"{args.model}: {len(examples)} recorded answers ({positions:,} positions), {len(held)} held out; K={args.k}, "
         f"torch threads {torch.get_num_threads()}"
     )
+    measured_on = {"": held}
+    if args.workload:
+        measured_on[f" on {args.workload}"] = workload_answers(
+            args.model, args.workload, args.max_tokens, EagleConfig.for_target(model.config, DRAFT_VOCAB).aux_layers
+        )
+        print(f"  {len(measured_on[f' on {args.workload}'])} greedy answers to the {args.workload!r} prompts")
     answer_tokens = torch.cat([e["tokens"][e["start"] :] for e in held])
     chosen = {(r.get("draft_vocab", DRAFT_VOCAB), r.get("vocabulary_answers", len(examples))) for r in RECIPES.values()}
     for size, n in sorted(chosen):
@@ -107,7 +127,7 @@ def main() -> None:
         if args.start_from is not None:  # its weights and vocabulary, as a learning deployment goes on from it
             head, _ = eagle_format.load(args.start_from, embeddings)
             head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
-            trainer = _Trainer(head.train(), options)
+            trainer = _Trainer(head.train(), options, continued=True)
         else:
             head = EagleHead(config)
             head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
@@ -130,14 +150,15 @@ def main() -> None:
                 row = {"minutes": trainer.seconds / 60, "positions": trainer.rows}
                 heads = {"": head} if trainer.average is None else {" (weights)": head, " (average)": trainer.average}
                 for label, measured_head in heads.items():
-                    t0 = time.perf_counter()
-                    measured = row[label] = evaluate(measured_head, held, args.k)
-                    print(
-                        f"  [{name}{label}] {trainer.seconds / 60:.1f} min, {trainer.rows:,} positions: mean "
-                        f"accepted {measured['mean_accepted']}, first {measured['acceptance'][0]:.1%} "
-                        f"(measured in {time.perf_counter() - t0:.0f} s)",
-                        flush=True,
-                    )
+                    for on, examples in measured_on.items():
+                        t0 = time.perf_counter()
+                        measured = row[label + on] = evaluate(measured_head, examples, args.k)
+                        print(
+                            f"  [{name}{label}{on}] {trainer.seconds / 60:.1f} min, {trainer.rows:,} positions: mean "
+                            f"accepted {measured['mean_accepted']}, first {measured['acceptance'][0]:.1%} "
+                            f"(measured in {time.perf_counter() - t0:.0f} s)",
+                            flush=True,
+                        )
                 rows.append(row)
                 if trainer.seconds >= args.minutes * 60:
                     break
@@ -162,6 +183,44 @@ def main() -> None:
         + " | ".join(f"{results[n][-1]['positions'] / max(results[n][-1]['minutes'], 1e-9):,.0f}" for n, _ in columns)
         + " |"
     )
+
+
+def workload_answers(model: str, workload: str, max_tokens: int, layers: tuple[int, ...]) -> list[dict]:
+    """The target's greedy answers to a prompt set, with the layer features its engine computed while answering (as a
+    learning deployment records them): held-out answers no traffic trained on."""
+    from depctl import workloads
+    from depctl.spec import DeploymentSpec, NoSpeculation
+    from depctl_runtime.backends.loader import load_deployment
+    from depctl_runtime.speculation import GenerationParams, Scheduler, SpeculativeEngine
+    from depctl_runtime.training.capture import FeatureRecorder
+
+    spec = DeploymentSpec(id="recipes", model=model, speculation=NoSpeculation(), max_batch_size=8)
+    loaded = load_deployment(spec, calibrate=False, features=tuple(layers))
+    try:
+        recorder = FeatureRecorder(torch.float32)
+        engine = SpeculativeEngine(loaded.engine.target, recorder, loaded.engine.config)
+        scheduler = Scheduler(engine, max_batch_size=8)
+        tokenizer, pending = loaded.tokenizer, {}
+        for text in workloads.load(workload):
+            chat = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            prompt = tokenizer(chat, add_special_tokens=False)["input_ids"]
+            seq = engine.new_sequence(prompt, GenerationParams(max_tokens=max_tokens, speculate=False))
+            pending[seq.id] = (prompt, [])
+            scheduler.add(seq)
+        examples = []
+        while scheduler.has_work():
+            for seq, out in scheduler.step():
+                prompt, answer = pending[seq.id]
+                answer.extend(out.token_ids)
+                if out.finish_reason:
+                    ids = prompt + answer
+                    features = recorder.take(seq.id)["features"][: len(ids) - 1]
+                    examples.append({"start": len(prompt), "tokens": torch.tensor(ids), "features": features})
+        return examples
+    finally:
+        loaded.release()
 
 
 @torch.inference_mode()

@@ -139,10 +139,12 @@ def average_pairs(average: EagleHead, head: EagleHead) -> list[tuple[torch.Tenso
 
 
 @torch.no_grad()
-def average_step(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float, steps: int) -> None:
-    """After optimizer step number ``steps``: each (average, weight) pair moves towards the weight. The first
-    steps' weights are far from where training goes: a shorter memory until about ``1 / (1 - decay)`` steps."""
-    decay = min(decay, (1 + steps) / (10 + steps))
+def average_step(pairs: list[tuple[torch.Tensor, torch.Tensor]], decay: float, steps: int | None) -> None:
+    """After optimizer step number ``steps``: each (average, weight) pair moves towards the weight. A new head's
+    first steps' weights are far from where training goes: a shorter memory until about ``1 / (1 - decay)`` steps
+    (``steps`` None: the full memory from the first, for weights trained already)."""
+    if steps is not None:
+        decay = min(decay, (1 + steps) / (10 + steps))
     for kept, param in pairs:
         kept.lerp_(param, 1 - decay)
 

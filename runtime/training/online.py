@@ -108,6 +108,11 @@ class LearnOptions:
     first_head_min: float = FIRST_HEAD_MIN
     epochs: float = EPOCHS
     lr: float = LR
+    # training that goes on from a trained head (one a deployment started from, or a generation whose trainer state
+    # is gone): its rate, and whether the running average's memory is full from the first step (a new head's first
+    # weights are random, so its average starts short; a trained head's are already where training goes)
+    continued_lr: float = LR
+    continued_full_memory: bool = False
     prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
     # answers generated in idle time keep the target's distribution at each answer position, learned where kept
     soft_labels: bool = True
@@ -325,7 +330,7 @@ class HeadLearner:
         if not due:
             return False
         if self.trainer is None and self.serving is not None:  # training goes on from the head that serves
-            self.trainer = _Trainer(self._trainable_copy(self.serving), self.options)
+            self.trainer = _Trainer(self._trainable_copy(self.serving), self.options, continued=True)
             self.trainer.vocabulary_answers = self._vocabulary_answers
         elif self.trainer is None:
             counts = _count(self.store.training_files())
@@ -565,12 +570,21 @@ class HeadLearner:
 class _Trainer:
     """The head in training, its optimizer, and the gradient summed over windows until ``batch_rows`` positions."""
 
-    def __init__(self, head: EagleHead, options: LearnOptions, vocabulary: torch.Tensor | None = None, final_norm=None):
+    def __init__(
+        self,
+        head: EagleHead,
+        options: LearnOptions,
+        vocabulary: torch.Tensor | None = None,
+        final_norm=None,
+        continued: bool = False,
+    ):
         self.head, self.options = head, options
         if vocabulary is not None:
             self._start(vocabulary, final_norm)
+        self.continued = continued  # ``head`` was trained already: ``options.continued_*`` apply
+        self.lr = options.continued_lr if continued else options.lr
         self.params = trainable(head)
-        self.optimizer = adamw(self.params, options.lr)
+        self.optimizer = adamw(self.params, self.lr)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
         self.average = averaged(head) if options.average else None
         self._average_pairs = average_pairs(self.average, head) if self.average is not None else []
@@ -621,10 +635,13 @@ class _Trainer:
             self.average.load_state_dict(average or self.head.state_dict(), strict=False)
         self.optimizer.load_state_dict(optimizer_state)
         self.seconds, self.rows, self.steps = info["seconds"], info["rows"], info["steps"]
+        self.continued = info.get("continued", False)
+        self.lr = self.options.continued_lr if self.continued else self.options.lr
         self.vocabulary_answers = info.get("vocabulary_answers", 0)  # (a state kept before: chosen again soon)
 
     def info(self) -> dict:
         return {
+            "continued": self.continued,
             "seconds": self.seconds,
             "rows": self.rows,
             "steps": self.steps,
@@ -707,14 +724,15 @@ class _Trainer:
             return
         ramp = min(1.0, max(self.rows, 1) / WARMUP_ROWS)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.options.lr * ramp
+            group["lr"] = self.lr * ramp
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending_rows = 0
         self.steps += 1
         if self.average is not None:
-            average_step(self._average_pairs, self.options.average, self.steps)
+            full = self.continued and self.options.continued_full_memory
+            average_step(self._average_pairs, self.options.average, None if full else self.steps)
 
 
 def _moved(rows: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from depctl_runtime.speculation import GenerationParams, NgramProposer, Schedule
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from depctl_runtime.training.eagle import acceptance, reach, window_loss
-from depctl_runtime.training.online import LearnOptions, _Trainer
+from depctl_runtime.training.online import WARMUP_ROWS, LearnOptions, _Trainer
 from depctl_runtime.training.traffic import Answer, Top, read_answer
 from tests.driving import drive
 from tests.tiny import tiny_head
@@ -179,6 +179,7 @@ def test_a_learning_deployment_started_from_a_trained_head_serves_it_at_once_and
     assert torch.equal(learner.trainer.head.fc.weight, given.fc.weight)
     assert torch.equal(learner.trainer.head.target_ids, given.target_ids)
     assert learner.trainer.vocabulary_answers == 500  # chosen from its own answers: not chosen again for a while
+    assert learner.trainer.continued and learner.trainer.lr == learner.options.continued_lr
     idle(learner, 20)
     assert learner.history and learner.history[0]["serving"] is not None  # a candidate must beat the given head
     loaded.release()
@@ -332,6 +333,32 @@ def test_the_candidate_is_the_running_average_of_the_weights_and_the_state_keeps
     # no averaging: the weights as trained are the candidate
     plain = _Trainer(tiny_head(vocab=50, draft_vocab=40), LearnOptions(steps=4, average=0.0))
     assert plain.average is None and plain.candidate is plain.head and "average." not in "".join(plain.state())
+
+
+@pytest.mark.parametrize("full_memory", [True, False])
+def test_training_on_from_a_trained_head_takes_its_own_rate_and_average_memory_and_keeps_them_across_a_restore(
+    full_memory,
+):
+    options = LearnOptions(
+        steps=4, batch_rows=4, average=0.9, lr=1e-2, continued_lr=1e-3, continued_full_memory=full_memory
+    )
+    trainer = _Trainer(tiny_head(vocab=50, draft_vocab=40), options, continued=True)
+    answer = Answer(torch.randint(0, 50, (30,)), torch.randn(29, 3 * 32), prompt_len=10)
+    kept = {n: p.detach().clone() for n, p in trainer.average.named_parameters()}
+    trainer.train_window(lambda: answer, 1.0)  # one optimizer step
+    assert trainer.steps == 1
+    ramp = min(1.0, trainer.rows / WARMUP_ROWS)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * ramp)  # the continued rate, not 1e-2
+    weights = dict(trainer.head.named_parameters())
+    decay = 0.9 if full_memory else 2 / 11  # a trained head's first weights are worth the full memory
+    name = "fc.weight"
+    torch.testing.assert_close(
+        dict(trainer.average.named_parameters())[name], decay * kept[name] + (1 - decay) * weights[name]
+    )
+    again = _Trainer(tiny_head(vocab=50, draft_vocab=40), options)
+    again.restore(trainer.state(), trainer.optimizer.state_dict(), trainer.info())
+    assert again.continued and again.lr == 1e-3
+    assert not _Trainer(tiny_head(vocab=50, draft_vocab=40), options).continued  # a new head: options.lr
 
 
 def test_a_new_draft_vocabulary_keeps_the_rows_of_the_tokens_it_keeps_and_starts_new_ones_as_a_new_head_does():
