@@ -126,6 +126,7 @@ def main() -> None:
         config = EagleConfig.for_target(model.config, size)
         if args.start_from is not None:  # its weights and vocabulary, as a learning deployment goes on from it
             head, _ = eagle_format.load(args.start_from, embeddings)
+            head.requires_grad_(True)  # (read to serve: frozen)
             head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
             trainer = _Trainer(head.train(), options, continued=True)
         else:
