@@ -33,6 +33,8 @@ import torch
 # answers it is chosen from (all of them by default)
 RECIPES = {
     "deployment": {},  # as a learning deployment trains now
+    # with --start-from, as it trained on from a given head before: at a new head's rate, the average's memory short
+    "continued-as-new": {"continued_lr": 5e-4, "continued_full_memory": False},
     "4-steps-vocab-8192": {"train_steps": 4, "draft_vocab": 8192},  # as it trained before (K=4)
     "4-steps": {"train_steps": 4},  # a pass of the head and its output layer per chained step
     "vocab-8192": {"draft_vocab": 8192},
@@ -82,7 +84,7 @@ def main() -> None:
     from depctl_runtime.model import eagle_format
     from depctl_runtime.model.eagle import EagleConfig, EagleHead
     from depctl_runtime.training.eagle import DRAFT_VOCAB, _vocabulary, evaluate
-    from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer
+    from depctl_runtime.training.online import SLICE, LearnOptions, _Trainer, trainable_copy
     from depctl_runtime.training.traffic import read_answer
 
     source = resolve_source(args.model, "MODEL", lambda stage: None)
@@ -125,10 +127,10 @@ def main() -> None:
         options = LearnOptions(steps=args.k, **recipe)
         config = EagleConfig.for_target(model.config, size)
         if args.start_from is not None:  # its weights and vocabulary, as a learning deployment goes on from it
-            head, _ = eagle_format.load(args.start_from, embeddings)
-            head.requires_grad_(True)  # (read to serve: frozen)
-            head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
-            trainer = _Trainer(head.train(), options, continued=True)
+            given, _ = eagle_format.load(args.start_from, embeddings)
+            given.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)
+            head = trainable_copy(given)
+            trainer = _Trainer(head, options, continued=True)
         else:
             head = EagleHead(config)
             head.embed_tokens.weight = torch.nn.Parameter(embeddings, requires_grad=False)

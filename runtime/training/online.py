@@ -81,6 +81,9 @@ FIRST_HEAD_MIN = 1.3  # held-out mean accepted length at K for a first head to d
 BETTER_BY = 0.02  # ... and a later generation must beat the serving one by, on the same answers
 EPOCHS = 8  # passes over the recorded positions before training waits for more traffic
 LR = 5e-4
+# training on from a trained head: at LR it drifts from where the head's annealing left it, and drafts worse for
+# minutes (BENCHMARKS.md, "Training on from a given head, slower")
+CONTINUED_LR = 2e-5
 WARMUP_ROWS = 5_000  # positions over which the learning rate ramps up
 # the weights' running average a candidate is measured and served as (Polyak averaging), per optimizer step: a
 # constant learning rate never anneals, and the average of the last few hundred steps drafts as a head whose rate
@@ -111,8 +114,8 @@ class LearnOptions:
     # training that goes on from a trained head (one a deployment started from, or a generation whose trainer state
     # is gone): its rate, and whether the running average's memory is full from the first step (a new head's first
     # weights are random, so its average starts short; a trained head's are already where training goes)
-    continued_lr: float = LR
-    continued_full_memory: bool = False
+    continued_lr: float = CONTINUED_LR
+    continued_full_memory: bool = True
     prompt_positions: bool = True  # train on the prompts' positions too (the prefill computed their features)
     # answers generated in idle time keep the target's distribution at each answer position, learned where kept
     soft_labels: bool = True
@@ -330,7 +333,7 @@ class HeadLearner:
         if not due:
             return False
         if self.trainer is None and self.serving is not None:  # training goes on from the head that serves
-            self.trainer = _Trainer(self._trainable_copy(self.serving), self.options, continued=True)
+            self.trainer = _Trainer(trainable_copy(self.serving), self.options, continued=True)
             self.trainer.vocabulary_answers = self._vocabulary_answers
         elif self.trainer is None:
             counts = _count(self.store.training_files())
@@ -553,13 +556,6 @@ class HeadLearner:
         weight = getattr(norm, "weight", None)
         return weight.detach().float() if isinstance(weight, torch.Tensor) else None
 
-    def _trainable_copy(self, head: EagleHead) -> EagleHead:
-        """A copy of ``head`` to train, sharing its frozen embeddings."""
-        table = head.embed_tokens.weight
-        copied = copy.deepcopy(head, {id(table): table}).requires_grad_(True).train()
-        copied.embed_tokens.weight.requires_grad_(False)
-        return copied
-
     def _new_head(self) -> EagleHead:
         head = EagleHead(self.config)
         head.embed_tokens.weight = torch.nn.Parameter(self._embeddings(), requires_grad=False)
@@ -733,6 +729,14 @@ class _Trainer:
         if self.average is not None:
             full = self.continued and self.options.continued_full_memory
             average_step(self._average_pairs, self.options.average, None if full else self.steps)
+
+
+def trainable_copy(head: EagleHead) -> EagleHead:
+    """A copy of a serving (frozen) ``head`` to train on from, sharing its frozen embeddings."""
+    table = head.embed_tokens.weight
+    copied = copy.deepcopy(head, {id(table): table}).requires_grad_(True).train()
+    copied.embed_tokens.weight.requires_grad_(False)
+    return copied
 
 
 def _moved(rows: torch.Tensor, source: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from depctl_runtime.speculation import GenerationParams, NgramProposer, Schedule
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from depctl_runtime.training.eagle import acceptance, reach, window_loss
-from depctl_runtime.training.online import WARMUP_ROWS, LearnOptions, _Trainer
+from depctl_runtime.training.online import WARMUP_ROWS, LearnOptions, _Trainer, trainable_copy
 from depctl_runtime.training.traffic import Answer, Top, read_answer
 from tests.driving import drive
 from tests.tiny import tiny_head
@@ -359,6 +359,18 @@ def test_training_on_from_a_trained_head_takes_its_own_rate_and_average_memory_a
     again.restore(trainer.state(), trainer.optimizer.state_dict(), trainer.info())
     assert again.continued and again.lr == 1e-3
     assert not _Trainer(tiny_head(vocab=50, draft_vocab=40), options).continued  # a new head: options.lr
+
+
+def test_a_serving_heads_trainable_copy_trains_and_leaves_the_serving_head_as_it_was():
+    serving = tiny_head(vocab=50, draft_vocab=40).eval().requires_grad_(False)  # as a head read to serve is
+    before = {k: v.clone() for k, v in serving.state_dict().items()}
+    copied = trainable_copy(serving)
+    assert copied.embed_tokens.weight is serving.embed_tokens.weight and not copied.embed_tokens.weight.requires_grad
+    trainer = _Trainer(copied, LearnOptions(steps=4, batch_rows=4), continued=True)
+    answer = Answer(torch.randint(0, 50, (30,)), torch.randn(29, 3 * 32), prompt_len=10)
+    trainer.train_window(lambda: answer, 1.0)
+    assert trainer.steps == 1 and not torch.equal(copied.fc.weight, before["fc.weight"])
+    assert all(torch.equal(v, before[k]) for k, v in serving.state_dict().items())
 
 
 def test_a_new_draft_vocabulary_keeps_the_rows_of_the_tokens_it_keeps_and_starts_new_ones_as_a_new_head_does():
