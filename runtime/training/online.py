@@ -578,7 +578,6 @@ class _Trainer:
         if vocabulary is not None:
             self._start(vocabulary, final_norm)
         self.continued = continued  # ``head`` was trained already: ``options.continued_*`` apply
-        self.lr = options.continued_lr if continued else options.lr
         self.params = trainable(head)
         self.optimizer = adamw(self.params, self.lr)
         # the running average of the weights (the frozen embeddings shared, not copied): the candidate head
@@ -610,6 +609,10 @@ class _Trainer:
                 head.norm.weight.copy_(final_norm)
 
     @property
+    def lr(self) -> float:
+        return self.options.continued_lr if self.continued else self.options.lr
+
+    @property
     def candidate(self) -> EagleHead:
         """The head a comparison measures and a promotion serves: the running average, or the head itself."""
         return self.average if self.average is not None else self.head
@@ -632,7 +635,6 @@ class _Trainer:
         self.optimizer.load_state_dict(optimizer_state)
         self.seconds, self.rows, self.steps = info["seconds"], info["rows"], info["steps"]
         self.continued = info.get("continued", False)
-        self.lr = self.options.continued_lr if self.continued else self.options.lr
         self.vocabulary_answers = info.get("vocabulary_answers", 0)  # (a state kept before: chosen again soon)
 
     def info(self) -> dict:
