@@ -1,4 +1,4 @@
-"""The docs stay true to the tree: README's Layout names every package, and every pointer to a section of
+"""The docs stay true to the tree: docs/architecture.md's Folders names every package, and every pointer to a section of
 BENCHMARKS.md or a page of docs/ (in code, comments and docs) names a file and a heading that exist."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _anchor(heading: str) -> str:
 
 
 def _layout() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("## Layout", 1)[1].split("```")[1]
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    return page.split("## Folders", 1)[1].split("```")[1]
 
 
 def test_the_layout_names_every_package_and_top_level_folder():
@@ -45,7 +45,7 @@ def test_the_layout_names_every_package_and_top_level_folder():
     folders -= {".ci/"}
     wanted = (packages - {"depctl/cli/"}) | {f for f in folders if not f.startswith(".")}
     missing = sorted(wanted - named)
-    assert not missing, f"README's Layout does not name {missing}"
+    assert not missing, f"docs/architecture.md's Folders does not name {missing}"
     assert "depctl/cli/" in packages and "cli/" in layout  # the CLI is named on depctl/'s line
 
 
