@@ -353,9 +353,12 @@ class HeadLearner:
         trainer = self.trainer
         if trainer is None or trainer.steps == 0:
             return False
-        due = self.options.first_comparison if not self.history else self.options.compare_every
+        # once training has caught up with the traffic, each new answer buys a moment of training: measured after as
+        # much training as a first head waits for, not after every answer (a comparison reads every held-out answer)
+        first = self.options.first_comparison
+        due = first if not self.history else self.options.compare_every
         caught_up = trainer.rows >= self.options.epochs * self.rows_recorded
-        return self._since_comparison >= due or (caught_up and self._since_comparison > 0)
+        return self._since_comparison >= due or (caught_up and self._since_comparison >= first)
 
     # ---- training data ----
     def _next_window(self) -> Answer:

@@ -4,6 +4,7 @@ changes an output, and goes on where it was after a restart."""
 from __future__ import annotations
 
 import stat
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -16,7 +17,7 @@ from depctl_runtime.speculation import GenerationParams, NgramProposer, Schedule
 from depctl_runtime.speculation.eagle import EagleProposer
 from depctl_runtime.speculation.policy import rate_for_mean_accepted
 from depctl_runtime.training.eagle import acceptance, reach, window_loss
-from depctl_runtime.training.online import WARMUP_ROWS, LearnOptions, _Trainer, trainable_copy
+from depctl_runtime.training.online import WARMUP_ROWS, HeadLearner, LearnOptions, _Trainer, trainable_copy
 from depctl_runtime.training.traffic import Answer, Top, read_answer
 from tests.driving import drive
 from tests.tiny import tiny_head
@@ -472,3 +473,31 @@ def test_bf16_windows_start_at_a_bucket_and_the_last_is_padded_counting_the_same
     assert calls[-1][1] > 75 and calls[-1][3] == 75  # the last window padded; its labels end with the answer
     assert rows == seen["float32"][1]
     assert seen["float32"][0][-1][1] == 75  # float32 windows are not padded
+
+
+@pytest.mark.parametrize(
+    "history,since,caught_up,owed",
+    [
+        ([], 0.1, False, False),  # the first comparison waits for its seconds of training
+        ([], 0.1, True, False),  # ... even when training caught up with a few answers
+        ([], 30.0, False, True),
+        ([{}], 0.1, True, False),  # caught up on a trickle of new answers: not a comparison after every one
+        ([{}], 30.0, True, True),  # caught up after as much training as a first head got: measured without waiting
+        ([{}], 60.0, False, False),  # training on: every COMPARE_EVERY seconds
+        ([{}], 120.0, False, True),
+    ],
+)
+def test_a_comparison_is_owed_after_enough_training_not_after_every_answer_once_training_caught_up(
+    history, since, caught_up, owed
+):
+    options = LearnOptions(steps=4)
+    recorded = 1_000
+    rows = options.epochs * recorded + (0 if caught_up else -1)
+    learner = SimpleNamespace(
+        trainer=SimpleNamespace(steps=10, rows=rows),
+        options=options,
+        history=history,
+        rows_recorded=recorded,
+        _since_comparison=since,
+    )
+    assert HeadLearner._owes_comparison(learner) is owed
