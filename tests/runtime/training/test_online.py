@@ -4,8 +4,8 @@ changes an output, and goes on where it was after a restart."""
 from __future__ import annotations
 
 import stat
-from types import SimpleNamespace
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
